@@ -1,0 +1,33 @@
+"""The exception tree of moed. Every error moed raises on purpose is a MoedError.
+
+    MoedError
+    ├── ConfigError            a setting or environment variable has a bad value
+    ├── ModelError             the model cannot be used
+    │   ├── GGUFError          the file is not a well-formed GGUF (names what is wrong)
+    │   └── UnsupportedError   well-formed, but an architecture / quant type / feature moed lacks
+    └── RequestError           a bad request: prompt, token ids or sampling options
+"""
+
+
+class MoedError(Exception):
+    """Base of every error moed raises deliberately."""
+
+
+class ConfigError(MoedError):
+    """A setting or environment variable has a value moed cannot use."""
+
+
+class ModelError(MoedError):
+    """The model cannot be loaded or run."""
+
+
+class GGUFError(ModelError):
+    """The file is not a well-formed GGUF file; the message names the offending field."""
+
+
+class UnsupportedError(ModelError):
+    """The file is valid but uses an architecture, quant type or feature moed does not support."""
+
+
+class RequestError(MoedError):
+    """A request is malformed: bad tokens, empty prompt, sampling options out of range."""
