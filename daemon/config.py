@@ -1,0 +1,72 @@
+"""Every setting of moed in one typed registry.
+
+Each setting has a type, a default, an environment variable and a one-line meaning. `Settings.load`
+merges, in increasing priority: defaults, environment, explicit keyword overrides (CLI flags or
+`Engine.load(path, **settings)`). Unknown keyword settings are an error (a typo must not pass
+silently); unknown environment variables are ignored.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+from .errors import ConfigError
+
+NUMERICS = ("ggml", "float32")
+
+
+def _meta(env: str, doc: str, choices: tuple[str, ...] | None = None) -> dict[str, Any]:
+    return {"env": env, "doc": doc, "choices": choices}
+
+
+@dataclass(frozen=True)
+class Settings:
+    numerics: str = field(default="ggml", metadata=_meta(
+        "MOE_NUMERICS", "ggml: quantize activations and round like llama.cpp's CPU backend; "
+        "float32: dequantize and compute in float32 (reference mode)", NUMERICS))
+    n_ctx: int = field(default=4096, metadata=_meta(
+        "MOE_N_CTX", "context length (KV cache size) per sequence; capped by the model's own"))
+    n_threads: int = field(default=0, metadata=_meta(
+        "MOE_N_THREADS", "numba threads for the CPU kernels; 0 = all cores"))
+    expert_cache_limit_mb: float = field(default=0.0, metadata=_meta(
+        "EXPERT_CACHE_LIMIT_MB", "host memory for expert slices across all MoE layers; 0 = unlimited"))
+
+    @classmethod
+    def load(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
+        env = os.environ if env is None else env
+        known = {f.name: f for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for name, f in known.items():
+            raw = env.get(f.metadata["env"])
+            if raw not in (None, ""):
+                values[name] = _coerce(f, raw, source=f.metadata["env"])
+        for name, value in overrides.items():
+            if name not in known:
+                raise ConfigError(f"unknown setting {name!r}; known: {', '.join(sorted(known))}")
+            if value is not None:
+                values[name] = _coerce(known[name], value, source=name)
+        return cls(**values)
+
+    @classmethod
+    def describe(cls) -> list[tuple[str, str, Any, str]]:
+        """(name, env var, default, meaning) for every setting, for --help and the README."""
+        return [(f.name, f.metadata["env"], f.default, f.metadata["doc"]) for f in fields(cls)]
+
+
+def _coerce(f, value: Any, source: str) -> Any:
+    kind = {"str": str, "int": int, "float": float, "bool": bool}[f.type] if isinstance(f.type, str) else f.type
+    try:
+        if kind is bool and isinstance(value, str):
+            out = value.strip().lower() in ("1", "true", "yes", "on")
+        else:
+            out = kind(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}: expected {kind.__name__}, got {value!r}") from None
+    choices = f.metadata["choices"]
+    if choices and out not in choices:
+        raise ConfigError(f"{source}: {out!r} is not one of {', '.join(choices)}")
+    if isinstance(out, (int, float)) and not isinstance(out, bool) and out < 0:
+        raise ConfigError(f"{source}: must be >= 0, got {out!r}")
+    return out
