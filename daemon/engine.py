@@ -1,0 +1,159 @@
+"""Engine: one loaded model, in process. The daemon's scheduler drives the same pieces.
+
+    engine = Engine.load("model.gguf", numerics="ggml")
+    ids = engine.tokenize("Hello")
+    logits = engine.forward(ids)            # [len(ids), vocab] f32, fresh sequence
+    for piece in engine.generate("Hello", max_tokens=32, temperature=0):
+        print(piece, end="")
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import numba
+import numpy as np
+
+from .config import Settings
+from .errors import ModelError, RequestError
+from .model.transformer import Transformer
+from .sampling import Sampler, SamplingOptions, StopMatcher
+from .storage.gguf import GGUFFile
+from .text.chat import render_chat
+from .text.tokenizer import StreamDecoder, Tokenizer
+
+
+@dataclass
+class GenerationStats:
+    """Counts and durations (ns) of the last generation, with Ollama's meanings."""
+    prompt_eval_count: int = 0
+    prompt_eval_duration: int = 0
+    eval_count: int = 0
+    eval_duration: int = 0
+    done_reason: str = ""
+
+
+class Engine:
+    def __init__(self, gguf: GGUFFile, settings: Settings, model: Transformer, tokenizer: Tokenizer,
+                 load_duration_ns: int):
+        self.gguf = gguf
+        self.settings = settings
+        self.model = model
+        self.tokenizer = tokenizer
+        self.load_duration_ns = load_duration_ns
+        self.last_stats = GenerationStats()
+        self.n_ctx = min(settings.n_ctx, model.hp.n_ctx_train) if settings.n_ctx else model.hp.n_ctx_train
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, progress: Callable[[str], None] | None = None,
+             **settings) -> "Engine":
+        """Open and validate a GGUF model. `settings` are keyword overrides of daemon.config."""
+        t0 = time.perf_counter_ns()
+        cfg = Settings.load(**settings)
+        if cfg.n_threads:
+            numba.set_num_threads(min(cfg.n_threads, numba.config.NUMBA_NUM_THREADS))
+        say = progress or (lambda _msg: None)
+        say(f"reading {os.fspath(path)}")
+        gguf = GGUFFile(path)
+        try:
+            say(f"building {gguf.architecture} model")
+            model = Transformer(gguf, numerics=cfg.numerics)
+            say("building tokenizer")
+            tokenizer = Tokenizer.from_metadata(gguf.metadata)
+        except Exception:
+            gguf.close()
+            raise
+        return cls(gguf, cfg, model, tokenizer, time.perf_counter_ns() - t0)
+
+    def close(self) -> None:
+        self.gguf.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- text ----------------------------------------------------------------------------------
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        template = self.gguf.metadata.get("tokenizer.chat_template")
+        tok = self.tokenizer
+        return render_chat(template, messages, add_generation_prompt=add_generation_prompt,
+                           bos_token=tok.piece_text(tok.bos_id), eos_token=tok.piece_text(tok.eos_id))
+
+    # -- compute -------------------------------------------------------------------------------
+
+    def forward(self, tokens: Sequence[int]) -> np.ndarray:
+        """Logits [len(tokens), vocab] (float32) of a fresh sequence."""
+        tokens = list(tokens)
+        cache = self.model.new_cache(max(len(tokens), 1))
+        return self.model.forward(tokens, cache, all_logits=True)
+
+    def generate(self, prompt: str | Sequence[int], max_tokens: int = 256, *, stop: Sequence[str] = (),
+                 options: SamplingOptions | None = None, **sampling) -> Iterator[str]:
+        """Yield text pieces as tokens are produced. `sampling`: fields of SamplingOptions."""
+        options = options or SamplingOptions(**sampling)
+        if max_tokens < 0:
+            raise RequestError("max_tokens must be >= 0")
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise RequestError("empty prompt")
+        if len(ids) >= self.n_ctx:
+            raise RequestError(f"prompt of {len(ids)} tokens does not fit the context of {self.n_ctx}")
+        return self._generate(ids, max_tokens, list(stop), options)
+
+    def chat(self, messages: list[dict], max_tokens: int = 256, **kw) -> Iterator[str]:
+        prompt = self.apply_chat_template(messages)
+        ids = self.tokenize(prompt, add_special=not self._template_adds_bos(prompt), parse_special=True)
+        return self.generate(ids, max_tokens, **kw)
+
+    def _template_adds_bos(self, prompt: str) -> bool:
+        bos = self.tokenizer.piece_text(self.tokenizer.bos_id)
+        return bool(bos) and prompt.startswith(bos)
+
+    def _generate(self, ids: list[int], max_tokens: int, stop: list[str], options: SamplingOptions) -> Iterator[str]:
+        stats = self.last_stats = GenerationStats()
+        sampler = Sampler(options)
+        decoder = StreamDecoder(self.tokenizer)
+        stopper = StopMatcher(stop)
+        cache = self.model.new_cache(min(self.n_ctx, len(ids) + max_tokens + 1))
+        history = list(ids)
+        t0 = time.perf_counter_ns()
+        logits = self.model.forward(ids, cache)[-1]
+        stats.prompt_eval_count = len(ids)
+        stats.prompt_eval_duration = time.perf_counter_ns() - t0
+        t1 = time.perf_counter_ns()
+        reason = "length"
+        for _ in range(max_tokens):
+            token = sampler.sample(logits, history)
+            if token in self.tokenizer.eog_ids:
+                reason = "stop"
+                break
+            history.append(token)
+            stats.eval_count += 1
+            text = stopper.feed(decoder.feed(token))
+            if text:
+                yield text
+            if stopper.stopped:
+                reason = "stop"
+                break
+            if cache.n_past + 1 > cache.n_ctx:
+                break
+            logits = self.model.forward([token], cache)[-1]
+            stats.eval_duration = time.perf_counter_ns() - t1
+        stats.eval_duration = time.perf_counter_ns() - t1
+        stats.done_reason = reason
+        if not stopper.stopped:
+            tail = stopper.feed(decoder.flush()) + stopper.flush()
+            if tail:
+                yield tail

@@ -1,0 +1,125 @@
+"""The one MoE block every family shares: route, fetch the chosen experts, apply, mix.
+
+Legend: T = tokens, D = hidden size, E = experts, A = experts used per token, F = expert FFN size.
+Follows llama.cpp's build_moe_ffn so results match it: expert outputs are scaled by their
+weights and summed in top-k order, in float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..kernels import ops
+from ..kernels.matmul import linear, linear_prepared, prepare
+from ..storage.experts import ExpertProvider
+from .family import Family
+from .weights import QWeight
+
+
+@dataclass(frozen=True)
+class SharedExpert:
+    gate: QWeight
+    up: QWeight
+    down: QWeight
+    gate_inp: QWeight | None  # sigmoid gate (qwen2moe); None = always on
+
+
+@dataclass(frozen=True)
+class MoE:
+    layer: int
+    router: QWeight  # [E, D]
+    router_bias: np.ndarray | None  # [E]
+    n_used: int  # A
+    weights_scale: float  # 0 = none
+    shared: SharedExpert | None
+
+
+def route(moe: MoE, family: Family, x: np.ndarray, numerics: str) -> tuple[np.ndarray, np.ndarray]:
+    """Exact router (Path B). x: [T, D] -> (ids [T, A] int64 in top-k order, weights [T, A] f32)."""
+    logits = linear(x, moe.router.raw, moe.router.ggml_type, moe.router.n_in, numerics)  # [T, E]
+    if moe.router_bias is not None:
+        logits = logits + moe.router_bias
+    if family.gating == "softmax_weight":
+        ids = _top_k(logits, moe.n_used)
+        weights = ops.softmax_rows(np.take_along_axis(logits, ids, axis=1))
+    else:
+        probs = ops.softmax_rows(logits)
+        ids = _top_k(probs, moe.n_used)
+        weights = np.take_along_axis(probs, ids, axis=1)
+    if family.norm_topk:
+        total = weights.astype(np.float64).sum(axis=1, keepdims=True).astype(np.float32)
+        weights = weights / np.maximum(total, np.float32(6.103515625e-5))
+    if moe.weights_scale:
+        weights = weights * np.float32(moe.weights_scale)
+    return ids, weights.astype(np.float32)
+
+
+def _top_k(scores: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest per row, largest first; ties keep the lower index first."""
+    return np.argsort(-scores, axis=1, kind="stable")[:, :k]
+
+
+def moe_forward(moe: MoE, family: Family, experts: ExpertProvider, x: np.ndarray, numerics: str,
+                trace=None) -> np.ndarray:
+    """x: [T, D] (already normed) -> [T, D]."""
+    T, D = x.shape
+    ids, weights = route(moe, family, x, numerics)
+    if trace is not None:
+        trace(moe.layer, ids)
+    needed = np.unique(ids)
+    layout = experts.layout(moe.layer)
+    slices = experts.experts(moe.layer, needed.tolist())
+    outputs = np.empty((T, moe.n_used, D), dtype=np.float32)  # [T, A, D]
+    for e in needed:
+        rows, slots = np.nonzero(ids == e)
+        xe = np.ascontiguousarray(x[rows])
+        w = slices[int(e)]
+        if layout.gate_type == layout.up_type:
+            xp = prepare(xe, layout.gate_type, numerics)
+            g = linear_prepared(xp, w.gate, layout.gate_type, D)
+            u = linear_prepared(xp, w.up, layout.up_type, D)
+        else:
+            g = linear(xe, w.gate, layout.gate_type, D, numerics)
+            u = linear(xe, w.up, layout.up_type, D, numerics)
+        if w.gate_bias is not None:
+            g += w.gate_bias
+            u += w.up_bias
+        h = _glu(family, g, u)
+        y = linear(h, w.down, layout.down_type, layout.n_ff, numerics)
+        if w.down_bias is not None:
+            y += w.down_bias
+        outputs[rows, slots] = y
+    out = outputs[:, 0] * weights[:, :1]
+    for a in range(1, moe.n_used):
+        out = out + outputs[:, a] * weights[:, a:a + 1]
+    if moe.shared is not None:
+        out = out + shared_expert(moe.shared, x, numerics)
+    return out
+
+
+def _glu(family: Family, g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    if family.glu == "oai":
+        return ops.swiglu_oai(g, u, np.float32(family.glu_alpha), np.float32(family.glu_limit))
+    return ops.swiglu(g, u)
+
+
+def dense_ffn(gate: QWeight, up: QWeight, down: QWeight, x: np.ndarray, numerics: str) -> np.ndarray:
+    """down(silu(gate·x) * up·x). x: [T, D] -> [T, D]."""
+    if gate.ggml_type == up.ggml_type:
+        xp = prepare(x, gate.ggml_type, numerics)
+        g = linear_prepared(xp, gate.raw, gate.ggml_type, gate.n_in)
+        u = linear_prepared(xp, up.raw, up.ggml_type, up.n_in)
+    else:
+        g = linear(x, gate.raw, gate.ggml_type, gate.n_in, numerics)
+        u = linear(x, up.raw, up.ggml_type, up.n_in, numerics)
+    return linear(ops.swiglu(g, u), down.raw, down.ggml_type, down.n_in, numerics)
+
+
+def shared_expert(sh: SharedExpert, x: np.ndarray, numerics: str) -> np.ndarray:
+    y = dense_ffn(sh.gate, sh.up, sh.down, x, numerics)
+    if sh.gate_inp is not None:
+        z = linear(x, sh.gate_inp.raw, sh.gate_inp.ggml_type, sh.gate_inp.n_in, numerics)  # [T, 1]
+        y = y * (np.float32(1.0) / (np.float32(1.0) + np.exp(-z)))
+    return y

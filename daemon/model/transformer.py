@@ -1,0 +1,219 @@
+"""The decoder every supported family shares: attention + (dense FFN | MoE), pre-norm residual.
+
+Legend: T = tokens in the step, D = hidden size, H = query heads, Hkv = key/value heads,
+Dh = head size, Dv = value head size, C = cached positions, V = vocabulary.
+
+Numerics: in "ggml" mode the matmuls quantize activations like llama.cpp's CPU backend, and the
+KV cache, the queries and the attention weights are rounded to f16 as its f16 KV cache and
+f16 mul_mats do. In "float32" mode nothing is rounded beyond float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import RequestError
+from ..kernels import ops
+from ..kernels.matmul import linear, linear_prepared, prepare
+from ..kernels.quants import dequantize
+from ..storage.experts import ExpertProvider, MappedExperts
+from ..storage.gguf import GGUFFile
+from .family import Family, family_for
+from .hparams import HParams
+from .moe import MoE, SharedExpert, dense_ffn, moe_forward
+from .weights import QWeight, TensorSource
+
+
+@dataclass(frozen=True)
+class Attention:
+    norm: np.ndarray  # [D]
+    wq: QWeight  # [H*Dh, D]
+    wk: QWeight  # [Hkv*Dh, D]
+    wv: QWeight  # [Hkv*Dv, D]
+    wo: QWeight  # [D, H*Dv]
+    bq: np.ndarray | None
+    bk: np.ndarray | None
+    bv: np.ndarray | None
+    bo: np.ndarray | None
+    q_norm: np.ndarray | None  # [Dh] per head, or [H*Dh] whole projection
+    k_norm: np.ndarray | None
+    sinks: np.ndarray | None  # [H]
+    window: int  # 0 = full attention
+
+
+@dataclass(frozen=True)
+class DenseFFN:
+    gate: QWeight
+    up: QWeight
+    down: QWeight
+
+
+@dataclass(frozen=True)
+class Layer:
+    attn: Attention
+    ffn_norm: np.ndarray  # [D]
+    ffn: DenseFFN | MoE
+
+
+class KVCache:
+    """One sequence's keys and values per layer: [C, Hkv, Dh] f32, grown on demand up to n_ctx."""
+
+    def __init__(self, hp: HParams, n_ctx: int):
+        self.n_ctx = n_ctx
+        self.n_past = 0
+        self._shape_k = (hp.n_head_kv, hp.head_dim)
+        self._shape_v = (hp.n_head_kv, hp.head_dim_v)
+        cap = min(n_ctx, 256)
+        self.k = [np.zeros((cap, *self._shape_k), np.float32) for _ in range(hp.n_layer)]
+        self.v = [np.zeros((cap, *self._shape_v), np.float32) for _ in range(hp.n_layer)]
+
+    def reserve(self, n: int) -> None:
+        if n > self.n_ctx:
+            raise RequestError(f"context full: {n} positions requested, n_ctx is {self.n_ctx}")
+        cap = self.k[0].shape[0]
+        if n <= cap:
+            return
+        new = min(self.n_ctx, max(n, 2 * cap))
+        for cache in (self.k, self.v):
+            for i, a in enumerate(cache):
+                grown = np.zeros((new, *a.shape[1:]), np.float32)
+                grown[:cap] = a
+                cache[i] = grown
+
+
+class Transformer:
+    def __init__(self, gguf: GGUFFile, numerics: str = "ggml", experts: ExpertProvider | None = None):
+        self.family: Family = family_for(gguf.architecture)
+        self.hp: HParams = self.family.read_hparams(gguf)
+        self.numerics = numerics
+        src = TensorSource(gguf)
+        hp = self.hp
+        self.tok_embd = src.matrix("token_embd.weight", hp.n_embd, hp.n_vocab)
+        self.output_norm = src.vector("output_norm.weight", hp.n_embd)
+        self.output = (src.matrix("output.weight", hp.n_embd, hp.n_vocab) if src.has("output.weight")
+                       else self.tok_embd)
+        self.layers = [self._load_layer(src, il) for il in range(hp.n_layer)]
+        moe_layers = [il for il, layer in enumerate(self.layers) if isinstance(layer.ffn, MoE)]
+        self.experts = experts or (MappedExperts(src, moe_layers, hp.n_embd, hp.n_ff_exp or hp.n_ff, hp.n_expert)
+                                   if moe_layers else None)
+        self.trace = None  # callable(layer, ids [T, A]) observing routing decisions
+
+    # -- loading ------------------------------------------------------------------------------
+
+    def _load_layer(self, src: TensorSource, il: int) -> Layer:
+        hp, fam, p = self.hp, self.family, f"blk.{il}."
+        D, H, Hkv, Dh, Dv = hp.n_embd, hp.n_head, hp.n_head_kv, hp.head_dim, hp.head_dim_v
+        qk_len = {"head": Dh, "full": None}.get(fam.qk_norm)
+        attn = Attention(
+            norm=src.vector(p + "attn_norm.weight", D),
+            wq=src.matrix(p + "attn_q.weight", D, H * Dh),
+            wk=src.matrix(p + "attn_k.weight", D, Hkv * Dh),
+            wv=src.matrix(p + "attn_v.weight", D, Hkv * Dv),
+            wo=src.matrix(p + "attn_output.weight", H * Dv, D),
+            bq=src.optional_vector(p + "attn_q.bias", H * Dh),
+            bk=src.optional_vector(p + "attn_k.bias", Hkv * Dh),
+            bv=src.optional_vector(p + "attn_v.bias", Hkv * Dv),
+            bo=src.optional_vector(p + "attn_output.bias", D),
+            q_norm=src.vector(p + "attn_q_norm.weight", qk_len or H * Dh) if fam.qk_norm else None,
+            k_norm=src.vector(p + "attn_k_norm.weight", qk_len or Hkv * Dh) if fam.qk_norm else None,
+            sinks=src.optional_vector(p + "attn_sinks.weight", H),
+            window=hp.sliding_window if hp.swa_layers and hp.swa_layers[il] else 0,
+        )
+        ffn_norm = src.vector(p + fam.ffn_norm + ".weight", D)
+        if src.has(p + "ffn_gate_inp.weight"):
+            F = hp.n_ff_exp or hp.n_ff
+            shared = None
+            if src.has(p + "ffn_gate_shexp.weight"):
+                Fs = hp.n_ff_shexp or F
+                shared = SharedExpert(
+                    gate=src.matrix(p + "ffn_gate_shexp.weight", D, Fs),
+                    up=src.matrix(p + "ffn_up_shexp.weight", D, Fs),
+                    down=src.matrix(p + "ffn_down_shexp.weight", Fs, D),
+                    gate_inp=(src.matrix(p + "ffn_gate_inp_shexp.weight", D, 1)
+                              if src.has(p + "ffn_gate_inp_shexp.weight") else None))
+            ffn = MoE(layer=il, router=src.matrix(p + "ffn_gate_inp.weight", D, hp.n_expert),
+                      router_bias=src.optional_vector(p + "ffn_gate_inp.bias", hp.n_expert),
+                      n_used=hp.n_expert_used, weights_scale=hp.expert_weights_scale, shared=shared)
+        else:
+            ffn = DenseFFN(gate=src.matrix(p + "ffn_gate.weight", D, hp.n_ff),
+                           up=src.matrix(p + "ffn_up.weight", D, hp.n_ff),
+                           down=src.matrix(p + "ffn_down.weight", hp.n_ff, D))
+        return Layer(attn, ffn_norm, ffn)
+
+    # -- running -------------------------------------------------------------------------------
+
+    def new_cache(self, n_ctx: int) -> KVCache:
+        return KVCache(self.hp, n_ctx)
+
+    def forward(self, tokens, cache: KVCache, all_logits: bool = False) -> np.ndarray:
+        """Append tokens to the sequence in `cache` and return logits: [T, V] if all_logits
+        else [1, V] for the last token."""
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        hp = self.hp
+        if tokens.size == 0:
+            raise RequestError("no tokens to evaluate")
+        if tokens.min() < 0 or tokens.max() >= hp.n_vocab:
+            raise RequestError(f"token id out of range 0..{hp.n_vocab - 1}")
+        T = tokens.size
+        start = cache.n_past
+        cache.reserve(start + T)
+        positions = np.arange(start, start + T, dtype=np.int64)
+        rope = hp.rope
+        rope_tab = ops.rope_cache(positions, rope.n_dims, rope.freq_base, rope.freq_scale,
+                                  rope.ext_factor, rope.attn_factor, rope.corr_dims)
+        x = dequantize(self.tok_embd.raw[tokens], self.tok_embd.ggml_type, hp.n_embd)  # [T, D]
+        for il, layer in enumerate(self.layers):
+            h = ops.rms_norm(x, layer.attn.norm, np.float32(hp.rms_eps))
+            x = x + self._attention(il, layer.attn, h, cache, positions, rope_tab)
+            h = ops.rms_norm(x, layer.ffn_norm, np.float32(hp.rms_eps))
+            if isinstance(layer.ffn, MoE):
+                x = x + moe_forward(layer.ffn, self.family, self.experts, h, self.numerics, self.trace)
+            else:
+                f = layer.ffn
+                x = x + dense_ffn(f.gate, f.up, f.down, h, self.numerics)
+        cache.n_past = start + T
+        if not all_logits:
+            x = x[-1:]
+        x = ops.rms_norm(np.ascontiguousarray(x), self.output_norm, np.float32(hp.rms_eps))
+        return linear(x, self.output.raw, self.output.ggml_type, hp.n_embd, self.numerics)
+
+    def _attention(self, il: int, a: Attention, x, cache: KVCache, positions, rope_tab) -> np.ndarray:
+        hp, fam, num = self.hp, self.family, self.numerics
+        T = x.shape[0]
+        H, Hkv, Dh, Dv = hp.n_head, hp.n_head_kv, hp.head_dim, hp.head_dim_v
+        if a.wq.ggml_type == a.wk.ggml_type == a.wv.ggml_type:
+            xp = prepare(x, a.wq.ggml_type, num)
+            q, k, v = (linear_prepared(xp, w.raw, w.ggml_type, w.n_in) for w in (a.wq, a.wk, a.wv))
+        else:
+            q, k, v = (linear(x, w.raw, w.ggml_type, w.n_in, num) for w in (a.wq, a.wk, a.wv))
+        for t, b in ((q, a.bq), (k, a.bk), (v, a.bv)):
+            if b is not None:
+                t += b
+        eps = np.float32(hp.rms_eps)
+        if fam.qk_norm == "full":
+            q = ops.rms_norm(q, a.q_norm, eps)
+            k = ops.rms_norm(k, a.k_norm, eps)
+        q = q.reshape(T, H, Dh)
+        k = k.reshape(T, Hkv, Dh)
+        v = v.reshape(T, Hkv, Dv)
+        if fam.qk_norm == "head":
+            q = ops.rms_norm_heads(q, a.q_norm, eps)
+            k = ops.rms_norm_heads(k, a.k_norm, eps)
+        q = ops.apply_rope(q, rope_tab, hp.rope.n_dims, hp.rope.neox)
+        k = ops.apply_rope(k, rope_tab, hp.rope.n_dims, hp.rope.neox)
+        ggml = num == "ggml"
+        if ggml:  # f16 KV cache; q converted to f16 for the K·q product
+            q, k, v = (t.astype(np.float16).astype(np.float32) for t in (q, k, v))
+        start = int(positions[0])
+        cache.k[il][start:start + T] = k
+        cache.v[il][start:start + T] = v
+        end = start + T
+        sinks = a.sinks if a.sinks is not None else np.empty(0, np.float32)
+        out = ops.attention(q, cache.k[il][:end], cache.v[il][:end], positions,
+                            np.float32(1.0 / np.sqrt(Dh)), a.window, sinks, ggml)
+        y = linear(out.reshape(T, H * Dv), a.wo.raw, a.wo.ggml_type, a.wo.n_in, num)
+        if a.bo is not None:
+            y += a.bo
+        return y
