@@ -1,0 +1,568 @@
+"""The validated GGUF reader.
+
+GGUF parsing is an attack surface (see DESIGN.md): llama.cpp has had CVEs for count overflows,
+string/array lengths, dims and nbytes overflow, offsets beyond the file, bad alignment and
+duplicate keys or names. This reader trusts nothing in the header. Every count, length, type,
+dimension, offset and data range is checked against the file before it is used, so a malformed
+file gives a GGUFError naming the field, never a crash, hang, over-read or huge allocation.
+
+Layout (little-endian, versions 2 and 3):
+
+    magic "GGUF" | u32 version | u64 n_tensors | u64 n_kv
+    n_kv x      (string key, u32 value type, value)
+    n_tensors x (string name, u32 n_dims, n_dims x i64 ne, u32 ggml type, u64 offset)
+    padding to `general.alignment` (default 32)
+    tensor data; each tensor's offset is relative to the start of this section
+
+A string is a u64 byte length followed by that many UTF-8 bytes. An array value is a u32 element
+type, a u64 count and the elements. Arrays of arrays are rejected (llama.cpp rejects them too).
+
+The file is memory-mapped read-only; metadata values are decoded into Python objects (numeric
+arrays are copied into numpy arrays), and `tensor_data` returns zero-copy read-only views.
+The file must not be truncated by another process while it is mapped (no reader can guard
+against that: touching a page past the new end raises SIGBUS).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import stat
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
+from daemon.errors import GGUFError, ModelError
+
+__all__ = [
+    "GGUFFile",
+    "TensorInfo",
+    "GGML_TYPE_NAMES",
+    "GGUF_VALUE_TYPE_NAMES",
+    "ggml_type_block_size",
+    "ggml_type_name",
+]
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_VERSIONS = (2, 3)
+DEFAULT_ALIGNMENT = 32
+GGML_MAX_DIMS = 4
+GGML_MAX_NAME = 64  # llama.cpp rejects tensor names of 64 bytes or more
+INT64_MAX = (1 << 63) - 1
+
+# Sanity limits. Real files are far below them; they exist so a forged header cannot make
+# the reader allocate memory out of proportion to what a model needs.
+MAX_KEY_LEN = 1 << 16  # metadata key bytes
+MAX_STRING_LEN = 1 << 26  # 64 MiB for one string value (chat templates are tens of KiB)
+MAX_ARRAY_LEN = 1 << 24  # 16.7M elements; vocabularies are < 300k
+
+# Minimal on-disk sizes, used to bound n_kv and n_tensors by the bytes left in the file.
+_MIN_KV_BYTES = 8 + 4 + 1  # empty key, value type, 1-byte value
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8  # empty name, n_dims, one ne, type, offset
+_HEADER_BYTES = 4 + 4 + 8 + 8
+
+GGML_TYPE_NAMES: dict[int, str] = {int(t): t.name for t in GGML_QUANT_SIZES}
+GGUF_VALUE_TYPE_NAMES: dict[int, str] = {int(t): t.name.lower() for t in GGUFValueType}
+
+# Fixed-size scalar value types: (struct format, numpy dtype).
+_SCALARS: dict[int, tuple[str, np.dtype]] = {
+    GGUFValueType.UINT8: ("<B", np.dtype("<u1")),
+    GGUFValueType.INT8: ("<b", np.dtype("<i1")),
+    GGUFValueType.UINT16: ("<H", np.dtype("<u2")),
+    GGUFValueType.INT16: ("<h", np.dtype("<i2")),
+    GGUFValueType.UINT32: ("<I", np.dtype("<u4")),
+    GGUFValueType.INT32: ("<i", np.dtype("<i4")),
+    GGUFValueType.FLOAT32: ("<f", np.dtype("<f4")),
+    GGUFValueType.BOOL: ("<B", np.dtype("<u1")),
+    GGUFValueType.UINT64: ("<Q", np.dtype("<u8")),
+    GGUFValueType.INT64: ("<q", np.dtype("<i8")),
+    GGUFValueType.FLOAT64: ("<d", np.dtype("<f8")),
+}
+_SCALAR_STRUCTS = {t: (struct.Struct(fmt), dt.itemsize) for t, (fmt, dt) in _SCALARS.items()}
+_INT_TYPES = frozenset(
+    {
+        GGUFValueType.UINT8,
+        GGUFValueType.INT8,
+        GGUFValueType.UINT16,
+        GGUFValueType.INT16,
+        GGUFValueType.UINT32,
+        GGUFValueType.INT32,
+        GGUFValueType.UINT64,
+        GGUFValueType.INT64,
+    }
+)
+_FLOAT_TYPES = frozenset({GGUFValueType.FLOAT32, GGUFValueType.FLOAT64})
+
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_I64 = struct.Struct("<q")
+
+_MISSING: Any = object()
+
+
+def ggml_type_name(ggml_type: int) -> str:
+    """The name of a ggml type ("Q4_K"), or "type<N>" for an unknown one."""
+    return GGML_TYPE_NAMES.get(ggml_type, f"type{ggml_type}")
+
+
+def ggml_type_block_size(ggml_type: int, what: str = "tensor") -> tuple[int, int]:
+    """(values per block, bytes per block) of a ggml type.
+
+    Raises GGUFError("<what>: unknown ggml type N") for a type without a known block layout.
+    """
+    try:
+        return GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    except (ValueError, KeyError):
+        raise GGUFError(f"{what}: unknown ggml type {ggml_type}") from None
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a GGUF file, validated against the file."""
+
+    name: str
+    ggml_type: int  # gguf.GGMLQuantizationType value
+    ne: tuple[int, ...]  # ggml order: ne[0] is the contiguous row length
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """numpy order: reversed(ne)."""
+        return tuple(reversed(self.ne))
+
+    @property
+    def type_name(self) -> str:
+        return ggml_type_name(self.ggml_type)
+
+    @property
+    def n_elements(self) -> int:
+        n = 1
+        for d in self.ne:
+            n *= d
+        return n
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    if isinstance(kind, tuple):
+        return " or ".join(_kind_name(k) for k in kind)
+    if kind is np.ndarray:
+        return "numeric array"
+    if kind is list:
+        return "string array"
+    return getattr(kind, "__name__", str(kind))
+
+
+class _Cursor:
+    """Bounds-checked little-endian reads from the mapped header."""
+
+    __slots__ = ("buf", "pos", "size", "path")
+
+    def __init__(self, buf: mmap.mmap, size: int, path: str) -> None:
+        self.buf = buf
+        self.pos = 0
+        self.size = size
+        self.path = path
+
+    def remaining(self) -> int:
+        return self.size - self.pos
+
+    def need(self, n: int, what: str) -> None:
+        if n > self.size - self.pos:
+            raise GGUFError(
+                f"{self.path}: truncated file: {what} needs {n} bytes at offset {self.pos}, "
+                f"but only {self.size - self.pos} remain (file size {self.size})"
+            )
+
+    def u32(self, what: str) -> int:
+        self.need(4, what)
+        (v,) = _U32.unpack_from(self.buf, self.pos)
+        self.pos += 4
+        return v
+
+    def u64(self, what: str) -> int:
+        self.need(8, what)
+        (v,) = _U64.unpack_from(self.buf, self.pos)
+        self.pos += 8
+        return v
+
+    def i64(self, what: str) -> int:
+        self.need(8, what)
+        (v,) = _I64.unpack_from(self.buf, self.pos)
+        self.pos += 8
+        return v
+
+    def raw_string(self, what: str, limit: int) -> bytes:
+        n = self.u64(f"{what} length")
+        if n > limit:
+            raise GGUFError(f"{self.path}: {what}: string length {n} exceeds the limit of {limit} bytes")
+        if n > self.size - self.pos:
+            raise GGUFError(
+                f"{self.path}: {what}: string length {n} at offset {self.pos - 8} runs past end of file "
+                f"({self.size - self.pos} bytes remain, file size {self.size})"
+            )
+        b = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return b
+
+    def string(self, what: str, limit: int = MAX_STRING_LEN) -> str:
+        b = self.raw_string(what, limit)
+        try:
+            return b.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise GGUFError(f"{self.path}: {what}: invalid utf-8 in string ({e.reason} at byte {e.start})") from None
+
+
+class GGUFFile:
+    """A parsed, fully validated GGUF file, memory-mapped read-only.
+
+    Attributes: path, version, alignment, data_offset (absolute start of the tensor data section:
+    the end of the header rounded up to the alignment; it may lie past file_size in a file with no
+    tensor data), file_size, metadata (key -> decoded value, in file
+    order), tensors (name -> TensorInfo, in file order).
+    """
+
+    path: str
+    version: int
+    alignment: int
+    data_offset: int
+    file_size: int
+    metadata: dict[str, Any]
+    tensors: dict[str, TensorInfo]
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        if isinstance(self.path, bytes):
+            self.path = os.fsdecode(self.path)
+        self._mm: mmap.mmap | None = None
+        self.metadata = {}
+        self._types: dict[str, tuple[int, int | None]] = {}  # key -> (value type, array element type)
+        self.tensors = {}
+        try:
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            raise ModelError(f"cannot open model file {self.path!r}: {e.strerror or e}") from e
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ModelError(f"cannot open model file {self.path!r}: not a regular file")
+            self.file_size = st.st_size
+            if self.file_size < _HEADER_BYTES:
+                raise GGUFError(
+                    f"{self.path}: file too small for a GGUF header ({self.file_size} bytes, need at least {_HEADER_BYTES})"
+                )
+            try:
+                self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError) as e:
+                raise ModelError(f"cannot map model file {self.path!r}: {e}") from e
+        finally:
+            os.close(fd)
+        try:
+            # The size of the mapping is what we can read, whatever fstat said.
+            self.file_size = min(self.file_size, len(self._mm))
+            self._parse()
+        except BaseException:
+            self.close()
+            raise
+
+    # ----------------------------------------------------------------------------------- parsing
+
+    def _parse(self) -> None:
+        assert self._mm is not None
+        p = self.path
+        cur = _Cursor(self._mm, self.file_size, p)
+
+        magic = self._mm[0:4]
+        if magic != GGUF_MAGIC:
+            raise GGUFError(f"{p}: bad magic {magic!r}, expected {GGUF_MAGIC!r}: not a GGUF file")
+        cur.pos = 4
+        version = cur.u32("version")
+        if version not in SUPPORTED_VERSIONS:
+            swapped = int.from_bytes(version.to_bytes(4, "little"), "big")
+            if swapped in (1, 2, 3):
+                raise GGUFError(
+                    f"{p}: unsupported version: the file is big-endian (version {swapped}); "
+                    "only little-endian GGUF files are supported"
+                )
+            if version == 1:
+                raise GGUFError(f"{p}: unsupported version 1 (GGUF v1 is obsolete; convert the file again)")
+            raise GGUFError(f"{p}: unsupported version {version} (supported: 2, 3)")
+        self.version = version
+
+        n_tensors = cur.u64("n_tensors")
+        n_kv = cur.u64("n_kv")
+        rem = cur.remaining()
+        if n_tensors > rem // _MIN_TENSOR_INFO_BYTES:
+            raise GGUFError(
+                f"{p}: n_tensors = {n_tensors} cannot fit in the {rem} bytes left in the file "
+                f"(each tensor info needs at least {_MIN_TENSOR_INFO_BYTES} bytes)"
+            )
+        if n_kv > rem // _MIN_KV_BYTES:
+            raise GGUFError(
+                f"{p}: n_kv = {n_kv} cannot fit in the {rem} bytes left in the file "
+                f"(each key/value needs at least {_MIN_KV_BYTES} bytes)"
+            )
+        if n_kv * _MIN_KV_BYTES + n_tensors * _MIN_TENSOR_INFO_BYTES > rem:
+            raise GGUFError(
+                f"{p}: n_kv = {n_kv} and n_tensors = {n_tensors} cannot fit in the {rem} bytes left in the file"
+            )
+
+        # -- key/value metadata
+        for i in range(n_kv):
+            key = cur.string(f"metadata key #{i}", MAX_KEY_LEN)
+            if key in self.metadata:
+                raise GGUFError(f"{p}: duplicate metadata key {key!r}")
+            vtype = cur.u32(f"metadata key {key!r}: value type")
+            value, etype = self._read_value(cur, vtype, key)
+            self.metadata[key] = value
+            self._types[key] = (vtype, etype)
+
+        # -- alignment
+        alignment = DEFAULT_ALIGNMENT
+        if "general.alignment" in self.metadata:
+            vtype, _ = self._types["general.alignment"]
+            if vtype != GGUFValueType.UINT32:
+                raise GGUFError(
+                    f"{p}: metadata key 'general.alignment' has type {GGUF_VALUE_TYPE_NAMES[vtype]}, expected uint32"
+                )
+            alignment = self.metadata["general.alignment"]
+            if alignment == 0 or alignment & (alignment - 1):
+                raise GGUFError(f"{p}: general.alignment = {alignment} is not a nonzero power of two")
+        self.alignment = alignment
+
+        # -- tensor infos
+        raw: list[tuple[str, int, tuple[int, ...], int]] = []
+        names: set[str] = set()
+        for i in range(n_tensors):
+            name = cur.string(f"tensor #{i} name", GGML_MAX_NAME - 1)
+            if name in names:
+                raise GGUFError(f"{p}: duplicate tensor name {name!r}")
+            names.add(name)
+            t = f"tensor {name!r}"
+            n_dims = cur.u32(f"{t}: n_dims")
+            if not 1 <= n_dims <= GGML_MAX_DIMS:
+                raise GGUFError(f"{p}: {t}: n_dims = {n_dims} is out of range 1..{GGML_MAX_DIMS}")
+            ne = tuple(cur.i64(f"{t}: ne[{j}]") for j in range(n_dims))
+            for j, d in enumerate(ne):
+                if d < 0:
+                    raise GGUFError(f"{p}: {t}: ne[{j}] = {d} is negative")
+            ggml_type = cur.u32(f"{t}: ggml type")
+            rel_offset = cur.u64(f"{t}: offset")
+            raw.append((name, ggml_type, ne, rel_offset))
+
+        header_end = cur.pos
+        self.data_offset = -(-header_end // alignment) * alignment
+
+        # -- tensor shapes, types and data ranges
+        for name, ggml_type, ne, rel_offset in raw:
+            t = f"tensor {name!r}"
+            blk_values, blk_bytes = ggml_type_block_size(ggml_type, f"{p}: {t}")
+            n_elements = 1
+            for d in ne:
+                n_elements *= d
+            if n_elements > INT64_MAX:
+                raise GGUFError(f"{p}: {t}: ne {list(ne)} has {n_elements} elements, which overflows int64")
+            if ne[0] % blk_values:
+                raise GGUFError(
+                    f"{p}: {t}: ne[0] = {ne[0]} is not a multiple of the {ggml_type_name(ggml_type)} "
+                    f"block size {blk_values}"
+                )
+            nbytes = n_elements // blk_values * blk_bytes
+            if nbytes > INT64_MAX:
+                raise GGUFError(f"{p}: {t}: size {nbytes} bytes overflows int64")
+            if rel_offset % alignment:
+                raise GGUFError(
+                    f"{p}: {t}: offset {rel_offset} is not a multiple of the alignment {alignment}"
+                )
+            offset = self.data_offset + rel_offset
+            if offset + nbytes > self.file_size:
+                raise GGUFError(
+                    f"{p}: {t}: offset {offset} + {nbytes} bytes runs past end of file (size {self.file_size})"
+                )
+            self.tensors[name] = TensorInfo(name, ggml_type, ne, offset, nbytes)
+
+        # -- overlapping data ranges
+        ranges = sorted((ti.offset, ti.offset + ti.nbytes, ti.name) for ti in self.tensors.values() if ti.nbytes)
+        for (s0, e0, n0), (s1, e1, n1) in zip(ranges, ranges[1:]):
+            if s1 < e0:
+                raise GGUFError(
+                    f"{p}: tensor {n1!r}: data [{s1}, {e1}) overlaps tensor {n0!r} data [{s0}, {e0})"
+                )
+
+    def _read_value(self, cur: _Cursor, vtype: int, key: str) -> tuple[Any, int | None]:
+        """Read one value of type vtype; returns (value, array element type or None)."""
+        p = self.path
+        what = f"metadata key {key!r}"
+        sc = _SCALAR_STRUCTS.get(vtype)
+        if sc is not None:
+            st, size = sc
+            cur.need(size, f"{what}: value")
+            (v,) = st.unpack_from(cur.buf, cur.pos)
+            cur.pos += size
+            if vtype == GGUFValueType.BOOL:
+                v = v != 0
+            return v, None
+        if vtype == GGUFValueType.STRING:
+            return cur.string(f"{what}: value"), None
+        if vtype != GGUFValueType.ARRAY:
+            raise GGUFError(f"{p}: {what}: unknown value type {vtype}")
+
+        etype = cur.u32(f"{what}: array element type")
+        n = cur.u64(f"{what}: array length")
+        if n > MAX_ARRAY_LEN:
+            raise GGUFError(f"{p}: {what}: array length {n} exceeds the limit of {MAX_ARRAY_LEN} elements")
+        rem = cur.remaining()
+        if etype in _SCALARS:
+            dt = _SCALARS[etype][1]
+            if n * dt.itemsize > rem:
+                raise GGUFError(
+                    f"{p}: {what}: array length {n} x {dt.itemsize} bytes runs past end of file "
+                    f"({rem} bytes remain)"
+                )
+            if n:
+                arr = np.frombuffer(cur.buf, dtype=dt, count=n, offset=cur.pos).astype(dt.newbyteorder("="))
+            else:
+                arr = np.empty(0, dtype=dt.newbyteorder("="))
+            cur.pos += n * dt.itemsize
+            if etype == GGUFValueType.BOOL:
+                arr = arr != 0
+            return arr, etype
+        if etype == GGUFValueType.STRING:
+            if n * 8 > rem:
+                raise GGUFError(
+                    f"{p}: {what}: array length {n} strings runs past end of file ({rem} bytes remain)"
+                )
+            return self._read_string_array(cur, n, what), etype
+        if etype == GGUFValueType.ARRAY:
+            raise GGUFError(f"{p}: {what}: nested arrays (array of arrays) are not supported")
+        raise GGUFError(f"{p}: {what}: unknown array element type {etype}")
+
+    def _read_string_array(self, cur: _Cursor, n: int, what: str) -> list[str]:
+        buf, size, pos = cur.buf, cur.size, cur.pos
+        unpack = _U64.unpack_from
+        out: list[str] = [""] * n
+        try:
+            for i in range(n):
+                if pos + 8 > size:
+                    cur.pos = pos
+                    raise GGUFError(
+                        f"{self.path}: {what}: element {i}: string length runs past end of file "
+                        f"(offset {pos}, file size {size})"
+                    )
+                (ln,) = unpack(buf, pos)
+                pos += 8
+                if ln > size - pos or ln > MAX_STRING_LEN:
+                    raise GGUFError(
+                        f"{self.path}: {what}: element {i}: string length {ln} at offset {pos - 8} "
+                        f"runs past end of file (file size {size})"
+                    )
+                end = pos + ln
+                out[i] = buf[pos:end].decode("utf-8")
+                pos = end
+        except UnicodeDecodeError as e:
+            raise GGUFError(
+                f"{self.path}: {what}: element {i}: invalid utf-8 in string ({e.reason} at byte {e.start})"
+            ) from None
+        cur.pos = pos
+        return out
+
+    # ------------------------------------------------------------------------------------ access
+
+    def value_type(self, key: str) -> tuple[GGUFValueType, GGUFValueType | None]:
+        """(GGUF value type, array element type or None) of a metadata key."""
+        if key not in self._types:
+            raise GGUFError(f"{self.path}: missing metadata key {key!r}")
+        vt, et = self._types[key]
+        return GGUFValueType(vt), (GGUFValueType(et) if et is not None else None)
+
+    def _type_desc(self, key: str) -> str:
+        vt, et = self._types[key]
+        if vt == GGUFValueType.ARRAY:
+            return f"array of {GGUF_VALUE_TYPE_NAMES[et]}"
+        return GGUF_VALUE_TYPE_NAMES[vt]
+
+    def _convert(self, key: str, kind: type) -> tuple[bool, Any]:
+        vt, et = self._types[key]
+        v = self.metadata[key]
+        if kind is object:
+            return True, v
+        if kind is bool:
+            return vt == GGUFValueType.BOOL, v
+        if kind is int:
+            return vt in _INT_TYPES, v
+        if kind is float:
+            if vt in _FLOAT_TYPES or vt in _INT_TYPES:
+                return True, float(v)
+            return False, None
+        if kind is str:
+            return vt == GGUFValueType.STRING, v
+        if kind is list:
+            return vt == GGUFValueType.ARRAY and et == GGUFValueType.STRING, v
+        if kind is np.ndarray:
+            return vt == GGUFValueType.ARRAY and et != GGUFValueType.STRING, v
+        return isinstance(v, kind), v
+
+    def get(self, key: str, kind: type | tuple[type, ...] = object, default: Any = _MISSING) -> Any:
+        """A metadata value, checked to be of `kind`.
+
+        kind: int (any GGUF integer type, not bool), float (float32/float64, or an integer type,
+        returned as float), bool, str, list (array of strings), np.ndarray (array of numbers or
+        bools), object (anything), or a tuple of these (the first that matches wins).
+        A missing key returns `default`, or raises GGUFError without one. A present key of the
+        wrong type raises GGUFError even with a default.
+        """
+        if key not in self.metadata:
+            if default is not _MISSING:
+                return default
+            raise GGUFError(f"{self.path}: missing metadata key {key!r}")
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        for k in kinds:
+            ok, v = self._convert(key, k)
+            if ok:
+                return v
+        raise GGUFError(
+            f"{self.path}: wrong-typed metadata: key {key!r} has type {self._type_desc(key)}, "
+            f"expected {_kind_name(kind)}"
+        )
+
+    @property
+    def architecture(self) -> str:
+        return self.get("general.architecture", str)
+
+    def tensor_info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise GGUFError(f"{self.path}: no tensor named {name!r}") from None
+
+    def tensor_data(self, name: str) -> np.ndarray:
+        """The tensor's bytes: a read-only 1-D uint8 view into the mapping (no copy)."""
+        ti = self.tensor_info(name)
+        if self._mm is None:
+            raise ModelError(f"{self.path}: file is closed")
+        return np.frombuffer(self._mm, dtype=np.uint8, count=ti.nbytes, offset=ti.offset)
+
+    def close(self) -> None:
+        """Release the mapping. Views returned by tensor_data stay valid: the mapping is unmapped
+        when the last of them is gone."""
+        mm, self._mm = self._mm, None
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                pass  # views still alive; the mapping goes with the last of them
+
+    def __enter__(self) -> GGUFFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"GGUFFile({self.path!r}, version={self.version}, tensors={len(self.tensors)}, "
+            f"metadata={len(self.metadata)})"
+        )
