@@ -105,8 +105,9 @@ def _glu(family: Family, g: np.ndarray, u: np.ndarray) -> np.ndarray:
     return ops.swiglu(g, u)
 
 
-def dense_ffn(gate: QWeight, up: QWeight, down: QWeight, x: np.ndarray, numerics: str) -> np.ndarray:
-    """down(silu(gate·x) * up·x). x: [T, D] -> [T, D]."""
+def dense_ffn(gate: QWeight, up: QWeight, down: QWeight, x: np.ndarray, numerics: str,
+              observe=None) -> np.ndarray:
+    """down(silu(gate·x) * up·x). x: [T, D] -> [T, D]. observe(x, h [T, F]) sees the activations."""
     if gate.ggml_type == up.ggml_type:
         xp = prepare(x, gate.ggml_type, numerics)
         g = linear_prepared(xp, gate.raw, gate.ggml_type, gate.n_in)
@@ -114,7 +115,10 @@ def dense_ffn(gate: QWeight, up: QWeight, down: QWeight, x: np.ndarray, numerics
     else:
         g = linear(x, gate.raw, gate.ggml_type, gate.n_in, numerics)
         u = linear(x, up.raw, up.ggml_type, up.n_in, numerics)
-    return linear(ops.swiglu(g, u), down.raw, down.ggml_type, down.n_in, numerics)
+    h = ops.swiglu(g, u)
+    if observe is not None:
+        observe(x, h)
+    return linear(h, down.raw, down.ggml_type, down.n_in, numerics)
 
 
 def shared_expert(sh: SharedExpert, x: np.ndarray, numerics: str) -> np.ndarray:

@@ -99,6 +99,7 @@ class Transformer:
         self.experts = experts or (MappedExperts(src, moe_layers, hp.n_embd, hp.n_ff_exp or hp.n_ff, hp.n_expert)
                                    if moe_layers else None)
         self.trace = None  # callable(layer, ids [T, A]) observing routing decisions
+        self.ffn_observer = None  # callable(layer, x [T, D], h [T, F]) observing dense FFN activations
 
     # -- loading ------------------------------------------------------------------------------
 
@@ -172,7 +173,9 @@ class Transformer:
                 x = x + moe_forward(layer.ffn, self.family, self.experts, h, self.numerics, self.trace)
             else:
                 f = layer.ffn
-                x = x + dense_ffn(f.gate, f.up, f.down, h, self.numerics)
+                obs = self.ffn_observer
+                x = x + dense_ffn(f.gate, f.up, f.down, h, self.numerics,
+                                  observe=None if obs is None else (lambda a, b, il=il: obs(il, a, b)))
         cache.n_past = start + T
         if not all_logits:
             x = x[-1:]
