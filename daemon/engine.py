@@ -22,7 +22,7 @@ from .errors import ModelError, RequestError
 from .model.transformer import Transformer
 from .sampling import Sampler, SamplingOptions, StopMatcher
 from .storage.gguf import GGUFFile
-from .text.chat import render_chat
+from .text.chat import chat_template_from_metadata, render_chat, template_tokens
 from .text.tokenizer import StreamDecoder, Tokenizer
 
 
@@ -86,10 +86,8 @@ class Engine:
         return self.tokenizer.decode(list(ids))
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        template = self.gguf.metadata.get("tokenizer.chat_template")
-        tok = self.tokenizer
-        return render_chat(template, messages, add_generation_prompt=add_generation_prompt,
-                           bos_token=tok.piece_text(tok.bos_id), eos_token=tok.piece_text(tok.eos_id))
+        return render_chat(chat_template_from_metadata(self.gguf.metadata), messages,
+                           add_generation_prompt=add_generation_prompt, **template_tokens(self.tokenizer))
 
     # -- compute -------------------------------------------------------------------------------
 
@@ -118,7 +116,7 @@ class Engine:
         return self.generate(ids, max_tokens, **kw)
 
     def _template_adds_bos(self, prompt: str) -> bool:
-        bos = self.tokenizer.piece_text(self.tokenizer.bos_id)
+        bos = template_tokens(self.tokenizer)["bos_token"]
         return bool(bos) and prompt.startswith(bos)
 
     def _generate(self, ids: list[int], max_tokens: int, stop: list[str], options: SamplingOptions) -> Iterator[str]:

@@ -127,9 +127,12 @@ def _read_rope(g: GGUFFile, arch: str, head_dim: int, neox: bool) -> Rope:
     if kind != "yarn":
         raise UnsupportedError(f"rope scaling type {kind!r} is not supported")
     n_ctx_orig = g.get(f"{arch}.rope.scaling.original_context_length", int, 0) or g.get(f"{arch}.context_length", int)
-    beta_fast = float(g.get(f"{arch}.rope.scaling.yarn_beta_fast", float, 32.0))
-    beta_slow = float(g.get(f"{arch}.rope.scaling.yarn_beta_slow", float, 1.0))
-    ext_factor = float(g.get(f"{arch}.rope.scaling.yarn_ext_factor", float, 1.0))
-    attn_factor = float(g.get(f"{arch}.rope.scaling.attn_factor", float, 1.0))
+    # As llama.cpp: betas fixed at 32 / 1, ext_factor 1, and an attn_factor that cancels
+    # rope_yarn's own mscale correction up to float32 rounding.
+    beta_fast, beta_slow, ext_factor = 32.0, 1.0, 1.0
+    f32 = np.float32
+    mscale = f32(1.0) if factor <= 1 else f32(f32(0.1) * f32(math.log(f32(factor))) + f32(1.0))
+    attn_factor = float(f32(mscale * f32(f32(1.0) / f32(f32(1.0) + f32(0.1) * f32(math.log(f32(factor))))))
+                        * f32(g.get(f"{arch}.rope.scaling.attn_factor", float, 1.0)))
     corr = yarn_corr_dims(n_dims, n_ctx_orig, base, beta_fast, beta_slow)
     return Rope(n_dims, base, neox, freq_scale, ext_factor, attn_factor, corr)

@@ -125,5 +125,6 @@ def shared_expert(sh: SharedExpert, x: np.ndarray, numerics: str) -> np.ndarray:
     y = dense_ffn(sh.gate, sh.up, sh.down, x, numerics)
     if sh.gate_inp is not None:
         z = linear(x, sh.gate_inp.raw, sh.gate_inp.ggml_type, sh.gate_inp.n_in, numerics)  # [T, 1]
-        y = y * (np.float32(1.0) / (np.float32(1.0) + np.exp(-z)))
+        with np.errstate(invalid="ignore", divide="ignore"):  # llama.cpp: silu(z) / z = sigmoid(z)
+            y = y * ((z / (np.float32(1.0) + np.exp(-z))) / z)
     return y

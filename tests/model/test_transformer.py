@@ -1,0 +1,103 @@
+"""Model behaviour that needs no reference: KV-cache and batch invariance, input checks,
+loader errors."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+from daemon.errors import GGUFError, RequestError, UnsupportedError
+from daemon.model.transformer import Transformer
+from daemon.storage.gguf import GGUFFile
+from tests.fixtures.build import fixture_path
+
+ARCHS = ["llama", "llama-moe", "qwen3moe", "qwen2moe", "olmoe", "gpt-oss"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_incremental_decode_is_bit_identical_to_one_pass(arch, fixture_dir):
+    """A token's logits do not depend on how the sequence was split into steps."""
+    tokens = np.random.default_rng(3).integers(0, 509, 20).tolist()
+    with GGUFFile(fixture_path(arch, "Q8_0", fixture_dir)) as g:
+        model = Transformer(g)
+        full = model.forward(tokens, model.new_cache(32), all_logits=True)
+        cache = model.new_cache(32)
+        parts = [model.forward(tokens[:7], cache, all_logits=True)]
+        parts += [model.forward(tokens[i:i + 1], cache, all_logits=True) for i in range(7, 20)]
+        assert cache.n_past == 20
+    assert np.array_equal(full, np.concatenate(parts))
+
+
+@pytest.mark.parametrize("numerics", ["ggml", "float32"])
+def test_moe_routing_is_observable_and_sane(numerics, fixture_dir):
+    seen = []
+    with GGUFFile(fixture_path("qwen3moe", "Q8_0", fixture_dir)) as g:
+        model = Transformer(g, numerics=numerics)
+        model.trace = lambda layer, ids: seen.append((layer, ids.copy()))
+        model.forward([1, 2, 3, 4], model.new_cache(8))
+        hp = model.hp
+    assert [layer for layer, _ in seen] == list(range(hp.n_layer))
+    for _, ids in seen:
+        assert ids.shape == (4, hp.n_expert_used)
+        assert all(len(set(row)) == hp.n_expert_used for row in ids.tolist())
+        assert ids.min() >= 0 and ids.max() < hp.n_expert
+
+
+def test_bad_tokens_and_full_context_are_request_errors(fixture_dir):
+    with GGUFFile(fixture_path("llama", "Q8_0", fixture_dir)) as g:
+        model = Transformer(g)
+        with pytest.raises(RequestError, match="out of range"):
+            model.forward([model.hp.n_vocab], model.new_cache(8))
+        with pytest.raises(RequestError, match="out of range"):
+            model.forward([-1], model.new_cache(8))
+        with pytest.raises(RequestError, match="no tokens"):
+            model.forward([], model.new_cache(8))
+        cache = model.new_cache(4)
+        model.forward([1, 2, 3], cache)
+        with pytest.raises(RequestError, match="context full"):
+            model.forward([4, 5], cache)
+
+
+def _rewrite(src_path, dst_path, drop_tensor=None, arch=None, drop_key=None):
+    """Copy a fixture, dropping a tensor or a metadata key, or renaming the architecture."""
+    src = GGUFFile(src_path)
+    w = gguf.GGUFWriter(str(dst_path), arch or src.architecture)
+    for key, value in src.metadata.items():
+        if key in ("general.architecture", drop_key) or key.startswith("GGUF."):
+            continue
+        vtype, sub = src.value_type(key)
+        if arch and key.startswith(src.architecture + "."):
+            key = arch + key[len(src.architecture):]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(key, value.tolist() if isinstance(value, np.ndarray) else list(value), vtype, sub_type=sub)
+        else:
+            w.add_key_value(key, value, vtype)
+    for name, info in src.tensors.items():
+        if name != drop_tensor:
+            w.add_tensor(name, np.asarray(src.tensor_data(name)).reshape(*info.shape[:-1], -1), raw_dtype=info.ggml_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst_path
+
+
+def test_unsupported_architecture(fixture_dir, tmp_path):
+    path = _rewrite(fixture_path("llama", "Q8_0", fixture_dir), tmp_path / "m.gguf", arch="mamba")
+    with GGUFFile(path) as g, pytest.raises(UnsupportedError, match="mamba"):
+        Transformer(g)
+
+
+def test_missing_tensor_is_named(fixture_dir, tmp_path):
+    path = _rewrite(fixture_path("qwen3moe", "Q8_0", fixture_dir), tmp_path / "m.gguf",
+                    drop_tensor="blk.1.ffn_up_exps.weight")
+    with GGUFFile(path) as g, pytest.raises(GGUFError, match="blk.1.ffn_up_exps.weight"):
+        Transformer(g)
+
+
+def test_missing_hyperparameter_is_named(fixture_dir, tmp_path):
+    path = _rewrite(fixture_path("olmoe", "Q8_0", fixture_dir), tmp_path / "m.gguf",
+                    drop_key="olmoe.attention.head_count")
+    with GGUFFile(path) as g, pytest.raises(GGUFError, match="olmoe.attention.head_count"):
+        Transformer(g)
