@@ -97,7 +97,7 @@ def demo_model_path(n_expert: int = 16, n_used: int = 12, force: bool = False) -
 # -- building ---------------------------------------------------------------------------------
 
 
-def calibration_activations(source: Path, n_new: int = 80, progress=None):
+def calibration_activations(source: Path, n_prompts: int, n_new: int, progress=None):
     """Generate calibration text with the dense model, then record each layer's FFN input
     x [T, D] and activation h [T, F] over it."""
     from .engine import Engine
@@ -105,13 +105,13 @@ def calibration_activations(source: Path, n_new: int = 80, progress=None):
     engine = Engine.load(source)
     try:
         texts = []
-        for i, prompt in enumerate(CALIBRATION_PROMPTS):
+        for i, prompt in enumerate(CALIBRATION_PROMPTS[:n_prompts]):
             messages = [{"role": "user", "content": prompt}]
             ids = engine.tokenize(engine.apply_chat_template(messages), add_special=False)
             out = list(engine.generate(ids, max_tokens=n_new, temperature=0.8, seed=1234 + i))
             texts.append(ids + engine.tokenize("".join(out), add_special=False))
             if progress:
-                progress(f"calibration text {i + 1}/{len(CALIBRATION_PROMPTS)}")
+                progress(f"calibration text {i + 1}/{n_prompts}")
         xs: dict[int, list] = {}
         hs: dict[int, list] = {}
 
@@ -154,11 +154,15 @@ def _assign_balanced(sim: np.ndarray, size: int) -> np.ndarray:
     F, E = sim.shape
     labels = np.full(F, -1, dtype=np.int64)
     room = np.full(E, size)
+    left = F
     for flat in np.argsort(-sim, axis=None, kind="stable"):
         row, c = divmod(int(flat), E)
         if labels[row] < 0 and room[c] > 0:
             labels[row] = c
             room[c] -= 1
+            left -= 1
+            if not left:
+                break
     return labels
 
 
@@ -168,7 +172,10 @@ def fit_router(x: np.ndarray, target: np.ndarray, ridge: float = 1e-2) -> np.nda
     return np.linalg.solve(xtx, x.T.astype(np.float64) @ target).T
 
 
-def build_demo_model(source: Path, dest: Path, n_expert: int = 16, n_used: int = 12, progress=None) -> Path:
+def build_demo_model(source: Path, dest: Path, n_expert: int = 16, n_used: int = 12,
+                     n_prompts: int = len(CALIBRATION_PROMPTS), n_new: int = 80) -> Path:
+    """Write the MoE version of the dense GGUF `source` to `dest`. Calibration: the model's own
+    answers (n_new sampled tokens) to the first n_prompts of CALIBRATION_PROMPTS."""
     import gguf as gguf_py
 
     from .kernels.quants import dequantize
@@ -183,11 +190,11 @@ def build_demo_model(source: Path, dest: Path, n_expert: int = 16, n_used: int =
     if F % n_expert:
         raise ModelError(f"FFN size {F} is not divisible by {n_expert} experts")
     Fe = F // n_expert
-    bar = Progress("building demo MoE", len(CALIBRATION_PROMPTS) + n_layer + 1)
-    xs, hs = calibration_activations(source, progress=lambda note: bar.advance(note=note))
+    bar = Progress("building demo MoE", n_prompts + n_layer + 1)
+    xs, hs = calibration_activations(source, n_prompts, n_new, progress=lambda note: bar.advance(note=note))
 
     writer = gguf_py.GGUFWriter(str(dest) + ".part", arch)
-    _copy_metadata(src, writer, skip={"general.architecture", f"{arch}.feed_forward_length"})
+    _copy_metadata(src, writer, skip={"general.architecture", "general.name", f"{arch}.feed_forward_length"})
     writer.add_feed_forward_length(Fe)
     writer.add_expert_count(n_expert)
     writer.add_expert_used_count(n_used)

@@ -86,7 +86,9 @@ def test_f32_fixture_matches_float64_reference(arch, fixture_dir):
     path = fixture_path(arch, "F32", fixture_dir)
     tokens = text_tokens(n=24)
     ref = Reference(path).logits(tokens)
-    for numerics in ("float32", "ggml"):  # F32 weights: no activation quantization either way
+    # F32 weights: no activation quantization in either mode, but "ggml" keeps the KV cache,
+    # the queries and the attention weights in f16 as llama.cpp does.
+    for numerics, limit in (("float32", 1e-4), ("ggml", 2e-3)):
         ours = moed_logits(path, tokens, numerics)
-        assert rel_err(ours, ref) < 1e-4, numerics
+        assert rel_err(ours, ref) < limit, numerics
         assert (ours.argmax(1) == ref.argmax(1)).mean() >= 0.98
