@@ -44,7 +44,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    # Positionals may come after options ("generate MODEL --chat PROMPT"): collect them.
+    unknown = [a for a in extra if a.startswith("-")]
+    if unknown or (extra and args.command != "generate"):
+        parser.error(f"unrecognized arguments: {' '.join(unknown or extra)}")
+    if extra:
+        args.args += extra
     try:
         if args.command == "generate":
             return _generate(args)
