@@ -47,14 +47,22 @@ Two numerics modes:
   integer sums to float and FMA-accumulates them, so it differs from this by float rounding
   only (~1e-7 relative).
 
-  The integer block dot products are SIMD code written as LLVM vector IR (numba intrinsics,
-  portable: no target-specific intrinsics): see "SIMD block dot products" below.
+  F32/F16/BF16 weights: the products of fp16/bf16-rounded values are exact in float32 and are
+  summed in float32, vectorized (in an order other than ggml's; differences ~1e-7 relative).
+
+  The row loops of the quantized types are SIMD code emitted as LLVM IR by numba intrinsics
+  ("SIMD row kernels" below): portable vector IR, plus the AVX2 vpmaddwd/vpshufb intrinsics
+  where the CPU has AVX2 (same results either way; a test checks it).
 
   Not emulated: llama.cpp's optional CPU "extra" buffer types (repacked Q4_0x8/Q4_Kx8 with
   AMX or the aarch64 repack) and llamafile's sgemm for prefill, which use other summation
   orders; their results agree with the vec_dot path to float rounding.
 
-Speed: `python -m daemon.kernels.matmul` prints GB/s of weight bytes for 2048x2048 matrices.
+Speed: `python -m daemon.kernels.matmul [threads]` prints GB/s of weight bytes processed and
+GOP/s for 2048x2048 matrices at T=1 and T=32 (and a larger, memory-bound case).
+
+Threading: the kernels run numba parallel regions; with numba's "workqueue" threading layer
+they must not be called from two Python threads at once (the "omp" and "tbb" layers allow it).
 """
 
 from __future__ import annotations
@@ -90,23 +98,6 @@ VEC_DOT_TYPE: dict[int, int] = {
     Q.Q5_K: Q.Q8_K,
     Q.Q6_K: Q.Q8_K,
 }
-
-# --------------------------------------------------------------------------------------------
-# stack scratch arrays (`alloca`, not the heap: no allocation per call and no aliasing with
-# the weights or activations)
-
-
-@intrinsic
-def _stack_ptr(typingctx, size, dtype):
-    if not isinstance(size, types.IntegerLiteral):
-        return None
-    n = size.literal_value
-
-    def codegen(context, builder, signature, args):
-        return cgutils.alloca_once(builder, context.get_value_type(dtype.dtype), size=n)
-
-    return types.CPointer(dtype.dtype)(size, dtype), codegen
-
 
 # --------------------------------------------------------------------------------------------
 # activation quantizers (vec_dot_type conversions)
@@ -184,15 +175,21 @@ def _round_bf16(x: np.ndarray) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------------------------
-# SIMD block dot products, written as LLVM vector IR
+# SIMD row kernels, written as LLVM vector IR
 #
-# numba leaves LLVM's SLP vectorizer off (numba#8705) and the loop vectorizer cannot do much
-# with 16/32-value blocks, so the integer work of one block is emitted directly as portable
-# LLVM vector IR (no target intrinsics; on x86 it becomes vpmovsxbw + vpmaddwd + a reduction).
-# Each intrinsic takes a weight row (uint8), a byte offset, int8 activation rows and their
-# offset, and returns exact int32 dot products.
+# numba leaves LLVM's SLP vectorizer off (numba#8705), and its loop vectorizer can do little
+# with 16- and 32-value blocks, so the dot product of one weight row with one or four
+# activation rows is emitted directly as LLVM IR by numba intrinsics: a loop over blocks whose
+# body works on vectors (portable IR, no target intrinsics; on x86 the integer part becomes
+# vpmovsxbw + vpmaddwd, fp16 scales become vcvtph2ps). The kernels below only pick the rows.
+#
+# Per block the integer dot is exact (int32); it is scaled and accumulated in float32 one
+# block after the other, as ggml's generic C code does. The four-token kernels compute the
+# four tokens in the four lanes of <4 x float> vectors with the very same operations, so a
+# token's result does not depend on the tokens next to it.
 
 _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_F32 = ir.FloatType()
 
 
 def _vt(t, n):
@@ -207,425 +204,505 @@ def _splat_const(t, n, v):
     return _const_vec(t, [v] * n)
 
 
+def _c64(v):
+    return ir.Constant(_I64, v)
+
+
 def _splat(builder, v, n):
     vec = builder.insert_element(ir.Constant(_vt(v.type, n), ir.Undefined), v, ir.Constant(_I32, 0))
     return builder.shuffle_vector(vec, ir.Constant(_vt(v.type, n), ir.Undefined), _splat_const(_I32, n, 0))
 
 
-def _data_ptr(context, builder, arrty, arr, off):
-    """Pointer to element `off` of a 1-D array."""
-    data = context.make_array(arrty)(context, builder, arr).data
-    return builder.gep(data, [off])
+def _shuffle(builder, a, b, idx):
+    return builder.shuffle_vector(a, b, _const_vec(_I32, idx))
 
 
-def _at(builder, p, off):
-    return builder.gep(p, [ir.Constant(_I64, off)]) if off else p
+def _arr(context, builder, aryty, val):
+    return context.make_array(aryty)(context, builder, val)
 
 
-def _load(builder, p, off, vty):
-    return builder.load(builder.bitcast(_at(builder, p, off), vty.as_pointer()), align=1)
+def _bytes(builder, p, off=None):
+    """p as i8*, advanced by off bytes (int or i64 value)."""
+    q = builder.bitcast(p, _I8.as_pointer())
+    if off is None or (isinstance(off, int) and off == 0):
+        return q
+    return builder.gep(q, [_c64(off) if isinstance(off, int) else off])
+
+
+def _load(builder, p, off, ty, align=1):
+    """Load a value of type ty at byte offset off of pointer p."""
+    return builder.load(builder.bitcast(_bytes(builder, p, off), ty.as_pointer()), align=align)
+
+
+def _f16(builder, p, off):
+    """fp16 at byte offset off -> float32 (fpext: exact)."""
+    return builder.fpext(builder.bitcast(_load(builder, p, off, _I16), ir.HalfType()), _F32)
+
+
+def _e8m0_half(builder, p, off):
+    """ggml_e8m0_to_fp32_half of the byte at p+off."""
+    e = builder.zext(_load(builder, p, off, _I8), _I32)
+    den = builder.shl(ir.Constant(_I32, 0x00200000), e)
+    nor = builder.shl(builder.sub(e, ir.Constant(_I32, 1)), ir.Constant(_I32, 23))
+    bits = builder.select(builder.icmp_unsigned("<", e, ir.Constant(_I32, 2)), den, nor)
+    return builder.bitcast(bits, _F32)
 
 
 def _cat(builder, a, b):
-    n = a.type.count
-    return builder.shuffle_vector(a, b, _const_vec(_I32, range(2 * n)))
-
-
-def _reduce_add(builder, v):
-    fnty = ir.FunctionType(v.type.element, [v.type])
-    name = f"llvm.vector.reduce.add.v{v.type.count}i{v.type.element.width}"
-    return builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), [v])
-
-
-def _dot_i8(builder, w, x):
-    """<n x i8> . <n x i8> -> i32 (exact)."""
-    n = w.type.count
-    return _reduce_add(builder, builder.mul(builder.sext(w, _vt(_I32, n)), builder.sext(x, _vt(_I32, n))))
+    return _shuffle(builder, a, b, range(2 * a.type.count))
 
 
 def _nibbles(builder, p, off):
-    """16 bytes at p+off -> <32 x i8>: low nibbles (values 0..15), then high nibbles."""
+    """16 bytes at p+off -> <32 x i8>: the low nibbles (0..15), then the high nibbles."""
     b = _load(builder, p, off, _vt(_I8, 16))
     return _cat(builder, builder.and_(b, _splat_const(_I8, 16, 15)), builder.lshr(b, _splat_const(_I8, 16, 4)))
 
 
 def _qh_bits(builder, p, off):
-    """The 32-bit qh at p+off -> <32 x i8> with bit j of qh as 16 in lane j (else 0)."""
-    qh = builder.load(builder.bitcast(_at(builder, p, off), _I32.as_pointer()), align=1)
-    v = builder.lshr(_splat(builder, qh, 32), _const_vec(_I32, range(32)))
-    v = builder.trunc(builder.and_(v, _splat_const(_I32, 32, 1)), _vt(_I8, 32))
-    return builder.shl(v, _splat_const(_I8, 32, 4))
+    """The 32-bit qh at p+off -> <32 x i8> holding 16 in lane j where bit j of qh is set
+    (byte j//8 of qh spread over 8 lanes, tested against 1 << (j % 8))."""
+    qh = builder.bitcast(_load(builder, p, off, _I32), _vt(_I8, 4))
+    spread = _shuffle(builder, qh, qh, [j // 8 for j in range(32)])
+    bit = builder.and_(spread, _const_vec(_I8, [1 << (j % 8) for j in range(32)]))
+    on = builder.icmp_unsigned("!=", bit, _splat_const(_I8, 32, 0))
+    return builder.select(on, _splat_const(_I8, 32, 16), _splat_const(_I8, 32, 0))
 
 
-def _e2m1x2(builder, nib):
-    """kvalues_mxfp4[nib] for <32 x i8> nibbles: the magnitudes 0,1,2,3,4,6,8,12 of codes 0..7
-    are looked up as 4-bit fields of the constant 0xC8643210 (a per-lane variable shift),
-    bit 3 is the sign."""
+def _e2m1x2(context, builder, nib):
+    """kvalues_mxfp4[nib] for <32 x i8> nibbles. With AVX2 a table lookup (vpshufb); else
+    computed: codes 0..7 are the magnitudes 0,1,2,3 (c < 4), 4,6 (= (2 + (c & 1)) << 1) and
+    8,12 (= (2 + (c & 1)) << 2), bit 3 is the sign."""
     n = nib.type.count
-    c = builder.zext(builder.and_(nib, _splat_const(_I8, n, 7)), _vt(_I32, n))
-    mag = builder.lshr(_splat_const(_I32, n, 0xC8643210), builder.shl(c, _splat_const(_I32, n, 2)))
-    mag = builder.trunc(builder.and_(mag, _splat_const(_I32, n, 15)), _vt(_I8, n))
-    neg = builder.icmp_unsigned("!=", builder.and_(nib, _splat_const(_I8, n, 8)), _splat_const(_I8, n, 0))
-    return builder.select(neg, builder.sub(_splat_const(_I8, n, 0), mag), mag)
+    if _has_avx2(context) and n == 32:
+        fnty = ir.FunctionType(_vt(_I8, 32), [_vt(_I8, 32), _vt(_I8, 32)])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx2.pshuf.b")
+        table = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12] * 2
+        return builder.call(fn, [_const_vec(_I8, [v & 0xFF for v in table]), nib])
+
+    def k(v):
+        return _splat_const(_I8, n, v)
+
+    c = builder.and_(nib, k(7))
+    m = builder.add(k(2), builder.and_(c, k(1)))
+    big = builder.select(builder.icmp_unsigned("!=", builder.and_(c, k(2)), k(0)),
+                         builder.shl(m, k(2)), builder.shl(m, k(1)))
+    mag = builder.select(builder.icmp_unsigned("<", c, k(4)), c, big)
+    neg = builder.icmp_unsigned("!=", builder.and_(nib, k(8)), k(0))
+    return builder.select(neg, builder.sub(k(0), mag), mag)
 
 
-# 32-value block types: bytes per block and the weight decoder (block pointer -> <32 x i8>)
-_B32_BYTES = {8: 34, 2: 18, 3: 20, 6: 22, 7: 24, 39: 17}
+def _dot(builder, w, x):
+    """<32 x i8|i16> w . <32 x i8> x -> i32, exact. Written as reduce.add(mul(sext, sext)),
+    which LLVM turns into vpmovsxbw + vpmaddwd + a reduction on x86."""
+    return _hsum(builder, builder.mul(builder.sext(w, _vt(_I32, 32)), builder.sext(x, _vt(_I32, 32))))
 
 
-def _dec_b32(kind, builder, bp):
-    if kind == 8:  # Q8_0
-        return _load(builder, bp, 2, _vt(_I8, 32))
-    if kind == 2:  # Q4_0
-        return builder.sub(_nibbles(builder, bp, 2), _splat_const(_I8, 32, 8))
-    if kind == 3:  # Q4_1
-        return _nibbles(builder, bp, 4)
-    if kind == 6:  # Q5_0
-        w = builder.or_(_nibbles(builder, bp, 6), _qh_bits(builder, bp, 2))
-        return builder.sub(w, _splat_const(_I8, 32, 16))
-    if kind == 7:  # Q5_1
-        return builder.or_(_nibbles(builder, bp, 8), _qh_bits(builder, bp, 4))
-    if kind == 39:  # MXFP4
-        return _e2m1x2(builder, _nibbles(builder, bp, 1))
-    raise AssertionError(kind)
+def _has_avx2(context):
+    return "+avx2" in getattr(context.codegen(), "_tm_features", "")
 
 
-def _literal_kind(kind, allowed):
+def _pmadd_avx2(builder, w, x):
+    """<32 x i8|i16> w, <32 x i8> x -> <8 x i32> partial sums (vpmaddwd on two halves; AVX2)."""
+    fnty = ir.FunctionType(_vt(_I32, 8), [_vt(_I16, 16), _vt(_I16, 16)])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx2.pmadd.wd")
+    w = builder.sext(w, _vt(_I16, 32)) if w.type.element.width < 16 else w
+    x = builder.sext(x, _vt(_I16, 32))
+    lo, hi = range(16), range(16, 32)
+    return builder.add(builder.call(fn, [_shuffle(builder, w, w, lo), _shuffle(builder, x, x, lo)]),
+                       builder.call(fn, [_shuffle(builder, w, w, hi), _shuffle(builder, x, x, hi)]))
+
+
+def _dot4(context, builder, w, xs):
+    """w . x for four x -> <4 x i32>, exact. With AVX2 the four partial-sum vectors share one
+    transposing reduction; otherwise four reductions."""
+    if _has_avx2(context):
+        return _hsum4(builder, [_pmadd_avx2(builder, w, x) for x in xs])
+    v = ir.Constant(_vt(_I32, 4), ir.Undefined)
+    for i, x in enumerate(xs):
+        v = builder.insert_element(v, _dot(builder, w, x), ir.Constant(_I32, i))
+    return v
+
+
+def _hsum(builder, v):
+    fnty = ir.FunctionType(v.type.element, [v.type])
+    name = f"llvm.vector.reduce.add.v{v.type.count}i{v.type.element.width}"
+    return builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), [v])
+
+
+def _hsum4(builder, vs):
+    """Four <n x i32> (n >= 8) -> <4 x i32> of their sums (a transposing reduction)."""
+    out = []
+    for v in vs:
+        n = v.type.count
+        while n > 8:
+            v = builder.add(_shuffle(builder, v, v, range(n // 2)), _shuffle(builder, v, v, range(n // 2, n)))
+            n //= 2
+        out.append(v)
+    v0, v1, v2, v3 = out
+    lo, hi = [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]
+    p01 = builder.add(_shuffle(builder, v0, v1, lo), _shuffle(builder, v0, v1, hi))
+    p23 = builder.add(_shuffle(builder, v2, v3, lo), _shuffle(builder, v2, v3, hi))
+    q = builder.add(_shuffle(builder, p01, p23, [0, 1, 8, 9, 4, 5, 12, 13]),
+                    _shuffle(builder, p01, p23, [2, 3, 10, 11, 6, 7, 14, 15]))
+    return builder.add(_shuffle(builder, q, q, [0, 4, 2, 6]), _shuffle(builder, q, q, [1, 5, 3, 7]))
+
+
+def _literal(kind, allowed):
     if not isinstance(kind, types.IntegerLiteral) or kind.literal_value not in allowed:
         return None
     return kind.literal_value
 
 
+def _is_c(*arrs):
+    return all(isinstance(a, types.Array) and a.layout == "C" for a in arrs)
+
+
+# ---- 32-value block types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4 (activations Q8_0 / Q8_1) ----
+
+_B32_BYTES = {8: 34, 2: 18, 3: 20, 6: 22, 7: 24, 39: 17}
+
+
+def _dec_b32(k, context, builder, bp):
+    """The 32 weights of the block at bp as <32 x i8>."""
+    if k == 8:  # Q8_0
+        return _load(builder, bp, 2, _vt(_I8, 32))
+    if k == 2:  # Q4_0
+        return builder.sub(_nibbles(builder, bp, 2), _splat_const(_I8, 32, 8))
+    if k == 3:  # Q4_1
+        return _nibbles(builder, bp, 4)
+    if k == 6:  # Q5_0
+        w = builder.or_(_nibbles(builder, bp, 6), _qh_bits(builder, bp, 2))
+        return builder.sub(w, _splat_const(_I8, 32, 16))
+    if k == 7:  # Q5_1
+        return builder.or_(_nibbles(builder, bp, 8), _qh_bits(builder, bp, 4))
+    return _e2m1x2(context, builder, _nibbles(builder, bp, 1))  # MXFP4
+
+
+def _hdr_b32(k, builder, bp):
+    """(d, m) of the block at bp; m is None for types without a min."""
+    if k == 39:
+        return _e8m0_half(builder, bp, 0), None
+    if k in (3, 7):
+        return _f16(builder, bp, 0), _f16(builder, bp, 2)
+    return _f16(builder, bp, 0), None
+
+
 @intrinsic
-def _b32dot(typingctx, kind, row, o, xr, ox):
-    """<weights of the block at row[o:]>, xr[ox:ox+32]> as exact int32."""
-    k = _literal_kind(kind, _B32_BYTES)
-    if k is None:
+def _b32_row1(typingctx, kind, row, xr, xdr, xsr):
+    """One token: sum_b float(<w_b, q_b>) * (d_w,b * d_x,b) (+ sum_b m_w,b * s_x,b).
+    row: uint8 [row_bytes]; xr: int8 [K]; xdr, xsr: float32 [B]."""
+    k = _literal(kind, _B32_BYTES)
+    if k is None or not _is_c(row, xr, xdr, xsr):
         return None
+    sig = types.float32(kind, row, xr, xdr, xsr)
 
     def codegen(context, builder, sig, args):
-        bp = _data_ptr(context, builder, sig.args[1], args[1], args[2])
-        xp = _data_ptr(context, builder, sig.args[3], args[3], args[4])
-        return _dot_i8(builder, _dec_b32(k, builder, bp), _load(builder, xp, 0, _vt(_I8, 32)))
+        rp, xp, dp, sp = (_arr(context, builder, t, v).data for t, v in zip(sig.args[1:], args[1:]))
+        nb = cgutils.unpack_tuple(builder, _arr(context, builder, sig.args[3], args[3]).shape, 1)[0]
+        acc = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))
+        macc = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))
+        with cgutils.for_range(builder, nb) as loop:
+            b = loop.index
+            bp = _bytes(builder, rp, builder.mul(b, _c64(_B32_BYTES[k])))
+            x = _load(builder, xp, builder.mul(b, _c64(32)), _vt(_I8, 32))
+            s = _dot(builder, _dec_b32(k, context, builder, bp), x)
+            dw, mw = _hdr_b32(k, builder, bp)
+            sc = builder.fmul(dw, builder.load(builder.gep(dp, [b])))
+            builder.store(builder.fadd(builder.load(acc), builder.fmul(builder.sitofp(s, _F32), sc)), acc)
+            if mw is not None:
+                m = builder.fmul(mw, builder.load(builder.gep(sp, [b])))
+                builder.store(builder.fadd(builder.load(macc), m), macc)
+        res = builder.load(acc)
+        return builder.fadd(res, builder.load(macc)) if k in (3, 7) else res
 
-    return types.int32(kind, row, o, xr, ox), codegen
+    return sig, codegen
 
 
 @intrinsic
-def _b32dot4(typingctx, kind, row, o, x0, x1, x2, x3, ox):
-    """As _b32dot for four activation rows, decoding the block once."""
-    k = _literal_kind(kind, _B32_BYTES)
-    if k is None:
+def _b32_row4(typingctx, kind, row, xq, t0, xdT, xsT):
+    """Tokens t0..t0+3 in the lanes of <4 x float>, each computed exactly as _b32_row1.
+    xq: int8 [T, K]; xdT, xsT: float32 [B, T] (scales transposed: one vector load per block)."""
+    k = _literal(kind, _B32_BYTES)
+    if k is None or not _is_c(row, xq, xdT, xsT) or not isinstance(t0, types.Integer):
         return None
+    sig = types.UniTuple(types.float32, 4)(kind, row, xq, t0, xdT, xsT)
 
     def codegen(context, builder, sig, args):
-        bp = _data_ptr(context, builder, sig.args[1], args[1], args[2])
-        w = _dec_b32(k, builder, bp)
-        sums = []
-        for i in range(4):
-            xp = _data_ptr(context, builder, sig.args[3 + i], args[3 + i], args[7])
-            sums.append(_dot_i8(builder, w, _load(builder, xp, 0, _vt(_I8, 32))))
-        return context.make_tuple(builder, sig.return_type, sums)
+        _, row, xq, t0, xdT, xsT = args
+        rp = _arr(context, builder, sig.args[1], row).data
+        xa = _arr(context, builder, sig.args[2], xq)
+        da = _arr(context, builder, sig.args[4], xdT)
+        sa = _arr(context, builder, sig.args[5], xsT)
+        t0 = context.cast(builder, t0, sig.args[3], types.int64)
+        xs0 = cgutils.unpack_tuple(builder, xa.strides, 2)[0]
+        xrows = [_bytes(builder, xa.data, builder.mul(builder.add(t0, _c64(i)), xs0)) for i in range(4)]
+        nb = cgutils.unpack_tuple(builder, da.shape, 2)[0]
+        ds0 = cgutils.unpack_tuple(builder, da.strides, 2)[0]
+        toff = builder.mul(t0, _c64(4))
+        zero4 = ir.Constant(_vt(_F32, 4), [0.0] * 4)
+        acc = cgutils.alloca_once_value(builder, zero4)
+        macc = cgutils.alloca_once_value(builder, zero4)
+        with cgutils.for_range(builder, nb) as loop:
+            b = loop.index
+            bp = _bytes(builder, rp, builder.mul(b, _c64(_B32_BYTES[k])))
+            w = _dec_b32(k, context, builder, bp)
+            xo = builder.mul(b, _c64(32))
+            s4 = _dot4(context, builder, w, [_load(builder, xr, xo, _vt(_I8, 32)) for xr in xrows])
+            dw, mw = _hdr_b32(k, builder, bp)
+            to = builder.add(builder.mul(b, ds0), toff)
+            sc = builder.fmul(_splat(builder, dw, 4), _load(builder, da.data, to, _vt(_F32, 4), align=4))
+            a = builder.fadd(builder.load(acc), builder.fmul(builder.sitofp(s4, _vt(_F32, 4)), sc))
+            builder.store(a, acc)
+            if mw is not None:
+                m = builder.fmul(_splat(builder, mw, 4), _load(builder, sa.data, to, _vt(_F32, 4), align=4))
+                builder.store(builder.fadd(builder.load(macc), m), macc)
+        res = builder.load(acc)
+        if k in (3, 7):
+            res = builder.fadd(res, builder.load(macc))
+        lanes = [builder.extract_element(res, ir.Constant(_I32, i)) for i in range(4)]
+        return context.make_tuple(builder, sig.return_type, lanes)
 
-    return types.UniTuple(types.int32, 4)(kind, row, o, x0, x1, x2, x3, ox), codegen
+    return sig, codegen
 
 
-# K-quants: the super-block at row[o:] times 256 Q8_K values. Weights are multiplied by their
-# sub-block scale in int16 (exact: at most 31*63 for Q5_K, 32*128 for Q6_K), so the whole
-# super-block is one int32 dot sum_g scale_g * <w_g, q_g>, as ggml's integer `sumi`.
+# ---- K-quants: Q4_K, Q5_K, Q6_K (activations Q8_K) ----
+#
+# A super-block's weights are multiplied by their sub-block scale in int16 (exact: at most
+# 31*63 for Q5_K, 32*128 for Q6_K), so the super-block is one exact int32 dot,
+# sumi = sum_g scale_g * <w_g, q_g>, as ggml's; the mins go through the Q8_K bsums:
+# summ = sum_g min_g * (bsum_2g + bsum_2g+1). Per super-block, in float32:
+# a += (d_w*d_x) * sumi;  a -= (dmin_w*d_x) * summ.
+
+_KQ_BYTES = {12: 144, 13: 176, 14: 210}
 
 
-def _dec_kq(kind, builder, bp, scp):
-    """-> 8 vectors <32 x i16>: weights times their sub-block scales. scp: int16 [8] scales
-    (Q4_K/Q5_K, computed by the caller); Q6_K reads its int8 scales from the block."""
-    out = []
-    if kind in (12, 13):
-        qs = 16 if kind == 12 else 48
-        qh = _load(builder, bp, 16, _vt(_I8, 32)) if kind == 13 else None
-        scv = _load(builder, scp, 0, _vt(_I16, 8))
+def _scales_k4(builder, bp):
+    """The 8 six-bit (scale, min) pairs of a Q4_K/Q5_K block (get_scale_min_k4):
+    -> scales <8 x i16>, mins <8 x i32>."""
+    q = [builder.zext(_load(builder, bp, 4 + i, _I8), _I32) for i in range(12)]
+
+    def c(v):
+        return ir.Constant(_I32, v)
+
+    sc = ir.Constant(_vt(_I16, 8), ir.Undefined)
+    mn = ir.Constant(_vt(_I32, 8), ir.Undefined)
+    for j in range(8):
+        if j < 4:
+            d = builder.and_(q[j], c(63))
+            m = builder.and_(q[j + 4], c(63))
+        else:
+            d = builder.or_(builder.and_(q[j + 4], c(15)), builder.shl(builder.lshr(q[j - 4], c(6)), c(4)))
+            m = builder.or_(builder.lshr(q[j + 4], c(4)), builder.shl(builder.lshr(q[j], c(6)), c(4)))
+        sc = builder.insert_element(sc, builder.trunc(d, _I16), c(j))
+        mn = builder.insert_element(mn, m, c(j))
+    return sc, mn
+
+
+def _dec_kq(k, builder, bp):
+    """-> (8 vectors <32 x i16> of weights times their sub-block scales, mins <8 x i32> or
+    None, d, dmin or None)."""
+    ws = []
+    if k in (12, 13):
+        qs = 16 if k == 12 else 48
+        qh = _load(builder, bp, 16, _vt(_I8, 32)) if k == 13 else None
+        scv, mins = _scales_k4(builder, bp)
         for j in range(8):
             c, hi = divmod(j, 2)
             b = _load(builder, bp, qs + 32 * c, _vt(_I8, 32))
             w = builder.lshr(b, _splat_const(_I8, 32, 4)) if hi else builder.and_(b, _splat_const(_I8, 32, 15))
-            if kind == 13:
+            if k == 13:
                 h = builder.and_(builder.lshr(qh, _splat_const(_I8, 32, j)), _splat_const(_I8, 32, 1))
                 w = builder.or_(w, builder.shl(h, _splat_const(_I8, 32, 4)))
-            sc = builder.shuffle_vector(scv, scv, _splat_const(_I32, 32, j))
-            out.append(builder.mul(builder.zext(w, _vt(_I16, 32)), sc))
-        return out
+            sc = _shuffle(builder, scv, scv, [j] * 32)
+            ws.append(builder.mul(builder.zext(w, _vt(_I16, 32)), sc))
+        return ws, mins, _f16(builder, bp, 0), _f16(builder, bp, 2)
     scv = builder.sext(_load(builder, bp, 192, _vt(_I8, 16)), _vt(_I16, 16))
     for half in range(2):
+        qh = _load(builder, bp, 128 + half * 32, _vt(_I8, 32))
         for grp in range(4):
             ql = _load(builder, bp, half * 64 + (grp & 1) * 32, _vt(_I8, 32))
             ql = builder.and_(builder.lshr(ql, _splat_const(_I8, 32, 4 * (grp >> 1))), _splat_const(_I8, 32, 15))
-            qh = _load(builder, bp, 128 + half * 32, _vt(_I8, 32))
-            qh = builder.and_(builder.lshr(qh, _splat_const(_I8, 32, 2 * grp)), _splat_const(_I8, 32, 3))
-            q = builder.sub(builder.or_(ql, builder.shl(qh, _splat_const(_I8, 32, 4))), _splat_const(_I8, 32, 32))
-            g = half * 8 + grp * 2  # 16-value groups g, g+1
-            sc = builder.shuffle_vector(scv, scv, _const_vec(_I32, [g] * 16 + [g + 1] * 16))
-            out.append(builder.mul(builder.sext(q, _vt(_I16, 32)), sc))
-    return out
+            h = builder.and_(builder.lshr(qh, _splat_const(_I8, 32, 2 * grp)), _splat_const(_I8, 32, 3))
+            q = builder.sub(builder.or_(ql, builder.shl(h, _splat_const(_I8, 32, 4))), _splat_const(_I8, 32, 32))
+            g = half * 8 + grp * 2  # 16-value groups g and g+1
+            sc = _shuffle(builder, scv, scv, [g] * 16 + [g + 1] * 16)
+            ws.append(builder.mul(builder.sext(q, _vt(_I16, 32)), sc))
+    return ws, None, _f16(builder, bp, 208), None
 
 
-def _dot_kq(builder, ws, xp):
+def _kq_sumi(context, builder, ws, xp, xo):
+    """sum_j <ws_j, x[xo + 32j : xo + 32j + 32]>, exact: with AVX2 as <8 x i32> partial sums
+    (vpmaddwd), else reduced to i32."""
+    avx2 = _has_avx2(context)
     acc = None
     for j, w in enumerate(ws):
-        x = builder.sext(_load(builder, xp, 32 * j, _vt(_I8, 32)), _vt(_I32, 32))
-        p = builder.mul(builder.sext(w, _vt(_I32, 32)), x)
+        x = _load(builder, xp, builder.add(xo, _c64(32 * j)), _vt(_I8, 32))
+        if avx2:
+            p = _pmadd_avx2(builder, w, x)
+        else:
+            p = builder.mul(builder.sext(w, _vt(_I32, 32)), builder.sext(x, _vt(_I32, 32)))
         acc = p if acc is None else builder.add(acc, p)
-    return _reduce_add(builder, acc)
+    return acc if avx2 else _hsum(builder, acc)
+
+
+def _vec4(builder, vals):
+    v = ir.Constant(_vt(vals[0].type, 4), ir.Undefined)
+    for i, x in enumerate(vals):
+        v = builder.insert_element(v, x, ir.Constant(_I32, i))
+    return v
+
+
+def _kq_summ(builder, mins, bp, bo):
+    """mins <8 x i32> * (bsum_2g + bsum_2g+1) for the 16 int32 bsums at byte bo of bp."""
+    bs = _load(builder, bp, bo, _vt(_I32, 16))
+    pairs = builder.add(_shuffle(builder, bs, bs, range(0, 16, 2)), _shuffle(builder, bs, bs, range(1, 16, 2)))
+    return builder.mul(mins, pairs)
 
 
 @intrinsic
-def _kqdot(typingctx, kind, row, o, sc, xr, ox):
-    k = _literal_kind(kind, (12, 13, 14))
-    if k is None:
+def _kq_row1(typingctx, kind, row, xr, xdr, xbsr):
+    """One token. row: uint8 [row_bytes]; xr: int8 [K]; xdr: float32 [S]; xbsr: int32 [K/16]."""
+    k = _literal(kind, _KQ_BYTES)
+    if k is None or not _is_c(row, xr, xdr, xbsr):
         return None
+    sig = types.float32(kind, row, xr, xdr, xbsr)
 
     def codegen(context, builder, sig, args):
-        bp = _data_ptr(context, builder, sig.args[1], args[1], args[2])
-        scp = _data_ptr(context, builder, sig.args[3], args[3], ir.Constant(_I64, 0))
-        xp = _data_ptr(context, builder, sig.args[4], args[4], args[5])
-        return _dot_kq(builder, _dec_kq(k, builder, bp, scp), xp)
+        rp, xp, dp, bsp = (_arr(context, builder, t, v).data for t, v in zip(sig.args[1:], args[1:]))
+        ns = cgutils.unpack_tuple(builder, _arr(context, builder, sig.args[3], args[3]).shape, 1)[0]
+        acc = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))
+        with cgutils.for_range(builder, ns) as loop:
+            s = loop.index
+            bp = _bytes(builder, rp, builder.mul(s, _c64(_KQ_BYTES[k])))
+            ws, mins, d, dmin = _dec_kq(k, builder, bp)
+            sumi = _kq_sumi(context, builder, ws, xp, builder.mul(s, _c64(256)))
+            if _has_avx2(context):
+                sumi = _hsum(builder, sumi)
+            dx = builder.load(builder.gep(dp, [s]))
+            a = builder.fadd(builder.load(acc), builder.fmul(builder.fmul(d, dx), builder.sitofp(sumi, _F32)))
+            if mins is not None:
+                summ = _hsum(builder, _kq_summ(builder, mins, bsp, builder.mul(s, _c64(64))))
+                a = builder.fsub(a, builder.fmul(builder.fmul(dmin, dx), builder.sitofp(summ, _F32)))
+            builder.store(a, acc)
+        return builder.load(acc)
 
-    return types.int32(kind, row, o, sc, xr, ox), codegen
+    return sig, codegen
 
 
 @intrinsic
-def _kqdot4(typingctx, kind, row, o, sc, x0, x1, x2, x3, ox):
-    k = _literal_kind(kind, (12, 13, 14))
-    if k is None:
+def _kq_row4(typingctx, kind, row, xq, t0, xdT, xbs):
+    """Tokens t0..t0+3 in the lanes of <4 x float>, each computed exactly as _kq_row1.
+    xq: int8 [T, K]; xdT: float32 [S, T]; xbs: int32 [T, K/16]."""
+    k = _literal(kind, _KQ_BYTES)
+    if k is None or not _is_c(row, xq, xdT, xbs) or not isinstance(t0, types.Integer):
         return None
+    sig = types.UniTuple(types.float32, 4)(kind, row, xq, t0, xdT, xbs)
 
     def codegen(context, builder, sig, args):
-        bp = _data_ptr(context, builder, sig.args[1], args[1], args[2])
-        scp = _data_ptr(context, builder, sig.args[3], args[3], ir.Constant(_I64, 0))
-        ws = _dec_kq(k, builder, bp, scp)
-        sums = [_dot_kq(builder, ws, _data_ptr(context, builder, sig.args[4 + i], args[4 + i], args[8]))
-                for i in range(4)]
-        return context.make_tuple(builder, sig.return_type, sums)
+        _, row, xq, t0, xdT, xbs = args
+        rp = _arr(context, builder, sig.args[1], row).data
+        xa = _arr(context, builder, sig.args[2], xq)
+        da = _arr(context, builder, sig.args[4], xdT)
+        ba = _arr(context, builder, sig.args[5], xbs)
+        t0 = context.cast(builder, t0, sig.args[3], types.int64)
+        tk = [builder.add(t0, _c64(i)) for i in range(4)]
+        xrows = [_bytes(builder, xa.data, builder.mul(t, cgutils.unpack_tuple(builder, xa.strides, 2)[0])) for t in tk]
+        brows = [_bytes(builder, ba.data, builder.mul(t, cgutils.unpack_tuple(builder, ba.strides, 2)[0])) for t in tk]
+        ns = cgutils.unpack_tuple(builder, da.shape, 2)[0]
+        ds0 = cgutils.unpack_tuple(builder, da.strides, 2)[0]
+        acc = cgutils.alloca_once_value(builder, ir.Constant(_vt(_F32, 4), [0.0] * 4))
+        with cgutils.for_range(builder, ns) as loop:
+            s = loop.index
+            bp = _bytes(builder, rp, builder.mul(s, _c64(_KQ_BYTES[k])))
+            ws, mins, d, dmin = _dec_kq(k, builder, bp)
+            xo = builder.mul(s, _c64(256))
+            sums = [_kq_sumi(context, builder, ws, xr, xo) for xr in xrows]
+            sumi = _hsum4(builder, sums) if _has_avx2(context) else _vec4(builder, sums)
+            dx = _load(builder, da.data, builder.add(builder.mul(s, ds0), builder.mul(t0, _c64(4))), _vt(_F32, 4), 4)
+            a = builder.fadd(builder.load(acc),
+                             builder.fmul(builder.fmul(_splat(builder, d, 4), dx), builder.sitofp(sumi, _vt(_F32, 4))))
+            if mins is not None:
+                bo = builder.mul(s, _c64(64))
+                summ = _hsum4(builder, [_kq_summ(builder, mins, br, bo) for br in brows])
+                a = builder.fsub(a, builder.fmul(builder.fmul(_splat(builder, dmin, 4), dx),
+                                                 builder.sitofp(summ, _vt(_F32, 4))))
+            builder.store(a, acc)
+        res = builder.load(acc)
+        lanes = [builder.extract_element(res, ir.Constant(_I32, i)) for i in range(4)]
+        return context.make_tuple(builder, sig.return_type, lanes)
 
-    return types.UniTuple(types.int32, 4)(kind, row, o, sc, x0, x1, x2, x3, ox), codegen
-
-
-# --------------------------------------------------------------------------------------------
-# ggml numerics: 32-value block types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4) against Q8_0/Q8_1
-#
-# Per token: sumf = sum_b float(sumi_b) * (d_w,b * d_x,b) (+ sum_b m_w,b * s_x,b), accumulated
-# block by block in float32 like ggml's generic code. The helpers are inlined at the numba
-# level and called with a constant type id, so each type's loop is straight-line code.
-
-
-@numba.njit(cache=True, inline="always")
-def _hdr_b32(qt, row, o):
-    """(d, m) of the block at row[o:]."""
-    if qt == 39:
-        return Q._E8M0_HALF[row[o]], np.float32(0.0)
-    if qt == 3 or qt == 7:
-        return rd_f16(row, o), rd_f16(row, o + 2)
-    return rd_f16(row, o), np.float32(0.0)
-
-
-@numba.njit(cache=True, inline="always")
-def _bdot(qt, row, o, xr, ox):
-    if qt == 8:
-        return _b32dot(8, row, o, xr, ox)
-    if qt == 2:
-        return _b32dot(2, row, o, xr, ox)
-    if qt == 3:
-        return _b32dot(3, row, o, xr, ox)
-    if qt == 6:
-        return _b32dot(6, row, o, xr, ox)
-    if qt == 7:
-        return _b32dot(7, row, o, xr, ox)
-    return _b32dot(39, row, o, xr, ox)
+    return sig, codegen
 
 
-@numba.njit(cache=True, inline="always")
-def _bdot4(qt, row, o, x0, x1, x2, x3, ox):
-    if qt == 8:
-        return _b32dot4(8, row, o, x0, x1, x2, x3, ox)
-    if qt == 2:
-        return _b32dot4(2, row, o, x0, x1, x2, x3, ox)
-    if qt == 3:
-        return _b32dot4(3, row, o, x0, x1, x2, x3, ox)
-    if qt == 6:
-        return _b32dot4(6, row, o, x0, x1, x2, x3, ox)
-    if qt == 7:
-        return _b32dot4(7, row, o, x0, x1, x2, x3, ox)
-    return _b32dot4(39, row, o, x0, x1, x2, x3, ox)
-
-
-@numba.njit(cache=True, inline="always")
-def _rows_b32(qt, raw, n0, n1, xq, xd, xs, out):
-    T = xq.shape[0]
-    nb = xd.shape[1]
-    bb = 34 if qt == 8 else (18 if qt == 2 else (20 if qt == 3 else (22 if qt == 6 else (24 if qt == 7 else 17))))
-    has_min = qt == 3 or qt == 7
-    T4 = T - T % 4
-    for n in range(n0, n1):
-        row = raw[n]
-        # four tokens at a time: each block decoded once; per token the same operations, in
-        # the same order, as the one-token loop below (batch invariance)
-        for t in range(0, T4, 4):
-            x0, x1, x2, x3 = xq[t], xq[t + 1], xq[t + 2], xq[t + 3]
-            a0 = a1 = a2 = a3 = np.float32(0.0)
-            m0 = m1 = m2 = m3 = np.float32(0.0)
-            for b in range(nb):
-                o = b * bb
-                dw, mw = _hdr_b32(qt, row, o)
-                s0, s1, s2, s3 = _bdot4(qt, row, o, x0, x1, x2, x3, b * 32)
-                a0 += np.float32(s0) * (dw * xd[t, b])
-                a1 += np.float32(s1) * (dw * xd[t + 1, b])
-                a2 += np.float32(s2) * (dw * xd[t + 2, b])
-                a3 += np.float32(s3) * (dw * xd[t + 3, b])
-                if has_min:
-                    m0 += mw * xs[t, b]
-                    m1 += mw * xs[t + 1, b]
-                    m2 += mw * xs[t + 2, b]
-                    m3 += mw * xs[t + 3, b]
-            out[t, n] = a0 + m0
-            out[t + 1, n] = a1 + m1
-            out[t + 2, n] = a2 + m2
-            out[t + 3, n] = a3 + m3
-        for t in range(T4, T):
-            xr = xq[t]
-            a = np.float32(0.0)
-            m = np.float32(0.0)
-            for b in range(nb):
-                o = b * bb
-                dw, mw = _hdr_b32(qt, row, o)
-                a += np.float32(_bdot(qt, row, o, xr, b * 32)) * (dw * xd[t, b])
-                if has_min:
-                    m += mw * xs[t, b]
-            out[t, n] = a + m
+# ---- the kernels: rows split over threads, tokens by four, then one by one ----
 
 
 @numba.njit(cache=True, parallel=True)
-def _mm_b32(qt, raw, xq, xd, xs, out, nchunks):
+def _mm_b32(qt, raw, xq, xd, xdT, xs, xsT, out, nchunks):
     N = raw.shape[0]
-    for c in prange(nchunks):
-        n0 = c * N // nchunks
-        n1 = (c + 1) * N // nchunks
-        if qt == 8:
-            _rows_b32(8, raw, n0, n1, xq, xd, xs, out)
-        elif qt == 2:
-            _rows_b32(2, raw, n0, n1, xq, xd, xs, out)
-        elif qt == 3:
-            _rows_b32(3, raw, n0, n1, xq, xd, xs, out)
-        elif qt == 6:
-            _rows_b32(6, raw, n0, n1, xq, xd, xs, out)
-        elif qt == 7:
-            _rows_b32(7, raw, n0, n1, xq, xd, xs, out)
-        else:
-            _rows_b32(39, raw, n0, n1, xq, xd, xs, out)
-
-
-# --------------------------------------------------------------------------------------------
-# ggml numerics: K-quants (Q4_K, Q5_K, Q6_K) against Q8_K
-#
-# Per token and super-block: sumf += (d_w*d_x) * sumi - (dmin_w*d_x) * summ, with
-# sumi = sum_g scale_g <w_g, q_g> (exact int32) and summ = sum_g min_g * (bsum_2g + bsum_2g+1).
-
-
-@numba.njit(cache=True, inline="always")
-def _kdot(qt, row, o, sc, xr, ox):
-    if qt == 12:
-        return _kqdot(12, row, o, sc, xr, ox)
-    if qt == 13:
-        return _kqdot(13, row, o, sc, xr, ox)
-    return _kqdot(14, row, o, sc, xr, ox)
-
-
-@numba.njit(cache=True, inline="always")
-def _kdot4(qt, row, o, sc, x0, x1, x2, x3, ox):
-    if qt == 12:
-        return _kqdot4(12, row, o, sc, x0, x1, x2, x3, ox)
-    if qt == 13:
-        return _kqdot4(13, row, o, sc, x0, x1, x2, x3, ox)
-    return _kqdot4(14, row, o, sc, x0, x1, x2, x3, ox)
-
-
-@numba.njit(cache=True, inline="always")
-def _kq_summ(mins, bs, s):
-    summ = np.int32(0)
-    for g in range(8):
-        summ += mins[g] * (bs[s * 16 + 2 * g] + bs[s * 16 + 2 * g + 1])
-    return summ
-
-
-@numba.njit(cache=True, inline="always")
-def _rows_kq(qt, raw, n0, n1, xq, xd, xbs, out):
     T = xq.shape[0]
-    ns = xd.shape[1]
-    bb = 144 if qt == 12 else (176 if qt == 13 else 210)
-    sc = numba.carray(_stack_ptr(8, np.int16), (8,))
-    mins = numba.carray(_stack_ptr(8, np.int32), (8,))
     T4 = T - T % 4
-    for n in range(n0, n1):
-        row = raw[n]
-        for t in range(0, T4, 4):
-            x0, x1, x2, x3 = xq[t], xq[t + 1], xq[t + 2], xq[t + 3]
-            a0 = a1 = a2 = a3 = np.float32(0.0)
-            for s in range(ns):
-                o = s * bb
-                if qt == 14:
-                    dw = rd_f16(row, o + 208)
-                    dmw = np.float32(0.0)
+    for c in prange(nchunks):
+        for n in range(c * N // nchunks, (c + 1) * N // nchunks):
+            row = raw[n]
+            for t in range(0, T4, 4):
+                if qt == 8:
+                    r = _b32_row4(8, row, xq, t, xdT, xsT)
+                elif qt == 2:
+                    r = _b32_row4(2, row, xq, t, xdT, xsT)
+                elif qt == 3:
+                    r = _b32_row4(3, row, xq, t, xdT, xsT)
+                elif qt == 6:
+                    r = _b32_row4(6, row, xq, t, xdT, xsT)
+                elif qt == 7:
+                    r = _b32_row4(7, row, xq, t, xdT, xsT)
                 else:
-                    dw = rd_f16(row, o)
-                    dmw = rd_f16(row, o + 2)
-                    for g in range(8):
-                        scg, mg = Q._scale_min_k4(row, o + 4, g)
-                        sc[g] = scg
-                        mins[g] = mg
-                s0, s1, s2, s3 = _kdot4(qt, row, o, sc, x0, x1, x2, x3, s * 256)
-                a0 += (dw * xd[t, s]) * np.float32(s0)
-                a1 += (dw * xd[t + 1, s]) * np.float32(s1)
-                a2 += (dw * xd[t + 2, s]) * np.float32(s2)
-                a3 += (dw * xd[t + 3, s]) * np.float32(s3)
-                if qt != 14:
-                    a0 -= (dmw * xd[t, s]) * np.float32(_kq_summ(mins, xbs[t], s))
-                    a1 -= (dmw * xd[t + 1, s]) * np.float32(_kq_summ(mins, xbs[t + 1], s))
-                    a2 -= (dmw * xd[t + 2, s]) * np.float32(_kq_summ(mins, xbs[t + 2], s))
-                    a3 -= (dmw * xd[t + 3, s]) * np.float32(_kq_summ(mins, xbs[t + 3], s))
-            out[t, n] = a0
-            out[t + 1, n] = a1
-            out[t + 2, n] = a2
-            out[t + 3, n] = a3
-        for t in range(T4, T):
-            xr = xq[t]
-            a = np.float32(0.0)
-            for s in range(ns):
-                o = s * bb
-                if qt == 14:
-                    dw = rd_f16(row, o + 208)
-                    dmw = np.float32(0.0)
+                    r = _b32_row4(39, row, xq, t, xdT, xsT)
+                out[t, n] = r[0]
+                out[t + 1, n] = r[1]
+                out[t + 2, n] = r[2]
+                out[t + 3, n] = r[3]
+            for t in range(T4, T):
+                if qt == 8:
+                    out[t, n] = _b32_row1(8, row, xq[t], xd[t], xs[t])
+                elif qt == 2:
+                    out[t, n] = _b32_row1(2, row, xq[t], xd[t], xs[t])
+                elif qt == 3:
+                    out[t, n] = _b32_row1(3, row, xq[t], xd[t], xs[t])
+                elif qt == 6:
+                    out[t, n] = _b32_row1(6, row, xq[t], xd[t], xs[t])
+                elif qt == 7:
+                    out[t, n] = _b32_row1(7, row, xq[t], xd[t], xs[t])
                 else:
-                    dw = rd_f16(row, o)
-                    dmw = rd_f16(row, o + 2)
-                    for g in range(8):
-                        scg, mg = Q._scale_min_k4(row, o + 4, g)
-                        sc[g] = scg
-                        mins[g] = mg
-                a += (dw * xd[t, s]) * np.float32(_kdot(qt, row, o, sc, xr, s * 256))
-                if qt != 14:
-                    a -= (dmw * xd[t, s]) * np.float32(_kq_summ(mins, xbs[t], s))
-            out[t, n] = a
+                    out[t, n] = _b32_row1(39, row, xq[t], xd[t], xs[t])
 
 
 @numba.njit(cache=True, parallel=True)
-def _mm_kq(qt, raw, xq, xd, xbs, out, nchunks):
+def _mm_kq(qt, raw, xq, xd, xdT, xbs, out, nchunks):
     N = raw.shape[0]
+    T = xq.shape[0]
+    T4 = T - T % 4
     for c in prange(nchunks):
-        n0 = c * N // nchunks
-        n1 = (c + 1) * N // nchunks
-        if qt == 12:
-            _rows_kq(12, raw, n0, n1, xq, xd, xbs, out)
-        elif qt == 13:
-            _rows_kq(13, raw, n0, n1, xq, xd, xbs, out)
-        else:
-            _rows_kq(14, raw, n0, n1, xq, xd, xbs, out)
+        for n in range(c * N // nchunks, (c + 1) * N // nchunks):
+            row = raw[n]
+            for t in range(0, T4, 4):
+                if qt == 12:
+                    r = _kq_row4(12, row, xq, t, xdT, xbs)
+                elif qt == 13:
+                    r = _kq_row4(13, row, xq, t, xdT, xbs)
+                else:
+                    r = _kq_row4(14, row, xq, t, xdT, xbs)
+                out[t, n] = r[0]
+                out[t + 1, n] = r[1]
+                out[t + 2, n] = r[2]
+                out[t + 3, n] = r[3]
+            for t in range(T4, T):
+                if qt == 12:
+                    out[t, n] = _kq_row1(12, row, xq[t], xd[t], xbs[t])
+                elif qt == 13:
+                    out[t, n] = _kq_row1(13, row, xq[t], xd[t], xbs[t])
+                else:
+                    out[t, n] = _kq_row1(14, row, xq[t], xd[t], xbs[t])
 
 
 # --------------------------------------------------------------------------------------------
@@ -719,7 +796,8 @@ class Prepared:
     numerics: "ggml" or "float32"; vec_dot_type: ggml type id the activations were converted to
     (for "float32" numerics: F32, x untouched). x: float32 [T, K] (for F16/BF16, the rounded
     values). For Q8_0/Q8_1: qs int8 [T, K], d f32 [T, B], s f32 [T, B] (Q8_1 only). For Q8_K:
-    qs int8 [T, K], d f32 [T, S], bsums int32 [T, K/16].
+    qs int8 [T, K], d f32 [T, S], bsums int32 [T, K/16]. dT, sT: d and s transposed
+    ([B or S, T], C-contiguous) for the four-token kernels.
     """
 
     numerics: str
@@ -729,6 +807,8 @@ class Prepared:
     d: np.ndarray | None = None
     s: np.ndarray | None = None
     bsums: np.ndarray | None = None
+    dT: np.ndarray | None = None
+    sT: np.ndarray | None = None
 
     @property
     def T(self) -> int:
@@ -773,12 +853,14 @@ def prepare(x: np.ndarray, ggml_type: int, numerics: str = "ggml") -> Prepared:
         bsums = np.empty((T, K // 16), np.int32)
         if T:
             _quantize_q8_K(x, qs, d, bsums)
-        return Prepared("ggml", vt, x, qs=qs, d=d, bsums=bsums)
+        return Prepared("ggml", vt, x, qs=qs, d=d, bsums=bsums, dT=np.ascontiguousarray(d.T))
     d = np.empty((T, K // 32), np.float32)
     s = np.empty((T, K // 32), np.float32)
     if T:
         _quantize_q8_0_1(x, qs, d, s)
-    return Prepared("ggml", vt, x, qs=qs, d=d, s=s if vt == Q.Q8_1 else None)
+    if vt == Q.Q8_1:
+        return Prepared("ggml", vt, x, qs=qs, d=d, s=s, dT=np.ascontiguousarray(d.T), sT=np.ascontiguousarray(s.T))
+    return Prepared("ggml", vt, x, qs=qs, d=d, dT=np.ascontiguousarray(d.T))
 
 
 def _nchunks(n: int) -> int:
@@ -827,10 +909,10 @@ def linear_prepared(xp: Prepared, raw: np.ndarray, ggml_type: int, k: int) -> np
     elif xp.numerics == "float32":
         _mm_ref(w, qt, k, xp.x, out, nc)
     elif ggml_type in Q.KQUANT_TYPES:
-        _mm_kq(qt, w, xp.qs, xp.d, xp.bsums, out, nc)
+        _mm_kq(qt, w, xp.qs, xp.d, xp.dT, xp.bsums, out, nc)
     else:
-        xs = xp.s if xp.s is not None else xp.d  # read only for Q8_1
-        _mm_b32(qt, w, xp.qs, xp.d, xs, out, nc)
+        xs, xsT = (xp.s, xp.sT) if xp.s is not None else (xp.d, xp.dT)  # read only for Q8_1
+        _mm_b32(qt, w, xp.qs, xp.d, xp.dT, xs, xsT, out, nc)
     return out
 
 
@@ -852,37 +934,49 @@ def bench(
     tokens=(1, 32),
     numerics: str = "ggml",
     seconds: float = 0.5,
+    working_set_mb: float = 0,
 ) -> list[tuple[str, int, float, float]]:
-    """GB/s of weight bytes processed by linear_prepared (activation prep excluded) for n x k
-    matrices of random blocks. Returns and prints (type, T, ms per call, GB/s)."""
+    """Time linear_prepared (activation preparation excluded) on n x k matrices of random
+    blocks; print and return (type, T, ms per call, GB/s of weight bytes). With
+    working_set_mb > 0 the calls cycle through enough distinct matrices to fill that much
+    memory, so that weights come from DRAM rather than from the caches."""
     rng = np.random.default_rng(0)
     results = []
-    print(f"threads={numba.get_num_threads()} N={n} K={k} numerics={numerics}")
+    print(f"threads={numba.get_num_threads()} N={n} K={k} numerics={numerics}"
+          + (f" working set {working_set_mb:.0f} MB" if working_set_mb else ""))
     for name in types:
         qt = int(getattr(Q, name))
         rb = Q.row_bytes(qt, k)
-        raw = rng.integers(0, 256, size=(n, rb), dtype=np.uint8)
-        if qt in Q.FLOAT_TYPES:
-            raw = rng.standard_normal((n, k)).astype(np.float32)
-            raw = {Q.F32: raw, Q.F16: raw.astype(np.float16)}.get(qt, raw.astype(np.float16))
-            raw = np.ascontiguousarray(raw).view(np.uint8)
-        else:
-            _fix_scales(raw, qt, rng)
+        copies = max(1, int(np.ceil(working_set_mb * 1e6 / (n * rb))))
+        raws = []
+        for _ in range(copies):
+            raw = rng.integers(0, 256, size=(n, rb), dtype=np.uint8)
+            if qt in Q.FLOAT_TYPES:
+                w = rng.standard_normal((n, k)).astype(np.float32)
+                if qt == Q.F16:
+                    w = w.astype(np.float16)
+                elif qt == Q.BF16:
+                    w = (w.view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+                raw = np.ascontiguousarray(w).view(np.uint8)
+            else:
+                _fix_scales(raw, qt, rng)
+            raws.append(raw)
         for T in tokens:
             x = rng.standard_normal((T, k)).astype(np.float32)
             xp = prepare(x, qt, numerics)
-            linear_prepared(xp, raw, qt, k)  # compile / warm
+            linear_prepared(xp, raws[0], qt, k)  # compile / warm
             reps, t0 = 0, time.perf_counter()
             best = float("inf")
             while time.perf_counter() - t0 < seconds or reps < 3:
                 t1 = time.perf_counter()
-                linear_prepared(xp, raw, qt, k)
-                best = min(best, time.perf_counter() - t1)
+                for raw in raws:
+                    linear_prepared(xp, raw, qt, k)
+                best = min(best, (time.perf_counter() - t1) / len(raws))
                 reps += 1
-            gbs = raw.nbytes / best / 1e9
+            gbs = raws[0].nbytes / best / 1e9
             results.append((name, T, best * 1e3, gbs))
             print(f"{name:6s} T={T:4d} {best * 1e3:8.3f} ms  {gbs:6.2f} GB/s  "
-                  f"{2 * T * n * k / best / 1e9:7.1f} GOP/s")
+                  f"{2 * T * n * k / best / 1e9:7.1f} GOP/s", flush=True)
     return results
 
 
@@ -905,3 +999,5 @@ if __name__ == "__main__":
     nt = int(sys.argv[1]) if len(sys.argv) > 1 else numba.get_num_threads()
     numba.set_num_threads(nt)
     bench()
+    bench(types=("Q8_0", "Q4_0", "Q4_1", "MXFP4", "Q4_K", "Q6_K", "BF16"), n=4096, k=4096,
+          tokens=(1,), working_set_mb=512)

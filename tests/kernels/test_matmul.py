@@ -267,3 +267,44 @@ def test_errors():
     with pytest.raises(UnsupportedError):
         M.linear(x[:, :100], raw, Q.Q8_0, 100)  # k not whole blocks
     assert M.linear(x[:0], raw, Q.Q8_0, K).shape == (0, N)
+
+
+def test_portable_simd_paths_match(monkeypatch):
+    """Without AVX2 the SIMD kernels use portable vector IR only (MXFP4 lookup computed, four
+    reductions instead of one transposing one): same results, bit for bit."""
+    import numba
+
+    rng = np.random.default_rng(13)
+    x = activations(5, rng)
+    cases = [(Q.MXFP4, weights(Q.MXFP4, rng)), (Q.Q5_1, weights(Q.Q5_1, rng)),
+             (Q.Q4_K, weights(Q.Q4_K, rng)), (Q.Q6_K, weights(Q.Q6_K, rng))]
+    ref = {qt: M.linear(x, raw, qt, K) for qt, raw in cases}
+    monkeypatch.setattr(M, "_has_avx2", lambda context: False)
+
+    @numba.njit  # not cached: compiled now, with the portable code paths
+    def portable(qt, raw, xq, xd, xdT, xs, xsT, xbs, out):
+        for n in range(raw.shape[0]):
+            row = raw[n]
+            if qt == 39:
+                r = M._b32_row4(39, row, xq, 0, xdT, xsT)
+                last = M._b32_row1(39, row, xq[4], xd[4], xs[4])
+            elif qt == 7:
+                r = M._b32_row4(7, row, xq, 0, xdT, xsT)
+                last = M._b32_row1(7, row, xq[4], xd[4], xs[4])
+            elif qt == 12:
+                r = M._kq_row4(12, row, xq, 0, xdT, xbs)
+                last = M._kq_row1(12, row, xq[4], xd[4], xbs[4])
+            else:
+                r = M._kq_row4(14, row, xq, 0, xdT, xbs)
+                last = M._kq_row1(14, row, xq[4], xd[4], xbs[4])
+            for i in range(4):
+                out[i, n] = r[i]
+            out[4, n] = last
+
+    for qt, raw in cases:
+        xp = M.prepare(x, qt)
+        out = np.empty((5, N), np.float32)
+        xs, xsT = (xp.s, xp.sT) if xp.s is not None else (xp.d, xp.dT)
+        xbs = xp.bsums if xp.bsums is not None else np.zeros((5, K // 16), np.int32)
+        portable(qt, Q._readonly(raw), xp.qs, xp.d, xp.dT, xs, xsT, xbs, out)
+        assert np.array_equal(out, ref[qt]), Q.type_name(qt)
