@@ -168,6 +168,8 @@ class Transformer:
         for il, layer in enumerate(self.layers):
             h = ops.rms_norm(x, layer.attn.norm, np.float32(hp.rms_eps))
             x = x + self._attention(il, layer.attn, h, cache, positions, rope_tab)
+            if il == hp.n_layer - 1 and not all_logits:
+                x = np.ascontiguousarray(x[-1:])  # as llama.cpp: the last FFN runs on output rows only
             h = ops.rms_norm(x, layer.ffn_norm, np.float32(hp.rms_eps))
             if isinstance(layer.ffn, MoE):
                 x = x + moe_forward(layer.ffn, self.family, self.experts, h, self.numerics, self.trace)
@@ -177,9 +179,7 @@ class Transformer:
                 x = x + dense_ffn(f.gate, f.up, f.down, h, self.numerics,
                                   observe=None if obs is None else (lambda a, b, il=il: obs(il, a, b)))
         cache.n_past = start + T
-        if not all_logits:
-            x = x[-1:]
-        x = ops.rms_norm(np.ascontiguousarray(x), self.output_norm, np.float32(hp.rms_eps))
+        x = ops.rms_norm(x, self.output_norm, np.float32(hp.rms_eps))
         return linear(x, self.output.raw, self.output.ggml_type, hp.n_embd, self.numerics)
 
     def _attention(self, il: int, a: Attention, x, cache: KVCache, positions, rope_tab) -> np.ndarray:

@@ -35,7 +35,7 @@ def test_moe_routing_is_observable_and_sane(numerics, fixture_dir):
     with GGUFFile(fixture_path("qwen3moe", "Q8_0", fixture_dir)) as g:
         model = Transformer(g, numerics=numerics)
         model.trace = lambda layer, ids: seen.append((layer, ids.copy()))
-        model.forward([1, 2, 3, 4], model.new_cache(8))
+        model.forward([1, 2, 3, 4], model.new_cache(8), all_logits=True)
         hp = model.hp
     assert [layer for layer, _ in seen] == list(range(hp.n_layer))
     for _, ids in seen:
