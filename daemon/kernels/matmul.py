@@ -291,60 +291,63 @@ def _e2m1x2(context, builder, nib):
     return builder.select(neg, builder.sub(k(0), mag), mag)
 
 
-def _dot(builder, w, x):
-    """<32 x i8|i16> w . <32 x i8> x -> i32, exact. Written as reduce.add(mul(sext, sext)),
-    which LLVM turns into vpmovsxbw + vpmaddwd + a reduction on x86."""
-    return _hsum(builder, builder.mul(builder.sext(w, _vt(_I32, 32)), builder.sext(x, _vt(_I32, 32))))
-
-
 def _has_avx2(context):
     return "+avx2" in getattr(context.codegen(), "_tm_features", "")
 
 
-def _pmadd_avx2(builder, w, x):
-    """<32 x i8|i16> w, <32 x i8> x -> <8 x i32> partial sums (vpmaddwd on two halves; AVX2)."""
-    fnty = ir.FunctionType(_vt(_I32, 8), [_vt(_I16, 16), _vt(_I16, 16)])
-    fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx2.pmadd.wd")
-    w = builder.sext(w, _vt(_I16, 32)) if w.type.element.width < 16 else w
-    x = builder.sext(x, _vt(_I16, 32))
-    lo, hi = range(16), range(16, 32)
-    return builder.add(builder.call(fn, [_shuffle(builder, w, w, lo), _shuffle(builder, x, x, lo)]),
-                       builder.call(fn, [_shuffle(builder, w, w, hi), _shuffle(builder, x, x, hi)]))
+
+def _fma(builder, a, b, c):
+    """llvm.fma (one rounding, as x86 vfmadd) on float32 scalars or vectors."""
+    t = a.type
+    name = f"llvm.fma.v{t.count}f32" if isinstance(t, ir.VectorType) else "llvm.fma.f32"
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(t, [t, t, t]), name)
+    return builder.call(fn, [a, b, c])
 
 
-def _dot4(context, builder, w, xs):
-    """w . x for four x -> <4 x i32>, exact. With AVX2 the four partial-sum vectors share one
-    transposing reduction; otherwise four reductions."""
+def _lane(builder, v, i):
+    return builder.extract_element(v, ir.Constant(_I32, i))
+
+
+def _hsum8f(builder, v):
+    """<8 x float> -> float as hsum_float_8 / tinyBLAS hsum: high half + low half, movehl,
+    movehdup: ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))."""
+    h = builder.fadd(_shuffle(builder, v, v, [4, 5, 6, 7]), _shuffle(builder, v, v, [0, 1, 2, 3]))
+    return builder.fadd(builder.fadd(_lane(builder, h, 0), _lane(builder, h, 2)),
+                        builder.fadd(_lane(builder, h, 1), _lane(builder, h, 3)))
+
+
+def _hadd8f(builder, v):
+    """<8 x float> -> float as the end of GGML_F32x8_REDUCE (low + high half, two hadd_ps):
+    ((l0+l4)+(l1+l5)) + ((l2+l6)+(l3+l7))."""
+    h = builder.fadd(_shuffle(builder, v, v, [0, 1, 2, 3]), _shuffle(builder, v, v, [4, 5, 6, 7]))
+    return builder.fadd(builder.fadd(_lane(builder, h, 0), _lane(builder, h, 1)),
+                        builder.fadd(_lane(builder, h, 2), _lane(builder, h, 3)))
+
+
+def _pairadd(builder, v):
+    """<2n x iN> -> <n x iN>: lane j = v[2j] + v[2j+1]."""
+    n = v.type.count
+    return builder.add(_shuffle(builder, v, v, range(0, n, 2)), _shuffle(builder, v, v, range(1, n, 2)))
+
+
+def _pairs16(context, builder, w, x):
+    """<32 x i8|i16> w, <32 x i8> x -> <16 x i32>, lane j = w_2j x_2j + w_2j+1 x_2j+1 (exact).
+    With AVX2 two vpmaddwd on the halves; else portable multiply and pairwise add."""
     if _has_avx2(context):
-        return _hsum4(builder, [_pmadd_avx2(builder, w, x) for x in xs])
-    v = ir.Constant(_vt(_I32, 4), ir.Undefined)
-    for i, x in enumerate(xs):
-        v = builder.insert_element(v, _dot(builder, w, x), ir.Constant(_I32, i))
-    return v
+        fnty = ir.FunctionType(_vt(_I32, 8), [_vt(_I16, 16), _vt(_I16, 16)])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx2.pmadd.wd")
+        w = builder.sext(w, _vt(_I16, 32)) if w.type.element.width < 16 else w
+        x = builder.sext(x, _vt(_I16, 32))
+        lo, hi = range(16), range(16, 32)
+        return _cat(builder, builder.call(fn, [_shuffle(builder, w, w, lo), _shuffle(builder, x, x, lo)]),
+                    builder.call(fn, [_shuffle(builder, w, w, hi), _shuffle(builder, x, x, hi)]))
+    return _pairadd(builder, builder.mul(builder.sext(w, _vt(_I32, 32)), builder.sext(x, _vt(_I32, 32))))
 
 
 def _hsum(builder, v):
     fnty = ir.FunctionType(v.type.element, [v.type])
     name = f"llvm.vector.reduce.add.v{v.type.count}i{v.type.element.width}"
     return builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), [v])
-
-
-def _hsum4(builder, vs):
-    """Four <n x i32> (n >= 8) -> <4 x i32> of their sums (a transposing reduction)."""
-    out = []
-    for v in vs:
-        n = v.type.count
-        while n > 8:
-            v = builder.add(_shuffle(builder, v, v, range(n // 2)), _shuffle(builder, v, v, range(n // 2, n)))
-            n //= 2
-        out.append(v)
-    v0, v1, v2, v3 = out
-    lo, hi = [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]
-    p01 = builder.add(_shuffle(builder, v0, v1, lo), _shuffle(builder, v0, v1, hi))
-    p23 = builder.add(_shuffle(builder, v2, v3, lo), _shuffle(builder, v2, v3, hi))
-    q = builder.add(_shuffle(builder, p01, p23, [0, 1, 8, 9, 4, 5, 12, 13]),
-                    _shuffle(builder, p01, p23, [2, 3, 10, 11, 6, 7, 14, 15]))
-    return builder.add(_shuffle(builder, q, q, [0, 4, 2, 6]), _shuffle(builder, q, q, [1, 5, 3, 7]))
 
 
 def _literal(kind, allowed):
@@ -357,7 +360,26 @@ def _is_c(*arrs):
     return all(isinstance(a, types.Array) and a.layout == "C" for a in arrs)
 
 
+def _rows_of(context, builder, aryty, ary, t0, m):
+    """Data pointers (i8*) of rows t0 .. t0+m-1 of a C-contiguous 2-D array."""
+    a = _arr(context, builder, aryty, ary)
+    s0 = cgutils.unpack_tuple(builder, a.strides, 2)[0]
+    return [_bytes(builder, a.data, builder.mul(builder.add(t0, _c64(i)), s0)) for i in range(m)], a
+
+
+def _ldf(builder, p, idx):
+    """float32 element idx (i64) of the float array at i8* p."""
+    return _load(builder, p, builder.mul(idx, _c64(4)), _F32, 4)
+
+
 # ---- 32-value block types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4 (activations Q8_0 / Q8_1) ----
+#
+# As ggml_vec_dot_<w>_q8_0/q8_1 (AVX2) and tinyBLAS_Q0_AVX (same order): per block eight int32
+# lanes, lane r = the exact sum of w_e q_e over e = 4r..4r+3 (maddubs + madd with ones), then
+# acc = fma(splat(d_w*d_x), float(lanes), acc) in eight float lanes, block after block;
+# result hsum_float_8(acc). Q4_1/Q5_1: + summs, summs = fma(m_w, s_x, summs) block after block
+# (GCC contracts `summs += m*s`). MXFP4: even blocks in one accumulator, odd ones in another,
+# hsum_float_8(acc1 + acc2); an odd last block is added as fma(d, float(sumi), sum).
 
 _B32_BYTES = {8: 34, 2: 18, 3: 20, 6: 22, 7: 24, 39: 17}
 
@@ -388,90 +410,88 @@ def _hdr_b32(k, builder, bp):
 
 
 @intrinsic
-def _b32_row1(typingctx, kind, row, xr, xdr, xsr):
-    """One token: sum_b float(<w_b, q_b>) * (d_w,b * d_x,b) (+ sum_b m_w,b * s_x,b).
-    row: uint8 [row_bytes]; xr: int8 [K]; xdr, xsr: float32 [B]."""
+def _b32_rows(typingctx, kind, ntok, row, xq, t0, xd, xs):
+    """Tokens t0 .. t0+ntok-1 (ntok 1 or 4) against one weight row, each as ggml's vec_dot
+    (the tokens share the weight decoding only). row: uint8 [row_bytes]; xq: int8 [T, K];
+    xd, xs: float32 [T, B] (xs read for Q4_1/Q5_1 only)."""
     k = _literal(kind, _B32_BYTES)
-    if k is None or not _is_c(row, xr, xdr, xsr):
+    m = _literal(ntok, (1, 4))
+    if k is None or m is None or not _is_c(row, xq, xd, xs) or not isinstance(t0, types.Integer):
         return None
-    sig = types.float32(kind, row, xr, xdr, xsr)
+    sig = types.UniTuple(types.float32, m)(kind, ntok, row, xq, t0, xd, xs)
 
     def codegen(context, builder, sig, args):
-        rp, xp, dp, sp = (_arr(context, builder, t, v).data for t, v in zip(sig.args[1:], args[1:]))
-        nb = cgutils.unpack_tuple(builder, _arr(context, builder, sig.args[3], args[3]).shape, 1)[0]
-        acc = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))
-        macc = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))
-        with cgutils.for_range(builder, nb) as loop:
-            b = loop.index
-            bp = _bytes(builder, rp, builder.mul(b, _c64(_B32_BYTES[k])))
-            x = _load(builder, xp, builder.mul(b, _c64(32)), _vt(_I8, 32))
-            s = _dot(builder, _dec_b32(k, context, builder, bp), x)
-            dw, mw = _hdr_b32(k, builder, bp)
-            sc = builder.fmul(dw, builder.load(builder.gep(dp, [b])))
-            builder.store(builder.fadd(builder.load(acc), builder.fmul(builder.sitofp(s, _F32), sc)), acc)
-            if mw is not None:
-                m = builder.fmul(mw, builder.load(builder.gep(sp, [b])))
-                builder.store(builder.fadd(builder.load(macc), m), macc)
-        res = builder.load(acc)
-        return builder.fadd(res, builder.load(macc)) if k in (3, 7) else res
+        _, _, row, xq, t0, xd, xs = args
+        rp = _arr(context, builder, sig.args[2], row).data
+        t0 = context.cast(builder, t0, sig.args[4], types.int64)
+        xrows, _ = _rows_of(context, builder, sig.args[3], xq, t0, m)
+        drows, da = _rows_of(context, builder, sig.args[5], xd, t0, m)
+        srows, _ = _rows_of(context, builder, sig.args[6], xs, t0, m)
+        nb = cgutils.unpack_tuple(builder, da.shape, 2)[1]
+        zero8 = ir.Constant(_vt(_F32, 8), [0.0] * 8)
+        npar = 2 if k == 39 else 1
+        accs = [[cgutils.alloca_once_value(builder, zero8) for _ in range(npar)] for _ in range(m)]
+        maccs = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(m)]
 
-    return sig, codegen
-
-
-@intrinsic
-def _b32_row4(typingctx, kind, row, xq, t0, xdT, xsT):
-    """Tokens t0..t0+3 in the lanes of <4 x float>, each computed exactly as _b32_row1.
-    xq: int8 [T, K]; xdT, xsT: float32 [B, T] (scales transposed: one vector load per block)."""
-    k = _literal(kind, _B32_BYTES)
-    if k is None or not _is_c(row, xq, xdT, xsT) or not isinstance(t0, types.Integer):
-        return None
-    sig = types.UniTuple(types.float32, 4)(kind, row, xq, t0, xdT, xsT)
-
-    def codegen(context, builder, sig, args):
-        _, row, xq, t0, xdT, xsT = args
-        rp = _arr(context, builder, sig.args[1], row).data
-        xa = _arr(context, builder, sig.args[2], xq)
-        da = _arr(context, builder, sig.args[4], xdT)
-        sa = _arr(context, builder, sig.args[5], xsT)
-        t0 = context.cast(builder, t0, sig.args[3], types.int64)
-        xs0 = cgutils.unpack_tuple(builder, xa.strides, 2)[0]
-        xrows = [_bytes(builder, xa.data, builder.mul(builder.add(t0, _c64(i)), xs0)) for i in range(4)]
-        nb = cgutils.unpack_tuple(builder, da.shape, 2)[0]
-        ds0 = cgutils.unpack_tuple(builder, da.strides, 2)[0]
-        toff = builder.mul(t0, _c64(4))
-        zero4 = ir.Constant(_vt(_F32, 4), [0.0] * 4)
-        acc = cgutils.alloca_once_value(builder, zero4)
-        macc = cgutils.alloca_once_value(builder, zero4)
-        with cgutils.for_range(builder, nb) as loop:
-            b = loop.index
+        def block(b, par):
             bp = _bytes(builder, rp, builder.mul(b, _c64(_B32_BYTES[k])))
             w = _dec_b32(k, context, builder, bp)
-            xo = builder.mul(b, _c64(32))
-            s4 = _dot4(context, builder, w, [_load(builder, xr, xo, _vt(_I8, 32)) for xr in xrows])
             dw, mw = _hdr_b32(k, builder, bp)
-            to = builder.add(builder.mul(b, ds0), toff)
-            sc = builder.fmul(_splat(builder, dw, 4), _load(builder, da.data, to, _vt(_F32, 4), align=4))
-            a = builder.fadd(builder.load(acc), builder.fmul(builder.sitofp(s4, _vt(_F32, 4)), sc))
-            builder.store(a, acc)
-            if mw is not None:
-                m = builder.fmul(_splat(builder, mw, 4), _load(builder, sa.data, to, _vt(_F32, 4), align=4))
-                builder.store(builder.fadd(builder.load(macc), m), macc)
-        res = builder.load(acc)
-        if k in (3, 7):
-            res = builder.fadd(res, builder.load(macc))
-        lanes = [builder.extract_element(res, ir.Constant(_I32, i)) for i in range(4)]
-        return context.make_tuple(builder, sig.return_type, lanes)
+            for i in range(m):
+                x = _load(builder, xrows[i], builder.mul(b, _c64(32)), _vt(_I8, 32))
+                lanes = builder.sitofp(_pairadd(builder, _pairs16(context, builder, w, x)), _vt(_F32, 8))
+                sc = builder.fmul(dw, _ldf(builder, drows[i], b))
+                acc = accs[i][par]
+                builder.store(_fma(builder, _splat(builder, sc, 8), lanes, builder.load(acc)), acc)
+                if mw is not None:
+                    builder.store(_fma(builder, mw, _ldf(builder, srows[i], b), builder.load(maccs[i])), maccs[i])
+
+        if k == 39:
+            with cgutils.for_range(builder, builder.ashr(nb, _c64(1))) as loop:
+                b = builder.mul(loop.index, _c64(2))
+                block(b, 0)
+                block(builder.add(b, _c64(1)), 1)
+            res = [cgutils.alloca_once_value(builder, _hsum8f(builder, builder.fadd(
+                builder.load(accs[i][0]), builder.load(accs[i][1])))) for i in range(m)]
+            odd = builder.icmp_signed("!=", builder.and_(nb, _c64(1)), _c64(0))
+            with builder.if_then(odd, likely=False):
+                b = builder.sub(nb, _c64(1))
+                bp = _bytes(builder, rp, builder.mul(b, _c64(_B32_BYTES[k])))
+                w = _dec_b32(k, context, builder, bp)
+                dw, _ = _hdr_b32(k, builder, bp)
+                for i in range(m):
+                    x = _load(builder, xrows[i], builder.mul(b, _c64(32)), _vt(_I8, 32))
+                    sumi = builder.sitofp(_hsum(builder, _pairs16(context, builder, w, x)), _F32)
+                    d = builder.fmul(_ldf(builder, drows[i], b), dw)
+                    builder.store(_fma(builder, d, sumi, builder.load(res[i])), res[i])
+            out = [builder.load(r) for r in res]
+        else:
+            with cgutils.for_range(builder, nb) as loop:
+                block(loop.index, 0)
+            out = [_hsum8f(builder, builder.load(accs[i][0])) for i in range(m)]
+            if k in (3, 7):
+                out = [builder.fadd(o, builder.load(mc)) for o, mc in zip(out, maccs)]
+        return context.make_tuple(builder, sig.return_type, out)
 
     return sig, codegen
 
 
 # ---- K-quants: Q4_K, Q5_K, Q6_K (activations Q8_K) ----
 #
-# A super-block's weights are multiplied by their sub-block scale in int16 (exact: at most
-# 31*63 for Q5_K, 32*128 for Q6_K), so the super-block is one exact int32 dot,
-# sumi = sum_g scale_g * <w_g, q_g>, as ggml's; the mins go through the Q8_K bsums:
-# summ = sum_g min_g * (bsum_2g + bsum_2g+1). Per super-block, in float32:
-# a += (d_w*d_x) * sumi;  a -= (dmin_w*d_x) * summ.
+# Weights are multiplied by their sub-block scale in int16 (exact: at most 31*63 for Q5_K,
+# 63*128 for Q6_K) and dotted with the activations by pairs (vpmaddwd), so per super-block we
+# get ggml's eight exact int32 lanes, lane r = sum over the 32-value sub-blocks (16-value pairs
+# for Q6_K) of scale * sum_{e = 4r..4r+3} w_e q_e. For Q6_K the weights are the unsigned 6-bit
+# codes and lane r then loses 32 * (scale_2r bsum_2r + scale_2r+1 bsum_2r+1), as its AVX2 code.
+# Min terms use q8s_g = bsum_2g + bsum_2g+1 (Q4_K/Q5_K). Two float epilogues, as llama.cpp:
+#
+# * vec_dot (ggml_vec_dot_<w>_q8_K AVX2; ops with fewer than 8 rows): acc = fma(splat(d_x*d_w),
+#   float(lanes), acc) super-block after super-block, result hsum_float_8(acc), plus for Q4_K
+#   four min lanes m_l = fma(-d_x*dmin, float(min_2l q8s_2l + min_2l+1 q8s_2l+1), m_l) added
+#   as (m0+m2)+(m1+m3); for Q5_K summs = fma(-d_x*dmin, float(sum_g min_g q8s_g), summs).
+# * tiled (ggml-cpu/tiled, ops with >= 8 rows): s1 = sum of the lanes, s2 = sum_g min_g q8s_g
+#   (integers); res = fma(-dmin, float(s2), d_w*float(s1)) (Q6_K: d_w*float(s1));
+#   out = fma(res, d_x, out) super-block after super-block.
 
 _KQ_BYTES = {12: 144, 13: 176, 14: 210}
 
@@ -500,7 +520,7 @@ def _scales_k4(builder, bp):
 
 def _dec_kq(k, builder, bp):
     """-> (8 vectors <32 x i16> of weights times their sub-block scales, mins <8 x i32> or
-    None, d, dmin or None)."""
+    None, d, dmin or None, Q6_K scales <16 x i32> or None)."""
     ws = []
     if k in (12, 13):
         qs = 16 if k == 12 else 48
@@ -515,121 +535,94 @@ def _dec_kq(k, builder, bp):
                 w = builder.or_(w, builder.shl(h, _splat_const(_I8, 32, 4)))
             sc = _shuffle(builder, scv, scv, [j] * 32)
             ws.append(builder.mul(builder.zext(w, _vt(_I16, 32)), sc))
-        return ws, mins, _f16(builder, bp, 0), _f16(builder, bp, 2)
-    scv = builder.sext(_load(builder, bp, 192, _vt(_I8, 16)), _vt(_I16, 16))
+        return ws, mins, _f16(builder, bp, 0), _f16(builder, bp, 2), None
+    sc8 = _load(builder, bp, 192, _vt(_I8, 16))
+    scv = builder.sext(sc8, _vt(_I16, 16))
     for half in range(2):
         qh = _load(builder, bp, 128 + half * 32, _vt(_I8, 32))
         for grp in range(4):
             ql = _load(builder, bp, half * 64 + (grp & 1) * 32, _vt(_I8, 32))
             ql = builder.and_(builder.lshr(ql, _splat_const(_I8, 32, 4 * (grp >> 1))), _splat_const(_I8, 32, 15))
             h = builder.and_(builder.lshr(qh, _splat_const(_I8, 32, 2 * grp)), _splat_const(_I8, 32, 3))
-            q = builder.sub(builder.or_(ql, builder.shl(h, _splat_const(_I8, 32, 4))), _splat_const(_I8, 32, 32))
+            q = builder.or_(ql, builder.shl(h, _splat_const(_I8, 32, 4)))  # 0..63, unsigned
             g = half * 8 + grp * 2  # 16-value groups g and g+1
             sc = _shuffle(builder, scv, scv, [g] * 16 + [g + 1] * 16)
-            ws.append(builder.mul(builder.sext(q, _vt(_I16, 32)), sc))
-    return ws, None, _f16(builder, bp, 208), None
-
-
-def _kq_sumi(context, builder, ws, xp, xo):
-    """sum_j <ws_j, x[xo + 32j : xo + 32j + 32]>, exact: with AVX2 as <8 x i32> partial sums
-    (vpmaddwd), else reduced to i32."""
-    avx2 = _has_avx2(context)
-    acc = None
-    for j, w in enumerate(ws):
-        x = _load(builder, xp, builder.add(xo, _c64(32 * j)), _vt(_I8, 32))
-        if avx2:
-            p = _pmadd_avx2(builder, w, x)
-        else:
-            p = builder.mul(builder.sext(w, _vt(_I32, 32)), builder.sext(x, _vt(_I32, 32)))
-        acc = p if acc is None else builder.add(acc, p)
-    return acc if avx2 else _hsum(builder, acc)
-
-
-def _vec4(builder, vals):
-    v = ir.Constant(_vt(vals[0].type, 4), ir.Undefined)
-    for i, x in enumerate(vals):
-        v = builder.insert_element(v, x, ir.Constant(_I32, i))
-    return v
-
-
-def _kq_summ(builder, mins, bp, bo):
-    """mins <8 x i32> * (bsum_2g + bsum_2g+1) for the 16 int32 bsums at byte bo of bp."""
-    bs = _load(builder, bp, bo, _vt(_I32, 16))
-    pairs = builder.add(_shuffle(builder, bs, bs, range(0, 16, 2)), _shuffle(builder, bs, bs, range(1, 16, 2)))
-    return builder.mul(mins, pairs)
+            ws.append(builder.mul(builder.zext(q, _vt(_I16, 32)), sc))
+    return ws, None, _f16(builder, bp, 208), None, builder.sext(sc8, _vt(_I32, 16))
 
 
 @intrinsic
-def _kq_row1(typingctx, kind, row, xr, xdr, xbsr):
-    """One token. row: uint8 [row_bytes]; xr: int8 [K]; xdr: float32 [S]; xbsr: int32 [K/16]."""
+def _kq_rows(typingctx, kind, ntok, tiled, row, xq, t0, xd, xbs):
+    """Tokens t0 .. t0+ntok-1 (ntok 1 or 4) against one weight row, with ggml's vec_dot
+    (tiled=0) or tiled (tiled=1) float epilogue. row: uint8 [row_bytes]; xq: int8 [T, K];
+    xd: float32 [T, S]; xbs: int32 [T, K/16]."""
     k = _literal(kind, _KQ_BYTES)
-    if k is None or not _is_c(row, xr, xdr, xbsr):
+    m = _literal(ntok, (1, 4))
+    tl = _literal(tiled, (0, 1))
+    if k is None or m is None or tl is None or not _is_c(row, xq, xd, xbs) or not isinstance(t0, types.Integer):
         return None
-    sig = types.float32(kind, row, xr, xdr, xbsr)
+    sig = types.UniTuple(types.float32, m)(kind, ntok, tiled, row, xq, t0, xd, xbs)
 
     def codegen(context, builder, sig, args):
-        rp, xp, dp, bsp = (_arr(context, builder, t, v).data for t, v in zip(sig.args[1:], args[1:]))
-        ns = cgutils.unpack_tuple(builder, _arr(context, builder, sig.args[3], args[3]).shape, 1)[0]
-        acc = cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0))
+        _, _, _, row, xq, t0, xd, xbs = args
+        rp = _arr(context, builder, sig.args[3], row).data
+        t0 = context.cast(builder, t0, sig.args[5], types.int64)
+        xrows, _ = _rows_of(context, builder, sig.args[4], xq, t0, m)
+        drows, da = _rows_of(context, builder, sig.args[6], xd, t0, m)
+        brows, _ = _rows_of(context, builder, sig.args[7], xbs, t0, m)
+        ns = cgutils.unpack_tuple(builder, da.shape, 2)[1]
+        acc = [cgutils.alloca_once_value(builder, ir.Constant(_vt(_F32, 8), [0.0] * 8)) for _ in range(m)]
+        macc = [cgutils.alloca_once_value(builder, ir.Constant(_vt(_F32, 4), [0.0] * 4)) for _ in range(m)]
+        sacc = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(m)]
         with cgutils.for_range(builder, ns) as loop:
             s = loop.index
             bp = _bytes(builder, rp, builder.mul(s, _c64(_KQ_BYTES[k])))
-            ws, mins, d, dmin = _dec_kq(k, builder, bp)
-            sumi = _kq_sumi(context, builder, ws, xp, builder.mul(s, _c64(256)))
-            if _has_avx2(context):
-                sumi = _hsum(builder, sumi)
-            dx = builder.load(builder.gep(dp, [s]))
-            a = builder.fadd(builder.load(acc), builder.fmul(builder.fmul(d, dx), builder.sitofp(sumi, _F32)))
-            if mins is not None:
-                summ = _hsum(builder, _kq_summ(builder, mins, bsp, builder.mul(s, _c64(64))))
-                a = builder.fsub(a, builder.fmul(builder.fmul(dmin, dx), builder.sitofp(summ, _F32)))
-            builder.store(a, acc)
-        return builder.load(acc)
-
-    return sig, codegen
-
-
-@intrinsic
-def _kq_row4(typingctx, kind, row, xq, t0, xdT, xbs):
-    """Tokens t0..t0+3 in the lanes of <4 x float>, each computed exactly as _kq_row1.
-    xq: int8 [T, K]; xdT: float32 [S, T]; xbs: int32 [T, K/16]."""
-    k = _literal(kind, _KQ_BYTES)
-    if k is None or not _is_c(row, xq, xdT, xbs) or not isinstance(t0, types.Integer):
-        return None
-    sig = types.UniTuple(types.float32, 4)(kind, row, xq, t0, xdT, xbs)
-
-    def codegen(context, builder, sig, args):
-        _, row, xq, t0, xdT, xbs = args
-        rp = _arr(context, builder, sig.args[1], row).data
-        xa = _arr(context, builder, sig.args[2], xq)
-        da = _arr(context, builder, sig.args[4], xdT)
-        ba = _arr(context, builder, sig.args[5], xbs)
-        t0 = context.cast(builder, t0, sig.args[3], types.int64)
-        tk = [builder.add(t0, _c64(i)) for i in range(4)]
-        xrows = [_bytes(builder, xa.data, builder.mul(t, cgutils.unpack_tuple(builder, xa.strides, 2)[0])) for t in tk]
-        brows = [_bytes(builder, ba.data, builder.mul(t, cgutils.unpack_tuple(builder, ba.strides, 2)[0])) for t in tk]
-        ns = cgutils.unpack_tuple(builder, da.shape, 2)[0]
-        ds0 = cgutils.unpack_tuple(builder, da.strides, 2)[0]
-        acc = cgutils.alloca_once_value(builder, ir.Constant(_vt(_F32, 4), [0.0] * 4))
-        with cgutils.for_range(builder, ns) as loop:
-            s = loop.index
-            bp = _bytes(builder, rp, builder.mul(s, _c64(_KQ_BYTES[k])))
-            ws, mins, d, dmin = _dec_kq(k, builder, bp)
+            ws, mins, d, dmin, sc16 = _dec_kq(k, builder, bp)
             xo = builder.mul(s, _c64(256))
-            sums = [_kq_sumi(context, builder, ws, xr, xo) for xr in xrows]
-            sumi = _hsum4(builder, sums) if _has_avx2(context) else _vec4(builder, sums)
-            dx = _load(builder, da.data, builder.add(builder.mul(s, ds0), builder.mul(t0, _c64(4))), _vt(_F32, 4), 4)
-            a = builder.fadd(builder.load(acc),
-                             builder.fmul(builder.fmul(_splat(builder, d, 4), dx), builder.sitofp(sumi, _vt(_F32, 4))))
-            if mins is not None:
-                bo = builder.mul(s, _c64(64))
-                summ = _hsum4(builder, [_kq_summ(builder, mins, br, bo) for br in brows])
-                a = builder.fsub(a, builder.fmul(builder.fmul(_splat(builder, dmin, 4), dx),
-                                                 builder.sitofp(summ, _vt(_F32, 4))))
-            builder.store(a, acc)
-        res = builder.load(acc)
-        lanes = [builder.extract_element(res, ir.Constant(_I32, i)) for i in range(4)]
-        return context.make_tuple(builder, sig.return_type, lanes)
+            for i in range(m):
+                p16 = None
+                for j, w in enumerate(ws):
+                    x = _load(builder, xrows[i], builder.add(xo, _c64(32 * j)), _vt(_I8, 32))
+                    p = _pairs16(context, builder, w, x)
+                    p16 = p if p16 is None else builder.add(p16, p)
+                lanes = _pairadd(builder, p16)  # <8 x i32>
+                bs = _load(builder, brows[i], builder.mul(s, _c64(64)), _vt(_I32, 16), 4)
+                if sc16 is not None:
+                    corr = builder.shl(_pairadd(builder, builder.mul(bs, sc16)), _splat_const(_I32, 8, 5))
+                    lanes = builder.sub(lanes, corr)
+                mprod = builder.mul(mins, _pairadd(builder, bs)) if mins is not None else None  # <8 x i32>
+                dx = _ldf(builder, drows[i], s)
+                if tl:
+                    res = builder.fmul(d, builder.sitofp(_hsum(builder, lanes), _F32))
+                    if mins is not None:
+                        res = _fma(builder, builder.fneg(dmin), builder.sitofp(_hsum(builder, mprod), _F32), res)
+                    builder.store(_fma(builder, res, dx, builder.load(sacc[i])), sacc[i])
+                else:
+                    dd = builder.fmul(dx, d)
+                    builder.store(_fma(builder, _splat(builder, dd, 8), builder.sitofp(lanes, _vt(_F32, 8)),
+                                       builder.load(acc[i])), acc[i])
+                    if mins is not None:
+                        dm = builder.fmul(builder.fneg(dx), dmin)
+                        if k == 12:
+                            m4 = builder.sitofp(_pairadd(builder, mprod), _vt(_F32, 4))
+                            builder.store(_fma(builder, _splat(builder, dm, 4), m4, builder.load(macc[i])), macc[i])
+                        else:
+                            sm = builder.sitofp(_hsum(builder, mprod), _F32)
+                            builder.store(_fma(builder, dm, sm, builder.load(sacc[i])), sacc[i])
+        out = []
+        for i in range(m):
+            if tl:
+                out.append(builder.load(sacc[i]))
+                continue
+            r = _hsum8f(builder, builder.load(acc[i]))
+            if k == 12:
+                mv = builder.load(macc[i])
+                r = builder.fadd(r, builder.fadd(builder.fadd(_lane(builder, mv, 0), _lane(builder, mv, 2)),
+                                                 builder.fadd(_lane(builder, mv, 1), _lane(builder, mv, 3))))
+            elif k == 13:
+                r = builder.fadd(r, builder.load(sacc[i]))
+            out.append(r)
+        return context.make_tuple(builder, sig.return_type, out)
 
     return sig, codegen
 
@@ -638,7 +631,7 @@ def _kq_row4(typingctx, kind, row, xq, t0, xdT, xbs):
 
 
 @numba.njit(cache=True, parallel=True)
-def _mm_b32(qt, raw, xq, xd, xdT, xs, xsT, out, nchunks):
+def _mm_b32(qt, raw, xq, xd, xs, out, nchunks):
     N = raw.shape[0]
     T = xq.shape[0]
     T4 = T - T % 4
@@ -647,38 +640,39 @@ def _mm_b32(qt, raw, xq, xd, xdT, xs, xsT, out, nchunks):
             row = raw[n]
             for t in range(0, T4, 4):
                 if qt == 8:
-                    r = _b32_row4(8, row, xq, t, xdT, xsT)
+                    r = _b32_rows(8, 4, row, xq, t, xd, xs)
                 elif qt == 2:
-                    r = _b32_row4(2, row, xq, t, xdT, xsT)
+                    r = _b32_rows(2, 4, row, xq, t, xd, xs)
                 elif qt == 3:
-                    r = _b32_row4(3, row, xq, t, xdT, xsT)
+                    r = _b32_rows(3, 4, row, xq, t, xd, xs)
                 elif qt == 6:
-                    r = _b32_row4(6, row, xq, t, xdT, xsT)
+                    r = _b32_rows(6, 4, row, xq, t, xd, xs)
                 elif qt == 7:
-                    r = _b32_row4(7, row, xq, t, xdT, xsT)
+                    r = _b32_rows(7, 4, row, xq, t, xd, xs)
                 else:
-                    r = _b32_row4(39, row, xq, t, xdT, xsT)
+                    r = _b32_rows(39, 4, row, xq, t, xd, xs)
                 out[t, n] = r[0]
                 out[t + 1, n] = r[1]
                 out[t + 2, n] = r[2]
                 out[t + 3, n] = r[3]
             for t in range(T4, T):
                 if qt == 8:
-                    out[t, n] = _b32_row1(8, row, xq[t], xd[t], xs[t])
+                    r1 = _b32_rows(8, 1, row, xq, t, xd, xs)
                 elif qt == 2:
-                    out[t, n] = _b32_row1(2, row, xq[t], xd[t], xs[t])
+                    r1 = _b32_rows(2, 1, row, xq, t, xd, xs)
                 elif qt == 3:
-                    out[t, n] = _b32_row1(3, row, xq[t], xd[t], xs[t])
+                    r1 = _b32_rows(3, 1, row, xq, t, xd, xs)
                 elif qt == 6:
-                    out[t, n] = _b32_row1(6, row, xq[t], xd[t], xs[t])
+                    r1 = _b32_rows(6, 1, row, xq, t, xd, xs)
                 elif qt == 7:
-                    out[t, n] = _b32_row1(7, row, xq[t], xd[t], xs[t])
+                    r1 = _b32_rows(7, 1, row, xq, t, xd, xs)
                 else:
-                    out[t, n] = _b32_row1(39, row, xq[t], xd[t], xs[t])
+                    r1 = _b32_rows(39, 1, row, xq, t, xd, xs)
+                out[t, n] = r1[0]
 
 
 @numba.njit(cache=True, parallel=True)
-def _mm_kq(qt, raw, xq, xd, xdT, xbs, out, nchunks):
+def _mm_kq(qt, tiled, raw, xq, xd, xbs, out, nchunks):
     N = raw.shape[0]
     T = xq.shape[0]
     T4 = T - T % 4
@@ -686,27 +680,183 @@ def _mm_kq(qt, raw, xq, xd, xdT, xbs, out, nchunks):
         for n in range(c * N // nchunks, (c + 1) * N // nchunks):
             row = raw[n]
             for t in range(0, T4, 4):
-                if qt == 12:
-                    r = _kq_row4(12, row, xq, t, xdT, xbs)
-                elif qt == 13:
-                    r = _kq_row4(13, row, xq, t, xdT, xbs)
+                if tiled:
+                    if qt == 12:
+                        r = _kq_rows(12, 4, 1, row, xq, t, xd, xbs)
+                    elif qt == 13:
+                        r = _kq_rows(13, 4, 1, row, xq, t, xd, xbs)
+                    else:
+                        r = _kq_rows(14, 4, 1, row, xq, t, xd, xbs)
                 else:
-                    r = _kq_row4(14, row, xq, t, xdT, xbs)
+                    if qt == 12:
+                        r = _kq_rows(12, 4, 0, row, xq, t, xd, xbs)
+                    elif qt == 13:
+                        r = _kq_rows(13, 4, 0, row, xq, t, xd, xbs)
+                    else:
+                        r = _kq_rows(14, 4, 0, row, xq, t, xd, xbs)
                 out[t, n] = r[0]
                 out[t + 1, n] = r[1]
                 out[t + 2, n] = r[2]
                 out[t + 3, n] = r[3]
             for t in range(T4, T):
-                if qt == 12:
-                    out[t, n] = _kq_row1(12, row, xq[t], xd[t], xbs[t])
-                elif qt == 13:
-                    out[t, n] = _kq_row1(13, row, xq[t], xd[t], xbs[t])
+                if tiled:
+                    if qt == 12:
+                        r1 = _kq_rows(12, 1, 1, row, xq, t, xd, xbs)
+                    elif qt == 13:
+                        r1 = _kq_rows(13, 1, 1, row, xq, t, xd, xbs)
+                    else:
+                        r1 = _kq_rows(14, 1, 1, row, xq, t, xd, xbs)
                 else:
-                    out[t, n] = _kq_row1(14, row, xq[t], xd[t], xbs[t])
+                    if qt == 12:
+                        r1 = _kq_rows(12, 1, 0, row, xq, t, xd, xbs)
+                    elif qt == 13:
+                        r1 = _kq_rows(13, 1, 0, row, xq, t, xd, xbs)
+                    else:
+                        r1 = _kq_rows(14, 1, 0, row, xq, t, xd, xbs)
+                out[t, n] = r1[0]
 
 
 # --------------------------------------------------------------------------------------------
-# float weights (F32, F16, BF16), both numerics
+# float weights (F32, F16, BF16)
+#
+# "ggml" numerics, as llama.cpp: the products are exact in float32 for F16/BF16 (their values
+# and the rounded activations have at most 11 significant bits), and F32 uses real FMAs.
+# * tinyBLAS (llamafile_sgemm, AVX2; ordinary matmuls with >= 2 rows, N % 4 == 0, K % 8 == 0):
+#   eight lanes, lane = fma(w_k, x_k, lane) for k = lane mod 8, result hsum_float_8.
+# * vec_dot otherwise (ggml_vec_dot_f32/f16/bf16): four <8 x float> accumulators over steps of
+#   32 values, combined as (a0+a2)+(a1+a3), reduced by two hadd (F32/F16) or as hsum_float_8
+#   (BF16); the K % 32 leftovers are added in float32 with FMA (F32) or in double (F16/BF16).
+
+_FL_KINDS = (0, 1, 30)  # F32, F16, BF16
+
+
+def _ld_w8(builder, k, wp, off):
+    """8 weights from element offset off (i64) as <8 x float>."""
+    if k == 0:
+        return _load(builder, wp, builder.mul(off, _c64(4)), _vt(_F32, 8), 4)
+    h = _load(builder, wp, builder.mul(off, _c64(2)), _vt(_I16, 8), 2)
+    if k == 1:
+        return builder.fpext(builder.bitcast(h, _vt(ir.HalfType(), 8)), _vt(_F32, 8))
+    return builder.bitcast(builder.shl(builder.zext(h, _vt(_I32, 8)), _splat_const(_I32, 8, 16)), _vt(_F32, 8))
+
+
+def _ld_w1(builder, k, wp, off):
+    if k == 0:
+        return _load(builder, wp, builder.mul(off, _c64(4)), _F32, 4)
+    h = _load(builder, wp, builder.mul(off, _c64(2)), _I16, 2)
+    if k == 1:
+        return builder.fpext(builder.bitcast(h, ir.HalfType()), _F32)
+    return builder.bitcast(builder.shl(builder.zext(h, _I32), ir.Constant(_I32, 16)), _F32)
+
+
+@intrinsic
+def _fl_rows(typingctx, kind, tiny, ntok, row, x, t0):
+    """Tokens t0 .. t0+ntok-1 (ntok 1 or 4) against one F32/F16/BF16 weight row (its raw
+    integer bits, any integer dtype) with tinyBLAS's (tiny=1) or vec_dot's (tiny=0) order.
+    x: float32 [T, K] (already rounded to f16/bf16 for those types)."""
+    k = _literal(kind, _FL_KINDS)
+    tn = _literal(tiny, (0, 1))
+    m = _literal(ntok, (1, 4))
+    if k is None or tn is None or m is None or not _is_c(row, x) or not isinstance(t0, types.Integer):
+        return None
+    sig = types.UniTuple(types.float32, m)(kind, tiny, ntok, row, x, t0)
+
+    def codegen(context, builder, sig, args):
+        _, _, _, row, x, t0 = args
+        wp = _bytes(builder, _arr(context, builder, sig.args[3], row).data)
+        t0 = context.cast(builder, t0, sig.args[5], types.int64)
+        xrows, xa = _rows_of(context, builder, sig.args[4], x, t0, m)
+        K = cgutils.unpack_tuple(builder, xa.shape, 2)[1]
+        zero8 = ir.Constant(_vt(_F32, 8), [0.0] * 8)
+        if tn:
+            acc = [cgutils.alloca_once_value(builder, zero8) for _ in range(m)]
+            with cgutils.for_range(builder, builder.ashr(K, _c64(3))) as loop:
+                off = builder.mul(loop.index, _c64(8))
+                w = _ld_w8(builder, k, wp, off)
+                for i in range(m):
+                    xv = _load(builder, xrows[i], builder.mul(off, _c64(4)), _vt(_F32, 8), 4)
+                    builder.store(_fma(builder, w, xv, builder.load(acc[i])), acc[i])
+            out = [_hsum8f(builder, builder.load(a)) for a in acc]
+            return context.make_tuple(builder, sig.return_type, out)
+        acc = [[cgutils.alloca_once_value(builder, zero8) for _ in range(4)] for _ in range(m)]
+        with cgutils.for_range(builder, builder.ashr(K, _c64(5))) as loop:
+            base = builder.mul(loop.index, _c64(32))
+            for j in range(4):
+                off = builder.add(base, _c64(8 * j))
+                w = _ld_w8(builder, k, wp, off)
+                for i in range(m):
+                    xv = _load(builder, xrows[i], builder.mul(off, _c64(4)), _vt(_F32, 8), 4)
+                    builder.store(_fma(builder, w, xv, builder.load(acc[i][j])), acc[i][j])
+        np_ = builder.and_(K, _c64(~31))
+        out = []
+        for i in range(m):
+            a = [builder.load(v) for v in acc[i]]
+            l8 = builder.fadd(builder.fadd(a[0], a[2]), builder.fadd(a[1], a[3]))
+            red = _hsum8f(builder, l8) if k == 30 else _hadd8f(builder, l8)
+            if k == 0:
+                s = cgutils.alloca_once_value(builder, red)
+            else:
+                s = cgutils.alloca_once_value(builder, builder.fpext(red, ir.DoubleType()))
+            with cgutils.for_range_slice(builder, np_, K, _c64(1), inc=True) as (idx, _):
+                wv = _ld_w1(builder, k, wp, idx)
+                xv = _load(builder, xrows[i], builder.mul(idx, _c64(4)), _F32, 4)
+                if k == 0:
+                    builder.store(_fma(builder, wv, xv, builder.load(s)), s)
+                else:
+                    builder.store(builder.fadd(builder.load(s), builder.fpext(builder.fmul(wv, xv), ir.DoubleType())), s)
+            r = builder.load(s)
+            out.append(r if k == 0 else builder.fptrunc(r, _F32))
+        return context.make_tuple(builder, sig.return_type, out)
+
+    return sig, codegen
+
+
+@numba.njit(cache=True, parallel=True)
+def _mm_float_ggml(w, qt, tiny, x, out, nchunks):
+    N = w.shape[0]
+    T = x.shape[0]
+    T4 = T - T % 4
+    for c in prange(nchunks):
+        for n in range(c * N // nchunks, (c + 1) * N // nchunks):
+            row = w[n]
+            for t in range(0, T4, 4):
+                if tiny:
+                    if qt == 0:
+                        r = _fl_rows(0, 1, 4, row, x, t)
+                    elif qt == 1:
+                        r = _fl_rows(1, 1, 4, row, x, t)
+                    else:
+                        r = _fl_rows(30, 1, 4, row, x, t)
+                else:
+                    if qt == 0:
+                        r = _fl_rows(0, 0, 4, row, x, t)
+                    elif qt == 1:
+                        r = _fl_rows(1, 0, 4, row, x, t)
+                    else:
+                        r = _fl_rows(30, 0, 4, row, x, t)
+                out[t, n] = r[0]
+                out[t + 1, n] = r[1]
+                out[t + 2, n] = r[2]
+                out[t + 3, n] = r[3]
+            for t in range(T4, T):
+                if tiny:
+                    if qt == 0:
+                        r1 = _fl_rows(0, 1, 1, row, x, t)
+                    elif qt == 1:
+                        r1 = _fl_rows(1, 1, 1, row, x, t)
+                    else:
+                        r1 = _fl_rows(30, 1, 1, row, x, t)
+                else:
+                    if qt == 0:
+                        r1 = _fl_rows(0, 0, 1, row, x, t)
+                    elif qt == 1:
+                        r1 = _fl_rows(1, 0, 1, row, x, t)
+                    else:
+                        r1 = _fl_rows(30, 0, 1, row, x, t)
+                out[t, n] = r1[0]
+
+
+# float32 numerics for float weights: exact conversion, float64 dot
 
 
 @intrinsic
@@ -742,14 +892,6 @@ def _row_to_f32(w, qt, fb):
 
 
 @numba.njit(cache=True, fastmath={"reassoc", "contract", "nsz"})
-def _dot32(a, b):
-    s = np.float32(0.0)
-    for k in range(a.shape[0]):
-        s += a[k] * b[k]
-    return s
-
-
-@numba.njit(cache=True, fastmath={"reassoc", "contract", "nsz"})
 def _dot64(a, b):
     s = 0.0
     for k in range(a.shape[0]):
@@ -758,7 +900,7 @@ def _dot64(a, b):
 
 
 @numba.njit(cache=True, parallel=True)
-def _mm_float(w, qt, x, out, nchunks, acc64):
+def _mm_float(w, qt, x, out, nchunks):
     N, K = w.shape
     T = x.shape[0]
     for c in prange(nchunks):
@@ -766,7 +908,7 @@ def _mm_float(w, qt, x, out, nchunks, acc64):
         for n in range(c * N // nchunks, (c + 1) * N // nchunks):
             _row_to_f32(w[n], qt, fb)
             for t in range(T):
-                out[t, n] = _dot64(fb, x[t]) if acc64 else _dot32(fb, x[t])
+                out[t, n] = _dot64(fb, x[t])
 
 
 # --------------------------------------------------------------------------------------------
@@ -885,8 +1027,24 @@ def _weight_view(raw: np.ndarray, ggml_type: int, k: int) -> np.ndarray:
     return Q._readonly(raw)
 
 
-def linear_prepared(xp: Prepared, raw: np.ndarray, ggml_type: int, k: int) -> np.ndarray:
-    """out float32 [T, N] = x @ W.T for prepared activations xp and weight raw [N, row_bytes]."""
+def tiled_kquant(rows: int) -> bool:
+    """Whether llama.cpp takes its tiled K-quant kernel (ggml-cpu/tiled) for an op with this many
+    activation rows: all tokens of an ordinary matmul, the tokens routed to one expert for
+    MUL_MAT_ID (ggml_tiled_min_batch: rows >= 8)."""
+    return rows >= 8
+
+
+def tinyblas_float(rows: int, n: int, k: int, expert: bool) -> bool:
+    """Whether llama.cpp takes llamafile's tinyBLAS for F32/F16/BF16 weights (AVX2): ordinary
+    matmuls (MUL_MAT_ID has no sgemm path) with >= 2 rows, N % 4 == 0 and K % 8 == 0."""
+    return not expert and rows >= 2 and n % 4 == 0 and k % 8 == 0
+
+
+def linear_prepared(xp: Prepared, raw: np.ndarray, ggml_type: int, k: int, expert: bool = False) -> np.ndarray:
+    """out float32 [T, N] = x @ W.T for prepared activations xp and weight raw [N, row_bytes].
+
+    expert: the call is one expert of a MUL_MAT_ID (MoE experts: x = the tokens routed to it);
+    with "ggml" numerics it selects llama.cpp's path as that op does (see the module docstring)."""
     if ggml_type not in Q.SUPPORTED_TYPES:
         raise UnsupportedError(f"unsupported quant type {Q.type_name(ggml_type)}")
     if xp.K != k:
@@ -904,23 +1062,27 @@ def linear_prepared(xp: Prepared, raw: np.ndarray, ggml_type: int, k: int) -> np
         return out
     nc = _nchunks(N)
     qt = int(ggml_type)
-    if ggml_type in Q.FLOAT_TYPES:
-        _mm_float(w, qt, xp.x, out, nc, xp.numerics == "float32")
-    elif xp.numerics == "float32":
-        _mm_ref(w, qt, k, xp.x, out, nc)
+    if xp.numerics == "float32":
+        if ggml_type in Q.FLOAT_TYPES:
+            _mm_float(w, qt, xp.x, out, nc)
+        else:
+            _mm_ref(w, qt, k, xp.x, out, nc)
+    elif ggml_type in Q.FLOAT_TYPES:
+        _mm_float_ggml(w, qt, tinyblas_float(T, N, k, expert), xp.x, out, nc)
     elif ggml_type in Q.KQUANT_TYPES:
-        _mm_kq(qt, w, xp.qs, xp.d, xp.dT, xp.bsums, out, nc)
+        _mm_kq(qt, tiled_kquant(T), w, xp.qs, xp.d, xp.bsums, out, nc)
     else:
-        xs, xsT = (xp.s, xp.sT) if xp.s is not None else (xp.d, xp.dT)  # read only for Q8_1
-        _mm_b32(qt, w, xp.qs, xp.d, xp.dT, xs, xsT, out, nc)
+        xs = xp.s if xp.s is not None else xp.d  # read only for Q8_1
+        _mm_b32(qt, w, xp.qs, xp.d, xs, out, nc)
     return out
 
 
 def linear(
-    x: np.ndarray, raw: np.ndarray, ggml_type: int, k: int, numerics: str = "ggml"
+    x: np.ndarray, raw: np.ndarray, ggml_type: int, k: int, numerics: str = "ggml", expert: bool = False
 ) -> np.ndarray:
-    """out float32 [T, N] = x [T, K] @ W.T, W given as ggml blocks raw uint8 [N, row_bytes]."""
-    return linear_prepared(prepare(x, ggml_type, numerics), raw, ggml_type, k)
+    """out float32 [T, N] = x [T, K] @ W.T, W given as ggml blocks raw uint8 [N, row_bytes].
+    expert: as linear_prepared."""
+    return linear_prepared(prepare(x, ggml_type, numerics), raw, ggml_type, k, expert)
 
 
 # --------------------------------------------------------------------------------------------

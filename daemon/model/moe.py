@@ -78,16 +78,16 @@ def moe_forward(moe: MoE, family: Family, experts: ExpertProvider, x: np.ndarray
         w = slices[int(e)]
         if layout.gate_type == layout.up_type:
             xp = prepare(xe, layout.gate_type, numerics)
-            g = linear_prepared(xp, w.gate, layout.gate_type, D)
-            u = linear_prepared(xp, w.up, layout.up_type, D)
+            g = linear_prepared(xp, w.gate, layout.gate_type, D, expert=True)
+            u = linear_prepared(xp, w.up, layout.up_type, D, expert=True)
         else:
-            g = linear(xe, w.gate, layout.gate_type, D, numerics)
-            u = linear(xe, w.up, layout.up_type, D, numerics)
+            g = linear(xe, w.gate, layout.gate_type, D, numerics, expert=True)
+            u = linear(xe, w.up, layout.up_type, D, numerics, expert=True)
         if w.gate_bias is not None:
             g += w.gate_bias
             u += w.up_bias
         h = _glu(family, g, u)
-        y = linear(h, w.down, layout.down_type, layout.n_ff, numerics)
+        y = linear(h, w.down, layout.down_type, layout.n_ff, numerics, expert=True)
         if w.down_bias is not None:
             y += w.down_bias
         outputs[rows, slots] = y
@@ -126,5 +126,5 @@ def shared_expert(sh: SharedExpert, x: np.ndarray, numerics: str) -> np.ndarray:
     if sh.gate_inp is not None:
         z = linear(x, sh.gate_inp.raw, sh.gate_inp.ggml_type, sh.gate_inp.n_in, numerics)  # [T, 1]
         with np.errstate(invalid="ignore", divide="ignore"):  # llama.cpp: silu(z) / z = sigmoid(z)
-            y = y * ((z / (np.float32(1.0) + np.exp(-z))) / z)
+            y = y * (ops.silu(np.ascontiguousarray(z)) / z)
     return y
