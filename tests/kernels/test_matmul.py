@@ -1,5 +1,6 @@
 """linear(): float32 reference numerics vs float64, and ggml numerics vs an independent numpy
-model of llama.cpp's CPU path (activation quantization, integer block dots, scale combination)."""
+model of llama.cpp's CPU path (activation quantization, integer block dots, scale combination,
+and the AVX2 summation orders, bit for bit)."""
 
 import numpy as np
 import pytest
@@ -123,8 +124,27 @@ def np_kquant(qt, raw):
     return w, sc, mn, f16(b[..., 0:2]), f16(b[..., 2:4])
 
 
-def np_ggml(qt, raw, x, drop_min=False):
-    """llama.cpp's result in float64 (the integer parts exact, float32 scale products)."""
+def fma(a, b, c):
+    """float32 fused multiply-add (the float64 product is exact; the sum is rounded twice,
+    which differs from one rounding with probability ~2^-29)."""
+    return (np.float64(1) * a * b + c).astype(np.float32)
+
+
+def hsum8(v):
+    """hsum_float_8 over the last axis: ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)) in float32."""
+    h = v[..., :4] + v[..., 4:]
+    return (h[..., 0] + h[..., 2]) + (h[..., 1] + h[..., 3])
+
+
+def hadd8(v):
+    """The end of GGML_F32x8_REDUCE: ((l0+l4)+(l1+l5)) + ((l2+l6)+(l3+l7)) in float32."""
+    h = v[..., :4] + v[..., 4:]
+    return (h[..., 0] + h[..., 1]) + (h[..., 2] + h[..., 3])
+
+
+def np_ggml(qt, raw, x, drop_min=False, expert=False):
+    """llama.cpp's result in float64 (the integer parts exact, float32 scale products): the
+    dot products in plain float64, as a loose check on np_ggml_exact."""
     if qt in Q.FLOAT_TYPES:
         W = Q.dequantize(raw, qt).astype(np.float64)
         xr = {Q.F32: x, Q.F16: x.astype(np.float16).astype(np.float32), Q.BF16: bf16(x)}[qt]
@@ -147,6 +167,94 @@ def np_ggml(qt, raw, x, drop_min=False):
     out = np.einsum("tnb,tnb->tn", (dw[None] * dx[:, None]).astype(np.float64), sumi)
     if qt in (Q.Q4_1, Q.Q5_1) and not drop_min:
         out += np.einsum("nb,tb->tn", mw.astype(np.float64), sx.astype(np.float64))
+    return out
+
+
+def np_ggml_exact(qt, raw, x, expert=False):
+    """llama.cpp's AVX2 result bit for bit, summation orders included (see matmul's docstring):
+    vec_dot / tinyBLAS lanes for block and float types, vec_dot or tiled K-quants by row count."""
+    T, K = x.shape
+    N = raw.shape[0]
+    if qt in Q.FLOAT_TYPES:
+        W = Q.dequantize(raw, qt).astype(np.float32)
+        xr = {Q.F32: x, Q.F16: x.astype(np.float16).astype(np.float32), Q.BF16: bf16(x)}[qt]
+        Wb, xb = np.broadcast_arrays(W[None], xr[:, None])  # [T, N, K]
+        if not expert and T >= 2 and N % 4 == 0 and K % 8 == 0:  # tinyBLAS
+            acc = np.zeros((T, N, 8), np.float32)
+            for k0 in range(0, K, 8):
+                acc = fma(Wb[..., k0:k0 + 8], xb[..., k0:k0 + 8], acc)
+            return hsum8(acc)
+        npp = K - K % 32
+        acc = np.zeros((T, N, 32), np.float32)
+        for k0 in range(0, npp, 32):
+            acc = fma(Wb[..., k0:k0 + 32], xb[..., k0:k0 + 32], acc)
+        a = acc.reshape(T, N, 4, 8)
+        l8 = (a[..., 0, :] + a[..., 2, :]) + (a[..., 1, :] + a[..., 3, :])
+        if qt == Q.F32:
+            s = hadd8(l8)
+            for k in range(npp, K):
+                s = fma(Wb[..., k], xb[..., k], s)
+            return s
+        s = (hsum8(l8) if qt == Q.BF16 else hadd8(l8)).astype(np.float64)
+        for k in range(npp, K):
+            s = s + (Wb[..., k] * xb[..., k]).astype(np.float64)
+        return s.astype(np.float32)
+    if qt in Q.KQUANT_TYPES:
+        q, dx, bs = np_q8_K(x)  # [T, S, 256], [T, S], [T, S, 16]
+        w, sc, mn, d, dmin = np_kquant(qt, raw)
+        S = w.shape[1]
+        if qt == Q.Q6_K:  # unsigned codes; lane r: half r // 4 of each 32-chunk, then the offset
+            wu = (w + 32).reshape(N, S, 8, 2, 4, 4)
+            qq = q.reshape(T, S, 8, 2, 4, 4)
+            lanes = np.einsum("nsch,nschrj,tschrj->tnshr", sc.reshape(N, S, 8, 2), wu, qq).reshape(T, N, S, 8)
+            corr = (bs[:, None] * sc[None]).reshape(T, N, S, 8, 2).sum(-1)
+            lanes = lanes - 32 * corr
+        else:
+            lanes = np.einsum("nsg,nsgrj,tsgrj->tnsr", sc, w.reshape(N, S, 8, 8, 4), q.reshape(T, S, 8, 8, 4))
+        q8s = bs.reshape(T, S, 8, 2).sum(-1)  # [T, S, 8]
+        mprod = mn[None] * q8s[:, None] if qt != Q.Q6_K else None  # [T, N, S, 8]
+        if T >= 8:  # tiled
+            out = np.zeros((T, N), np.float32)
+            for s in range(S):
+                res = (d[None, :, s] * lanes[:, :, s].sum(-1).astype(np.float32)).astype(np.float32)
+                if qt != Q.Q6_K:
+                    res = fma(-dmin[None, :, s], mprod[:, :, s].sum(-1).astype(np.float32), res)
+                out = fma(res, dx[:, None, s], out)
+            return out
+        acc = np.zeros((T, N, 8), np.float32)
+        m4 = np.zeros((T, N, 4), np.float32)
+        summs = np.zeros((T, N), np.float32)
+        for s in range(S):
+            dd = (dx[:, None, s] * d[None, :, s]).astype(np.float32)
+            acc = fma(dd[..., None], lanes[:, :, s].astype(np.float32), acc)
+            dm = (-dx[:, None, s] * dmin[None, :, s]).astype(np.float32)
+            if qt == Q.Q4_K:
+                m4 = fma(dm[..., None], mprod[:, :, s].reshape(T, N, 4, 2).sum(-1).astype(np.float32), m4)
+            elif qt == Q.Q5_K:
+                summs = fma(dm, mprod[:, :, s].sum(-1).astype(np.float32), summs)
+        out = hsum8(acc)
+        if qt == Q.Q4_K:
+            out = out + ((m4[..., 0] + m4[..., 2]) + (m4[..., 1] + m4[..., 3]))
+        elif qt == Q.Q5_K:
+            out = out + summs
+        return out
+    q, dx, sx = np_q8_0(x)  # [T, B, 32], [T, B], [T, B]
+    w, dw, mw = np_blocks32(qt, raw)
+    B = w.shape[1]
+    lanes = np.einsum("nbrj,tbrj->tnbr", w.reshape(N, B, 8, 4), q.reshape(T, B, 8, 4)).astype(np.float32)
+    sc = (dw[None] * dx[:, None]).astype(np.float32)  # [T, N, B]
+    acc = np.zeros((2, T, N, 8), np.float32)
+    summs = np.zeros((T, N), np.float32)
+    nb = B - B % 2 if qt == Q.MXFP4 else B
+    for b in range(nb):
+        p = b % 2 if qt == Q.MXFP4 else 0
+        acc[p] = fma(sc[..., b, None], lanes[:, :, b], acc[p])
+        summs = fma(mw[None, :, b], sx[:, None, b], summs)
+    out = hsum8(acc[0] + acc[1])
+    if nb < B:  # MXFP4: an odd last block, scalar
+        out = fma(sc[..., B - 1], lanes[:, :, B - 1].sum(-1), out)
+    if qt in (Q.Q4_1, Q.Q5_1):
+        out = out + summs
     return out
 
 
@@ -181,6 +289,8 @@ def test_ggml_numerics(qt, T):
     rng = np.random.default_rng(2000 * qt + T)
     raw, x = weights(qt, rng), activations(T, rng)
     got = M.linear(x, raw, qt, K)  # default numerics="ggml"
+    assert np.array_equal(got, np_ggml_exact(qt, raw, x))  # llama.cpp's orders, bit for bit
+    assert np.array_equal(M.linear(x, raw, qt, K, expert=True), np_ggml_exact(qt, raw, x, expert=True))
     ref = np_ggml(qt, raw, x)
     mag = magnitude(qt, raw, x)
     err = np.abs(got - ref) / mag
@@ -218,14 +328,40 @@ def test_activation_quantizers_match_numpy():
 
 @pytest.mark.parametrize("qt", ALL, ids=[NAMES[t] for t in ALL])
 def test_batch_invariance(qt):
-    """A token's output does not depend on the other tokens of the call (bit for bit)."""
+    """A token's output does not depend on the other tokens of the call (bit for bit), except
+    where llama.cpp's path depends on the row count: K-quants (tiled from 8 rows on) and float
+    weights in ordinary matmuls (tinyBLAS from 2 rows on)."""
     rng = np.random.default_rng(3000 + qt)
     raw, x = weights(qt, rng), activations(17, rng)
-    for numerics in M.NUMERICS:
-        full = M.linear(x, raw, qt, K, numerics)
-        for t in (0, 5, 16):
-            assert np.array_equal(full[t], M.linear(x[t:t + 1], raw, qt, K, numerics)[0])
-        assert np.array_equal(full[4:12], M.linear(x[4:12], raw, qt, K, numerics))
+    full = M.linear(x, raw, qt, K, "float32")
+    for t in (0, 5, 16):
+        assert np.array_equal(full[t], M.linear(x[t:t + 1], raw, qt, K, "float32")[0])
+    full = M.linear(x, raw, qt, K)
+    assert np.array_equal(full[4:12], M.linear(x[4:12], raw, qt, K))  # 8 rows
+    assert np.array_equal(full[4:13], M.linear(x[4:13], raw, qt, K))
+    few = M.linear(x[:5], raw, qt, K, expert=True)  # < 8 rows
+    one = np.concatenate([M.linear(x[t:t + 1], raw, qt, K) for t in range(5)])
+    assert np.array_equal(few, one)
+    assert np.array_equal(few[1:3], M.linear(x[1:3], raw, qt, K, expert=True))
+    if qt in Q.FLOAT_TYPES or qt in Q.KQUANT_TYPES:
+        assert not np.array_equal(full[:5], few)  # another summation order
+    else:
+        assert np.array_equal(full[:5], few)
+
+
+@pytest.mark.parametrize("qt", [Q.F32, Q.F16, Q.BF16, Q.MXFP4], ids=["F32", "F16", "BF16", "MXFP4"])
+def test_ggml_numerics_odd_sizes(qt):
+    """Float rows with K % 32 != 0 (vec_dot leftovers) and N % 4 != 0 (no tinyBLAS); MXFP4
+    with an odd number of blocks."""
+    rng = np.random.default_rng(4000 + qt)
+    k = 200 if qt in Q.FLOAT_TYPES else 160
+    for n in (7, 8):
+        w = (rng.standard_normal((n, k)) * 0.1).astype(np.float32)
+        raw = np.ascontiguousarray(gq.quantize(w, GGMLQuantizationType(qt))).view(np.uint8).reshape(n, -1)
+        for T in (1, 3):
+            x = rng.standard_normal((T, k)).astype(np.float32)
+            got = M.linear(x, raw, qt, k)
+            assert np.array_equal(got, np_ggml_exact(qt, raw, x)), (n, T)
 
 
 def test_prepared_reuse_across_weights_of_one_vec_dot_type():
@@ -270,8 +406,8 @@ def test_errors():
 
 
 def test_portable_simd_paths_match(monkeypatch):
-    """Without AVX2 the SIMD kernels use portable vector IR only (MXFP4 lookup computed, four
-    reductions instead of one transposing one): same results, bit for bit."""
+    """Without AVX2 the SIMD kernels use portable vector IR only (MXFP4 lookup computed, integer
+    lanes by multiply and pairwise adds instead of vpmaddwd): same results, bit for bit."""
     import numba
 
     rng = np.random.default_rng(13)
@@ -282,21 +418,21 @@ def test_portable_simd_paths_match(monkeypatch):
     monkeypatch.setattr(M, "_has_avx2", lambda context: False)
 
     @numba.njit  # not cached: compiled now, with the portable code paths
-    def portable(qt, raw, xq, xd, xdT, xs, xsT, xbs, out):
+    def portable(qt, raw, xq, xd, xs, xbs, out):
         for n in range(raw.shape[0]):
             row = raw[n]
             if qt == 39:
-                r = M._b32_row4(39, row, xq, 0, xdT, xsT)
-                last = M._b32_row1(39, row, xq[4], xd[4], xs[4])
+                r = M._b32_rows(39, 4, row, xq, 0, xd, xs)
+                last = M._b32_rows(39, 1, row, xq, 4, xd, xs)[0]
             elif qt == 7:
-                r = M._b32_row4(7, row, xq, 0, xdT, xsT)
-                last = M._b32_row1(7, row, xq[4], xd[4], xs[4])
+                r = M._b32_rows(7, 4, row, xq, 0, xd, xs)
+                last = M._b32_rows(7, 1, row, xq, 4, xd, xs)[0]
             elif qt == 12:
-                r = M._kq_row4(12, row, xq, 0, xdT, xbs)
-                last = M._kq_row1(12, row, xq[4], xd[4], xbs[4])
+                r = M._kq_rows(12, 4, 0, row, xq, 0, xd, xbs)
+                last = M._kq_rows(12, 1, 0, row, xq, 4, xd, xbs)[0]
             else:
-                r = M._kq_row4(14, row, xq, 0, xdT, xbs)
-                last = M._kq_row1(14, row, xq[4], xd[4], xbs[4])
+                r = M._kq_rows(14, 4, 0, row, xq, 0, xd, xbs)
+                last = M._kq_rows(14, 1, 0, row, xq, 4, xd, xbs)[0]
             for i in range(4):
                 out[i, n] = r[i]
             out[4, n] = last
@@ -304,7 +440,7 @@ def test_portable_simd_paths_match(monkeypatch):
     for qt, raw in cases:
         xp = M.prepare(x, qt)
         out = np.empty((5, N), np.float32)
-        xs, xsT = (xp.s, xp.sT) if xp.s is not None else (xp.d, xp.dT)
+        xs = xp.s if xp.s is not None else xp.d
         xbs = xp.bsums if xp.bsums is not None else np.zeros((5, K // 16), np.int32)
-        portable(qt, Q._readonly(raw), xp.qs, xp.d, xp.dT, xs, xsT, xbs, out)
+        portable(qt, Q._readonly(raw), xp.qs, xp.d, xs, xbs, out)
         assert np.array_equal(out, ref[qt]), Q.type_name(qt)
