@@ -33,30 +33,61 @@ Two numerics modes:
   of largest |x|, iscale = -127/max, q = min(127, nearest_int(iscale*x)) (nearest-even),
   d = 1/iscale (float32), bsums = sums of q over groups of 16.
 
-  The dot products then combine integer block dots with the block scales as
-  ggml_vec_dot_<w>_<act> does:
-      Q8_0/Q4_0/Q5_0:  sum_b (d_w*d_x)_b * sum_j w_j q_j
-      MXFP4:           sum_b (d_x * e8m0_half(e))_b * sum_j kvalue_j q_j
-      Q4_1/Q5_1:       sum_b (d_w*d_x)_b * sum_j w_j q_j  +  sum_b m_b * s_b
-      Q4_K/Q5_K:       sum_S (d_w*d_x) * sumi - (dmin_w*d_x) * sum_g min_g*(bsum_2g + bsum_2g+1)
-                       with sumi = sum_g scale_g * sum_j w_j q_j  (exact int32)
-      Q6_K:            sum_S (d_w*d_x) * sum_g scale_g * sum_j (w_j - 32) q_j
-  with the fp16 scales converted exactly to float32 and the float32 accumulation over blocks
-  in block order, as ggml's generic C code. Every integer (per block, or per super-block
-  including the sub-block scales) is exact. ggml's AVX2 code converts 8 lanes of partial
-  integer sums to float and FMA-accumulates them, so it differs from this by float rounding
-  only (~1e-7 relative).
+  The dot products then reproduce llama.cpp's x86 (AVX2 + FMA) kernels bit for bit: the
+  integer parts are exact, and the float32 products, FMAs and summation ORDER are ggml's, so
+  the results are identical to llama.cpp's, not merely close (the 8-bit activation rounding of
+  the next layer amplifies any last-bit difference). "Lanes of 4": lane r (0..7) holds the
+  exact integer sum of the block's elements 4r..4r+3 (maddubs + madd); hsum8(l) =
+  ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)) (hsum_float_8, tinyBLAS hsum).
 
-  F32/F16/BF16 weights: the products of fp16/bf16-rounded values are exact in float32 and are
-  summed in float32, vectorized (in an order other than ggml's; differences ~1e-7 relative).
+      Q8_0/Q4_0/Q5_0   (ggml_vec_dot_<w>_q8_0 and tinyBLAS_Q0_AVX, the same order)
+                       lanes = fma(d_w*d_x, float(lanes of 4), lanes) block after block;
+                       result hsum8(lanes)
+      Q4_1/Q5_1        the same, plus summs = fma(m_w, s_x, summs) block after block;
+                       result hsum8(lanes) + summs
+      MXFP4            even blocks in one set of lanes, odd blocks in another
+                       (scale d_x * e8m0_half(e)); result hsum8(acc1 + acc2); an odd last
+                       block is added as fma(d, float(block sum), result)
+      Q4_K/Q5_K/Q6_K   two paths, chosen as llama.cpp does by the op's number of rows (see
+                       "Path choice"):
+        vec_dot (< 8 rows): per super-block lanes of 4 weighted by the sub-block scales,
+            summed as integers (Q6_K: unsigned codes, lane r minus
+            32*(sc_2r bsum_2r + sc_2r+1 bsum_2r+1)); acc = fma(d_x*d_w, float(lanes), acc);
+            Q4_K: four min lanes m_l = fma(-d_x*dmin, min_2l q8s_2l + min_2l+1 q8s_2l+1, m_l),
+            result hsum8(acc) + ((m0+m2)+(m1+m3)); Q5_K: summs = fma(-d_x*dmin,
+            sum_g min_g q8s_g, summs), result hsum8(acc) + summs; Q6_K: hsum8(acc)
+            (q8s_g = bsum_2g + bsum_2g+1).
+        tiled (ggml-cpu/tiled, >= 8 rows): per super-block the integers s1 = sum_g scale_g
+            sum_j w_j q_j and s2 = sum_g min_g q8s_g; res = fma(-dmin, s2, d_w*s1) (Q6_K:
+            d_w*s1); out = fma(res, d_x, out) super-block after super-block.
+      F32/F16/BF16     tinyBLAS (llamafile_sgemm) for ordinary matmuls with >= 2 rows,
+                       N % 4 == 0 and K % 8 == 0: lane k % 8 = fma(w_k, x_k, lane), hsum8.
+                       Otherwise ggml_vec_dot_f32/f16/bf16: four 8-lane FMA accumulators over
+                       steps of 32, (a0+a2)+(a1+a3), then two hadd (F32, F16) or hsum8 (BF16);
+                       the K % 32 leftovers in float32 with FMA (F32) or in double (F16/BF16).
+                       (F16/BF16 products are exact in float32, so FMA = multiply + add.)
 
-  The row loops of the quantized types are SIMD code emitted as LLVM IR by numba intrinsics
-  ("SIMD row kernels" below): portable vector IR, plus the AVX2 vpmaddwd/vpshufb intrinsics
-  where the CPU has AVX2 (same results either way; a test checks it).
+  Path choice and batch invariance: llama.cpp's own result for a token depends, for some
+  types, on how many rows the op has, and this module mirrors it:
+    * K-quants: tiled when the op has >= 8 rows (ggml_tiled_min_batch): all tokens of an
+      ordinary matmul, or, for MoE experts (MUL_MAT_ID), the tokens routed to that expert;
+      vec_dot otherwise. Since moe.py calls linear once per expert with exactly its routed
+      tokens, "rows" is always the T of the call.
+    * F32/F16/BF16: tinyBLAS only for ordinary matmuls (not MUL_MAT_ID, which has no sgemm
+      path: pass expert=True) with T >= 2, N % 4 == 0, K % 8 == 0; vec_dot otherwise.
+    * the 32-value block types use one order in all paths: batch invariant.
+  So with "ggml" numerics a token's output can legitimately differ (in the last bits) between
+  a call with T < 8 and one with T >= 8 (K-quants), or T = 1 and T >= 2 (float weights), just
+  as in llama.cpp (e.g. prompt processing vs one-token decoding). Within one path a token's
+  result never depends on the other tokens (the four-token kernels only share the weight
+  decoding). The "float32" numerics are fully batch invariant.
 
   Not emulated: llama.cpp's optional CPU "extra" buffer types (repacked Q4_0x8/Q4_Kx8 with
-  AMX or the aarch64 repack) and llamafile's sgemm for prefill, which use other summation
-  orders; their results agree with the vec_dot path to float rounding.
+  AMX or the aarch64 repack), AVX512/VNNI builds, other tinyBLAS variants (e.g. ARM).
+
+The row loops are SIMD code emitted as LLVM IR by numba intrinsics ("SIMD row kernels"
+below): portable vector IR with llvm.fma, plus the AVX2 vpmaddwd/vpshufb intrinsics where the
+CPU has AVX2 (same results either way; a test checks it).
 
 Speed: `python -m daemon.kernels.matmul [threads]` prints GB/s of weight bytes processed and
 GOP/s for 2048x2048 matrices at T=1 and T=32 (and a larger, memory-bound case).
@@ -183,10 +214,11 @@ def _round_bf16(x: np.ndarray) -> np.ndarray:
 # body works on vectors (portable IR, no target intrinsics; on x86 the integer part becomes
 # vpmovsxbw + vpmaddwd, fp16 scales become vcvtph2ps). The kernels below only pick the rows.
 #
-# Per block the integer dot is exact (int32); it is scaled and accumulated in float32 one
-# block after the other, as ggml's generic C code does. The four-token kernels compute the
-# four tokens in the four lanes of <4 x float> vectors with the very same operations, so a
-# token's result does not depend on the tokens next to it.
+# Per block the integer parts are exact int32 lanes as ggml's AVX2 code has them; they are
+# scaled and accumulated with ggml's FMAs in ggml's order (see the module docstring). The
+# four-token kernels decode each weight block once and then run the very same per-token
+# operations for each of the four tokens, so a token's result does not depend on the tokens
+# next to it (only on the path, see "Path choice").
 
 _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _F32 = ir.FloatType()
@@ -938,8 +970,7 @@ class Prepared:
     numerics: "ggml" or "float32"; vec_dot_type: ggml type id the activations were converted to
     (for "float32" numerics: F32, x untouched). x: float32 [T, K] (for F16/BF16, the rounded
     values). For Q8_0/Q8_1: qs int8 [T, K], d f32 [T, B], s f32 [T, B] (Q8_1 only). For Q8_K:
-    qs int8 [T, K], d f32 [T, S], bsums int32 [T, K/16]. dT, sT: d and s transposed
-    ([B or S, T], C-contiguous) for the four-token kernels.
+    qs int8 [T, K], d f32 [T, S], bsums int32 [T, K/16].
     """
 
     numerics: str
@@ -949,8 +980,6 @@ class Prepared:
     d: np.ndarray | None = None
     s: np.ndarray | None = None
     bsums: np.ndarray | None = None
-    dT: np.ndarray | None = None
-    sT: np.ndarray | None = None
 
     @property
     def T(self) -> int:
@@ -995,14 +1024,14 @@ def prepare(x: np.ndarray, ggml_type: int, numerics: str = "ggml") -> Prepared:
         bsums = np.empty((T, K // 16), np.int32)
         if T:
             _quantize_q8_K(x, qs, d, bsums)
-        return Prepared("ggml", vt, x, qs=qs, d=d, bsums=bsums, dT=np.ascontiguousarray(d.T))
+        return Prepared("ggml", vt, x, qs=qs, d=d, bsums=bsums)
     d = np.empty((T, K // 32), np.float32)
     s = np.empty((T, K // 32), np.float32)
     if T:
         _quantize_q8_0_1(x, qs, d, s)
     if vt == Q.Q8_1:
-        return Prepared("ggml", vt, x, qs=qs, d=d, s=s, dT=np.ascontiguousarray(d.T), sT=np.ascontiguousarray(s.T))
-    return Prepared("ggml", vt, x, qs=qs, d=d, dT=np.ascontiguousarray(d.T))
+        return Prepared("ggml", vt, x, qs=qs, d=d, s=s)
+    return Prepared("ggml", vt, x, qs=qs, d=d)
 
 
 def _nchunks(n: int) -> int:
