@@ -362,18 +362,26 @@ def _pairadd(builder, v):
     return builder.add(_shuffle(builder, v, v, range(0, n, 2)), _shuffle(builder, v, v, range(1, n, 2)))
 
 
-def _pairs16(context, builder, w, x):
-    """<32 x i8|i16> w, <32 x i8> x -> <16 x i32>, lane j = w_2j x_2j + w_2j+1 x_2j+1 (exact).
-    With AVX2 two vpmaddwd on the halves; else portable multiply and pairwise add."""
+def _avx2_fn(builder, name, ret, *args):
+    fnty = ir.FunctionType(ret, [a.type for a in args])
+    return builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), list(args))
+
+
+def _quads(context, builder, w, x, unsigned):
+    """<32 x i8> w (unsigned: 0..127 codes, else signed) . <32 x i8> x -> <8 x i32>, lane r =
+    sum_{e=4r..4r+3} w_e x_e, exact (as ggml's maddubs + madd). With AVX2 vpmaddubsw (after
+    the vpsignb trick for signed w: no pair exceeds 2*128*127, no saturation) + vpmaddwd with
+    ones; else portable multiplies and pairwise adds."""
     if _has_avx2(context):
-        fnty = ir.FunctionType(_vt(_I32, 8), [_vt(_I16, 16), _vt(_I16, 16)])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx2.pmadd.wd")
-        w = builder.sext(w, _vt(_I16, 32)) if w.type.element.width < 16 else w
-        x = builder.sext(x, _vt(_I16, 32))
-        lo, hi = range(16), range(16, 32)
-        return _cat(builder, builder.call(fn, [_shuffle(builder, w, w, lo), _shuffle(builder, x, x, lo)]),
-                    builder.call(fn, [_shuffle(builder, w, w, hi), _shuffle(builder, x, x, hi)]))
-    return _pairadd(builder, builder.mul(builder.sext(w, _vt(_I32, 32)), builder.sext(x, _vt(_I32, 32))))
+        v16 = _vt(_I16, 16)
+        if not unsigned:
+            x = _avx2_fn(builder, "llvm.x86.avx2.psign.b", w.type, x, w)
+            w = _avx2_fn(builder, "llvm.x86.avx2.psign.b", w.type, w, w)
+        p16 = _avx2_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, w, x)
+        return _avx2_fn(builder, "llvm.x86.avx2.pmadd.wd", _vt(_I32, 8), p16, _splat_const(_I16, 16, 1))
+    ext = builder.zext if unsigned else builder.sext
+    p = builder.mul(ext(w, _vt(_I32, 32)), builder.sext(x, _vt(_I32, 32)))
+    return _pairadd(builder, _pairadd(builder, p))
 
 
 def _hsum(builder, v):
@@ -471,7 +479,7 @@ def _b32_rows(typingctx, kind, ntok, row, xq, t0, xd, xs):
             dw, mw = _hdr_b32(k, builder, bp)
             for i in range(m):
                 x = _load(builder, xrows[i], builder.mul(b, _c64(32)), _vt(_I8, 32))
-                lanes = builder.sitofp(_pairadd(builder, _pairs16(context, builder, w, x)), _vt(_F32, 8))
+                lanes = builder.sitofp(_quads(context, builder, w, x, k in (3, 7)), _vt(_F32, 8))
                 sc = builder.fmul(dw, _ldf(builder, drows[i], b))
                 acc = accs[i][par]
                 builder.store(_fma(builder, _splat(builder, sc, 8), lanes, builder.load(acc)), acc)
@@ -493,7 +501,7 @@ def _b32_rows(typingctx, kind, ntok, row, xq, t0, xd, xs):
                 dw, _ = _hdr_b32(k, builder, bp)
                 for i in range(m):
                     x = _load(builder, xrows[i], builder.mul(b, _c64(32)), _vt(_I8, 32))
-                    sumi = builder.sitofp(_hsum(builder, _pairs16(context, builder, w, x)), _F32)
+                    sumi = builder.sitofp(_hsum(builder, _quads(context, builder, w, x, False)), _F32)
                     d = builder.fmul(_ldf(builder, drows[i], b), dw)
                     builder.store(_fma(builder, d, sumi, builder.load(res[i])), res[i])
             out = [builder.load(r) for r in res]
@@ -510,9 +518,9 @@ def _b32_rows(typingctx, kind, ntok, row, xq, t0, xd, xs):
 
 # ---- K-quants: Q4_K, Q5_K, Q6_K (activations Q8_K) ----
 #
-# Weights are multiplied by their sub-block scale in int16 (exact: at most 31*63 for Q5_K,
-# 63*128 for Q6_K) and dotted with the activations by pairs (vpmaddwd), so per super-block we
-# get ggml's eight exact int32 lanes, lane r = sum over the 32-value sub-blocks (16-value pairs
+# The unsigned codes are dotted with the activations by pairs (vpmaddubsw: at most
+# 2*63*127, no saturation) and the pairs weighted by their sub-block scale (vpmaddwd), as
+# ggml's AVX2 code, so per super-block we get ggml's eight exact int32 lanes, lane r = sum over the 32-value sub-blocks (16-value pairs
 # for Q6_K) of scale * sum_{e = 4r..4r+3} w_e q_e. For Q6_K the weights are the unsigned 6-bit
 # codes and lane r then loses 32 * (scale_2r bsum_2r + scale_2r+1 bsum_2r+1), as its AVX2 code.
 # Min terms use q8s_g = bsum_2g + bsum_2g+1 (Q4_K/Q5_K). Two float epilogues, as llama.cpp:
@@ -551,8 +559,8 @@ def _scales_k4(builder, bp):
 
 
 def _dec_kq(k, builder, bp):
-    """-> (8 vectors <32 x i16> of weights times their sub-block scales, mins <8 x i32> or
-    None, d, dmin or None, Q6_K scales <16 x i32> or None)."""
+    """-> (8 pairs (unsigned codes <32 x i8>, their scales <16 x i16>: lane p for elements 2p,
+    2p+1), mins <8 x i32> or None, d, dmin or None, Q6_K scales <16 x i32> or None)."""
     ws = []
     if k in (12, 13):
         qs = 16 if k == 12 else 48
@@ -565,8 +573,7 @@ def _dec_kq(k, builder, bp):
             if k == 13:
                 h = builder.and_(builder.lshr(qh, _splat_const(_I8, 32, j)), _splat_const(_I8, 32, 1))
                 w = builder.or_(w, builder.shl(h, _splat_const(_I8, 32, 4)))
-            sc = _shuffle(builder, scv, scv, [j] * 32)
-            ws.append(builder.mul(builder.zext(w, _vt(_I16, 32)), sc))
+            ws.append((w, _shuffle(builder, scv, scv, [j] * 16)))
         return ws, mins, _f16(builder, bp, 0), _f16(builder, bp, 2), None
     sc8 = _load(builder, bp, 192, _vt(_I8, 16))
     scv = builder.sext(sc8, _vt(_I16, 16))
@@ -578,9 +585,28 @@ def _dec_kq(k, builder, bp):
             h = builder.and_(builder.lshr(qh, _splat_const(_I8, 32, 2 * grp)), _splat_const(_I8, 32, 3))
             q = builder.or_(ql, builder.shl(h, _splat_const(_I8, 32, 4)))  # 0..63, unsigned
             g = half * 8 + grp * 2  # 16-value groups g and g+1
-            sc = _shuffle(builder, scv, scv, [g] * 16 + [g + 1] * 16)
-            ws.append(builder.mul(builder.zext(q, _vt(_I16, 32)), sc))
+            ws.append((q, _shuffle(builder, scv, scv, [g] * 8 + [g + 1] * 8)))
     return ws, None, _f16(builder, bp, 208), None, builder.sext(sc8, _vt(_I32, 16))
+
+
+def _kq_lanes(context, builder, ws, xp, xo):
+    """ggml's eight int32 lanes of one super-block (see above), exact: with AVX2
+    sum_j vpmaddwd(vpmaddubsw(codes_j, x_j), scales_j); else portable."""
+    if _has_avx2(context):
+        acc = None
+        for j, (q, sc16) in enumerate(ws):
+            x = _load(builder, xp, builder.add(xo, _c64(32 * j)), _vt(_I8, 32))
+            p16 = _avx2_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", _vt(_I16, 16), q, x)
+            v = _avx2_fn(builder, "llvm.x86.avx2.pmadd.wd", _vt(_I32, 8), p16, sc16)
+            acc = v if acc is None else builder.add(acc, v)
+        return acc
+    acc = None
+    for j, (q, sc16) in enumerate(ws):
+        x = _load(builder, xp, builder.add(xo, _c64(32 * j)), _vt(_I8, 32))
+        sc = builder.sext(_shuffle(builder, sc16, sc16, [e // 2 for e in range(32)]), _vt(_I32, 32))
+        p = builder.mul(builder.mul(builder.zext(q, _vt(_I32, 32)), sc), builder.sext(x, _vt(_I32, 32)))
+        acc = p if acc is None else builder.add(acc, p)
+    return _pairadd(builder, _pairadd(builder, acc))
 
 
 @intrinsic
@@ -612,12 +638,7 @@ def _kq_rows(typingctx, kind, ntok, tiled, row, xq, t0, xd, xbs):
             ws, mins, d, dmin, sc16 = _dec_kq(k, builder, bp)
             xo = builder.mul(s, _c64(256))
             for i in range(m):
-                p16 = None
-                for j, w in enumerate(ws):
-                    x = _load(builder, xrows[i], builder.add(xo, _c64(32 * j)), _vt(_I8, 32))
-                    p = _pairs16(context, builder, w, x)
-                    p16 = p if p16 is None else builder.add(p16, p)
-                lanes = _pairadd(builder, p16)  # <8 x i32>
+                lanes = _kq_lanes(context, builder, ws, xrows[i], xo)  # <8 x i32>
                 bs = _load(builder, brows[i], builder.mul(s, _c64(64)), _vt(_I32, 16), 4)
                 if sc16 is not None:
                     corr = builder.shl(_pairadd(builder, builder.mul(bs, sc16)), _splat_const(_I32, 8, 5))
