@@ -187,7 +187,7 @@ def round_f16_array(a):
 # norms
 
 
-@njit(parallel=True, cache=True, fastmath=False)
+@njit(cache=True, fastmath=False)  # serial: per-call thread start-up costs more than these small ops
 def rms_norm(x, weight, eps):
     """x: [T, D] f32, weight: [D] f32 -> [T, D]; ggml_rms_norm then ggml_mul by the weight.
 
@@ -207,7 +207,7 @@ def rms_norm(x, weight, eps):
     return out
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True)  # serial: per-call thread start-up costs more than these small ops
 def rms_norm_heads(x, weight, eps):
     """Per-head RMSNorm (qwen3 q/k norm). x: [T, H, Dh], weight: [Dh] -> [T, H, Dh]."""
     T, H, Dh = x.shape
@@ -274,7 +274,7 @@ def _rope_cache(positions, n_dims, freq_base, freq_scale, ext_factor, mscale0, c
     return cache
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True)  # serial: per-call thread start-up costs more than these small ops
 def apply_rope(x, cache, n_dims, neox):
     """x: [T, H, Dh] f32, cache: [T, n_dims/2, 2] -> rotated copy.
 
@@ -665,7 +665,7 @@ def _attn_row_f32(qv, k_cache, v_cache, kh, lo, p, scale, has_sinks, sinks, h, w
 # activations and softmax
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy")  # serial: per-call thread start-up costs more than these small ops
 def swiglu(gate, up):
     """silu(gate) * up, elementwise; [T, F] -> [T, F] (ggml_swiglu_split -> ggml_vec_swiglu_f32:
     ggml_v_silu on each full group of 8 of a row, the scalar ggml_silu_f32 on the rest)."""
@@ -685,7 +685,7 @@ def _swiglu_row(g, u, o, nv):
         o[i] = silu_f32(g[i]) * u[i]
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy")  # serial: per-call thread start-up costs more than these small ops
 def silu(x):
     """ggml_silu on [T, N] rows (ggml_vec_silu_f32: SIMD groups of 8, scalar tail) -> [T, N]."""
     T, N = x.shape
@@ -701,7 +701,7 @@ def silu(x):
     return out
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy")  # serial: per-call thread start-up costs more than these small ops
 def swiglu_oai(gate, up, alpha, limit):
     """gpt-oss clamped SwiGLU (ggml_compute_forward_swiglu_oai_f32, scalar expf):
     x = min(g, limit); y = clamp(u, -limit, limit); out = x / (1 + expf(alpha * -x)) * (y + 1).
