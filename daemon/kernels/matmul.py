@@ -98,6 +98,7 @@ they must not be called from two Python threads at once (the "omp" and "tbb" lay
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -1056,7 +1057,14 @@ def prepare(x: np.ndarray, ggml_type: int, numerics: str = "ggml") -> Prepared:
 
 
 def _nchunks(n: int) -> int:
-    return max(1, min(n, 4 * numba.get_num_threads()))
+    return max(1, min(n, 4 * _threads()))
+
+
+@functools.cache
+def _threads() -> int:
+    # numba.get_num_threads() costs microseconds per call; the chunk count only balances work
+    # across threads (results do not depend on it), so the first value serves.
+    return numba.get_num_threads()
 
 
 def _weight_view(raw: np.ndarray, ggml_type: int, k: int) -> np.ndarray:

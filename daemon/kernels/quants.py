@@ -70,9 +70,13 @@ def type_name(ggml_type: int) -> str:
 
 def block_size(ggml_type: int) -> tuple[int, int]:
     """(values per block, bytes per block) of a supported type."""
-    if ggml_type not in SUPPORTED_TYPES:
-        raise UnsupportedError(f"unsupported quant type {type_name(ggml_type)}")
-    return GGML_QUANT_SIZES[_GT(ggml_type)]
+    try:
+        return _BLOCK_SIZES[ggml_type]
+    except (KeyError, TypeError):
+        raise UnsupportedError(f"unsupported quant type {type_name(ggml_type)}") from None
+
+
+_BLOCK_SIZES = {int(t): GGML_QUANT_SIZES[_GT(t)] for t in SUPPORTED_TYPES}  # hot path: no enum lookups
 
 
 def row_bytes(ggml_type: int, k: int) -> int:

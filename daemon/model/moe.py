@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..kernels import ops
-from ..kernels.matmul import linear, linear_prepared, prepare
+from ..kernels.matmul import Prepared, linear, linear_prepared, prepare
 from ..storage.experts import ExpertProvider
 from .family import Family
 from .weights import QWeight
@@ -68,10 +68,25 @@ def moe_forward(moe: MoE, family: Family, experts: ExpertProvider, x: np.ndarray
     ids, weights = route(moe, family, x, numerics)
     if trace is not None:
         trace(moe.layer, ids)
-    needed = np.unique(ids)
     layout = experts.layout(moe.layer)
-    slices = experts.experts(moe.layer, needed.tolist())
-    outputs = np.empty((T, moe.n_used, D), dtype=np.float32)  # [T, A, D]
+    if T == 1:
+        outputs = _apply_experts_one_token(layout, family, experts, moe.layer, ids[0], x, numerics)
+    else:
+        outputs = _apply_experts_grouped(layout, family, experts, moe.layer, ids, x, numerics)
+    out = outputs[:, 0] * weights[:, :1]
+    for a in range(1, moe.n_used):
+        out = out + outputs[:, a] * weights[:, a:a + 1]
+    if moe.shared is not None:
+        out = out + shared_expert(moe.shared, x, numerics)
+    return out
+
+
+def _apply_experts_grouped(layout, family, experts, layer, ids, x, numerics) -> np.ndarray:
+    """Each needed expert applied to the tokens routed to it. -> [T, A, D]"""
+    T, D = x.shape
+    needed = np.unique(ids)
+    slices = experts.experts(layer, needed.tolist())
+    outputs = np.empty((T, ids.shape[1], D), dtype=np.float32)
     for e in needed:
         rows, slots = np.nonzero(ids == e)
         xe = np.ascontiguousarray(x[rows])
@@ -86,17 +101,48 @@ def moe_forward(moe: MoE, family: Family, experts: ExpertProvider, x: np.ndarray
         if w.gate_bias is not None:
             g += w.gate_bias
             u += w.up_bias
-        h = _glu(family, g, u)
-        y = linear(h, w.down, layout.down_type, layout.n_ff, numerics, expert=True)
+        y = linear(_glu(family, g, u), w.down, layout.down_type, layout.n_ff, numerics, expert=True)
         if w.down_bias is not None:
             y += w.down_bias
         outputs[rows, slots] = y
-    out = outputs[:, 0] * weights[:, :1]
-    for a in range(1, moe.n_used):
-        out = out + outputs[:, a] * weights[:, a:a + 1]
-    if moe.shared is not None:
-        out = out + shared_expert(moe.shared, x, numerics)
+    return outputs
+
+
+def _apply_experts_one_token(layout, family, experts, layer, sel, x, numerics) -> np.ndarray:
+    """Decode step: one token through its A experts with few kernel calls. The gate/up rows of
+    all A experts form one matrix and the A activation rows are prepared together; every row
+    is computed exactly as in separate one-row calls (same kernels, same per-row order).
+    sel: [A] expert ids in top-k order; x: [1, D] -> [1, A, D]"""
+    D, F, A = x.shape[1], layout.n_ff, len(sel)
+    slices = experts.experts(layer, [int(e) for e in sel])
+    ws = [slices[int(e)] for e in sel]
+    gate = np.concatenate([w.gate for w in ws])  # [A*F, row_bytes(D)]
+    up = np.concatenate([w.up for w in ws])
+    if layout.gate_type == layout.up_type:
+        xp = prepare(x, layout.gate_type, numerics)
+        g = linear_prepared(xp, gate, layout.gate_type, D, expert=True)
+        u = linear_prepared(xp, up, layout.up_type, D, expert=True)
+    else:
+        g = linear(x, gate, layout.gate_type, D, numerics, expert=True)
+        u = linear(x, up, layout.up_type, D, numerics, expert=True)
+    g, u = g.reshape(A, F), u.reshape(A, F)  # [A, F]: one row per expert
+    if ws[0].gate_bias is not None:
+        g += np.stack([w.gate_bias for w in ws])
+        u += np.stack([w.up_bias for w in ws])
+    hp = prepare(_glu(family, g, u), layout.down_type, numerics)
+    out = np.empty((1, A, D), dtype=np.float32)
+    for a, w in enumerate(ws):
+        y = linear_prepared(_row(hp, a), w.down, layout.down_type, F, expert=True)
+        if w.down_bias is not None:
+            y += w.down_bias
+        out[0, a] = y[0]
     return out
+
+
+def _row(xp: Prepared, a: int) -> Prepared:
+    """Row a of prepared activations, as a one-row Prepared (activations are prepared per row)."""
+    pick = (lambda v: None if v is None else v[a:a + 1])
+    return Prepared(xp.numerics, xp.vec_dot_type, pick(xp.x), pick(xp.qs), pick(xp.d), pick(xp.s), pick(xp.bsums))
 
 
 def _glu(family: Family, g: np.ndarray, u: np.ndarray) -> np.ndarray:
