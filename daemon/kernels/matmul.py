@@ -770,6 +770,57 @@ def _mm_kq(qt, tiled, raw, xq, xd, xbs, out, nchunks):
                 out[t, n] = r1[0]
 
 
+# ---- selected experts: out[a, n] = row n of expert sel[a] . activation row xrow[a] ----
+# One parallel call for all experts of a decode step; each output is computed by the same
+# one-token row code as _mm_b32 / _mm_kq (vec_dot path), so results equal separate calls.
+
+
+@numba.njit(cache=True, parallel=True)
+def _mm_b32_sel(qt, stack, sel, xrow, xq, xd, xs, out, nchunks):
+    A = sel.shape[0]
+    N = stack.shape[1]
+    total = A * N
+    for c in prange(nchunks):
+        for i in range(c * total // nchunks, (c + 1) * total // nchunks):
+            a = i // N
+            n = i % N
+            row = stack[sel[a], n]
+            t = xrow[a]
+            if qt == 8:
+                r1 = _b32_rows(8, 1, row, xq, t, xd, xs)
+            elif qt == 2:
+                r1 = _b32_rows(2, 1, row, xq, t, xd, xs)
+            elif qt == 3:
+                r1 = _b32_rows(3, 1, row, xq, t, xd, xs)
+            elif qt == 6:
+                r1 = _b32_rows(6, 1, row, xq, t, xd, xs)
+            elif qt == 7:
+                r1 = _b32_rows(7, 1, row, xq, t, xd, xs)
+            else:
+                r1 = _b32_rows(39, 1, row, xq, t, xd, xs)
+            out[a, n] = r1[0]
+
+
+@numba.njit(cache=True, parallel=True)
+def _mm_kq_sel(qt, stack, sel, xrow, xq, xd, xbs, out, nchunks):
+    A = sel.shape[0]
+    N = stack.shape[1]
+    total = A * N
+    for c in prange(nchunks):
+        for i in range(c * total // nchunks, (c + 1) * total // nchunks):
+            a = i // N
+            n = i % N
+            row = stack[sel[a], n]
+            t = xrow[a]
+            if qt == 12:
+                r1 = _kq_rows(12, 1, 0, row, xq, t, xd, xbs)
+            elif qt == 13:
+                r1 = _kq_rows(13, 1, 0, row, xq, t, xd, xbs)
+            else:
+                r1 = _kq_rows(14, 1, 0, row, xq, t, xd, xbs)
+            out[a, n] = r1[0]
+
+
 # --------------------------------------------------------------------------------------------
 # float weights (F32, F16, BF16)
 #
@@ -1132,6 +1183,41 @@ def linear_prepared(xp: Prepared, raw: np.ndarray, ggml_type: int, k: int, exper
     else:
         xs = xp.s if xp.s is not None else xp.d  # read only for Q8_1
         _mm_b32(qt, w, xp.qs, xp.d, xs, out, nc)
+    return out
+
+
+def linear_selected(xp: Prepared, stack: np.ndarray, sel: np.ndarray, xrow: np.ndarray,
+                    ggml_type: int, k: int) -> np.ndarray:
+    """Expert matmuls of one decode step in one call: out [A, N] with
+    out[a] = W[sel[a]] @ x[xrow[a]], for stack uint8 [E, N, row_bytes] of expert weights.
+
+    Each row is computed exactly as a one-token expert call of linear_prepared computes it.
+    Quantized weights in "ggml" numerics only; other cases loop over linear_prepared."""
+    sel = np.ascontiguousarray(sel, dtype=np.int64)
+    xrow = np.ascontiguousarray(xrow, dtype=np.int64)
+    A, N = sel.shape[0], stack.shape[1]
+    if A and (sel.min() < 0 or sel.max() >= stack.shape[0] or xrow.min() < 0 or xrow.max() >= xp.T):
+        raise ValueError("expert or activation row index out of range")
+    if xp.numerics != "ggml" or ggml_type in Q.FLOAT_TYPES or not stack.flags.c_contiguous:
+        out = np.empty((A, N), np.float32)
+        for a in range(A):
+            one = Prepared(xp.numerics, xp.vec_dot_type, *(None if v is None else v[xrow[a]:xrow[a] + 1]
+                                                           for v in (xp.x, xp.qs, xp.d, xp.s, xp.bsums)))
+            out[a] = linear_prepared(one, stack[sel[a]], ggml_type, k, expert=True)[0]
+        return out
+    if VEC_DOT_TYPE[ggml_type] != xp.vec_dot_type or xp.K != k:
+        raise ValueError("activations were prepared for another weight type or length")
+    if stack.dtype != np.uint8 or stack.ndim != 3 or stack.shape[2] != Q.row_bytes(ggml_type, k):
+        raise ValueError(f"stack must be uint8 [E, N, {Q.row_bytes(ggml_type, k)}], got {stack.dtype} {stack.shape}")
+    out = np.empty((A, N), np.float32)
+    if A == 0 or N == 0:
+        return out
+    nc = _nchunks(A * N)
+    if ggml_type in Q.KQUANT_TYPES:
+        _mm_kq_sel(int(ggml_type), stack, sel, xrow, xp.qs, xp.d, xp.bsums, out, nc)
+    else:
+        xs = xp.s if xp.s is not None else xp.d
+        _mm_b32_sel(int(ggml_type), stack, sel, xrow, xp.qs, xp.d, xs, out, nc)
     return out
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..kernels import ops
-from ..kernels.matmul import Prepared, linear, linear_prepared, prepare
+from ..kernels.matmul import linear, linear_prepared, linear_selected, prepare
 from ..storage.experts import ExpertProvider
 from .family import Family
 from .weights import QWeight
@@ -109,40 +109,32 @@ def _apply_experts_grouped(layout, family, experts, layer, ids, x, numerics) -> 
 
 
 def _apply_experts_one_token(layout, family, experts, layer, sel, x, numerics) -> np.ndarray:
-    """Decode step: one token through its A experts with few kernel calls. The gate/up rows of
-    all A experts form one matrix and the A activation rows are prepared together; every row
-    is computed exactly as in separate one-row calls (same kernels, same per-row order).
+    """Decode step: one token through its A experts in two kernel calls (gate/up, then down),
+    each row computed exactly as a separate one-token expert call computes it.
     sel: [A] expert ids in top-k order; x: [1, D] -> [1, A, D]"""
     D, F, A = x.shape[1], layout.n_ff, len(sel)
     slices = experts.experts(layer, [int(e) for e in sel])
     ws = [slices[int(e)] for e in sel]
-    gate = np.concatenate([w.gate for w in ws])  # [A*F, row_bytes(D)]
-    up = np.concatenate([w.up for w in ws])
-    if layout.gate_type == layout.up_type:
-        xp = prepare(x, layout.gate_type, numerics)
-        g = linear_prepared(xp, gate, layout.gate_type, D, expert=True)
-        u = linear_prepared(xp, up, layout.up_type, D, expert=True)
+    if hasattr(experts, "stacks"):  # all experts in one array: index it, copy nothing
+        gate, up, down = experts.stacks(layer)
+        idx = np.asarray(sel, dtype=np.int64)
     else:
-        g = linear(x, gate, layout.gate_type, D, numerics, expert=True)
-        u = linear(x, up, layout.up_type, D, numerics, expert=True)
-    g, u = g.reshape(A, F), u.reshape(A, F)  # [A, F]: one row per expert
+        gate, up, down = (np.stack([getattr(w, p) for w in ws]) for p in ("gate", "up", "down"))
+        idx = np.arange(A, dtype=np.int64)
+    first = np.zeros(A, dtype=np.int64)
+    xp = prepare(x, layout.gate_type, numerics)
+    g = linear_selected(xp, gate, idx, first, layout.gate_type, D)  # [A, F]
+    if layout.up_type != layout.gate_type:
+        xp = prepare(x, layout.up_type, numerics)
+    u = linear_selected(xp, up, idx, first, layout.up_type, D)
     if ws[0].gate_bias is not None:
         g += np.stack([w.gate_bias for w in ws])
         u += np.stack([w.up_bias for w in ws])
     hp = prepare(_glu(family, g, u), layout.down_type, numerics)
-    out = np.empty((1, A, D), dtype=np.float32)
-    for a, w in enumerate(ws):
-        y = linear_prepared(_row(hp, a), w.down, layout.down_type, F, expert=True)
-        if w.down_bias is not None:
-            y += w.down_bias
-        out[0, a] = y[0]
-    return out
-
-
-def _row(xp: Prepared, a: int) -> Prepared:
-    """Row a of prepared activations, as a one-row Prepared (activations are prepared per row)."""
-    pick = (lambda v: None if v is None else v[a:a + 1])
-    return Prepared(xp.numerics, xp.vec_dot_type, pick(xp.x), pick(xp.qs), pick(xp.d), pick(xp.s), pick(xp.bsums))
+    y = linear_selected(hp, down, idx, np.arange(A, dtype=np.int64), layout.down_type, F)  # [A, D]
+    if ws[0].down_bias is not None:
+        y += np.stack([w.down_bias for w in ws])
+    return y[None]
 
 
 def _glu(family: Family, g: np.ndarray, u: np.ndarray) -> np.ndarray:

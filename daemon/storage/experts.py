@@ -62,6 +62,10 @@ class MappedExperts:
     def layout(self, layer: int) -> ExpertLayout:
         return self._layouts[layer]
 
+    def stacks(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The layer's stacked gate, up, down weights: uint8 [E, N, row_bytes] each."""
+        return self._stacks[layer][:3]
+
     def experts(self, layer: int, ids: Sequence[int]) -> dict[int, ExpertSlices]:
         gate, up, down, gb, ub, db = self._stacks[layer]
         n = gate.shape[0]

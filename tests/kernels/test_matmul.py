@@ -444,3 +444,20 @@ def test_portable_simd_paths_match(monkeypatch):
         xbs = xp.bsums if xp.bsums is not None else np.zeros((5, K // 16), np.int32)
         portable(qt, Q._readonly(raw), xp.qs, xp.d, xs, xbs, out)
         assert np.array_equal(out, ref[qt]), Q.type_name(qt)
+
+
+@pytest.mark.parametrize("qt", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.MXFP4, Q.Q4_K, Q.Q6_K, Q.F16])
+def test_linear_selected_equals_one_token_expert_calls(qt):
+    """The decode-step expert kernel gives, row for row, what separate one-token calls give."""
+    rng = np.random.default_rng(5)
+    stack = np.stack([weights(qt, rng) for _ in range(5)])  # [E, N, row_bytes]
+    x = activations(3, rng)
+    xp = M.prepare(x, qt)
+    sel = np.array([4, 0, 2, 3])
+    xrow = np.array([0, 2, 2, 1])
+    got = M.linear_selected(xp, stack, sel, xrow, qt, K)
+    for a, (e, r) in enumerate(zip(sel, xrow)):
+        want = M.linear(x[r:r + 1], stack[e], qt, K, expert=True)[0]
+        assert np.array_equal(got[a], want)
+    with pytest.raises(ValueError):
+        M.linear_selected(xp, stack, np.array([5]), np.array([0]), qt, K)

@@ -51,7 +51,7 @@ def test_generate_text_matches_llamacpp_greedy(engine, smollm2, needs_llamacpp):
     prompt = PROMPTS[2]
     ids = engine.tokenize(prompt)
     ref = reference_greedy(smollm2, ids, 24)
-    text = "".join(engine.generate(prompt, max_tokens=24, temperature=0))
+    text = "".join(engine.generate(prompt, max_tokens=24, temperature=0, repeat_penalty=1.0))
     eos = [i for i, t in enumerate(ref) if t in engine.tokenizer.eog_ids]
     assert text == engine.detokenize(ref[:eos[0]] if eos else ref)
 
