@@ -3,6 +3,8 @@
     moed generate [MODEL] PROMPT [--chat]   stream a completion (the demo MoE when no MODEL)
     moed demo-model [--experts E --used K]  build the demo MoE from SmolLM2-135M-Instruct
     moed settings                           list every setting and its environment variable
+    moed trace replay TRACE --cache-experts N  simulate expert-cache policies on a routing trace
+    moed trace record MODEL PROMPT --out PATH  generate greedily and record the routing per token
 """
 
 from __future__ import annotations
@@ -40,7 +42,30 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--used", type=int, default=12)
     d.add_argument("--force", action="store_true", help="rebuild even if cached")
     sub.add_parser("settings", help="list settings and their environment variables")
+    _add_trace(sub)
     return ap
+
+
+def _add_trace(sub) -> None:
+    t = sub.add_parser("trace", help="record or replay expert-routing traces")
+    tsub = t.add_subparsers(dest="trace_command", required=True)
+    r = tsub.add_parser("replay", help="simulate expert-cache policies on a trace; print hit rates")
+    r.add_argument("trace", metavar="TRACE", help="jsonl trace (.jsonl or .jsonl.zst)")
+    cap = r.add_mutually_exclusive_group(required=True)
+    cap.add_argument("--cache-experts", type=int, help="cache capacity in experts per MoE layer")
+    cap.add_argument("--cache-mb", type=float, help="total cache budget in MiB, split over the MoE layers")
+    size = r.add_mutually_exclusive_group()
+    size.add_argument("--expert-mb", type=float, help="size of one expert in MiB (with --cache-mb)")
+    size.add_argument("--model", help="GGUF file giving the expert size per layer (with --cache-mb)")
+    r.add_argument("--policy", default="lru,belady,lfu-decay",
+                   help="comma-separated policies: lru, belady, lfu-decay, lru2 (default lru,belady,lfu-decay)")
+    r.add_argument("--json", action="store_true", help="print the results as JSON")
+    rec = tsub.add_parser("record", help="generate greedily and record each token's routing")
+    rec.add_argument("model", metavar="MODEL")
+    rec.add_argument("prompt", metavar="PROMPT")
+    rec.add_argument("--out", required=True, help="output path (.jsonl, or .jsonl.zst to compress)")
+    rec.add_argument("--max-tokens", type=int, default=64)
+    rec.add_argument("--threads", type=int, default=None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
             from .demo import demo_model_path
             print(demo_model_path(args.experts, args.used, force=args.force))
             return 0
+        if args.command == "trace":
+            return _trace(args, parser)
         if args.command == "settings":
             for name, env, default, doc in Settings.describe():
                 print(f"{env:<24} {name:<22} default {default!r:<10} {doc}")
@@ -106,6 +133,63 @@ def _generate(args) -> int:
         print(f"[{s.prompt_eval_count} prompt tokens in {s.prompt_eval_duration / 1e9:.2f}s, "
               f"{s.eval_count} tokens at {s.eval_count / max(s.eval_duration, 1) * 1e9:.1f} tok/s, "
               f"stop: {s.done_reason}]", file=sys.stderr)
+    return 0
+
+
+def _trace(args, parser) -> int:
+    if args.trace_command == "record":
+        return _trace_record(args)
+    import json
+
+    from .routing import replay
+
+    tr = replay.load_trace(args.trace)
+    if args.cache_experts is not None:
+        if args.expert_mb is not None or args.model is not None:
+            parser.error("--expert-mb/--model go with --cache-mb, not --cache-experts")
+        if args.cache_experts < 0:
+            parser.error("--cache-experts must be >= 0")
+        capacity = args.cache_experts
+    else:
+        if args.expert_mb is None and args.model is None:
+            parser.error("--cache-mb needs --expert-mb S or --model PATH")
+        sizes = ([int(args.expert_mb * 2**20)] if args.expert_mb is not None
+                 else replay.expert_bytes_per_layer(args.model))
+        if min(sizes) <= 0:
+            parser.error("--expert-mb must be > 0")
+        capacity = replay.capacity_from_mb(args.cache_mb, sizes, len(tr))
+        if len(set(capacity)) == 1:
+            capacity = capacity[0]
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    bad = [p for p in policies if p not in replay.POLICIES]
+    if bad or not policies:
+        parser.error(f"unknown policy {', '.join(bad)} (choose from {', '.join(replay.POLICIES)})")
+    results = {p: replay.simulate(tr, capacity, p) for p in policies}
+    if args.json:
+        print(json.dumps({"capacity": capacity, "tokens": len(tr[0]),
+                          "results": [r.to_dict() for r in results.values()]}))
+        return 0
+    print(f"{args.trace}: {len(tr[0])} tokens, {len(tr)} MoE layers, capacity "
+          f"{capacity if isinstance(capacity, int) else '/'.join(map(str, capacity))} experts per layer")
+    print(replay.format_table(results, capacity))
+    return 0
+
+
+def _trace_record(args) -> int:
+    from .engine import Engine
+    from .routing.trace import RoutingRecorder
+
+    engine = Engine.load(args.model, n_threads=args.threads)
+    rec = RoutingRecorder().attach(engine.model)
+    try:
+        for piece in engine.generate(args.prompt, max_tokens=args.max_tokens, temperature=0):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    finally:
+        rec.detach()
+    sys.stdout.write("\n")
+    n = rec.write(args.out)
+    print(f"[{n} tokens x {len(rec.moe_layers)} MoE layers of routing written to {args.out}]", file=sys.stderr)
     return 0
 
 
