@@ -50,6 +50,7 @@ class RoutingRecorder:
         self.records: list[list[list[int]]] = []  # [token][moe layer] -> ids in top-k order
         self._step: dict[int, np.ndarray] = {}
         self._last_layer = -1
+        self._seen: set[int] = set()  # MoE layers seen so far (when not attached to a model)
         self._prev: Callable | None = None
         self._model = None
 
@@ -78,6 +79,7 @@ class RoutingRecorder:
             self.flush()
         self._step[layer] = np.array(ids, dtype=np.int64, copy=True).reshape(len(ids), -1)
         self._last_layer = layer
+        self._seen.add(layer)
         if self._prev is not None:
             self._prev(layer, ids)
 
@@ -85,7 +87,7 @@ class RoutingRecorder:
         """Turn the step seen so far into per-token records."""
         if not self._step:
             return
-        layers = self.moe_layers if self.moe_layers is not None else sorted(self._step)
+        layers = self.moe_layers if self.moe_layers is not None else sorted(self._seen)
         T = max(a.shape[0] for a in self._step.values())
         for t in range(T):
             rec = []
