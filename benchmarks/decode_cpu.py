@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 PROMPT = "The history of the printing press begins"
 

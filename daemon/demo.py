@@ -20,7 +20,6 @@ import importlib.util
 import os
 import subprocess
 import sys
-import tempfile
 import zipfile
 from pathlib import Path
 

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import numba
 import numpy as np
 
 from .config import Settings
-from .errors import ModelError, RequestError
+from .errors import RequestError
 from .model.transformer import Transformer
 from .sampling import Sampler, SamplingOptions, StopMatcher
 from .storage.gguf import GGUFFile
@@ -148,7 +148,6 @@ class Engine:
             if cache.n_past + 1 > cache.n_ctx:
                 break
             logits = self.model.forward([token], cache)[-1]
-            stats.eval_duration = time.perf_counter_ns() - t1
         stats.eval_duration = time.perf_counter_ns() - t1
         stats.done_reason = reason
         if not stopper.stopped:

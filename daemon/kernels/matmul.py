@@ -111,7 +111,7 @@ from llvmlite import ir
 
 from daemon.errors import UnsupportedError
 from daemon.kernels import quants as Q
-from daemon.kernels.quants import dequant_row, rd_f16, round_f16, u32_as_f32
+from daemon.kernels.quants import dequant_row, round_f16, u32_as_f32
 
 NUMERICS = ("ggml", "float32")
 

@@ -33,6 +33,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, models, register_model
 
+from .quants import f32_as_u32 as f32_bits, u32_as_f32 as bits_f32
+
 # --------------------------------------------------------------------------------------------
 # scalar building blocks
 
@@ -49,36 +51,6 @@ def fma32(typingctx, a, b, c):
         return builder.call(fn, args)
 
     return types.float32(a, b, c), codegen
-
-
-@intrinsic
-def f32_bits(typingctx, x):
-    """float32 -> its IEEE bits as uint32."""
-    if x != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return types.uint32(x), codegen
-
-
-@intrinsic
-def bits_f32(typingctx, u):
-    """IEEE bits in the low 32 bits of an integer -> float32 (wider integers are truncated, so
-    uint32 arithmetic that numba widened to 64 bits wraps as in C)."""
-    if not isinstance(u, types.Integer):
-        return None
-
-    def codegen(context, builder, sig, args):
-        v = args[0]
-        if sig.args[0].bitwidth > 32:
-            v = builder.trunc(v, ir.IntType(32))
-        elif sig.args[0].bitwidth < 32:
-            v = builder.zext(v, ir.IntType(32))
-        return builder.bitcast(v, ir.FloatType())
-
-    return types.float32(u), codegen
 
 
 _F32 = np.float32

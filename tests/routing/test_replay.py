@@ -2,7 +2,6 @@
 below one token's need, both file formats, malformed input, and the CLI."""
 
 import json
-import os
 import random
 import subprocess
 import sys
