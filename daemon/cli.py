@@ -5,11 +5,13 @@
     moed settings                           list every setting and its environment variable
     moed trace replay TRACE --cache-experts N  simulate expert-cache policies on a routing trace
     moed trace record MODEL PROMPT --out PATH  generate greedily and record the routing per token
+    moed pack [MODEL] [--level N] [--force]  write the expert pack beside the model (the demo MoE by default)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .config import Settings
@@ -43,7 +45,18 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--force", action="store_true", help="rebuild even if cached")
     sub.add_parser("settings", help="list settings and their environment variables")
     _add_trace(sub)
+    _add_pack(sub)
     return ap
+
+
+def _add_pack(sub) -> None:
+    pk = sub.add_parser("pack", help="write the expert pack (one read per expert, zstd where it pays)")
+    pk.add_argument("model", nargs="?", default=None, metavar="MODEL", help="GGUF file (default: the demo MoE)")
+    pk.add_argument("--level", type=int, default=3, help="zstd level 1..22 (default 3)")
+    pk.add_argument("--min-saving", type=float, default=0.10,
+                    help="compress an expert only if zstd saves at least this fraction (default 0.10)")
+    pk.add_argument("--out", default=None, help="pack path (default: MODEL.moepack)")
+    pk.add_argument("--force", action="store_true", help="rewrite an up-to-date pack")
 
 
 def _add_trace(sub) -> None:
@@ -86,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "trace":
             return _trace(args, parser)
+        if args.command == "pack":
+            return _pack(args)
         if args.command == "settings":
             for name, env, default, doc in Settings.describe():
                 print(f"{env:<24} {name:<22} default {default!r:<10} {doc}")
@@ -133,6 +148,30 @@ def _generate(args) -> int:
         print(f"[{s.prompt_eval_count} prompt tokens in {s.prompt_eval_duration / 1e9:.2f}s, "
               f"{s.eval_count} tokens at {s.eval_count / max(s.eval_duration, 1) * 1e9:.1f} tok/s, "
               f"stop: {s.done_reason}]", file=sys.stderr)
+    return 0
+
+
+def _pack(args) -> int:
+    from .storage import pack
+    from .storage.gguf import GGUFFile
+    from .storage.store import expert_layouts
+
+    if args.model is None:
+        from .demo import demo_model_path
+        args.model = demo_model_path()
+    out = pack.out_path(args.model, args.out)
+    if os.path.exists(out) and not args.force:
+        with GGUFFile(args.model) as g:
+            try:
+                pack.read_pack(out, g, expert_layouts(g))
+            except pack.PackError as e:
+                print(f"moed: replacing {out}: {e}", file=sys.stderr)
+            else:
+                raise MoedError(f"{out} is an up-to-date pack of {args.model} (--force rewrites it)")
+    r = pack.write_pack(args.model, out, level=args.level, min_saving=args.min_saving, progress=True)
+    print(r.table())
+    print(f"{out}: {r.file_size / 1e6:.2f} MB, {r.total.raw / 1e6:.2f} MB of experts packed in "
+          f"{r.elapsed:.1f}s ({r.throughput / 1e6:.0f} MB/s)")
     return 0
 
 
