@@ -1,0 +1,46 @@
+"""moed IPC: the wire protocol (protocol), frames (framing), the client library (client) and its
+exception tree (errors); a mock daemon for tests lives in ipc.testing."""
+
+from .client import (
+                     AsyncClient,
+                     AsyncGeneration,
+                     Client,
+                     Generation,
+                     default_socket_path,
+)
+from .errors import (
+                     Busy,
+                     Cancelled,
+                     ClientError,
+                     FrameTooLarge,
+                     ModelError,
+                     NotRunning,
+                     ProtocolError,
+                     ServerError,
+                     Timeout,
+                     TruncatedFrame,
+)
+from .framing import MAX_FRAME
+from .protocol import PROTOCOL_VERSION, Message, SamplingOptions
+
+__all__ = [
+                     "MAX_FRAME",
+                     "PROTOCOL_VERSION",
+                     "AsyncClient",
+                     "AsyncGeneration",
+                     "Busy",
+                     "Cancelled",
+                     "Client",
+                     "ClientError",
+                     "FrameTooLarge",
+                     "Generation",
+                     "Message",
+                     "ModelError",
+                     "NotRunning",
+                     "ProtocolError",
+                     "SamplingOptions",
+                     "ServerError",
+                     "Timeout",
+                     "TruncatedFrame",
+                     "default_socket_path",
+]

@@ -1,0 +1,544 @@
+"""Client library for the moed daemon: AsyncClient (asyncio) and Client (blocking).
+
+    async with AsyncClient() as c:               with Client() as c:
+        gen = c.generate("Hi", max_tokens=32)        gen = c.generate("Hi", max_tokens=32)
+        async for chunk in gen:                      for chunk in gen:
+            print(chunk.text, end="")                    print(chunk.text, end="")
+        print(gen.done.eval_count)                   print(gen.done.eval_count)
+
+One connection per client, opened on first use (with the Hello handshake) and reopened after it
+is lost. Every request carries a fresh id and replies are routed by id, so on an AsyncClient any
+number of tasks may generate at once over the one connection. Client is for one thread; it too
+buffers replies by id, so a request made while a generation is unfinished still works.
+
+generate()/chat() return a Generation: an iterator of Chunk whose Done is put in `.done` when the
+stream ends (errors are raised, see ipc.errors). Leaving it early (break, close()/aclose(), a
+`with` block, garbage collection) sends Cancel and drops the rest of that stream.
+
+Timeouts: `connect_timeout` bounds connecting plus the handshake; `timeout` bounds the wait for
+each reply (inactivity, not the whole generation; None = wait forever). On Timeout an
+AsyncClient cancels the generation and keeps the connection; a Client closes its connection
+(the next call reconnects), since a frame may have been cut in half.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import itertools
+import os
+import socket as _socket
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from .errors import ClientError, NotRunning, ProtocolError, Timeout, error_for
+from .framing import MAX_FRAME, pack_frame, read_frame, recv_frame, send_frame
+from .protocol import (
+    PROTOCOL_VERSION,
+    Cancel,
+    Chat,
+    Chunk,
+    Done,
+    Error,
+    Generate,
+    Health,
+    HealthReply,
+    Hello,
+    Load,
+    Loaded,
+    Message,
+    ModelInfo,
+    Ok,
+    Ps,
+    PsReply,
+    Reply,
+    Request,
+    SamplingOptions,
+    Shutdown,
+    Stats,
+    StatsReply,
+    Unload,
+    decode_reply,
+    encode,
+)
+
+__all__ = ["AsyncClient", "AsyncGeneration", "Client", "Generation", "default_socket_path"]
+
+_NO_DAEMON = (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTSOCK)
+
+
+def default_socket_path() -> str:
+    """$MOED_SOCKET, else $XDG_RUNTIME_DIR/moed.sock, else /tmp/moed-<uid>/moed.sock."""
+    if path := os.environ.get("MOED_SOCKET"):
+        return path
+    if runtime := os.environ.get("XDG_RUNTIME_DIR"):
+        return os.path.join(runtime, "moed.sock")
+    return f"/tmp/moed-{os.getuid()}/moed.sock"
+
+
+# -- shared between the two clients -------------------------------------------------------------
+
+def _options(options: SamplingOptions | Mapping[str, Any] | None) -> SamplingOptions | None:
+    return SamplingOptions(**options) if isinstance(options, Mapping) else options
+
+
+def _generate(id: int, prompt: str | Sequence[int], model, max_tokens, options, stop, keep_alive,
+              raw) -> Generate:
+    text, tokens = (prompt, None) if isinstance(prompt, str) else (None, [int(t) for t in prompt])
+    return Generate(id, model, text, tokens, max_tokens, _options(options), list(stop), keep_alive, raw)
+
+
+def _chat(id: int, messages: Iterable[Message | Mapping[str, str]], model, max_tokens, options,
+          stop, keep_alive) -> Chat:
+    msgs = [m if isinstance(m, Message) else Message(m["role"], m["content"]) for m in messages]
+    return Chat(id, msgs, model, max_tokens, _options(options), list(stop), keep_alive)
+
+
+def _expect(reply: Reply, kind: type):
+    if isinstance(reply, Error):
+        raise error_for(reply.code, reply.message, reply.id)
+    if not isinstance(reply, kind):
+        raise ProtocolError(f"expected {kind.__name__}, got {type(reply).__name__}")
+    return reply
+
+
+def _check_hello(reply: Reply) -> HealthReply:
+    hello = _expect(reply, HealthReply)
+    if hello.protocol != PROTOCOL_VERSION:
+        raise ProtocolError(f"daemon speaks protocol {hello.protocol}, client {PROTOCOL_VERSION}",
+                            code="bad_version")
+    return hello
+
+
+def _connect_error(path: str, e: OSError) -> ClientError:
+    if e.errno in _NO_DAEMON:
+        return NotRunning(f"no moed daemon at {path} ({e.strerror or e}); start one with `moed serve`")
+    return ClientError(f"cannot connect to {path}: {e}")
+
+
+class _GenerationBase:
+    """State shared by the sync and async generation iterators."""
+
+    def __init__(self, client, request: Generate | Chat):
+        self.id = request.id  # request id; pass to client.cancel() from elsewhere
+        self.done: Done | None = None  # the final Done, once the stream has ended normally
+        self._client = client
+        self._request = request
+        self._started = False
+        self._finished = False
+
+    def _take(self, reply: Reply) -> Chunk | None:
+        """The chunk to yield, or None when the stream ended with Done; raises on Error."""
+        if isinstance(reply, Chunk):
+            return reply
+        self._finished = True
+        self._client._forget(self.id)
+        if isinstance(reply, Done):
+            self.done = reply
+            return None
+        return _expect(reply, Done)  # raises: an Error, or a reply of the wrong kind
+
+    def _abandon(self) -> None:
+        """Stop listening; tell the daemon to stop if the stream is still running."""
+        if self._started and not self._finished:
+            self._finished = True
+            self._client._forget(self.id)
+            self._client._send_cancel(self.id)
+
+    def __del__(self):
+        with contextlib.suppress(Exception):  # loop or interpreter gone: the daemon sees the disconnect
+            self._abandon()
+
+
+# -- asyncio ------------------------------------------------------------------------------------
+
+class AsyncGeneration(_GenerationBase):
+    """`async for chunk in gen`; then `gen.done`. The request is sent on the first iteration."""
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> Chunk:
+        if self._finished:
+            raise StopAsyncIteration
+        try:
+            if not self._started:  # one shot: a failed send is not retried
+                self._started = True
+                self._queue = await self._client._open(self._request)
+            reply = await self._client._recv(self._queue)
+        except BaseException:  # Timeout, lost connection, task cancelled
+            self._abandon()
+            raise
+        chunk = self._take(reply)
+        if chunk is None:
+            raise StopAsyncIteration
+        return chunk
+
+    async def aclose(self) -> None:
+        self._abandon()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        self._abandon()
+
+
+class AsyncClient:
+    """asyncio client over one AF_UNIX connection, shared by any number of tasks."""
+
+    def __init__(self, socket: str | None = None, timeout: float | None = 60.0, *,
+                 connect_timeout: float | None = 5.0, max_frame: int = MAX_FRAME):
+        self.socket = socket or default_socket_path()
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.max_frame = max_frame
+        self.server: HealthReply | None = None  # the daemon's answer to Hello
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Queue] = {}  # request id -> its replies
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task | None = None
+        self._lock = asyncio.Lock()
+
+    async def __aenter__(self):
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+    # -- connection --------------------------------------------------------------------------
+
+    def _connected(self) -> bool:
+        return self._writer is not None and not self._reader_task.done()
+
+    async def connect(self) -> HealthReply:
+        """Connect and shake hands (idempotent); returns the daemon's HealthReply."""
+        async with self._lock:
+            if self._connected():
+                return self.server
+            try:
+                opening = asyncio.open_unix_connection(self.socket)
+                reader, self._writer = await asyncio.wait_for(opening, self.connect_timeout)
+            except TimeoutError:
+                raise Timeout(f"connecting to {self.socket} timed out") from None
+            except OSError as e:
+                raise _connect_error(self.socket, e) from None
+            self._reader_task = asyncio.create_task(self._read_loop(reader))
+            hello = Hello(next(self._ids), PROTOCOL_VERSION)
+            try:
+                queue = self._send(hello)
+                reply = await self._recv(queue, self.connect_timeout)
+                self._forget(hello.id)
+                self.server = _check_hello(reply)
+            except BaseException:
+                await self._disconnect()
+                raise
+            return self.server
+
+    async def close(self) -> None:
+        await self._disconnect()
+
+    async def _disconnect(self) -> None:
+        task, writer = self._reader_task, self._writer
+        self._writer = None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        if writer is not None:
+            writer.close()
+            try:
+                await writer.wait_closed()
+            except OSError:
+                pass
+
+    async def _read_loop(self, reader: asyncio.StreamReader) -> None:
+        """Route every reply to its request's queue; on any end, fail what is still waiting."""
+        failure: BaseException = NotRunning("the daemon closed the connection")
+        try:
+            while (frame := await read_frame(reader, self.max_frame)) is not None:
+                reply = decode_reply(frame)
+                if reply.id is None:  # an error about the connection, not one request
+                    failure = error_for(reply.code, reply.message)
+                    break
+                if (queue := self._pending.get(reply.id)) is not None:
+                    queue.put_nowait(reply)  # replies to forgotten (cancelled) ids are dropped
+        except ClientError as e:
+            failure = e
+        except OSError as e:
+            failure = NotRunning(f"connection to the daemon lost: {e}")
+        except asyncio.CancelledError:
+            failure = ClientError("the client was closed")
+            raise
+        finally:
+            if self._writer is not None:
+                self._writer.close()
+            for queue in self._pending.values():
+                queue.put_nowait(failure)
+            self._pending.clear()
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def _send(self, msg: Request) -> asyncio.Queue:
+        """Register msg.id and write the frame (one write call, so frames never interleave)."""
+        frame = pack_frame(encode(msg), self.max_frame)
+        if not self._connected():
+            raise NotRunning("not connected to the daemon")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._pending[msg.id] = queue
+        self._writer.write(frame)
+        return queue
+
+    async def _open(self, msg: Request) -> asyncio.Queue:
+        await self.connect()
+        queue = self._send(msg)
+        try:
+            await self._writer.drain()
+        except OSError as e:
+            self._forget(msg.id)
+            raise NotRunning(f"connection to the daemon lost: {e}") from None
+        return queue
+
+    async def _recv(self, queue: asyncio.Queue, timeout: float | None = ...) -> Reply:
+        timeout = self.timeout if timeout is ... else timeout
+        try:
+            item = await asyncio.wait_for(queue.get(), timeout)
+        except TimeoutError:
+            raise Timeout(f"no reply from the daemon within {timeout} s") from None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def _forget(self, id: int) -> None:
+        self._pending.pop(id, None)
+
+    def _send_cancel(self, id: int) -> None:
+        if self._connected() and not self._writer.is_closing():
+            self._writer.write(pack_frame(encode(Cancel(id))))  # no drain: callable from __del__
+
+    async def _call(self, msg: Request, kind: type):
+        queue = await self._open(msg)
+        try:
+            return _expect(await self._recv(queue), kind)
+        finally:
+            self._forget(msg.id)
+
+    # -- API -----------------------------------------------------------------------------------
+
+    def generate(self, prompt: str | Sequence[int], *, model: str | None = None, max_tokens: int = 256,
+                 options: SamplingOptions | Mapping[str, Any] | None = None, stop: Sequence[str] = (),
+                 keep_alive: float | None = None, raw: bool = False) -> AsyncGeneration:
+        """Stream a completion of `prompt` (text, or token ids)."""
+        msg = _generate(next(self._ids), prompt, model, max_tokens, options, stop, keep_alive, raw)
+        return AsyncGeneration(self, msg)
+
+    def chat(self, messages: Iterable[Message | Mapping[str, str]], *, model: str | None = None,
+             max_tokens: int = 256, options: SamplingOptions | Mapping[str, Any] | None = None,
+             stop: Sequence[str] = (), keep_alive: float | None = None) -> AsyncGeneration:
+        """Stream the assistant's reply; messages are Message or {"role": ..., "content": ...}."""
+        msg = _chat(next(self._ids), messages, model, max_tokens, options, stop, keep_alive)
+        return AsyncGeneration(self, msg)
+
+    async def cancel(self, id: int) -> None:
+        """Stop generation `id`; its iterator then raises Cancelled (unless it already finished)."""
+        await self.connect()
+        self._send_cancel(id)
+        await self._writer.drain()
+
+    async def load(self, model: str, *, keep_alive: float | None = None, **settings) -> Loaded:
+        return await self._call(Load(next(self._ids), model, settings, keep_alive), Loaded)
+
+    async def unload(self, model: str) -> None:
+        await self._call(Unload(next(self._ids), model), Ok)
+
+    async def ps(self) -> list[ModelInfo]:
+        return (await self._call(Ps(next(self._ids)), PsReply)).models
+
+    async def stats(self, model: str | None = None) -> dict[str, Any]:
+        return (await self._call(Stats(next(self._ids), model), StatsReply)).stats
+
+    async def health(self) -> HealthReply:
+        return await self._call(Health(next(self._ids)), HealthReply)
+
+    async def shutdown(self) -> None:
+        await self._call(Shutdown(next(self._ids)), Ok)
+
+
+# -- blocking -----------------------------------------------------------------------------------
+
+class Generation(_GenerationBase):
+    """`for chunk in gen`; then `gen.done`. The request is sent on the first iteration."""
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Chunk:
+        if self._finished:
+            raise StopIteration
+        if not self._started:
+            self._client._send(self._request)
+            self._started = True
+        try:
+            reply = self._client._recv(self.id)
+        except BaseException:
+            self._abandon()
+            raise
+        chunk = self._take(reply)
+        if chunk is None:
+            raise StopIteration
+        return chunk
+
+    def close(self) -> None:
+        self._abandon()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._abandon()
+
+
+class Client:
+    """Blocking client over one AF_UNIX socket; not thread-safe (use one per thread)."""
+
+    def __init__(self, socket: str | None = None, timeout: float | None = 60.0, *,
+                 connect_timeout: float | None = 5.0, max_frame: int = MAX_FRAME):
+        self.socket = socket or default_socket_path()
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.max_frame = max_frame
+        self.server: HealthReply | None = None
+        self._ids = itertools.count(1)
+        self._sock: _socket.socket | None = None
+        self._inbox: dict[int, deque] = {}  # open request id -> replies not yet taken
+
+    def __enter__(self):
+        self.connect()
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def connect(self) -> HealthReply:
+        if self._sock is not None:
+            return self.server
+        sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+        sock.settimeout(self.connect_timeout)
+        try:
+            sock.connect(self.socket)
+        except TimeoutError:
+            sock.close()
+            raise Timeout(f"connecting to {self.socket} timed out") from None
+        except OSError as e:
+            sock.close()
+            raise _connect_error(self.socket, e) from None
+        self._sock = sock
+        try:
+            hello = Hello(next(self._ids), PROTOCOL_VERSION)
+            self._send(hello)
+            self.server = _check_hello(self._recv(hello.id))
+            self._forget(hello.id)
+        except BaseException:
+            self.close()
+            raise
+        sock.settimeout(self.timeout)
+        return self.server
+
+    def close(self) -> None:
+        sock, self._sock = self._sock, None
+        self._inbox.clear()  # open generations now raise NotRunning
+        if sock is not None:
+            sock.close()
+
+    def _send(self, msg: Request) -> None:
+        frame = pack_frame(encode(msg), self.max_frame)
+        self.connect()
+        self._inbox[msg.id] = deque()
+        try:
+            self._sock.sendall(frame)
+        except OSError as e:
+            self.close()
+            raise NotRunning(f"connection to the daemon lost: {e}") from None
+
+    def _recv(self, id: int) -> Reply:
+        """The next reply to request `id`, buffering replies to other open requests."""
+        while True:
+            box = self._inbox.get(id)
+            if box is None:
+                raise NotRunning("the connection to the daemon was lost")
+            if box:
+                return box.popleft()
+            try:
+                frame = recv_frame(self._sock, self.max_frame)
+                if frame is None:
+                    raise NotRunning("the daemon closed the connection")
+                reply = decode_reply(frame)
+            except TimeoutError:
+                self.close()
+                raise Timeout(f"no reply from the daemon within {self.timeout} s") from None
+            except OSError as e:
+                self.close()
+                raise NotRunning(f"connection to the daemon lost: {e}") from None
+            except ClientError:
+                self.close()
+                raise
+            if reply.id is None:
+                self.close()
+                raise error_for(reply.code, reply.message)
+            if (other := self._inbox.get(reply.id)) is not None:
+                other.append(reply)
+
+    def _forget(self, id: int) -> None:
+        self._inbox.pop(id, None)
+
+    def _send_cancel(self, id: int) -> None:
+        if self._sock is not None:
+            try:
+                send_frame(self._sock, encode(Cancel(id)))
+            except OSError:
+                self.close()
+
+    def _call(self, msg: Request, kind: type):
+        self._send(msg)
+        try:
+            return _expect(self._recv(msg.id), kind)
+        finally:
+            self._forget(msg.id)
+
+    # -- API (as AsyncClient's) -----------------------------------------------------------------
+
+    def generate(self, prompt: str | Sequence[int], *, model: str | None = None, max_tokens: int = 256,
+                 options: SamplingOptions | Mapping[str, Any] | None = None, stop: Sequence[str] = (),
+                 keep_alive: float | None = None, raw: bool = False) -> Generation:
+        msg = _generate(next(self._ids), prompt, model, max_tokens, options, stop, keep_alive, raw)
+        return Generation(self, msg)
+
+    def chat(self, messages: Iterable[Message | Mapping[str, str]], *, model: str | None = None,
+             max_tokens: int = 256, options: SamplingOptions | Mapping[str, Any] | None = None,
+             stop: Sequence[str] = (), keep_alive: float | None = None) -> Generation:
+        msg = _chat(next(self._ids), messages, model, max_tokens, options, stop, keep_alive)
+        return Generation(self, msg)
+
+    def cancel(self, id: int) -> None:
+        self.connect()
+        self._send_cancel(id)
+
+    def load(self, model: str, *, keep_alive: float | None = None, **settings) -> Loaded:
+        return self._call(Load(next(self._ids), model, settings, keep_alive), Loaded)
+
+    def unload(self, model: str) -> None:
+        self._call(Unload(next(self._ids), model), Ok)
+
+    def ps(self) -> list[ModelInfo]:
+        return self._call(Ps(next(self._ids)), PsReply).models
+
+    def stats(self, model: str | None = None) -> dict[str, Any]:
+        return self._call(Stats(next(self._ids), model), StatsReply).stats
+
+    def health(self) -> HealthReply:
+        return self._call(Health(next(self._ids)), HealthReply)
+
+    def shutdown(self) -> None:
+        self._call(Shutdown(next(self._ids)), Ok)

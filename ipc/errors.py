@@ -1,0 +1,82 @@
+"""The exception tree of the IPC layer (client library and wire decoding).
+
+    ClientError            base; .code is the wire error code when the daemon sent one, else None
+    ├── NotRunning         no daemon: socket file missing, connection refused, connection lost
+    ├── ProtocolError      the bytes are not the protocol: undecodable frame, unknown tag, wrongly
+    │   │                  typed field (code "bad_frame"/"bad_request"), version mismatch ("bad_version")
+    │   ├── FrameTooLarge  a length prefix above the maximum frame size (never read or allocated)
+    │   └── TruncatedFrame EOF inside a frame's header or body
+    ├── Busy               "busy": the daemon's request queue is full; retry later
+    ├── ModelError         "model_error" (failed to load or run), "not_found" (no such model)
+    ├── Cancelled          "cancelled": the generation was stopped by a Cancel
+    ├── Timeout            connecting, or waiting for the next reply, took longer than the timeout
+    └── ServerError        any other error reply: "bad_request", "shutdown", "internal", ...
+
+The daemon's side uses ProtocolError too: `ipc.protocol.decode_request` raises it, and its `code`
+and `request_id` are what the error reply should carry.
+"""
+
+from __future__ import annotations
+
+
+class ClientError(Exception):
+    """Base of every error the IPC layer raises on purpose."""
+
+    def __init__(self, message: str = "", *, code: str | None = None, request_id: int | None = None):
+        super().__init__(message)
+        self.code = code  # wire error code, e.g. "busy"; None for local errors
+        self.request_id = request_id  # the request it concerns, when known
+
+
+class NotRunning(ClientError):
+    """No daemon answers on the socket (missing, refused, or it closed the connection)."""
+
+
+class ProtocolError(ClientError):
+    """Bytes that are not a valid frame or message of this protocol version."""
+
+    def __init__(self, message: str = "", *, code: str = "bad_frame", request_id: int | None = None):
+        super().__init__(message, code=code, request_id=request_id)
+
+
+class FrameTooLarge(ProtocolError):
+    """A frame's length prefix exceeds the maximum; the stream is out of sync afterwards."""
+
+
+class TruncatedFrame(ProtocolError):
+    """The stream ended inside a frame; the stream is out of sync afterwards."""
+
+
+class Busy(ClientError):
+    """The daemon's queue is full."""
+
+
+class ModelError(ClientError):
+    """The model was not found, or failed to load or run."""
+
+
+class Cancelled(ClientError):
+    """The generation was cancelled (by this client or another caller of cancel(id))."""
+
+
+class Timeout(ClientError):
+    """No connection, or no reply, within the timeout."""
+
+
+class ServerError(ClientError):
+    """An error reply whose code has no class of its own."""
+
+
+_BY_CODE: dict[str, type[ClientError]] = {
+    "bad_frame": ProtocolError,
+    "bad_version": ProtocolError,
+    "busy": Busy,
+    "model_error": ModelError,
+    "not_found": ModelError,
+    "cancelled": Cancelled,
+}
+
+
+def error_for(code: str, message: str, request_id: int | None = None) -> ClientError:
+    """The exception for an Error reply with this code."""
+    return _BY_CODE.get(code, ServerError)(message or code, code=code, request_id=request_id)
