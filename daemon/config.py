@@ -9,12 +9,14 @@ silently); unknown environment variables are ignored.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any
 
 from .errors import ConfigError
 
 NUMERICS = ("ggml", "float32")
+ROUTING = ("exact", "approx", "speculative", "all")
 
 
 def _meta(env: str, doc: str, choices: tuple[str, ...] | None = None) -> dict[str, Any]:
@@ -31,10 +33,30 @@ class Settings:
     n_threads: int = field(default=0, metadata=_meta(
         "MOE_N_THREADS", "numba threads for the CPU kernels; 0 = all cores"))
     expert_cache_limit_mb: float = field(default=0.0, metadata=_meta(
-        "EXPERT_CACHE_LIMIT_MB", "host memory for expert slices across all MoE layers; 0 = unlimited"))
+        "EXPERT_CACHE_LIMIT_MB", "host memory for expert slices across all MoE layers, split evenly per "
+        "layer; 0 = unlimited"))
+    routing: str = field(default="all", metadata=_meta(
+        "MOE_ROUTING", "which experts load ahead of use: exact (on demand from the router only), approx "
+        "(+ Path A: token embeddings x routers), speculative (+ next layer's router on the current "
+        "hidden state), all (both)", ROUTING))
+    routing_verbose: bool = field(default=False, metadata=_meta(
+        "MOE_ROUTING_VERBOSE", "log each token's experts per layer and per-layer cache stats lines"))
+    io_depth: int = field(default=8, metadata=_meta(
+        "MOE_IO_DEPTH", "expert reads in flight at once"))
+    expert_pack: bool = field(default=True, metadata=_meta(
+        "MOE_EXPERT_PACK", "read experts from the expert pack beside the model when it is present and "
+        "valid (moed pack)"))
+    expert_trace_stats: bool = field(default=False, metadata=_meta(
+        "MOE_EXPERT_TRACE_STATS", "count expert activations; printed at the end of each generation"))
+    expert_trace_names: bool = field(default=False, metadata=_meta(
+        "MOE_EXPERT_TRACE_NAMES", "log one line per expert use, naming its tensors and slice"))
+    expert_trace_per_layer: bool = field(default=False, metadata=_meta(
+        "MOE_EXPERT_TRACE_PER_LAYER", "break the activation counts down per layer"))
+    expert_trace_output: str = field(default="", metadata=_meta(
+        "MOE_EXPERT_TRACE_OUTPUT", "write the activation counts as JSON to this path (.zst: compressed)"))
 
     @classmethod
-    def load(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
+    def load(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
         env = os.environ if env is None else env
         known = {f.name: f for f in fields(cls)}
         values: dict[str, Any] = {}

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
 
 import numba
 import numpy as np
@@ -20,8 +20,14 @@ import numpy as np
 from .config import Settings
 from .errors import RequestError
 from .model.transformer import Transformer
+from .model.weights import TensorSource
+from .routing.predict import Prefetcher
+from .routing.tracer import ExpertUsageTracer
 from .sampling import Sampler, SamplingOptions, StopMatcher
+from .storage.cache import ExpertCache
+from .storage.experts import expert_biases
 from .storage.gguf import GGUFFile
+from .storage.store import ExpertStore, expert_layouts
 from .text.chat import chat_template_from_metadata, render_chat, template_tokens
 from .text.tokenizer import StreamDecoder, Tokenizer
 
@@ -36,6 +42,24 @@ class GenerationStats:
     done_reason: str = ""
 
 
+def _expert_cache(gguf: GGUFFile, cfg: Settings, say) -> ExpertCache | None:
+    """The streaming expert cache over the model's expert pack (when valid) or the GGUF itself."""
+    layouts = expert_layouts(gguf)
+    if not layouts:
+        return None
+    store = None
+    if cfg.expert_pack:
+        from .storage.pack import open_pack
+
+        store = open_pack(gguf.path, gguf, layouts)
+    store = store or ExpertStore.from_gguf(gguf, layouts)
+    src = TensorSource(gguf)
+    biases = {il: tuple(expert_biases(src, il, lay.n_embd, lay.n_ff, lay.n_expert)) for il, lay in layouts.items()}
+    limit = f"{cfg.expert_cache_limit_mb:g} MB" if cfg.expert_cache_limit_mb else "no limit"
+    say(f"streaming experts from the {store.kind} ({limit}, routing {cfg.routing})")
+    return ExpertCache(store, cfg.expert_cache_limit_mb, cfg.io_depth, biases)
+
+
 class Engine:
     def __init__(self, gguf: GGUFFile, settings: Settings, model: Transformer, tokenizer: Tokenizer,
                  load_duration_ns: int):
@@ -46,10 +70,16 @@ class Engine:
         self.load_duration_ns = load_duration_ns
         self.last_stats = GenerationStats()
         self.n_ctx = min(settings.n_ctx, model.hp.n_ctx_train) if settings.n_ctx else model.hp.n_ctx_train
+        self.cache = model.experts if isinstance(model.experts, ExpertCache) else None
+        self.prefetcher = (Prefetcher(model, self.cache, settings.routing, settings.routing_verbose).attach(model)
+                           if self.cache is not None else None)
+        self.tracer = ExpertUsageTracer.from_settings(settings) if model.moe_layers else None
+        if self.tracer is not None:
+            self.tracer.attach(model)
 
     @classmethod
     def load(cls, path: str | os.PathLike, progress: Callable[[str], None] | None = None,
-             **settings) -> "Engine":
+             **settings) -> Engine:
         """Open and validate a GGUF model. `settings` are keyword overrides of daemon.config."""
         t0 = time.perf_counter_ns()
         cfg = Settings.load(**settings)
@@ -58,18 +88,42 @@ class Engine:
         say = progress or (lambda _msg: None)
         say(f"reading {os.fspath(path)}")
         gguf = GGUFFile(path)
+        cache = None
         try:
+            cache = _expert_cache(gguf, cfg, say)
             say(f"building {gguf.architecture} model")
-            model = Transformer(gguf, numerics=cfg.numerics)
+            model = Transformer(gguf, numerics=cfg.numerics, experts=cache)
             say("building tokenizer")
             tokenizer = Tokenizer.from_metadata(gguf.metadata)
-        except Exception:
+        except BaseException:
+            if cache is not None:
+                cache.close()
             gguf.close()
             raise
         return cls(gguf, cfg, model, tokenizer, time.perf_counter_ns() - t0)
 
     def close(self) -> None:
+        if self.tracer is not None:
+            self.tracer.write()
+            self.tracer.detach()
+            self.tracer = None
+        if self.prefetcher is not None:
+            self.prefetcher.detach()
+        if self.cache is not None:
+            self.cache.close()
         self.gguf.close()
+
+    def stats(self) -> dict:
+        """Expert cache and routing statistics, per layer and in total (JSON-serialisable);
+        None parts for a model without experts."""
+        return {"model": str(self.gguf.path),
+                "cache": self.cache.stats() if self.cache is not None else None,
+                "routing": self.prefetcher.stats() if self.prefetcher is not None else None}
+
+    def reset_stats(self) -> None:
+        if self.cache is not None:
+            self.cache.reset_stats()
+            self.prefetcher.reset_stats()
 
     def __enter__(self):
         return self
@@ -121,36 +175,46 @@ class Engine:
 
     def _generate(self, ids: list[int], max_tokens: int, stop: list[str], options: SamplingOptions) -> Iterator[str]:
         stats = self.last_stats = GenerationStats()
-        sampler = Sampler(options)
-        decoder = StreamDecoder(self.tokenizer)
-        stopper = StopMatcher(stop)
-        cache = self.model.new_cache(min(self.n_ctx, len(ids) + max_tokens + 1))
-        history = list(ids)
-        t0 = time.perf_counter_ns()
-        logits = self.model.forward(ids, cache)[-1]
-        stats.prompt_eval_count = len(ids)
-        stats.prompt_eval_duration = time.perf_counter_ns() - t0
-        t1 = time.perf_counter_ns()
-        reason = "length"
-        for _ in range(max_tokens):
-            token = sampler.sample(logits, history)
-            if token in self.tokenizer.eog_ids:
-                reason = "stop"
-                break
-            history.append(token)
-            stats.eval_count += 1
-            text = stopper.feed(decoder.feed(token))
-            if text:
-                yield text
-            if stopper.stopped:
-                reason = "stop"
-                break
-            if cache.n_past + 1 > cache.n_ctx:
-                break
-            logits = self.model.forward([token], cache)[-1]
-        stats.eval_duration = time.perf_counter_ns() - t1
-        stats.done_reason = reason
-        if not stopper.stopped:
-            tail = stopper.feed(decoder.flush()) + stopper.flush()
-            if tail:
-                yield tail
+        try:
+            sampler = Sampler(options)
+            decoder = StreamDecoder(self.tokenizer)
+            stopper = StopMatcher(stop)
+            cache = self.model.new_cache(min(self.n_ctx, len(ids) + max_tokens + 1))
+            history = list(ids)
+            t0 = time.perf_counter_ns()
+            logits = self.model.forward(ids, cache)[-1]
+            stats.prompt_eval_count = len(ids)
+            stats.prompt_eval_duration = time.perf_counter_ns() - t0
+            t1 = time.perf_counter_ns()
+            reason = "length"
+            for _ in range(max_tokens):
+                token = sampler.sample(logits, history)
+                if token in self.tokenizer.eog_ids:
+                    reason = "stop"
+                    break
+                history.append(token)
+                stats.eval_count += 1
+                text = stopper.feed(decoder.feed(token))
+                if text:
+                    yield text
+                if stopper.stopped:
+                    reason = "stop"
+                    break
+                if cache.n_past + 1 > cache.n_ctx:
+                    break
+                logits = self.model.forward([token], cache)[-1]
+            stats.eval_duration = time.perf_counter_ns() - t1
+            stats.done_reason = reason
+            if not stopper.stopped:
+                tail = stopper.feed(decoder.flush()) + stopper.flush()
+                if tail:
+                    yield tail
+        finally:
+            self._after_generation()
+
+    def _after_generation(self) -> None:
+        if self.prefetcher is not None and self.settings.routing_verbose:
+            self.prefetcher.log_stats(self.cache.stats())
+        if self.tracer is not None:
+            self.tracer.report()
+            self.tracer.write()

@@ -4,7 +4,8 @@
     ├── ConfigError            a setting or environment variable has a bad value
     ├── ModelError             the model cannot be used
     │   ├── GGUFError          the file is not a well-formed GGUF (names what is wrong)
-    │   └── UnsupportedError   well-formed, but an architecture / quant type / feature moed lacks
+    │   ├── UnsupportedError   well-formed, but an architecture / quant type / feature moed lacks
+    │   └── StorageError       expert bytes could not be read (file truncated, I/O error)
     └── RequestError           a bad request: prompt, token ids or sampling options
 """
 
@@ -27,6 +28,11 @@ class GGUFError(ModelError):
 
 class UnsupportedError(ModelError):
     """The file is valid but uses an architecture, quant type or feature moed does not support."""
+
+
+class StorageError(ModelError):
+    """Expert weights could not be read from disk: the file was truncated, removed or gave an I/O
+    error. The request that needed them fails; the engine stays usable."""
 
 
 class RequestError(MoedError):

@@ -64,15 +64,15 @@ def _top_k(scores: np.ndarray, k: int) -> np.ndarray:
 def moe_forward(moe: MoE, family: Family, experts: ExpertProvider, x: np.ndarray, numerics: str,
                 trace=None) -> np.ndarray:
     """x: [T, D] (already normed) -> [T, D]."""
-    T, D = x.shape
     ids, weights = route(moe, family, x, numerics)
     if trace is not None:
         trace(moe.layer, ids)
     layout = experts.layout(moe.layer)
-    if T == 1:
-        outputs = _apply_experts_one_token(layout, family, experts, moe.layer, ids[0], x, numerics)
-    else:
-        outputs = _apply_experts_grouped(layout, family, experts, moe.layer, ids, x, numerics)
+    with experts.fetch(moe.layer, np.unique(ids).tolist()) as batch:
+        if x.shape[0] == 1:
+            outputs = _apply_experts_one_token(layout, family, batch, ids[0], x, numerics)
+        else:
+            outputs = _apply_experts_grouped(layout, family, batch, ids, x, numerics)
     out = outputs[:, 0] * weights[:, :1]
     for a in range(1, moe.n_used):
         out = out + outputs[:, a] * weights[:, a:a + 1]
@@ -81,59 +81,50 @@ def moe_forward(moe: MoE, family: Family, experts: ExpertProvider, x: np.ndarray
     return out
 
 
-def _apply_experts_grouped(layout, family, experts, layer, ids, x, numerics) -> np.ndarray:
+def _apply_experts_grouped(layout, family, batch, ids, x, numerics) -> np.ndarray:
     """Each needed expert applied to the tokens routed to it. -> [T, A, D]"""
     T, D = x.shape
-    needed = np.unique(ids)
-    slices = experts.experts(layer, needed.tolist())
     outputs = np.empty((T, ids.shape[1], D), dtype=np.float32)
-    for e in needed:
+    for e in np.unique(ids):
         rows, slots = np.nonzero(ids == e)
         xe = np.ascontiguousarray(x[rows])
-        w = slices[int(e)]
+        s = batch.rows[int(e)]
         if layout.gate_type == layout.up_type:
             xp = prepare(xe, layout.gate_type, numerics)
-            g = linear_prepared(xp, w.gate, layout.gate_type, D, expert=True)
-            u = linear_prepared(xp, w.up, layout.up_type, D, expert=True)
+            g = linear_prepared(xp, batch.gate[s], layout.gate_type, D, expert=True)
+            u = linear_prepared(xp, batch.up[s], layout.up_type, D, expert=True)
         else:
-            g = linear(xe, w.gate, layout.gate_type, D, numerics, expert=True)
-            u = linear(xe, w.up, layout.up_type, D, numerics, expert=True)
-        if w.gate_bias is not None:
-            g += w.gate_bias
-            u += w.up_bias
-        y = linear(_glu(family, g, u), w.down, layout.down_type, layout.n_ff, numerics, expert=True)
-        if w.down_bias is not None:
-            y += w.down_bias
+            g = linear(xe, batch.gate[s], layout.gate_type, D, numerics, expert=True)
+            u = linear(xe, batch.up[s], layout.up_type, D, numerics, expert=True)
+        if batch.gate_bias is not None:
+            g += batch.gate_bias[e]
+            u += batch.up_bias[e]
+        y = linear(_glu(family, g, u), batch.down[s], layout.down_type, layout.n_ff, numerics, expert=True)
+        if batch.down_bias is not None:
+            y += batch.down_bias[e]
         outputs[rows, slots] = y
     return outputs
 
 
-def _apply_experts_one_token(layout, family, experts, layer, sel, x, numerics) -> np.ndarray:
+def _apply_experts_one_token(layout, family, batch, sel, x, numerics) -> np.ndarray:
     """Decode step: one token through its A experts in two kernel calls (gate/up, then down),
     each row computed exactly as a separate one-token expert call computes it.
     sel: [A] expert ids in top-k order; x: [1, D] -> [1, A, D]"""
     D, F, A = x.shape[1], layout.n_ff, len(sel)
-    slices = experts.experts(layer, [int(e) for e in sel])
-    ws = [slices[int(e)] for e in sel]
-    if hasattr(experts, "stacks"):  # all experts in one array: index it, copy nothing
-        gate, up, down = experts.stacks(layer)
-        idx = np.asarray(sel, dtype=np.int64)
-    else:
-        gate, up, down = (np.stack([getattr(w, p) for w in ws]) for p in ("gate", "up", "down"))
-        idx = np.arange(A, dtype=np.int64)
+    idx = np.array([batch.rows[int(e)] for e in sel], dtype=np.int64)  # [A] rows of the stacks
     first = np.zeros(A, dtype=np.int64)
     xp = prepare(x, layout.gate_type, numerics)
-    g = linear_selected(xp, gate, idx, first, layout.gate_type, D)  # [A, F]
+    g = linear_selected(xp, batch.gate, idx, first, layout.gate_type, D)  # [A, F]
     if layout.up_type != layout.gate_type:
         xp = prepare(x, layout.up_type, numerics)
-    u = linear_selected(xp, up, idx, first, layout.up_type, D)
-    if ws[0].gate_bias is not None:
-        g += np.stack([w.gate_bias for w in ws])
-        u += np.stack([w.up_bias for w in ws])
+    u = linear_selected(xp, batch.up, idx, first, layout.up_type, D)
+    if batch.gate_bias is not None:
+        g += batch.gate_bias[sel]
+        u += batch.up_bias[sel]
     hp = prepare(_glu(family, g, u), layout.down_type, numerics)
-    y = linear_selected(hp, down, idx, np.arange(A, dtype=np.int64), layout.down_type, F)  # [A, D]
-    if ws[0].down_bias is not None:
-        y += np.stack([w.down_bias for w in ws])
+    y = linear_selected(hp, batch.down, idx, np.arange(A, dtype=np.int64), layout.down_type, F)  # [A, D]
+    if batch.down_bias is not None:
+        y += batch.down_bias[sel]
     return y[None]
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import RequestError
+from ..errors import GGUFError, RequestError
 from ..kernels import ops
 from ..kernels.matmul import linear, linear_prepared, prepare
 from ..kernels.quants import dequantize
@@ -96,9 +96,18 @@ class Transformer:
                        else self.tok_embd)
         self.layers = [self._load_layer(src, il) for il in range(hp.n_layer)]
         moe_layers = [il for il, layer in enumerate(self.layers) if isinstance(layer.ffn, MoE)]
-        self.experts = experts or (MappedExperts(src, moe_layers, hp.n_embd, hp.n_ff_exp or hp.n_ff, hp.n_expert)
-                                   if moe_layers else None)
+        self.moe_layers = moe_layers
+        F = hp.n_ff_exp or hp.n_ff
+        if experts is None and moe_layers:
+            experts = MappedExperts(src, moe_layers, hp.n_embd, F, hp.n_expert)
+        for il in moe_layers:
+            lay = experts.layout(il)
+            if (lay.n_expert, lay.n_embd, lay.n_ff) != (hp.n_expert, hp.n_embd, F):
+                raise GGUFError(f"layer {il}: experts are [{lay.n_expert} x {lay.n_ff} x {lay.n_embd}], "
+                                f"the model expects [{hp.n_expert} x {F} x {hp.n_embd}]")
+        self.experts = experts
         self.trace = None  # callable(layer, ids [T, A]) observing routing decisions
+        self.step_hooks = None  # .begin(tokens [T]) per forward pass, .layer_input(il, x [T, D]) per layer
         self.ffn_observer = None  # callable(layer, x [T, D], h [T, F]) observing dense FFN activations
 
     # -- loading ------------------------------------------------------------------------------
@@ -164,8 +173,13 @@ class Transformer:
         rope = hp.rope
         rope_tab = ops.rope_cache(positions, rope.n_dims, rope.freq_base, rope.freq_scale,
                                   rope.ext_factor, rope.attn_factor, rope.corr_dims)
+        hooks = self.step_hooks
+        if hooks is not None:
+            hooks.begin(tokens)
         x = dequantize(self.tok_embd.raw[tokens], self.tok_embd.ggml_type, hp.n_embd)  # [T, D]
         for il, layer in enumerate(self.layers):
+            if hooks is not None:
+                hooks.layer_input(il, x)
             h = ops.rms_norm(x, layer.attn.norm, np.float32(hp.rms_eps))
             x = x + self._attention(il, layer.attn, h, cache, positions, rope_tab)
             if il == hp.n_layer - 1 and not all_logits:

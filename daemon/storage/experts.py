@@ -1,80 +1,109 @@
-"""Expert providers: (layer, expert ids) -> the weight slices of those experts.
+"""Expert providers: (layer, expert ids) -> the weights of those experts, as stacks kernels index.
 
-Model code never holds expert arrays; it asks a provider. MappedExperts serves views straight
-from the memory-mapped GGUF file; the streaming cache (SSD -> host LRU) implements the same
-interface. Legend: E = experts, D = hidden size, F = expert FFN size.
+Model code never holds expert arrays; it asks a provider. `MappedExperts` serves the stacked
+tensors of the memory-mapped GGUF file as they are; `ExpertCache` (cache.py) streams experts from
+disk into a bounded per-layer cache and serves its slots. Both hand out an `ExpertBatch`.
+
+Legend: E = experts, S = slots of a stack, D = hidden size, F = expert FFN size,
+rb(t, K) = bytes of one row of K values in ggml type t.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import ContextManager, Protocol
 
 import numpy as np
 
 from ..errors import GGUFError
+from ..kernels.quants import row_bytes
 
-
-@dataclass(frozen=True)
-class ExpertSlices:
-    """One expert's weights. gate/up: uint8 [F, row_bytes(D)]; down: uint8 [D, row_bytes(F)]."""
-    gate: np.ndarray
-    up: np.ndarray
-    down: np.ndarray
-    gate_bias: np.ndarray | None = None  # [F] f32
-    up_bias: np.ndarray | None = None  # [F] f32
-    down_bias: np.ndarray | None = None  # [D] f32
+PROJECTIONS = ("gate", "up", "down")
 
 
 @dataclass(frozen=True)
 class ExpertLayout:
-    """Shape and encoding of one MoE layer's experts (what a provider serves)."""
-    n_expert: int
+    """Shape and encoding of one MoE layer's experts."""
+    n_expert: int  # E
     n_embd: int  # D
     n_ff: int  # F
     gate_type: int
     up_type: int
     down_type: int
 
+    def shape(self, projection: str) -> tuple[int, int]:
+        """(rows, bytes per row) of one expert's slice of a projection."""
+        if projection == "down":
+            return self.n_embd, row_bytes(self.down_type, self.n_ff)
+        t = self.gate_type if projection == "gate" else self.up_type
+        return self.n_ff, row_bytes(t, self.n_embd)
+
+    def nbytes(self, projection: str) -> int:
+        rows, rb = self.shape(projection)
+        return rows * rb
+
+    @property
+    def expert_nbytes(self) -> int:
+        """Bytes of one expert's three slices."""
+        return sum(self.nbytes(p) for p in PROJECTIONS)
+
+
+@dataclass(frozen=True)
+class ExpertBatch:
+    """The experts one layer needs for one step. `rows[e]` indexes expert e in the stacks.
+
+    gate/up: uint8 [S, F, rb(type, D)]; down: uint8 [S, D, rb(type, F)].
+    Biases are indexed by expert id: [E, F] / [E, D] f32, or None."""
+    gate: np.ndarray
+    up: np.ndarray
+    down: np.ndarray
+    rows: dict[int, int]
+    gate_bias: np.ndarray | None = None
+    up_bias: np.ndarray | None = None
+    down_bias: np.ndarray | None = None
+
 
 class ExpertProvider(Protocol):
     def layout(self, layer: int) -> ExpertLayout: ...
 
-    def experts(self, layer: int, ids: Sequence[int]) -> dict[int, ExpertSlices]: ...
+    def fetch(self, layer: int, ids: Sequence[int]) -> ContextManager[ExpertBatch]:
+        """The experts `ids` of `layer`, held (never evicted or overwritten) until the block exits."""
+        ...
 
 
 class MappedExperts:
-    """Serves expert slices as zero-copy views of the stacked tensors in the mapped file."""
+    """Serves the stacked tensors of the mapped file directly: every expert is always 'loaded'."""
 
     def __init__(self, source, moe_layers: Sequence[int], n_embd: int, n_ff: int, n_expert: int):
-        self._stacks: dict[int, tuple] = {}
+        self._batches: dict[int, ExpertBatch] = {}
         self._layouts: dict[int, ExpertLayout] = {}
         for il in moe_layers:
             p = f"blk.{il}."
             gate, gt = source.stacked(p + "ffn_gate_exps.weight", n_embd, n_ff, n_expert)
             up, ut = source.stacked(p + "ffn_up_exps.weight", n_embd, n_ff, n_expert)
             down, dt = source.stacked(p + "ffn_down_exps.weight", n_ff, n_embd, n_expert)
-            biases = [source.optional_vector(p + f"ffn_{w}_exps.bias", shape=(n_expert, n))
-                      for w, n in (("gate", n_ff), ("up", n_ff), ("down", n_embd))]
-            self._stacks[il] = (gate, up, down, *biases)
+            self._batches[il] = ExpertBatch(gate, up, down, {e: e for e in range(n_expert)},
+                                            *expert_biases(source, il, n_embd, n_ff, n_expert))
             self._layouts[il] = ExpertLayout(n_expert, n_embd, n_ff, gt, ut, dt)
 
     def layout(self, layer: int) -> ExpertLayout:
         return self._layouts[layer]
 
-    def stacks(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The layer's stacked gate, up, down weights: uint8 [E, N, row_bytes] each."""
-        return self._stacks[layer][:3]
+    def fetch(self, layer: int, ids: Sequence[int]) -> ContextManager[ExpertBatch]:
+        check_ids(layer, ids, self._layouts[layer].n_expert)
+        return nullcontext(self._batches[layer])
 
-    def experts(self, layer: int, ids: Sequence[int]) -> dict[int, ExpertSlices]:
-        gate, up, down, gb, ub, db = self._stacks[layer]
-        n = gate.shape[0]
-        out = {}
-        for e in ids:
-            if not 0 <= e < n:
-                raise GGUFError(f"layer {layer}: expert {e} out of range 0..{n - 1}")
-            out[int(e)] = ExpertSlices(gate[e], up[e], down[e],
-                                       None if gb is None else gb[e],
-                                       None if ub is None else ub[e],
-                                       None if db is None else db[e])
-        return out
+
+def expert_biases(source, layer: int, n_embd: int, n_ff: int, n_expert: int) -> list[np.ndarray | None]:
+    """Per-expert biases of a layer (gpt-oss), small enough to stay resident: gate, up, down."""
+    p = f"blk.{layer}."
+    return [source.optional_vector(p + f"ffn_{w}_exps.bias", shape=(n_expert, n))
+            for w, n in (("gate", n_ff), ("up", n_ff), ("down", n_embd))]
+
+
+def check_ids(layer: int, ids: Sequence[int], n_expert: int) -> None:
+    for e in ids:
+        if not 0 <= e < n_expert:
+            raise GGUFError(f"layer {layer}: expert {e} out of range 0..{n_expert - 1}")

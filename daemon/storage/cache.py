@@ -1,0 +1,372 @@
+"""Per-layer LRU of expert weights in host memory, filled from the expert store by async reads.
+
+Each MoE layer owns an arena of S slots (uint8 [S, rows, row bytes] per projection), S =
+budget per layer / bytes per expert, budget per layer = EXPERT_CACHE_LIMIT_MB / MoE layers (no
+limit: S = E). A fetched batch indexes the arena directly, so a decode step copies nothing.
+
+Rules:
+- `fetch(layer, ids)` pins its experts until the `with` block ends; pinned or loading slots are
+  never evicted or overwritten. When every slot is pinned, the extra experts load into buffers of
+  their own, are used, and are dropped on release (a budget below one step's need still runs).
+- One read per expert: a request for an expert already in flight waits on that read.
+- `prefetch(layer, ids)` starts reads ahead of use. It only evicts entries that are neither pinned
+  nor prefetched-and-unused, so a prediction never pushes out another one that is still to be
+  used, and nothing is read twice in one forward pass (`duplicate_reads` counts it if it were).
+- Reads run on an I/O thread with its own asyncio loop (aiofiles, MOE_IO_DEPTH in flight);
+  demand reads jump ahead of queued prefetches. Cache state is guarded by one lock, so a step
+  whose experts are all cached never waits on the I/O thread.
+
+Legend: E = experts, S = slots, F = expert FFN size, D = hidden size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from ..errors import StorageError
+from .experts import PROJECTIONS, ExpertBatch, ExpertLayout, check_ids
+from .store import ExpertStore, StoreReader
+
+log = logging.getLogger("moed.cache")
+
+DEMAND, PREFETCH = 0, 1  # read priorities: lower first
+MIN_JOB_BYTES = 1 << 20  # smaller experts are read several per thread-pool job
+
+
+@dataclass
+class LayerStats:
+    requests: int = 0  # experts asked for by steps (unique within a step)
+    hits: int = 0  # ... already cached or in flight
+    misses: int = 0  # ... that needed a read
+    loads: int = 0  # reads completed, demand and prefetch
+    evictions: int = 0
+    bytes_read: int = 0
+    prefetch_issued: int = 0
+    prefetch_used: int = 0  # prefetched experts a step then asked for
+    prefetch_wasted: int = 0  # prefetched experts evicted unused
+    prefetch_skipped: int = 0  # predictions dropped: no slot free of pinned / pending entries
+    duplicate_reads: int = 0  # an expert read twice in one forward pass (should stay 0)
+    unique_requested: int = 0  # distinct experts ever asked for: the reads an unlimited cache needs
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.requests if self.requests else 0.0
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "hit_rate": round(self.hit_rate, 6)}
+
+
+@dataclass(eq=False)
+class _Entry:
+    expert: int
+    slot: int  # arena slot, or -1: an overflow buffer of its own
+    views: tuple[np.ndarray, np.ndarray, np.ndarray]  # gate, up, down of this expert
+    future: Future
+    pins: int = 0
+    prefetched: bool = False
+    used: bool = False
+    started: bool = False
+    priority: int = DEMAND
+
+
+@dataclass(eq=False)
+class _Layer:
+    layout: ExpertLayout
+    capacity: int  # S
+    arena: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # gate, up, down: [S, rows, rb]
+    free: list[int] = field(default_factory=list)
+    entries: OrderedDict = field(default_factory=OrderedDict)  # expert -> _Entry, LRU first
+    stats: LayerStats = field(default_factory=LayerStats)
+    seen: set[int] = field(default_factory=set)
+    read_this_pass: set[int] = field(default_factory=set)
+    biases: tuple = (None, None, None)
+
+
+class ExpertCache:
+    """Expert provider backed by an ExpertStore and bounded per layer. Close it when done."""
+
+    def __init__(self, store: ExpertStore, limit_mb: float = 0.0, io_depth: int = 8,
+                 biases: dict[int, tuple] | None = None):
+        self.store = store
+        self.limit_bytes = int(limit_mb * 2**20)
+        n_layers = max(len(store.layouts), 1)
+        self.layer_budget = self.limit_bytes // n_layers if self.limit_bytes else 0
+        self._layers: dict[int, _Layer] = {}
+        for il, lay in store.layouts.items():
+            cap = lay.n_expert if not self.limit_bytes else min(lay.n_expert, self.layer_budget // lay.expert_nbytes)
+            self._layers[il] = _Layer(lay, cap, free=list(range(cap - 1, -1, -1)),
+                                      biases=(biases or {}).get(il, (None, None, None)))
+        self._lock = threading.Lock()
+        self._seq = itertools.count()
+        self._io = _IOThread(store, io_depth, self._read_done)
+
+    # -- provider interface ---------------------------------------------------------------------
+
+    def layout(self, layer: int) -> ExpertLayout:
+        return self._layers[layer].layout
+
+    @contextmanager
+    def fetch(self, layer: int, ids: Sequence[int]) -> Iterator[ExpertBatch]:
+        lc = self._layers[layer]
+        check_ids(layer, ids, lc.layout.n_expert)
+        held: list[_Entry] = []
+        try:
+            reads: list[_Entry] = []
+            with self._lock:
+                wanted = list(dict.fromkeys(int(e) for e in ids))
+                # cached ones first, so that room made for a miss never evicts an expert this step wants
+                wanted.sort(key=lambda e: e not in lc.entries)
+                for e in wanted:
+                    held.append(self._demand(lc, layer, e, reads))
+            self._queue(DEMAND, layer, reads)
+            pending = [h.future for h in held if not h.future.done()]
+            if pending:
+                wait_all(pending)
+            for h in held:
+                if h.future.exception() is not None:
+                    raise h.future.exception()
+            yield self._batch(lc, held)
+        finally:
+            with self._lock:
+                for h in held:
+                    h.pins -= 1
+                    if h.slot < 0:  # overflow buffer: used, now dropped
+                        lc.stats.evictions += 1
+
+    def prefetch(self, layer: int, ids: Sequence[int]) -> None:
+        """Start reading experts predicted for `layer`; never waits."""
+        lc = self._layers.get(layer)
+        if lc is None:
+            return
+        reads: list[_Entry] = []
+        with self._lock:
+            for e in dict.fromkeys(int(e) for e in ids):
+                ent = lc.entries.get(e)
+                if ent is not None:
+                    lc.entries.move_to_end(e)  # predicted again: keep it
+                    continue
+                ent = self._start(lc, e, PREFETCH)
+                if ent is None:
+                    lc.stats.prefetch_skipped += 1
+                else:
+                    lc.stats.prefetch_issued += 1
+                    reads.append(ent)
+        self._queue(PREFETCH, layer, reads)
+
+    def begin_pass(self) -> None:
+        """A new forward pass starts: reads from now on count toward its duplicate check."""
+        with self._lock:
+            for lc in self._layers.values():
+                lc.read_this_pass.clear()
+
+    def stats(self) -> dict:
+        """Per-layer and total statistics, JSON-serialisable."""
+        with self._lock:
+            per = {il: lc.stats.as_dict() | {"capacity": lc.capacity, "cached": len(lc.entries)}
+                   for il, lc in self._layers.items()}
+            total = LayerStats()
+            for lc in self._layers.values():
+                for k, v in asdict(lc.stats).items():
+                    setattr(total, k, getattr(total, k) + v)
+        return {"source": self.store.kind, "path": self.store.path, "limit_mb": self.limit_bytes / 2**20,
+                "layer_budget_bytes": self.layer_budget,
+                "expert_bytes": {il: lc.layout.expert_nbytes for il, lc in self._layers.items()},
+                "cached_bytes": sum(len(lc.entries) * lc.layout.expert_nbytes for lc in self._layers.values()),
+                "layers": per, "total": total.as_dict()}
+
+    def reset_stats(self) -> None:
+        with self._lock:
+            for lc in self._layers.values():
+                lc.stats = LayerStats()
+                lc.seen.clear()
+
+    def close(self) -> None:
+        self._io.stop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- internals (called with the lock held) ----------------------------------------------------
+
+    def _demand(self, lc: _Layer, layer: int, e: int, reads: list[_Entry]) -> _Entry:
+        st = lc.stats
+        st.requests += 1
+        if e not in lc.seen:
+            lc.seen.add(e)
+            st.unique_requested += 1
+        ent = lc.entries.get(e)
+        if ent is not None:
+            st.hits += 1
+            if ent.prefetched and not ent.used:
+                st.prefetch_used += 1
+            lc.entries.move_to_end(e)
+            if not ent.started and ent.priority != DEMAND:  # queued prefetch: read it now
+                ent.priority = DEMAND
+                reads.append(ent)
+        else:
+            st.misses += 1
+            ent = self._start(lc, e, DEMAND)
+            reads.append(ent)
+        ent.used = True
+        ent.pins += 1
+        return ent
+
+    def _start(self, lc: _Layer, e: int, priority: int) -> _Entry | None:
+        """Reserve room for expert e. None: a prefetch with no room."""
+        slot = self._free_slot(lc, prefetch=priority == PREFETCH)
+        if slot is None:
+            if priority == PREFETCH:
+                return None
+            views = tuple(np.empty(lc.layout.shape(p), np.uint8) for p in PROJECTIONS)
+            slot = -1
+        else:
+            views = tuple(a[slot] for a in self._arena(lc))
+        ent = _Entry(e, slot, views, Future(), prefetched=priority == PREFETCH, priority=priority)
+        if slot >= 0:
+            lc.entries[e] = ent
+        if e in lc.read_this_pass:
+            lc.stats.duplicate_reads += 1
+        lc.read_this_pass.add(e)
+        return ent
+
+    def _queue(self, priority: int, layer: int, reads: list[_Entry]) -> None:
+        """Hand reads to the I/O thread in up to io_depth jobs of >= MIN_JOB_BYTES each."""
+        if not reads:
+            return
+        size = self._layers[layer].layout.expert_nbytes
+        n_jobs = max(1, min(self._io.depth, len(reads), len(reads) * size // MIN_JOB_BYTES))
+        for j in range(n_jobs):
+            self._io.submit(priority, next(self._seq), layer, reads[j::n_jobs])
+
+    def _free_slot(self, lc: _Layer, prefetch: bool) -> int | None:
+        if lc.free:
+            return lc.free.pop()
+        for e, ent in lc.entries.items():  # least recently used first
+            if ent.pins or not ent.future.done():
+                continue
+            if prefetch and ent.prefetched and not ent.used:
+                continue
+            del lc.entries[e]
+            lc.stats.evictions += 1
+            if ent.prefetched and not ent.used:
+                lc.stats.prefetch_wasted += 1
+            return ent.slot
+        return None
+
+    def _arena(self, lc: _Layer):
+        if lc.arena is None:  # np.empty: pages are committed as slots fill
+            lc.arena = tuple(np.empty((lc.capacity, *lc.layout.shape(p)), np.uint8) for p in PROJECTIONS)
+        return lc.arena
+
+    def _batch(self, lc: _Layer, held: list[_Entry]) -> ExpertBatch:
+        if all(h.slot >= 0 for h in held):
+            gate, up, down = lc.arena
+            rows = {h.expert: h.slot for h in held}
+        else:  # some experts live outside the arena: stack copies for this step
+            gate, up, down = (np.stack([h.views[i] for h in held]) for i in range(3))
+            rows = {h.expert: i for i, h in enumerate(held)}
+        return ExpertBatch(gate, up, down, rows, *lc.biases)
+
+    def _read_done(self, layer: int, ent: _Entry, nbytes: int, error: BaseException | None) -> None:
+        """Called on the reading thread when a read ends."""
+        lc = self._layers[layer]
+        with self._lock:
+            if error is None:
+                lc.stats.loads += 1
+                lc.stats.bytes_read += nbytes
+            elif ent.slot >= 0 and lc.entries.get(ent.expert) is ent:  # forget it: a later request retries
+                del lc.entries[ent.expert]
+                lc.free.append(ent.slot)
+        if error is None:
+            ent.future.set_result(None)
+        else:
+            if ent.prefetched and not ent.used:
+                log.debug("prefetch of layer %d expert %d failed: %s", layer, ent.expert, error)
+            ent.future.set_exception(error)
+
+
+class _IOThread:
+    """An asyncio loop on a thread of its own: `depth` tasks take read jobs (lists of entries of
+    one layer) from a priority queue and run each as one aiofiles thread-pool job."""
+
+    def __init__(self, store: ExpertStore, depth: int, done):
+        self._store = store
+        self.depth = max(1, depth)
+        self._done = done
+        self._claim = threading.Lock()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="moed-expert-io", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+
+    def _run(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.loop.set_default_executor(ThreadPoolExecutor(self.depth, thread_name_prefix="moed-read"))
+        self._queue: asyncio.PriorityQueue = asyncio.PriorityQueue()
+        self._reader = StoreReader(self._store)
+        self._open_error: BaseException | None = None
+        self.loop.run_until_complete(self._open())
+        self._workers = [self.loop.create_task(self._work()) for _ in range(self.depth)]
+        self._ready.set()
+        self.loop.run_forever()
+        for w in self._workers:
+            w.cancel()
+        self.loop.run_until_complete(asyncio.gather(*self._workers, return_exceptions=True))
+        self.loop.run_until_complete(self._reader.close())
+        self.loop.run_until_complete(self.loop.shutdown_default_executor())
+        self.loop.close()
+
+    async def _open(self) -> None:
+        try:
+            await self._reader.open()
+        except StorageError as e:
+            self._open_error = e
+
+    def submit(self, priority: int, seq: int, layer: int, entries: list[_Entry]) -> None:
+        self.loop.call_soon_threadsafe(self._queue.put_nowait, (priority, seq, layer, entries))
+
+    def _claimed(self, entries: list[_Entry]) -> list[_Entry]:
+        """The entries nobody read yet, marked started (a boosted entry sits in two jobs)."""
+        with self._claim:
+            mine = [e for e in entries if not e.started]
+            for e in mine:
+                e.started = True
+        return mine
+
+    async def _work(self) -> None:
+        while True:
+            _, _, layer, entries = await self._queue.get()
+            mine = self._claimed(entries)
+            if not mine:
+                continue
+            if self._open_error is not None:
+                for ent in mine:
+                    self._done(layer, ent, 0, self._open_error)
+                continue
+            items = [(layer, ent.expert, [memoryview(v).cast("B") for v in ent.views],
+                      lambda n, err, ent=ent: self._done(layer, ent, n, err)) for ent in mine]
+            try:
+                await self._reader.read_batch(items)
+            except Exception as e:  # not a StorageError: fail the entries, keep the worker
+                for ent in mine:
+                    if not ent.future.done():
+                        self._done(layer, ent, 0, StorageError(f"expert read failed: {e!r}"))
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join()
