@@ -196,6 +196,15 @@ class Transformer:
         x = ops.rms_norm(x, self.output_norm, np.float32(hp.rms_eps))
         return linear(x, self.output.raw, self.output.ggml_type, hp.n_embd, self.numerics)
 
+    def forward_batch(self, tokens, caches: list[KVCache]) -> np.ndarray:
+        """One decode step for B sequences: token b is appended to caches[b]. -> logits [B, V].
+
+        Batch-invariant: row b is bit-identical to `forward([tokens[b]], caches[b])` alone."""
+        tokens = [int(t) for t in tokens]
+        if len(tokens) != len(caches):
+            raise RequestError(f"{len(tokens)} tokens for {len(caches)} sequences")
+        return np.concatenate([self.forward([t], c) for t, c in zip(tokens, caches)])
+
     def _attention(self, il: int, a: Attention, x, cache: KVCache, positions, rope_tab) -> np.ndarray:
         hp, fam, num = self.hp, self.family, self.numerics
         T = x.shape[0]
