@@ -1149,11 +1149,14 @@ def tinyblas_float(rows: int, n: int, k: int, expert: bool) -> bool:
     return not expert and rows >= 2 and n % 4 == 0 and k % 8 == 0
 
 
-def linear_prepared(xp: Prepared, raw: np.ndarray, ggml_type: int, k: int, expert: bool = False) -> np.ndarray:
+def linear_prepared(xp: Prepared, raw: np.ndarray, ggml_type: int, k: int, expert: bool = False,
+                    solo: bool = False) -> np.ndarray:
     """out float32 [T, N] = x @ W.T for prepared activations xp and weight raw [N, row_bytes].
 
     expert: the call is one expert of a MUL_MAT_ID (MoE experts: x = the tokens routed to it);
-    with "ggml" numerics it selects llama.cpp's path as that op does (see the module docstring)."""
+    with "ggml" numerics it selects llama.cpp's path as that op does (see the module docstring).
+    solo: the rows are independent one-token steps (a decode batch): each row is computed as a
+    one-row call computes it, so a token's result does not depend on its batch."""
     if ggml_type not in Q.SUPPORTED_TYPES:
         raise UnsupportedError(f"unsupported quant type {Q.type_name(ggml_type)}")
     if xp.K != k:
@@ -1171,15 +1174,16 @@ def linear_prepared(xp: Prepared, raw: np.ndarray, ggml_type: int, k: int, exper
         return out
     nc = _nchunks(N)
     qt = int(ggml_type)
+    rows = 1 if solo else T  # the row count that picks llama.cpp's path
     if xp.numerics == "float32":
         if ggml_type in Q.FLOAT_TYPES:
             _mm_float(w, qt, xp.x, out, nc)
         else:
             _mm_ref(w, qt, k, xp.x, out, nc)
     elif ggml_type in Q.FLOAT_TYPES:
-        _mm_float_ggml(w, qt, tinyblas_float(T, N, k, expert), xp.x, out, nc)
+        _mm_float_ggml(w, qt, tinyblas_float(rows, N, k, expert), xp.x, out, nc)
     elif ggml_type in Q.KQUANT_TYPES:
-        _mm_kq(qt, tiled_kquant(T), w, xp.qs, xp.d, xp.bsums, out, nc)
+        _mm_kq(qt, tiled_kquant(rows), w, xp.qs, xp.d, xp.bsums, out, nc)
     else:
         xs = xp.s if xp.s is not None else xp.d  # read only for Q8_1
         _mm_b32(qt, w, xp.qs, xp.d, xs, out, nc)
@@ -1222,11 +1226,12 @@ def linear_selected(xp: Prepared, stack: np.ndarray, sel: np.ndarray, xrow: np.n
 
 
 def linear(
-    x: np.ndarray, raw: np.ndarray, ggml_type: int, k: int, numerics: str = "ggml", expert: bool = False
+    x: np.ndarray, raw: np.ndarray, ggml_type: int, k: int, numerics: str = "ggml", expert: bool = False,
+    solo: bool = False,
 ) -> np.ndarray:
     """out float32 [T, N] = x [T, K] @ W.T, W given as ggml blocks raw uint8 [N, row_bytes].
-    expert: as linear_prepared."""
-    return linear_prepared(prepare(x, ggml_type, numerics), raw, ggml_type, k, expert)
+    expert, solo: as linear_prepared."""
+    return linear_prepared(prepare(x, ggml_type, numerics), raw, ggml_type, k, expert, solo)
 
 
 # --------------------------------------------------------------------------------------------

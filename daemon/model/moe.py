@@ -36,9 +36,9 @@ class MoE:
     shared: SharedExpert | None
 
 
-def route(moe: MoE, family: Family, x: np.ndarray, numerics: str) -> tuple[np.ndarray, np.ndarray]:
+def route(moe: MoE, family: Family, x: np.ndarray, numerics: str, solo: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Exact router (Path B). x: [T, D] -> (ids [T, A] int64 in top-k order, weights [T, A] f32)."""
-    logits = linear(x, moe.router.raw, moe.router.ggml_type, moe.router.n_in, numerics)  # [T, E]
+    logits = linear(x, moe.router.raw, moe.router.ggml_type, moe.router.n_in, numerics, solo=solo)  # [T, E]
     if moe.router_bias is not None:
         logits = logits + moe.router_bias
     if family.gating == "softmax_weight":
@@ -62,22 +62,23 @@ def _top_k(scores: np.ndarray, k: int) -> np.ndarray:
 
 
 def moe_forward(moe: MoE, family: Family, experts: ExpertProvider, x: np.ndarray, numerics: str,
-                trace=None) -> np.ndarray:
-    """x: [T, D] (already normed) -> [T, D]."""
-    ids, weights = route(moe, family, x, numerics)
+                trace=None, solo: bool = False) -> np.ndarray:
+    """x: [T, D] (already normed) -> [T, D]. solo: the rows are independent one-token steps of
+    different sequences (a decode batch), each computed exactly as it would be alone."""
+    ids, weights = route(moe, family, x, numerics, solo)
     if trace is not None:
         trace(moe.layer, ids)
     layout = experts.layout(moe.layer)
     with experts.fetch(moe.layer, np.unique(ids).tolist()) as batch:
-        if x.shape[0] == 1:
-            outputs = _apply_experts_one_token(layout, family, batch, ids[0], x, numerics)
+        if solo or x.shape[0] == 1:
+            outputs = _apply_experts_per_token(layout, family, batch, ids, x, numerics)
         else:
             outputs = _apply_experts_grouped(layout, family, batch, ids, x, numerics)
     out = outputs[:, 0] * weights[:, :1]
     for a in range(1, moe.n_used):
         out = out + outputs[:, a] * weights[:, a:a + 1]
     if moe.shared is not None:
-        out = out + shared_expert(moe.shared, x, numerics)
+        out = out + shared_expert(moe.shared, x, numerics, solo)
     return out
 
 
@@ -106,26 +107,27 @@ def _apply_experts_grouped(layout, family, batch, ids, x, numerics) -> np.ndarra
     return outputs
 
 
-def _apply_experts_one_token(layout, family, batch, sel, x, numerics) -> np.ndarray:
-    """Decode step: one token through its A experts in two kernel calls (gate/up, then down),
-    each row computed exactly as a separate one-token expert call computes it.
-    sel: [A] expert ids in top-k order; x: [1, D] -> [1, A, D]"""
-    D, F, A = x.shape[1], layout.n_ff, len(sel)
-    idx = np.array([batch.rows[int(e)] for e in sel], dtype=np.int64)  # [A] rows of the stacks
-    first = np.zeros(A, dtype=np.int64)
+def _apply_experts_per_token(layout, family, batch, ids, x, numerics) -> np.ndarray:
+    """Decode steps: each token through its own A experts, in two kernel calls (gate/up, then
+    down) for the whole batch; every (token, expert) row is computed exactly as a one-token expert
+    call computes it. ids: [T, A] expert ids in top-k order; x: [T, D] -> [T, A, D]"""
+    (T, A), D, F = ids.shape, x.shape[1], layout.n_ff
+    flat = ids.reshape(-1)  # [T*A]
+    idx = np.array([batch.rows[int(e)] for e in flat], dtype=np.int64)  # [T*A] rows of the stacks
+    xrow = np.repeat(np.arange(T, dtype=np.int64), A)  # [T*A] the token of each pair
     xp = prepare(x, layout.gate_type, numerics)
-    g = linear_selected(xp, batch.gate, idx, first, layout.gate_type, D)  # [A, F]
+    g = linear_selected(xp, batch.gate, idx, xrow, layout.gate_type, D)  # [T*A, F]
     if layout.up_type != layout.gate_type:
         xp = prepare(x, layout.up_type, numerics)
-    u = linear_selected(xp, batch.up, idx, first, layout.up_type, D)
+    u = linear_selected(xp, batch.up, idx, xrow, layout.up_type, D)
     if batch.gate_bias is not None:
-        g += batch.gate_bias[sel]
-        u += batch.up_bias[sel]
+        g += batch.gate_bias[flat]
+        u += batch.up_bias[flat]
     hp = prepare(_glu(family, g, u), layout.down_type, numerics)
-    y = linear_selected(hp, batch.down, idx, np.arange(A, dtype=np.int64), layout.down_type, F)  # [A, D]
+    y = linear_selected(hp, batch.down, idx, np.arange(T * A, dtype=np.int64), layout.down_type, F)  # [T*A, D]
     if batch.down_bias is not None:
-        y += batch.down_bias[sel]
-    return y[None]
+        y += batch.down_bias[flat]
+    return y.reshape(T, A, D)
 
 
 def _glu(family: Family, g: np.ndarray, u: np.ndarray) -> np.ndarray:
@@ -135,25 +137,25 @@ def _glu(family: Family, g: np.ndarray, u: np.ndarray) -> np.ndarray:
 
 
 def dense_ffn(gate: QWeight, up: QWeight, down: QWeight, x: np.ndarray, numerics: str,
-              observe=None) -> np.ndarray:
+              observe=None, solo: bool = False) -> np.ndarray:
     """down(silu(gate·x) * up·x). x: [T, D] -> [T, D]. observe(x, h [T, F]) sees the activations."""
     if gate.ggml_type == up.ggml_type:
         xp = prepare(x, gate.ggml_type, numerics)
-        g = linear_prepared(xp, gate.raw, gate.ggml_type, gate.n_in)
-        u = linear_prepared(xp, up.raw, up.ggml_type, up.n_in)
+        g = linear_prepared(xp, gate.raw, gate.ggml_type, gate.n_in, solo=solo)
+        u = linear_prepared(xp, up.raw, up.ggml_type, up.n_in, solo=solo)
     else:
-        g = linear(x, gate.raw, gate.ggml_type, gate.n_in, numerics)
-        u = linear(x, up.raw, up.ggml_type, up.n_in, numerics)
+        g = linear(x, gate.raw, gate.ggml_type, gate.n_in, numerics, solo=solo)
+        u = linear(x, up.raw, up.ggml_type, up.n_in, numerics, solo=solo)
     h = ops.swiglu(g, u)
     if observe is not None:
         observe(x, h)
-    return linear(h, down.raw, down.ggml_type, down.n_in, numerics)
+    return linear(h, down.raw, down.ggml_type, down.n_in, numerics, solo=solo)
 
 
-def shared_expert(sh: SharedExpert, x: np.ndarray, numerics: str) -> np.ndarray:
-    y = dense_ffn(sh.gate, sh.up, sh.down, x, numerics)
+def shared_expert(sh: SharedExpert, x: np.ndarray, numerics: str, solo: bool = False) -> np.ndarray:
+    y = dense_ffn(sh.gate, sh.up, sh.down, x, numerics, solo=solo)
     if sh.gate_inp is not None:
-        z = linear(x, sh.gate_inp.raw, sh.gate_inp.ggml_type, sh.gate_inp.n_in, numerics)  # [T, 1]
+        z = linear(x, sh.gate_inp.raw, sh.gate_inp.ggml_type, sh.gate_inp.n_in, numerics, solo=solo)  # [T, 1]
         with np.errstate(invalid="ignore", divide="ignore"):  # llama.cpp: silu(z) / z = sigmoid(z)
             y = y * (ops.silu(np.ascontiguousarray(z)) / z)
     return y

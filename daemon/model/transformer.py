@@ -160,16 +160,43 @@ class Transformer:
     def forward(self, tokens, cache: KVCache, all_logits: bool = False) -> np.ndarray:
         """Append tokens to the sequence in `cache` and return logits: [T, V] if all_logits
         else [1, V] for the last token."""
-        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        hp = self.hp
-        if tokens.size == 0:
-            raise RequestError("no tokens to evaluate")
-        if tokens.min() < 0 or tokens.max() >= hp.n_vocab:
-            raise RequestError(f"token id out of range 0..{hp.n_vocab - 1}")
-        T = tokens.size
-        start = cache.n_past
+        tokens = self._check_tokens(tokens)
+        T, start = tokens.size, cache.n_past
         cache.reserve(start + T)
         positions = np.arange(start, start + T, dtype=np.int64)
+        logits = self._run(tokens, positions, [(cache, 0, T)], all_logits, solo=False)
+        cache.n_past = start + T
+        return logits
+
+    def forward_batch(self, tokens, caches: list[KVCache]) -> np.ndarray:
+        """One decode step for B sequences: token b is appended to caches[b]. -> logits [B, V].
+
+        Batch-invariant: row b is bit-identical to `forward([tokens[b]], caches[b])` alone, since
+        every matmul computes each row as a one-row call (solo) and attention runs per sequence.
+        The experts of the step are fetched once for all B."""
+        tokens = self._check_tokens(tokens)
+        if tokens.size != len(caches) or len({id(c) for c in caches}) != len(caches):
+            raise RequestError(f"{tokens.size} tokens for {len(caches)} distinct sequences")
+        for c in caches:
+            c.reserve(c.n_past + 1)
+        positions = np.array([c.n_past for c in caches], dtype=np.int64)
+        logits = self._run(tokens, positions, [(c, b, b + 1) for b, c in enumerate(caches)], True, solo=True)
+        for c in caches:
+            c.n_past += 1
+        return logits
+
+    def _check_tokens(self, tokens) -> np.ndarray:
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if tokens.size == 0:
+            raise RequestError("no tokens to evaluate")
+        if tokens.min() < 0 or tokens.max() >= self.hp.n_vocab:
+            raise RequestError(f"token id out of range 0..{self.hp.n_vocab - 1}")
+        return tokens
+
+    def _run(self, tokens, positions, seqs, all_logits: bool, solo: bool) -> np.ndarray:
+        """The layers over T rows. seqs: (cache, first row, end row) per sequence; its rows are
+        the positions that follow the cache's n_past. -> logits [T or 1, V]"""
+        hp = self.hp
         rope = hp.rope
         rope_tab = ops.rope_cache(positions, rope.n_dims, rope.freq_base, rope.freq_scale,
                                   rope.ext_factor, rope.attn_factor, rope.corr_dims)
@@ -181,39 +208,29 @@ class Transformer:
             if hooks is not None:
                 hooks.layer_input(il, x)
             h = ops.rms_norm(x, layer.attn.norm, np.float32(hp.rms_eps))
-            x = x + self._attention(il, layer.attn, h, cache, positions, rope_tab)
+            x = x + self._attention(il, layer.attn, h, seqs, positions, rope_tab, solo)
             if il == hp.n_layer - 1 and not all_logits:
                 x = np.ascontiguousarray(x[-1:])  # as llama.cpp: the last FFN runs on output rows only
             h = ops.rms_norm(x, layer.ffn_norm, np.float32(hp.rms_eps))
             if isinstance(layer.ffn, MoE):
-                x = x + moe_forward(layer.ffn, self.family, self.experts, h, self.numerics, self.trace)
+                x = x + moe_forward(layer.ffn, self.family, self.experts, h, self.numerics, self.trace, solo)
             else:
                 f = layer.ffn
                 obs = self.ffn_observer
-                x = x + dense_ffn(f.gate, f.up, f.down, h, self.numerics,
+                x = x + dense_ffn(f.gate, f.up, f.down, h, self.numerics, solo=solo,
                                   observe=None if obs is None else (lambda a, b, il=il: obs(il, a, b)))
-        cache.n_past = start + T
         x = ops.rms_norm(x, self.output_norm, np.float32(hp.rms_eps))
-        return linear(x, self.output.raw, self.output.ggml_type, hp.n_embd, self.numerics)
+        return linear(x, self.output.raw, self.output.ggml_type, hp.n_embd, self.numerics, solo=solo)
 
-    def forward_batch(self, tokens, caches: list[KVCache]) -> np.ndarray:
-        """One decode step for B sequences: token b is appended to caches[b]. -> logits [B, V].
-
-        Batch-invariant: row b is bit-identical to `forward([tokens[b]], caches[b])` alone."""
-        tokens = [int(t) for t in tokens]
-        if len(tokens) != len(caches):
-            raise RequestError(f"{len(tokens)} tokens for {len(caches)} sequences")
-        return np.concatenate([self.forward([t], c) for t, c in zip(tokens, caches)])
-
-    def _attention(self, il: int, a: Attention, x, cache: KVCache, positions, rope_tab) -> np.ndarray:
+    def _attention(self, il: int, a: Attention, x, seqs, positions, rope_tab, solo: bool) -> np.ndarray:
         hp, fam, num = self.hp, self.family, self.numerics
         T = x.shape[0]
         H, Hkv, Dh, Dv = hp.n_head, hp.n_head_kv, hp.head_dim, hp.head_dim_v
         if a.wq.ggml_type == a.wk.ggml_type == a.wv.ggml_type:
             xp = prepare(x, a.wq.ggml_type, num)
-            q, k, v = (linear_prepared(xp, w.raw, w.ggml_type, w.n_in) for w in (a.wq, a.wk, a.wv))
+            q, k, v = (linear_prepared(xp, w.raw, w.ggml_type, w.n_in, solo=solo) for w in (a.wq, a.wk, a.wv))
         else:
-            q, k, v = (linear(x, w.raw, w.ggml_type, w.n_in, num) for w in (a.wq, a.wk, a.wv))
+            q, k, v = (linear(x, w.raw, w.ggml_type, w.n_in, num, solo=solo) for w in (a.wq, a.wk, a.wv))
         for t, b in ((q, a.bq), (k, a.bk), (v, a.bv)):
             if b is not None:
                 t += b
@@ -232,14 +249,17 @@ class Transformer:
         ggml = num == "ggml"
         if ggml:  # f16 KV cache; q converted to f16 for the K·q product
             q, k, v = (t.astype(np.float16).astype(np.float32) for t in (q, k, v))
-        start = int(positions[0])
-        cache.k[il][start:start + T] = k
-        cache.v[il][start:start + T] = v
-        end = start + T
         sinks = a.sinks if a.sinks is not None else np.empty(0, np.float32)
-        out = ops.attention(q, cache.k[il][:end], cache.v[il][:end], positions,
-                            np.float32(1.0 / np.sqrt(Dh)), a.window, sinks, ggml)
-        y = linear(out.reshape(T, H * Dv), a.wo.raw, a.wo.ggml_type, a.wo.n_in, num)
+        scale = np.float32(1.0 / np.sqrt(Dh))
+        out = np.empty((T, H, Dv), np.float32)
+        for cache, r0, r1 in seqs:  # each sequence attends to its own cache
+            start = cache.n_past
+            end = start + r1 - r0
+            cache.k[il][start:end] = k[r0:r1]
+            cache.v[il][start:end] = v[r0:r1]
+            out[r0:r1] = ops.attention(np.ascontiguousarray(q[r0:r1]), cache.k[il][:end], cache.v[il][:end],
+                                       positions[r0:r1], scale, a.window, sinks, ggml)
+        y = linear(out.reshape(T, H * Dv), a.wo.raw, a.wo.ggml_type, a.wo.n_in, num, solo=solo)
         if a.bo is not None:
             y += a.bo
         return y

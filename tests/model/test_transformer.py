@@ -119,3 +119,60 @@ def test_missing_hyperparameter_is_named(fixture_dir, tmp_path):
                     drop_key="olmoe.attention.head_count")
     with GGUFFile(path) as g, pytest.raises(GGUFError, match="olmoe.attention.head_count"):
         Transformer(g)
+
+
+BATCH_CASES = [("qwen3moe", "Q4_K"), ("qwen3moe", "F16"), ("gpt-oss", "MXFP4"), ("llama", "Q6_K"),
+               ("qwen2moe", "Q5_K"), ("llama-moe", "Q8_0")]
+
+
+@pytest.mark.parametrize("arch,wtype", BATCH_CASES)
+def test_forward_batch_is_batch_invariant(arch, wtype, fixture_dir):
+    """A decode step of 9 sequences (at different positions) gives each sequence exactly the
+    logits of its own one-token step, for two steps in a row; 9 >= 8 rows would take the tiled
+    K-quant and tinyBLAS paths in an ordinary matmul."""
+    rng = np.random.default_rng(11)
+    B = 9
+    with GGUFFile(fixture_path(arch, wtype, fixture_dir)) as g:
+        model = Transformer(g)
+        V = model.hp.n_vocab
+        prompts = [rng.integers(0, V, int(rng.integers(1, 6))).tolist() for _ in range(B)]
+        steps = rng.integers(0, V, (2, B)).tolist()
+        solo = []
+        for b, p in enumerate(prompts):
+            c = model.new_cache(16)
+            model.forward(p, c)
+            solo.append([model.forward([steps[0][b]], c)[0], model.forward([steps[1][b]], c)[0]])
+        caches = [model.new_cache(16) for _ in prompts]
+        for p, c in zip(prompts, caches):
+            model.forward(p, c)
+        batched = [model.forward_batch(steps[0], caches), model.forward_batch(steps[1], caches)]
+        assert [c.n_past for c in caches] == [len(p) + 2 for p in prompts]
+    for b in range(B):
+        for s in range(2):
+            assert np.array_equal(batched[s][b], solo[b][s]), (b, s)
+
+
+def test_forward_batch_needs_solo_rows(fixture_dir):
+    """The check above can fail: without per-row paths a 9-row K-quant step sums differently."""
+    from daemon.kernels.matmul import linear_prepared, prepare
+
+    with GGUFFile(fixture_path("qwen3moe", "Q4_K", fixture_dir)) as g:
+        w = Transformer(g).layers[0].attn.wq
+    x = np.random.default_rng(2).standard_normal((9, w.n_in)).astype(np.float32)
+    xp = prepare(x, w.ggml_type)
+    tiled = linear_prepared(xp, w.raw, w.ggml_type, w.n_in)
+    solo = linear_prepared(xp, w.raw, w.ggml_type, w.n_in, solo=True)
+    one = np.concatenate([linear_prepared(prepare(x[i:i + 1], w.ggml_type), w.raw, w.ggml_type, w.n_in)
+                          for i in range(9)])
+    assert np.array_equal(solo, one)
+    assert not np.array_equal(tiled, one)
+
+
+def test_forward_batch_rejects_bad_input(fixture_dir):
+    with GGUFFile(fixture_path("qwen3moe", "Q8_0", fixture_dir)) as g:
+        model = Transformer(g)
+        c = model.new_cache(4)
+        with pytest.raises(RequestError):
+            model.forward_batch([1, 2], [c])
+        with pytest.raises(RequestError):
+            model.forward_batch([1, 2], [c, c])
