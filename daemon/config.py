@@ -54,6 +54,23 @@ class Settings:
         "MOE_EXPERT_TRACE_PER_LAYER", "break the activation counts down per layer"))
     expert_trace_output: str = field(default="", metadata=_meta(
         "MOE_EXPERT_TRACE_OUTPUT", "write the activation counts as JSON to this path (.zst: compressed)"))
+    # -- the daemon (moed serve) -------------------------------------------------------------------
+    socket: str = field(default="", metadata=_meta(
+        "MOED_SOCKET", "the daemon's unix socket (clients use it too); empty = $XDG_RUNTIME_DIR/moed.sock, "
+        "else /tmp/moed-<uid>/moed.sock"))
+    max_frame: int = field(default=16 * 2**20, metadata=_meta(
+        "MOED_MAX_FRAME", "largest IPC frame body the daemon reads, bytes"))
+    queue_size: int = field(default=64, metadata=_meta(
+        "MOED_QUEUE_SIZE", "generation requests the daemon holds at once (decoding + waiting); more get "
+        "a busy error at once"))
+    max_batch: int = field(default=16, metadata=_meta(
+        "MOED_MAX_BATCH", "sequences of one model decoded together in one step (continuous batching)"))
+    keep_alive: float = field(default=300.0, metadata=_meta(
+        "MOED_KEEP_ALIVE", "seconds an idle model stays loaded (requests may override); 0 = unload "
+        "when idle"))
+    allowed_uids: str = field(default="", metadata=_meta(
+        "MOED_ALLOWED_UIDS", "comma-separated user ids that may connect (SO_PEERCRED); empty = only the "
+        "daemon's own user"))
 
     @classmethod
     def load(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:

@@ -1,0 +1,15 @@
+"""The daemon's scheduler: request queue, model registry (load once, keep-alive), continuous
+batching on one compute thread per model, the per-sequence token loop.
+
+    scheduler.py   Scheduler: generate/load/unload/ps/stats, the bounded queue (busy)
+    models.py      ModelRegistry: one load per file, reference counts, keep-alive, unload
+    batcher.py     Batcher: the compute thread; prefill at step boundaries, forward_batch steps
+    sequence.py    Sequence: one request's sampler, detokenizer, stop strings, KV cache, counts
+"""
+
+from .batcher import Batcher
+from .models import LoadedModel, ModelRegistry, SchedulerError
+from .scheduler import Scheduler
+from .sequence import Sequence
+
+__all__ = ["Batcher", "LoadedModel", "ModelRegistry", "Scheduler", "SchedulerError", "Sequence"]

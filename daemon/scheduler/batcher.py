@@ -1,0 +1,213 @@
+"""Continuous batching: one compute thread per model runs every forward pass of that model.
+
+    event loop                          compute thread (one per model; the engine is not thread-safe)
+    ----------                          ---------------------------------------------------------
+    call(fn) -> Future  ───jobs──────▶  between steps: fn(engine)  (load, stats, close)
+    submit(seq)         ───incoming──▶  at a step boundary: prepare + prefill each new sequence
+    seq.cancelled = True                drop cancelled sequences (their KV cache goes with them)
+                                        one decode step: forward_batch(tokens [B], caches [B]) -> [B, V]
+    emit(reply)  ◀──call_soon_threadsafe── the step's replies, one hand-over per step
+
+Every active sequence advances by exactly one token per forward_batch call; a sequence joins after
+its prefill and leaves when it finishes or is cancelled, so a cancel or a client disconnect stops
+it within one decode step. forward_batch is batch-invariant, so a request gets the same tokens
+whatever else shares its steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import MoedError, RequestError
+from .sequence import Sequence
+
+log = logging.getLogger("moed.scheduler")
+
+
+class Batcher:
+    def __init__(self, name: str, max_batch: int, loop: asyncio.AbstractEventLoop | None = None):
+        self.name = name
+        self.max_batch = max(1, max_batch)
+        self.loop = loop or asyncio.get_running_loop()
+        self.engine = None  # set by the first job (the load)
+        self._cv = threading.Condition()
+        self._jobs: deque[tuple[Callable, asyncio.Future]] = deque()
+        self._incoming: deque[Sequence] = deque()
+        self._active: list[Sequence] = []
+        self._stopping = False
+        self._stop_reason = ("model_error", "the model was unloaded")
+        self.stopped: asyncio.Future = self.loop.create_future()
+        # counters (read from the event loop; plain ints, updated by the compute thread)
+        self.steps = 0  # decode steps (forward_batch calls)
+        self.step_tokens = 0  # sequences advanced by those steps
+        self.prefills = 0
+        self.peak_batch = 0
+        self._thread = threading.Thread(target=self._run, name=f"moed-compute:{name}", daemon=True)
+        self._thread.start()
+
+    # -- event loop side -----------------------------------------------------------------------
+
+    @property
+    def active(self) -> int:
+        """Sequences decoding or waiting for their prefill."""
+        return len(self._active) + len(self._incoming)
+
+    def call(self, fn: Callable[[Any], Any]) -> asyncio.Future:
+        """Run fn(engine) on the compute thread between two steps; its result as a Future."""
+        fut = self.loop.create_future()
+        with self._cv:
+            if self._stopping:
+                fut.set_exception(RuntimeError(f"{self.name} is stopping"))
+                return fut
+            self._jobs.append((fn, fut))
+            self._cv.notify()
+        return fut
+
+    def submit(self, seq: Sequence) -> None:
+        """Queue a sequence; it joins the batch at the next step boundary with room."""
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError(f"{self.name} is stopping")
+            self._incoming.append(seq)
+            self._cv.notify()
+
+    def wake(self) -> None:
+        """A sequence was cancelled: let an idle thread drop it now."""
+        with self._cv:
+            self._cv.notify()
+
+    def stop(self, code: str = "model_error", message: str = "the model was unloaded") -> asyncio.Future:
+        """End the thread after the current step: unfinished sequences get Error(code, message),
+        then `close_fn` jobs run and the engine is closed. Returns `stopped`."""
+        with self._cv:
+            if not self._stopping:
+                self._stopping = True
+                self._stop_reason = (code, message)
+                self._cv.notify()
+        return self.stopped
+
+    # -- compute thread ------------------------------------------------------------------------
+
+    def _post(self, fn, *args) -> None:
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: the daemon is gone
+            pass
+
+    @staticmethod
+    def _deliver(events: list[tuple[Sequence, list]]) -> None:
+        for seq, replies in events:
+            for reply in replies:
+                seq.emit(reply)
+
+    @staticmethod
+    def _resolve(fut: asyncio.Future, ok: bool, value) -> None:
+        if fut.done():
+            return
+        if ok:
+            fut.set_result(value)
+        else:
+            fut.set_exception(value)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not (self._jobs or self._incoming or self._active or self._stopping):
+                        self._cv.wait()
+                    if self._stopping:
+                        break
+                    jobs = list(self._jobs)
+                    self._jobs.clear()
+                    room = self.max_batch - len(self._active)
+                    new = []
+                    while self._incoming and len(new) < room:
+                        seq = self._incoming.popleft()
+                        if not seq.cancelled:
+                            new.append(seq)
+                for fn, fut in jobs:
+                    try:
+                        self._post(self._resolve, fut, True, fn(self.engine))
+                    except BaseException as e:  # noqa: BLE001 - handed to the awaiting request
+                        self._post(self._resolve, fut, False, e)
+                events = []
+                for seq in new:
+                    events.append((seq, self._start(seq)))
+                if self._active:
+                    events += self._step()
+                if events:
+                    self._post(self._deliver, events)
+        finally:
+            self._shutdown()
+
+    def _start(self, seq: Sequence) -> list:
+        try:
+            seq.prepare(self.engine)
+            replies = seq.prefill(self.engine)
+        except RequestError as e:
+            return seq.fail("bad_request", str(e))
+        except MoedError as e:
+            return seq.fail("model_error", str(e))
+        except Exception as e:  # a bug must not take the daemon down
+            log.exception("prefill of request %s failed", seq.id)
+            return seq.fail("internal", f"{type(e).__name__}: {e}")
+        self.prefills += 1
+        if not seq.finished:
+            self._active.append(seq)
+        return replies
+
+    def _step(self) -> list:
+        """One decode step for every active sequence."""
+        active = [s for s in self._active if not s.cancelled]
+        for s in self._active:
+            if s.cancelled:
+                s.cache = None  # freed now, not at the end of the stream
+        self._active = active
+        if not active:
+            return []
+        try:
+            logits = self.engine.model.forward_batch([s.token for s in active], [s.cache for s in active])
+        except Exception as e:  # every sequence of the step fails; the daemon goes on
+            log.exception("decode step failed")
+            code = "model_error" if isinstance(e, MoedError) else "internal"
+            self._active = []
+            return [(s, s.fail(code, f"{type(e).__name__}: {e}")) for s in active]
+        self.steps += 1
+        self.step_tokens += len(active)
+        self.peak_batch = max(self.peak_batch, len(active))
+        events = [(s, s.feed(logits[b])) for b, s in enumerate(active)]
+        self._active = [s for s in active if not s.finished]
+        return events
+
+    def _shutdown(self) -> None:
+        code, message = self._stop_reason
+        with self._cv:
+            left = self._active + list(self._incoming)
+            self._active, self._incoming = [], deque()
+            jobs = list(self._jobs)
+            self._jobs.clear()
+        events = [(s, s.fail(code, message)) for s in left if not s.finished and not s.cancelled]
+        if events:
+            self._post(self._deliver, events)
+        for _fn, fut in jobs:
+            self._post(self._resolve, fut, False, RuntimeError(f"{self.name} stopped"))
+        t0 = time.perf_counter()
+        if self.engine is not None:
+            try:
+                self.engine.close()
+            except Exception:
+                log.exception("closing %s failed", self.name)
+            self.engine = None
+        log.debug("%s: compute thread ended (close took %.3fs)", self.name, time.perf_counter() - t0)
+        self._post(self._resolve, self.stopped, True, None)
+
+    def stats(self) -> dict:
+        return {"steps": self.steps, "step_tokens": self.step_tokens, "prefills": self.prefills,
+                "peak_batch": self.peak_batch, "active": self.active,
+                "mean_batch": round(self.step_tokens / self.steps, 3) if self.steps else 0.0}

@@ -1,0 +1,254 @@
+"""Loaded models: one load per file at a time, reference counts, keep-alive and unloading.
+
+    acquire(name, settings, keep_alive) -> (LoadedModel, ns waited for a load)
+        the first request for a file starts its load (on that model's compute thread); every
+        other request for the same file awaits the same load, so a model is never loaded twice
+        concurrently. A failed load reaches each waiting requester as SchedulerError and the
+        entry is dropped (the next request tries again).
+    release(model)
+        when the last user is gone the keep-alive starts: 0 = unload now, > 0 = unload after that
+        many idle seconds (a new request stops the clock), < 0 = never.
+    unload(name) / close()
+        stop the compute thread(s): unfinished sequences end with an error, the engine closes.
+
+Models are keyed by their resolved path; `name` is what the first request called it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..errors import ConfigError, MoedError
+from .batcher import Batcher
+
+log = logging.getLogger("moed.scheduler")
+
+# Settings of the daemon itself, never of one model (rejected in Load.settings).
+DAEMON_SETTINGS = frozenset({"socket", "max_frame", "queue_size", "max_batch", "keep_alive", "allowed_uids"})
+
+
+class SchedulerError(Exception):
+    """A request cannot be served; `code` is the wire error code (ipc.protocol "Error codes")."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def _error_for_load(path: str, e: BaseException) -> SchedulerError:
+    if isinstance(e, FileNotFoundError) or (isinstance(e, MoedError) and not os.path.exists(path)):
+        return SchedulerError("not_found", f"no model file {path}")
+    if isinstance(e, ConfigError):
+        return SchedulerError("bad_request", str(e))
+    if isinstance(e, MoedError):
+        return SchedulerError("model_error", str(e))
+    return SchedulerError("model_error", f"loading {path} failed: {type(e).__name__}: {e}")
+
+
+def resolve_path(name: str) -> str:
+    return os.path.realpath(os.path.expanduser(name))
+
+
+class LoadedModel:
+    def __init__(self, name: str, path: str, settings: dict[str, Any], keep_alive: float, max_batch: int):
+        self.name = name
+        self.path = path
+        self.settings = settings
+        self.keep_alive = keep_alive
+        self.batcher = Batcher(os.path.basename(path), max_batch)
+        self.ready: asyncio.Future = asyncio.get_running_loop().create_future()  # -> load ns
+        self.ready.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "not retrieved"
+        self.users = 0  # requests holding it (loading, waiting or decoding)
+        self.expires_at: float | None = None  # unix seconds of the keep-alive unload
+        self.timer: asyncio.TimerHandle | None = None
+        self.unloading = False
+        self.arch = ""
+        self.weights_bytes = 0  # non-expert tensors (resident)
+
+    @property
+    def engine(self):
+        return self.batcher.engine
+
+    @property
+    def loaded(self) -> bool:
+        return self.ready.done() and not self.ready.cancelled() and self.ready.exception() is None
+
+    def info(self) -> dict[str, Any]:
+        """Fields of ipc.protocol.ModelInfo."""
+        engine = self.engine
+        cache = getattr(engine, "cache", None)
+        kv = 0
+        for seq in list(self.batcher._active):
+            c = seq.cache
+            if c is not None:
+                kv += sum(a.nbytes for a in c.k) + sum(a.nbytes for a in c.v)
+        cached = limit = 0
+        if cache is not None:
+            cached = sum(len(lc.entries) * lc.layout.expert_nbytes for lc in list(cache._layers.values()))
+            limit = cache.limit_bytes
+        return {"name": self.name, "path": self.path, "arch": self.arch, "size_bytes": self.weights_bytes + kv,
+                "expert_cache_bytes": cached, "expert_cache_limit_bytes": limit,
+                "expires_at": self.expires_at, "active": self.batcher.active}
+
+
+class ModelRegistry:
+    def __init__(self, factory: Callable[..., Any], *, keep_alive: float = 300.0, max_batch: int = 16,
+                 warm: bool = True):
+        self.factory = factory  # Engine.load(path, **settings)
+        self.default_keep_alive = keep_alive
+        self.max_batch = max_batch
+        self.warm = warm  # run one token through a new model so the kernels compile during the load
+        self.models: dict[str, LoadedModel] = {}  # resolved path -> model (loading or loaded)
+        self._closing: dict[str, asyncio.Future] = {}  # path -> its previous instance stopping
+        self.loads = 0  # loads started (tests: a model is loaded once)
+
+    # -- lookup ----------------------------------------------------------------------------------
+
+    def find(self, name: str) -> LoadedModel | None:
+        m = self.models.get(resolve_path(name))
+        if m is not None:
+            return m
+        return next((m for m in self.models.values() if m.name == name), None)
+
+    # -- acquire / release ---------------------------------------------------------------------
+
+    async def acquire(self, name: str, settings: Mapping[str, Any] | None = None,
+                      keep_alive: float | None = None) -> tuple[LoadedModel, int]:
+        settings = dict(settings or {})
+        bad = sorted(DAEMON_SETTINGS & settings.keys())
+        if bad:
+            raise SchedulerError("bad_request", f"{', '.join(bad)}: daemon settings, not model settings")
+        path = resolve_path(name)
+        m = self.models.get(path)
+        if m is not None and settings and settings != m.settings:
+            if m.users or not m.ready.done():
+                raise SchedulerError("busy", f"{m.name} is in use with other settings ({m.settings})")
+            await self._unload(m)
+            m = self.models.get(path)
+        if m is None:
+            if not os.path.exists(path):
+                raise SchedulerError("not_found", f"no model file {name}")
+            m = LoadedModel(name, path, settings, self.default_keep_alive, self.max_batch)
+            self.models[path] = m
+            self.loads += 1
+            asyncio.get_running_loop().create_task(self._load(m))
+        m.users += 1
+        m.keep_alive = self.default_keep_alive if keep_alive is None else keep_alive
+        self._stop_clock(m)
+        t0 = time.perf_counter_ns()
+        was_ready = m.ready.done()
+        try:
+            await asyncio.shield(m.ready)
+        except BaseException:
+            m.users -= 1
+            if m.loaded:
+                self.release(m, _held=False)
+            raise
+        return m, 0 if was_ready else time.perf_counter_ns() - t0
+
+    def release(self, m: LoadedModel, _held: bool = True) -> None:
+        if _held:
+            m.users -= 1
+        if m.users > 0 or m.unloading or self.models.get(m.path) is not m:
+            return
+        self._stop_clock(m)
+        ka = m.keep_alive
+        if ka == 0:
+            asyncio.get_running_loop().create_task(self._unload(m))
+        elif ka > 0:
+            m.expires_at = time.time() + ka
+            m.timer = asyncio.get_running_loop().call_later(ka, self._expire, m)
+        else:
+            m.expires_at = None
+
+    def _stop_clock(self, m: LoadedModel) -> None:
+        if m.timer is not None:
+            m.timer.cancel()
+            m.timer = None
+        m.expires_at = None if m.keep_alive < 0 else time.time() + m.keep_alive
+
+    def _expire(self, m: LoadedModel) -> None:
+        m.timer = None
+        if m.users == 0:
+            log.info("%s: idle for %gs, unloading", m.name, m.keep_alive)
+            asyncio.get_running_loop().create_task(self._unload(m))
+
+    # -- load / unload -------------------------------------------------------------------------
+
+    async def _load(self, m: LoadedModel) -> None:
+        previous = self._closing.get(m.path)
+        if previous is not None:
+            await asyncio.shield(previous)
+        log.info("loading %s", m.path)
+        t0 = time.perf_counter_ns()
+
+        def job(_engine):
+            engine = self.factory(m.path, **m.settings)
+            try:
+                if self.warm:
+                    engine.forward(engine.tokenize("warm", add_special=False) or [0])
+                    engine.reset_stats()
+                gguf = getattr(engine, "gguf", None)
+                if gguf is not None:
+                    m.arch = gguf.architecture
+                    m.weights_bytes = sum(t.nbytes for n, t in gguf.tensors.items() if "_exps." not in n)
+            except BaseException:
+                engine.close()
+                raise
+            m.batcher.engine = engine
+            return engine
+
+        try:
+            await m.batcher.call(job)
+        except BaseException as e:  # noqa: BLE001 - handed to every requester as an error reply
+            err = _error_for_load(m.path, e)
+            log.warning("loading %s failed: %s", m.path, err)
+            if self.models.get(m.path) is m:
+                del self.models[m.path]
+            m.batcher.stop()
+            m.ready.set_exception(err)
+            return
+        if m.unloading:
+            m.ready.set_exception(SchedulerError("model_error", f"{m.name} was unloaded while loading"))
+            return
+        ns = time.perf_counter_ns() - t0
+        log.info("loaded %s in %.2fs", m.path, ns / 1e9)
+        m.ready.set_result(ns)
+
+    async def unload(self, name: str) -> None:
+        m = self.find(name)
+        if m is None:
+            raise SchedulerError("not_found", f"{name} is not loaded")
+        try:
+            await asyncio.shield(m.ready)
+        except SchedulerError:
+            return  # its load failed: nothing is loaded
+        await self._unload(m)
+
+    async def _unload(self, m: LoadedModel, code: str = "model_error", message: str = "the model was unloaded"):
+        if m.unloading:
+            await asyncio.shield(m.batcher.stopped)
+            return
+        m.unloading = True
+        self._stop_clock(m)
+        m.expires_at = None
+        if self.models.get(m.path) is m:
+            del self.models[m.path]
+        stopped = m.batcher.stop(code, message)
+        self._closing[m.path] = stopped
+        try:
+            await asyncio.shield(stopped)
+        finally:
+            if self._closing.get(m.path) is stopped:
+                del self._closing[m.path]
+        log.info("unloaded %s", m.path)
+
+    async def close(self, code: str = "shutdown", message: str = "the daemon is shutting down") -> None:
+        """Stop every model (loads in progress finish first, on their own threads)."""
+        models = list(self.models.values())
+        await asyncio.gather(*(self._unload(m, code, message) for m in models), return_exceptions=True)

@@ -1,0 +1,136 @@
+"""One generation request's token loop, advanced a token at a time by the Batcher.
+
+The same steps as Engine._generate, cut at the forward pass so that many sequences can share it:
+
+    prepare(engine)       ids from the request (template, tokenizer, checks); KV cache allocated
+    prefill(engine)       forward(ids) -> logits of the last prompt token -> feed(logits)
+    feed(logits [V])      sample, detokenize, stop strings; either finishes, or leaves `token`
+                          to be decoded in the next step (forward_batch of every active sequence)
+
+A Sequence lives on the compute thread. The event loop only reads `finished`/`emit` and sets
+`cancelled`; replies are built on the compute thread and handed to `emit` on the event loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+# Replies are built here, on the compute thread: the Chunk made per token is the one sent.
+# (No import cycle: ipc.protocol needs only daemon.errors and daemon.sampling.)
+from ipc.protocol import Chat, Chunk, Done, Error, Generate
+
+from ..errors import RequestError
+from ..sampling import Sampler, SamplingOptions, StopMatcher
+from ..text.tokenizer import StreamDecoder
+
+DEFAULT_OPTIONS = SamplingOptions()
+
+
+class Sequence:
+    """State of one Generate/Chat request inside the scheduler."""
+
+    def __init__(self, request: Generate | Chat, emit: Callable[[Any], None], *, received_ns: int,
+                 load_ns: int = 0):
+        self.request = request
+        self.id = request.id
+        self.emit = emit  # called on the event loop with each reply (Chunk ..., then Done or Error)
+        self.received_ns = received_ns  # perf_counter_ns when the daemon read the request
+        self.load_ns = load_ns  # ns this request waited for its model to load
+        self.cancelled = False  # set by the event loop; the compute thread drops it at the next step
+        self.finished = False  # a terminal reply has been built (compute thread)
+        self.max_tokens = request.max_tokens
+        self.options = request.options or DEFAULT_OPTIONS
+        self.ids: list[int] = []
+        self.history: list[int] = []
+        self.token: int | None = None  # sampled, not yet fed to the model
+        self.cache = None  # KVCache, freed (None) when the sequence leaves the batch
+        self.eval_count = 0
+        self.prompt_eval_duration = 0
+        self.eval_started = 0
+
+    # -- compute thread ------------------------------------------------------------------------
+
+    def prepare(self, engine) -> None:
+        """Token ids from the request, checked; RequestError when they cannot be used."""
+        req = self.request
+        if isinstance(req, Generate) and req.tokens is not None:
+            ids = list(req.tokens)
+        elif isinstance(req, Generate) and (req.raw or not _has_template(engine)):
+            ids = engine.tokenize(req.prompt)
+        else:
+            messages = ([{"role": m.role, "content": m.content} for m in req.messages] if isinstance(req, Chat)
+                        else [{"role": "user", "content": req.prompt}])
+            prompt = engine.apply_chat_template(messages)
+            ids = engine.tokenize(prompt, add_special=not engine._template_adds_bos(prompt), parse_special=True)
+        if not ids:
+            raise RequestError("empty prompt")
+        n_vocab = engine.model.hp.n_vocab
+        if min(ids) < 0 or max(ids) >= n_vocab:
+            raise RequestError(f"token id out of range 0..{n_vocab - 1}")
+        if len(ids) >= engine.n_ctx:
+            raise RequestError(f"prompt of {len(ids)} tokens does not fit the context of {engine.n_ctx}")
+        self.ids = ids
+        self.history = list(ids)
+        self.sampler = Sampler(self.options)
+        self.decoder = StreamDecoder(engine.tokenizer)
+        self.stopper = StopMatcher(list(req.stop))
+        self.eog = engine.tokenizer.eog_ids
+        self.cache = engine.model.new_cache(min(engine.n_ctx, len(ids) + self.max_tokens + 1))
+
+    def prefill(self, engine) -> list:
+        """Evaluate the prompt and take the first token; the replies to send."""
+        t0 = time.perf_counter_ns()
+        logits = engine.model.forward(self.ids, self.cache)[-1]
+        self.eval_started = time.perf_counter_ns()
+        self.prompt_eval_duration = self.eval_started - t0
+        return self.feed(logits)
+
+    def feed(self, logits: np.ndarray) -> list:
+        """Logits [V] for the next token: sample it; the replies to send. Afterwards either
+        `finished`, or `token` waits to be decoded."""
+        out = []
+        if self.eval_count >= self.max_tokens:
+            return self._finish("length", out)
+        token = self.sampler.sample(logits, self.history)
+        if token in self.eog:
+            return self._finish("stop", out)
+        self.history.append(token)
+        self.eval_count += 1
+        text = self.stopper.feed(self.decoder.feed(token))
+        out.append(Chunk(self.id, text, [token]))  # one chunk per token, "" while text is held back
+        if self.stopper.stopped:
+            return self._finish("stop", out)
+        if self.eval_count >= self.max_tokens or self.cache.n_past + 1 > self.cache.n_ctx:
+            return self._finish("length", out)
+        self.token = token
+        return out
+
+    def fail(self, code: str, message: str) -> list:
+        self.finished = True
+        self.cache = None
+        return [Error(self.id, code, message)]
+
+    def _finish(self, reason: str, out: list) -> list:
+        if not self.stopper.stopped:
+            tail = self.stopper.feed(self.decoder.flush()) + self.stopper.flush()
+            if tail:
+                out.append(Chunk(self.id, tail))
+        now = time.perf_counter_ns()
+        out.append(Done(self.id, done_reason=reason, prompt_eval_count=len(self.ids),
+                        prompt_eval_duration=self.prompt_eval_duration, eval_count=self.eval_count,
+                        eval_duration=now - self.eval_started, load_duration=self.load_ns,
+                        total_duration=now - self.received_ns))
+        self.finished = True
+        self.token = None
+        self.cache = None  # the KV cache goes with the sequence
+        return out
+
+
+def _has_template(engine) -> bool:
+    from ..text.chat import chat_template_from_metadata
+
+    return chat_template_from_metadata(engine.gguf.metadata) is not None
