@@ -6,6 +6,10 @@
     moed trace replay TRACE --cache-experts N  simulate expert-cache policies on a routing trace
     moed trace record MODEL PROMPT --out PATH  generate greedily and record the routing per token
     moed pack [MODEL] [--level N] [--force]  write the expert pack beside the model (the demo MoE by default)
+    moed serve [--socket PATH]              run the daemon in the foreground (logs to stderr)
+    moed run [MODEL] [PROMPT]               generate through the daemon (started if none runs);
+                                            an interactive chat without PROMPT
+    moed ps | moed stats [MODEL] [--json] | moed stop   loaded models, expert-cache stats, stop the daemon
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("settings", help="list settings and their environment variables")
     _add_trace(sub)
     _add_pack(sub)
+    _add_daemon(sub)
     return ap
 
 
@@ -86,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     # Positionals may come after options ("generate MODEL --chat PROMPT"): collect them.
     unknown = [a for a in extra if a.startswith("-")]
-    if unknown or (extra and args.command != "generate"):
+    if unknown or (extra and args.command not in ("generate", "run")):
         parser.error(f"unrecognized arguments: {' '.join(unknown or extra)}")
     if extra:
         args.args += extra
@@ -101,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
             return _trace(args, parser)
         if args.command == "pack":
             return _pack(args)
+        if args.command in DAEMON_COMMANDS:
+            return _daemon_command(args)
         if args.command == "settings":
             for name, env, default, doc in Settings.describe():
                 print(f"{env:<24} {name:<22} default {default!r:<10} {doc}")
@@ -229,6 +236,287 @@ def _trace_record(args) -> int:
     sys.stdout.write("\n")
     n = rec.write(args.out)
     print(f"[{n} tokens x {len(rec.moe_layers)} MoE layers of routing written to {args.out}]", file=sys.stderr)
+    return 0
+
+
+# -- the daemon and its clients ------------------------------------------------------------------
+
+DAEMON_COMMANDS = ("serve", "run", "ps", "stats", "stop")
+
+
+def _add_daemon(sub) -> None:
+    def socket_arg(p):
+        p.add_argument("--socket", default=None, metavar="PATH",
+                       help="the daemon's socket (default: $MOED_SOCKET, else $XDG_RUNTIME_DIR/moed.sock)")
+
+    s = sub.add_parser("serve", help="run the moed daemon in the foreground (logs to stderr)")
+    socket_arg(s)
+    s.add_argument("--queue-size", type=int, default=None, help="generation requests held at once (MOED_QUEUE_SIZE)")
+    s.add_argument("--max-batch", type=int, default=None, help="sequences decoded together (MOED_MAX_BATCH)")
+    s.add_argument("--keep-alive", type=float, default=None,
+                   help="seconds an idle model stays loaded (MOED_KEEP_ALIVE; default 300)")
+    s.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    r = sub.add_parser("run", help="generate through the daemon, starting one if none runs")
+    r.add_argument("args", nargs="*", metavar="[MODEL] [PROMPT]",
+                   help="a GGUF file (default: the demo MoE) and a prompt (default: interactive chat)")
+    r.add_argument("--system", default=None, help="system message")
+    r.add_argument("--keep-alive", type=float, default=None, help="seconds the model stays loaded when idle")
+    r.add_argument("--raw", action="store_true", help="send the prompt without the chat template")
+    r.add_argument("--verbose", action="store_true", help="print counts and speeds after each reply")
+    r.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for each reply")
+    _add_sampling(r)
+    socket_arg(r)
+    p = sub.add_parser("ps", help="list the models the daemon has loaded")
+    socket_arg(p)
+    st = sub.add_parser("stats", help="expert-cache and routing statistics per layer")
+    st.add_argument("model", nargs="?", default=None, metavar="MODEL")
+    st.add_argument("--json", action="store_true", help="print the daemon's statistics as JSON")
+    socket_arg(st)
+    sp = sub.add_parser("stop", help="stop the daemon (running generations end with an error)")
+    socket_arg(sp)
+
+
+def _daemon_command(args) -> int:
+    from ipc.errors import ClientError
+
+    if args.command == "serve":
+        return _serve(args)
+    try:
+        return {"run": _run, "ps": _ps, "stats": _stats, "stop": _stop}[args.command](args)
+    except ClientError as e:
+        print(f"moed: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _serve(args) -> int:
+    import logging
+
+    from ipc.server import serve
+
+    logging.basicConfig(stream=sys.stderr, level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s moed[%(process)d] %(levelname)s %(message)s")
+    overrides = {"queue_size": args.queue_size, "max_batch": args.max_batch, "keep_alive": args.keep_alive}
+    settings = Settings.load(**overrides)
+    return serve(args.socket, settings)
+
+
+def _socket(args) -> str:
+    from ipc.client import default_socket_path
+
+    return args.socket or Settings.load().socket or default_socket_path()
+
+
+def _start_daemon(path: str, reply_timeout: float | None = None, timeout: float = 60.0):
+    """A Client connected to the daemon on `path`, starting `moed serve` in the background first if
+    nothing answers there."""
+    import subprocess
+    import time
+
+    from ipc.client import Client
+    from ipc.errors import NotRunning, Timeout
+
+    client = Client(path, timeout=reply_timeout)
+    try:
+        client.connect()
+        return client
+    except NotRunning:
+        pass
+    log_path = os.path.splitext(path)[0] + ".log"
+    os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
+    print(f"moed: starting the daemon on {path} (log: {log_path})", file=sys.stderr)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # so `-m daemon.cli` imports from "/"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "serve", "--socket", path],
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd="/", env=env,
+                                start_new_session=True, close_fds=True)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client.connect()
+            return client
+        except (NotRunning, Timeout):
+            if proc.poll() is not None:
+                tail = _tail(log_path)
+                raise MoedError(f"the daemon exited with status {proc.returncode}{tail}") from None
+            if time.monotonic() > deadline:
+                raise MoedError(f"the daemon did not answer on {path} within {timeout:.0f}s (see {log_path})") from None
+            time.sleep(0.05)
+
+
+def _tail(path: str, n: int = 5) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            lines = f.read().splitlines()[-n:]
+    except OSError:
+        return ""
+    return ":\n" + "\n".join(lines) if lines else ""
+
+
+def _run_model_and_prompt(words: list[str]) -> tuple[str | None, str | None]:
+    if len(words) > 2:
+        raise MoedError("run takes [MODEL] [PROMPT] (quote the prompt)")
+    if len(words) == 2:
+        return words[0], words[1]
+    if len(words) == 1:
+        w = words[0]
+        if w.endswith(".gguf") or os.path.isfile(w):
+            return w, None
+        return None, w
+    return None, None
+
+
+def _run(args) -> int:
+    model, prompt = _run_model_and_prompt(args.args)
+    if model is not None:
+        if not os.path.exists(model):
+            raise MoedError(f"no model file {model}")
+        model = os.path.abspath(model)  # the daemon has its own working directory
+    options = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
+               "repeat_penalty": args.repeat_penalty, "seed": args.seed}
+    load = {k: v for k, v in (("numerics", args.numerics), ("n_threads", args.threads)) if v is not None}
+    if load and model is None:
+        raise MoedError("--numerics/--threads are load settings: name the MODEL")
+    client = _start_daemon(_socket(args), args.timeout)
+    kw = {"model": model, "max_tokens": args.max_tokens, "options": options, "stop": args.stop,
+          "keep_alive": args.keep_alive}
+    with client:
+        if load:
+            client.load(model, keep_alive=args.keep_alive, **load)
+        if prompt is not None:
+            if args.system and not args.raw:
+                gen = client.chat([{"role": "system", "content": args.system}, {"role": "user", "content": prompt}],
+                                  **kw)
+            else:
+                gen = client.generate(prompt, raw=args.raw, **kw)
+            _stream(gen, args.verbose)
+            return 0
+        return _chat_loop(client, args, kw)
+
+
+def _stream(gen, verbose: bool) -> str:
+    parts = []
+    with gen:
+        for chunk in gen:
+            parts.append(chunk.text)
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    d = gen.done
+    if verbose and d is not None:
+        print(f"[load {d.load_duration / 1e9:.2f}s, prompt {d.prompt_eval_count} tokens in "
+              f"{d.prompt_eval_duration / 1e9:.2f}s, {d.eval_count} tokens at "
+              f"{d.eval_count / max(d.eval_duration, 1) * 1e9:.1f} tok/s, total {d.total_duration / 1e9:.2f}s, "
+              f"stop: {d.done_reason}]", file=sys.stderr)
+    return "".join(parts)
+
+
+def _chat_loop(client, args, kw) -> int:
+    interactive = sys.stdin.isatty()
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    if interactive:
+        print("moed: chatting (Ctrl-D or /bye to leave)", file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> " if interactive else "")
+        except EOFError:
+            break
+        if line.strip() in ("/bye", "/exit", "/quit"):
+            break
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        try:
+            reply = _stream(client.chat(messages, **kw), args.verbose)
+        except KeyboardInterrupt:  # stop this reply, keep chatting
+            print(file=sys.stderr)
+            messages.pop()
+            continue
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def _ps(args) -> int:
+    import time
+
+    from ipc.client import Client
+
+    with Client(_socket(args)) as c:
+        models = c.ps()
+    print(f"{'NAME':<40} {'ARCH':<10} {'SIZE':>10} {'EXPERTS':>10} {'ACTIVE':>6}  UNTIL")
+    for m in models:
+        until = ("forever" if m.expires_at is None else
+                 f"{max(0.0, m.expires_at - time.time()):.0f}s from now")
+        experts = _mb(m.expert_cache_bytes) + (f"/{_mb(m.expert_cache_limit_bytes)}" if m.expert_cache_limit_bytes else "")
+        print(f"{m.name:<40} {m.arch:<10} {_mb(m.size_bytes):>10} {experts:>10} {m.active:>6}  {until}")
+    return 0
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.1f}MB"
+
+
+def _stats(args) -> int:
+    import json
+
+    from ipc.client import Client
+
+    model = os.path.abspath(args.model) if args.model and os.path.exists(args.model) else args.model
+    with Client(_socket(args)) as c:
+        stats = c.stats(model)
+    if args.json:
+        print(json.dumps(stats, indent=1, default=str))
+        return 0
+    if not stats:
+        print("no model is loaded")
+        return 0
+    for name, s in stats.items():
+        sch = s.get("scheduler") or {}
+        print(f"{name}: {sch.get('steps', 0)} decode steps, {sch.get('step_tokens', 0)} tokens, "
+              f"mean batch {sch.get('mean_batch', 0)}, peak {sch.get('peak_batch', 0)}")
+        cache = s.get("cache")
+        if not cache:
+            print("  (no experts)")
+            continue
+        print(f"  experts from the {cache['source']} ({cache['path']}), limit "
+              f"{cache['limit_mb'] or 'none'} MB, {_mb(cache['cached_bytes'])} cached")
+        recall = ((s.get("routing") or {}).get("recall") or {})
+        cols = ("requests", "hits", "misses", "hit_rate", "loads", "evictions", "bytes_read",
+                "prefetch_used", "prefetch_wasted")
+        print("  " + f"{'layer':>5} " + " ".join(f"{c:>15}" for c in cols) + f" {'path_a':>7} {'spec':>7}")
+        rows = sorted(cache["layers"].items(), key=lambda kv: int(kv[0])) + [("total", cache["total"])]
+        for layer, row in rows:
+            a = ((recall.get("path_a") or {}).get("per_layer") or {})
+            sp = ((recall.get("speculative") or {}).get("per_layer") or {})
+            key = str(layer)
+            ra = a.get(key, a.get(layer)) if layer != "total" else (recall.get("path_a") or {}).get("overall")
+            rs = sp.get(key, sp.get(layer)) if layer != "total" else (recall.get("speculative") or {}).get("overall")
+            print("  " + f"{layer!s:>5} " + " ".join(f"{_fmt(row.get(c)):>15}" for c in cols)
+                  + f" {_fmt(ra):>7} {_fmt(rs):>7}")
+    return 0
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3f}"
+    return str(v)
+
+
+def _stop(args) -> int:
+    from ipc.client import Client
+    from ipc.errors import NotRunning
+
+    path = _socket(args)
+    try:
+        with Client(path) as c:
+            c.shutdown()
+    except NotRunning:
+        print(f"moed: no daemon is running on {path}", file=sys.stderr)
+        return 1
+    print(f"moed: stopped the daemon on {path}", file=sys.stderr)
     return 0
 
 

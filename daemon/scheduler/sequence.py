@@ -61,6 +61,8 @@ class Sequence:
             ids = list(req.tokens)
         elif isinstance(req, Generate) and (req.raw or not _has_template(engine)):
             ids = engine.tokenize(req.prompt)
+        elif not _has_template(engine):  # a Chat for a model without a template: the contents, in order
+            ids = engine.tokenize("\n\n".join(m.content for m in req.messages))
         else:
             messages = ([{"role": m.role, "content": m.content} for m in req.messages] if isinstance(req, Chat)
                         else [{"role": "user", "content": req.prompt}])
