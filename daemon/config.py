@@ -16,7 +16,7 @@ from typing import Any
 from .errors import ConfigError
 
 NUMERICS = ("ggml", "float32")
-ROUTING = ("exact", "approx", "speculative", "all")
+ROUTING = ("auto", "exact", "approx", "speculative", "all")
 
 
 def _meta(env: str, doc: str, choices: tuple[str, ...] | None = None) -> dict[str, Any]:
@@ -35,10 +35,11 @@ class Settings:
     expert_cache_limit_mb: float = field(default=0.0, metadata=_meta(
         "EXPERT_CACHE_LIMIT_MB", "host memory for expert slices across all MoE layers, split evenly per "
         "layer; 0 = unlimited"))
-    routing: str = field(default="all", metadata=_meta(
+    routing: str = field(default="auto", metadata=_meta(
         "MOE_ROUTING", "which experts load ahead of use: exact (on demand from the router only), approx "
         "(+ Path A: token embeddings x routers), speculative (+ next layer's router on the current "
-        "hidden state), all (both)", ROUTING))
+        "hidden state), all (both); auto = speculative without a cache limit, exact with one (the "
+        "best measured: see docs/benchmarks.md)", ROUTING))
     routing_verbose: bool = field(default=False, metadata=_meta(
         "MOE_ROUTING_VERBOSE", "log each token's experts per layer and per-layer cache stats lines"))
     io_depth: int = field(default=8, metadata=_meta(

@@ -56,7 +56,7 @@ def _expert_cache(gguf: GGUFFile, cfg: Settings, say) -> ExpertCache | None:
     src = TensorSource(gguf)
     biases = {il: tuple(expert_biases(src, il, lay.n_embd, lay.n_ff, lay.n_expert)) for il, lay in layouts.items()}
     limit = f"{cfg.expert_cache_limit_mb:g} MB" if cfg.expert_cache_limit_mb else "no limit"
-    say(f"streaming experts from the {store.kind} ({limit}, routing {cfg.routing})")
+    say(f"streaming experts from the {store.kind} ({limit})")
     return ExpertCache(store, cfg.expert_cache_limit_mb, cfg.io_depth, biases)
 
 
@@ -71,7 +71,10 @@ class Engine:
         self.last_stats = GenerationStats()
         self.n_ctx = min(settings.n_ctx, model.hp.n_ctx_train) if settings.n_ctx else model.hp.n_ctx_train
         self.cache = model.experts if isinstance(model.experts, ExpertCache) else None
-        self.prefetcher = (Prefetcher(model, self.cache, settings.routing, settings.routing_verbose).attach(model)
+        self.routing = settings.routing
+        if self.routing == "auto":
+            self.routing = "exact" if settings.expert_cache_limit_mb else "speculative"
+        self.prefetcher = (Prefetcher(model, self.cache, self.routing, settings.routing_verbose).attach(model)
                            if self.cache is not None else None)
         self.tracer = ExpertUsageTracer.from_settings(settings) if model.moe_layers else None
         if self.tracer is not None:
