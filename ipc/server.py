@@ -228,7 +228,7 @@ class Server:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise SocketInUse(f"another moed daemon is serving on {self.path}") from None
+            raise SocketInUse(f"a moed daemon is already serving on {self.path} (or starting)") from None
         self._lock_fd = fd
         try:
             self._remove_stale()

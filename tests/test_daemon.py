@@ -1,0 +1,143 @@
+"""The daemon as a process: `python -m daemon.cli serve` with SIGTERM mid-generation, and the CLI
+path (`moed run` starting a background daemon, `moed ps`, `moed stats`, `moed stop`)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from ipc import Client, NotRunning, ServerError
+from tests.fixtures.build import fixture_path
+
+T = 120  # seconds before a test fails rather than hangs (daemon start-up imports numba)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def model(fixture_dir) -> str:
+    return str(fixture_path("qwen3moe", "Q8_0", fixture_dir))
+
+
+@pytest.fixture
+def sock(tmp_path) -> str:
+    p = str(tmp_path / "moed.sock")
+    return p if len(p) < 100 else os.path.join(tempfile.mkdtemp(prefix="moed-"), "moed.sock")
+
+
+def env(sock: str) -> dict[str, str]:
+    return {**os.environ, "MOED_SOCKET": sock, "MOE_N_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+
+
+def moed(sock: str, *args, timeout=T, input=None):
+    return subprocess.run([sys.executable, "-m", "daemon.cli", *args], check=False, capture_output=True, text=True,
+                          timeout=timeout, env=env(sock), cwd=ROOT, input=input)
+
+
+def wait_for_daemon(sock: str, proc: subprocess.Popen | None = None) -> Client:
+    deadline = time.monotonic() + T
+    while True:
+        try:
+            c = Client(sock, timeout=T)
+            c.connect()
+            return c
+        except NotRunning:
+            if proc is not None and proc.poll() is not None:
+                raise AssertionError(f"the daemon exited: {proc.stderr.read()}") from None
+            assert time.monotonic() < deadline, "the daemon did not start"
+            time.sleep(0.05)
+
+
+def test_sigterm_during_generation_ends_the_stream_and_exits(sock, model):
+    proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "serve", "--socket", sock],
+                            stderr=subprocess.PIPE, text=True, env=env(sock), cwd=ROOT)
+    try:
+        with wait_for_daemon(sock, proc) as c:
+            assert c.server.pid == proc.pid
+            assert oct(os.stat(sock).st_mode & 0o777) == "0o600"
+            c.load(model)
+            gen = c.generate([1, 2, 3], model=model, max_tokens=3000)
+            assert next(gen).tokens
+            proc.send_signal(signal.SIGTERM)
+            with pytest.raises(ServerError) as e:
+                for _ in gen:
+                    pass
+            assert e.value.code == "shutdown"
+        assert proc.wait(T) == 0
+        assert not os.path.exists(sock)
+        err = proc.stderr.read()
+        assert "SIGTERM received" in err and "stopped" in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_cli_run_starts_a_daemon_then_ps_stats_stop(sock, model):
+    pid = None
+    try:
+        out = moed(sock, "run", model, "Hello world", "--max-tokens", "6", "--temperature", "0", "--verbose")
+        assert out.returncode == 0, out.stderr
+        assert "starting the daemon" in out.stderr and "tok/s" in out.stderr
+        assert out.stdout.strip()
+        with Client(sock) as c:
+            pid = c.health().pid
+        again = moed(sock, "run", model, "Hello world", "--max-tokens", "6", "--temperature", "0")
+        assert again.returncode == 0 and "starting" not in again.stderr  # the same daemon answers
+        assert again.stdout == out.stdout
+        chat = moed(sock, "run", model, "--max-tokens", "4", input="hi\n/bye\n")
+        assert chat.returncode == 0, chat.stderr
+        ps = moed(sock, "ps")
+        assert ps.returncode == 0 and model in ps.stdout and "qwen3moe" in ps.stdout
+        stats = moed(sock, "stats")
+        assert stats.returncode == 0 and "layer" in stats.stdout and "total" in stats.stdout
+        js = json.loads(moed(sock, "stats", "--json").stdout)
+        assert js[model]["scheduler"]["step_tokens"] > 0 and js[model]["cache"]["layers"]
+        stop = moed(sock, "stop")
+        assert stop.returncode == 0, stop.stderr
+        deadline = time.monotonic() + T
+        while _alive(pid):
+            assert time.monotonic() < deadline, "the daemon did not exit"
+            time.sleep(0.05)
+        pid = None
+        assert moed(sock, "ps").returncode == 1
+        assert moed(sock, "stop").returncode == 1
+    finally:
+        if pid is not None and _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_second_daemon_on_a_live_socket_refuses(sock):
+    proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "serve", "--socket", sock],
+                            stderr=subprocess.PIPE, text=True, env=env(sock), cwd=ROOT)
+    try:
+        wait_for_daemon(sock, proc).close()
+        out = moed(sock, "serve", "--socket", sock)
+        assert out.returncode == 1 and "already serving" in out.stderr
+        with Client(sock) as c:
+            assert c.health().pid == proc.pid
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            assert proc.wait(T) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def _alive(pid: int) -> bool:
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)  # not our child (run started it): reaped by init
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
