@@ -273,6 +273,9 @@ class ExpertCache:
         return lc.arena
 
     def _batch(self, lc: _Layer, held: list[_Entry]) -> ExpertBatch:
+        if not held:  # nothing asked for (the arena may not exist yet: don't make it outside the lock)
+            gate, up, down = (np.empty((0, *lc.layout.shape(p)), np.uint8) for p in PROJECTIONS)
+            return ExpertBatch(gate, up, down, {}, *lc.biases)
         if all(h.slot >= 0 for h in held):
             gate, up, down = lc.arena
             rows = {h.expert: h.slot for h in held}
@@ -288,9 +291,11 @@ class ExpertCache:
             if error is None:
                 lc.stats.loads += 1
                 lc.stats.bytes_read += nbytes
-            elif ent.slot >= 0 and lc.entries.get(ent.expert) is ent:  # forget it: a later request retries
-                del lc.entries[ent.expert]
-                lc.free.append(ent.slot)
+            else:
+                lc.read_this_pass.discard(ent.expert)  # nothing was read: a retry is no duplicate
+                if ent.slot >= 0 and lc.entries.get(ent.expert) is ent:  # forget it: a later request retries
+                    del lc.entries[ent.expert]
+                    lc.free.append(ent.slot)
         if error is None:
             ent.future.set_result(None)
         else:
