@@ -136,13 +136,12 @@ class Batcher:
                         self._post(self._resolve, fut, True, fn(self.engine))
                     except BaseException as e:  # noqa: BLE001 - handed to the awaiting request
                         self._post(self._resolve, fut, False, e)
-                events = []
-                for seq in new:
-                    events.append((seq, self._start(seq)))
+                for seq in new:  # each prefill's first token is sent at once, not after the next step
+                    self._post(self._deliver, [(seq, self._start(seq))])
                 if self._active:
-                    events += self._step()
-                if events:
-                    self._post(self._deliver, events)
+                    events = self._step()
+                    if events:
+                        self._post(self._deliver, events)
         finally:
             self._shutdown()
 

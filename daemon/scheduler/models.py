@@ -89,7 +89,7 @@ class LoadedModel:
                 kv += sum(a.nbytes for a in c.k) + sum(a.nbytes for a in c.v)
         cached = limit = 0
         if cache is not None:
-            cached = sum(len(lc.entries) * lc.layout.expert_nbytes for lc in list(cache._layers.values()))
+            cached = cache.stats()["cached_bytes"]
             limit = cache.limit_bytes
         return {"name": self.name, "path": self.path, "arch": self.arch, "size_bytes": self.weights_bytes + kv,
                 "expert_cache_bytes": cached, "expert_cache_limit_bytes": limit,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +41,31 @@ def _demo_model() -> str:
     return str(demo_model_path())
 
 
+def _in_thread(fn: Callable[[], Any], name: str) -> asyncio.Future:
+    """fn() on a daemon thread of its own (building the demo MoE takes minutes: a shutdown must
+    not wait for it, as it would for asyncio.to_thread's executor)."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "not retrieved"
+
+    def settle(ok: bool, value) -> None:
+        if not fut.done():
+            (fut.set_result if ok else fut.set_exception)(value)
+
+    def work() -> None:
+        try:
+            result = (True, fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting requests
+            result = (False, e)
+        try:
+            loop.call_soon_threadsafe(settle, *result)
+        except RuntimeError:  # the loop is closed
+            pass
+
+    threading.Thread(target=work, name=name, daemon=True).start()
+    return fut
+
+
 class Scheduler:
     def __init__(self, settings: Settings | None = None, *, factory: Callable[..., Any] | None = None,
                  default_model: Callable[[], str] | None = None, warm: bool = True):
@@ -49,7 +75,7 @@ class Scheduler:
         self.registry = ModelRegistry(factory or _engine_load, keep_alive=settings.keep_alive,
                                       max_batch=settings.max_batch, warm=warm)
         self._default_model_fn = default_model or _demo_model
-        self._default_task: asyncio.Task | None = None
+        self._default_future: asyncio.Future | None = None
         self.inflight = 0  # generation requests held now
         self.closing = False
 
@@ -97,14 +123,14 @@ class Scheduler:
         models = list(self.registry.models.values())
         if len(models) == 1:
             return models[0].path
-        if self._default_task is None:
-            self._default_task = asyncio.get_running_loop().create_task(asyncio.to_thread(self._default_model_fn))
+        if self._default_future is None:
+            self._default_future = _in_thread(self._default_model_fn, "moed-default-model")
         try:
-            return await asyncio.shield(self._default_task)
+            return await asyncio.shield(self._default_future)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - reported to the requester
-            self._default_task = None
+            self._default_future = None
             raise SchedulerError("model_error", f"the default model is not available: {e}") from None
 
     # -- models --------------------------------------------------------------------------------

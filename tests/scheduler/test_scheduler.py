@@ -277,3 +277,21 @@ async def test_batcher_jobs_run_on_its_thread_and_stop():
     await asyncio.wait_for(b.stop(), 5)
     with pytest.raises(RuntimeError):
         await b.call(lambda _: 1)
+
+
+async def test_model_none_is_the_default_model_built_once(model):
+    calls = []
+
+    def default():
+        calls.append(threading.current_thread().name)
+        time.sleep(0.2)
+        return model
+
+    s = Scheduler(settings(), factory=Factory(), default_model=default)
+    try:
+        results = await asyncio.gather(*(run(s, Generate(i, None, tokens=[1, 2], max_tokens=2)) for i in range(3)))
+        assert all(isinstance(r[0][-1], Done) for r in results)
+        assert calls == ["moed-default-model"]  # one build, on its own thread
+        assert [m["path"] for m in s.ps()] == [model]
+    finally:
+        await s.close()
