@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ..config import Settings
 from ..errors import ConfigError, MoedError
 from .batcher import Batcher
 
@@ -123,6 +124,10 @@ class ModelRegistry:
         bad = sorted(DAEMON_SETTINGS & settings.keys())
         if bad:
             raise SchedulerError("bad_request", f"{', '.join(bad)}: daemon settings, not model settings")
+        try:
+            Settings.load(env={}, **settings)  # a typo or bad value fails here, before any (re)load
+        except ConfigError as e:
+            raise SchedulerError("bad_request", str(e)) from None
         path = resolve_path(name)
         m = self.models.get(path)
         if m is not None and settings and settings != m.settings:
