@@ -224,6 +224,8 @@ class ModelRegistry:
         ns = time.perf_counter_ns() - t0
         log.info("loaded %s in %.2fs", m.path, ns / 1e9)
         m.ready.set_result(ns)
+        if m.users == 0:  # every requester gave up while it loaded: the keep-alive clock starts now
+            self.release(m, _held=False)
 
     async def unload(self, name: str) -> None:
         m = self.find(name)

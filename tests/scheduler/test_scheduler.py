@@ -248,6 +248,22 @@ async def test_keep_alive(model):
         await s.close()
 
 
+async def test_a_load_nobody_waits_for_any_more_still_expires(model):
+    s = Scheduler(settings(), factory=Factory(delay=0.3))
+    try:
+        task = asyncio.create_task(run(s, Generate(1, model, tokens=[1], max_tokens=1, keep_alive=0)))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert s.inflight == 0
+        assert model in s.registry.models  # still loading
+        async with asyncio.timeout(10):  # loaded with no user and keep_alive 0: unloaded
+            while s.registry.models:
+                await asyncio.sleep(0.01)
+    finally:
+        await s.close()
+
+
 async def test_stats_include_the_expert_cache_and_the_batcher(sched, model):
     await run(sched, Generate(1, model, tokens=[1, 2, 3], max_tokens=4))
     stats = await sched.stats()
