@@ -133,6 +133,26 @@ def test_second_daemon_on_a_live_socket_refuses(sock):
                 proc.kill()
 
 
+def test_socket_of_a_killed_daemon_is_replaced(sock):
+    serve = [sys.executable, "-m", "daemon.cli", "serve", "--socket", sock]
+    first = subprocess.Popen(serve, stderr=subprocess.DEVNULL, env=env(sock), cwd=ROOT)
+    wait_for_daemon(sock, first).close()
+    first.kill()  # SIGKILL: no clean-up, the socket file stays
+    first.wait()
+    assert os.path.exists(sock)
+    second = subprocess.Popen(serve, stderr=subprocess.PIPE, text=True, env=env(sock), cwd=ROOT)
+    try:
+        with wait_for_daemon(sock, second) as c:
+            assert c.health().pid == second.pid
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(T) == 0
+        assert "removing the stale socket" in second.stderr.read()
+    finally:
+        if second.poll() is None:
+            second.kill()
+            second.wait()
+
+
 def _alive(pid: int) -> bool:
     with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)  # not our child (run started it): reaped by init
