@@ -25,7 +25,7 @@ Error codes (Error.code)
     bad_version  Hello's protocol not spoken      busy         the request queue is full
     not_found    no such model (file or loaded)   model_error  the model failed to load or run
     cancelled    stopped by Cancel                shutdown     the daemon is stopping
-    internal     a bug in the daemon
+    forbidden    the peer's uid is not allowed   internal     a bug in the daemon
 
 Evolution: requests forbid unknown (extra trailing) fields, so the daemon never silently ignores
 something it does not implement; replies tolerate them, so an older client reads a newer daemon.

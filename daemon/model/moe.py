@@ -70,10 +70,10 @@ def moe_forward(moe: MoE, family: Family, experts: ExpertProvider, x: np.ndarray
         trace(moe.layer, ids)
     layout = experts.layout(moe.layer)
     with experts.fetch(moe.layer, np.unique(ids).tolist()) as batch:
-        if solo or x.shape[0] == 1:
+        if x.shape[0] == 1:
             outputs = _apply_experts_per_token(layout, family, batch, ids, x, numerics)
-        else:
-            outputs = _apply_experts_grouped(layout, family, batch, ids, x, numerics)
+        else:  # each expert's weights read once for all its tokens; solo keeps rows independent
+            outputs = _apply_experts_grouped(layout, family, batch, ids, x, numerics, solo)
     out = outputs[:, 0] * weights[:, :1]
     for a in range(1, moe.n_used):
         out = out + outputs[:, a] * weights[:, a:a + 1]
@@ -82,8 +82,9 @@ def moe_forward(moe: MoE, family: Family, experts: ExpertProvider, x: np.ndarray
     return out
 
 
-def _apply_experts_grouped(layout, family, batch, ids, x, numerics) -> np.ndarray:
-    """Each needed expert applied to the tokens routed to it. -> [T, A, D]"""
+def _apply_experts_grouped(layout, family, batch, ids, x, numerics, solo=False) -> np.ndarray:
+    """Each needed expert applied to the tokens routed to it. -> [T, A, D]
+    solo: compute each token as a one-token call would (decode batches: batch invariance)."""
     T, D = x.shape
     outputs = np.empty((T, ids.shape[1], D), dtype=np.float32)
     for e in np.unique(ids):
@@ -92,15 +93,16 @@ def _apply_experts_grouped(layout, family, batch, ids, x, numerics) -> np.ndarra
         s = batch.rows[int(e)]
         if layout.gate_type == layout.up_type:
             xp = prepare(xe, layout.gate_type, numerics)
-            g = linear_prepared(xp, batch.gate[s], layout.gate_type, D, expert=True)
-            u = linear_prepared(xp, batch.up[s], layout.up_type, D, expert=True)
+            g = linear_prepared(xp, batch.gate[s], layout.gate_type, D, expert=True, solo=solo)
+            u = linear_prepared(xp, batch.up[s], layout.up_type, D, expert=True, solo=solo)
         else:
-            g = linear(xe, batch.gate[s], layout.gate_type, D, numerics, expert=True)
-            u = linear(xe, batch.up[s], layout.up_type, D, numerics, expert=True)
+            g = linear(xe, batch.gate[s], layout.gate_type, D, numerics, expert=True, solo=solo)
+            u = linear(xe, batch.up[s], layout.up_type, D, numerics, expert=True, solo=solo)
         if batch.gate_bias is not None:
             g += batch.gate_bias[e]
             u += batch.up_bias[e]
-        y = linear(_glu(family, g, u), batch.down[s], layout.down_type, layout.n_ff, numerics, expert=True)
+        y = linear(_glu(family, g, u), batch.down[s], layout.down_type, layout.n_ff, numerics, expert=True,
+                   solo=solo)
         if batch.down_bias is not None:
             y += batch.down_bias[e]
         outputs[rows, slots] = y
