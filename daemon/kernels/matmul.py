@@ -821,6 +821,108 @@ def _mm_kq_sel(qt, stack, sel, xrow, xq, xd, xbs, out, nchunks):
             out[a, n] = r1[0]
 
 
+# ---- grouped experts: out[p, n] = row n of expert experts[j] . activation row p, for the rows
+# p in offs[j]..offs[j+1] (the tokens routed to expert j, gathered). One parallel call for every
+# expert of a layer (llama.cpp's MUL_MAT_ID); each expert's rows go four at a time as in _mm_b32 /
+# _mm_kq, tiled[j] picks the K-quant path per expert as a separate call with its rows would.
+
+
+@numba.njit(cache=True, parallel=True)
+def _mm_b32_grp(qt, stack, experts, offs, xq, xd, xs, out, nchunks):
+    J = experts.shape[0]
+    N = stack.shape[1]
+    total = J * N
+    for c in prange(nchunks):
+        for i in range(c * total // nchunks, (c + 1) * total // nchunks):
+            j = i // N
+            n = i % N
+            row = stack[experts[j], n]
+            t0 = offs[j]
+            t1 = offs[j + 1]
+            t4 = t1 - (t1 - t0) % 4
+            for t in range(t0, t4, 4):
+                if qt == 8:
+                    r = _b32_rows(8, 4, row, xq, t, xd, xs)
+                elif qt == 2:
+                    r = _b32_rows(2, 4, row, xq, t, xd, xs)
+                elif qt == 3:
+                    r = _b32_rows(3, 4, row, xq, t, xd, xs)
+                elif qt == 6:
+                    r = _b32_rows(6, 4, row, xq, t, xd, xs)
+                elif qt == 7:
+                    r = _b32_rows(7, 4, row, xq, t, xd, xs)
+                else:
+                    r = _b32_rows(39, 4, row, xq, t, xd, xs)
+                out[t, n] = r[0]
+                out[t + 1, n] = r[1]
+                out[t + 2, n] = r[2]
+                out[t + 3, n] = r[3]
+            for t in range(t4, t1):
+                if qt == 8:
+                    r1 = _b32_rows(8, 1, row, xq, t, xd, xs)
+                elif qt == 2:
+                    r1 = _b32_rows(2, 1, row, xq, t, xd, xs)
+                elif qt == 3:
+                    r1 = _b32_rows(3, 1, row, xq, t, xd, xs)
+                elif qt == 6:
+                    r1 = _b32_rows(6, 1, row, xq, t, xd, xs)
+                elif qt == 7:
+                    r1 = _b32_rows(7, 1, row, xq, t, xd, xs)
+                else:
+                    r1 = _b32_rows(39, 1, row, xq, t, xd, xs)
+                out[t, n] = r1[0]
+
+
+@numba.njit(cache=True, parallel=True)
+def _mm_kq_grp(qt, tiled, stack, experts, offs, xq, xd, xbs, out, nchunks):
+    J = experts.shape[0]
+    N = stack.shape[1]
+    total = J * N
+    for c in prange(nchunks):
+        for i in range(c * total // nchunks, (c + 1) * total // nchunks):
+            j = i // N
+            n = i % N
+            row = stack[experts[j], n]
+            t0 = offs[j]
+            t1 = offs[j + 1]
+            t4 = t1 - (t1 - t0) % 4
+            for t in range(t0, t4, 4):
+                if tiled[j]:
+                    if qt == 12:
+                        r = _kq_rows(12, 4, 1, row, xq, t, xd, xbs)
+                    elif qt == 13:
+                        r = _kq_rows(13, 4, 1, row, xq, t, xd, xbs)
+                    else:
+                        r = _kq_rows(14, 4, 1, row, xq, t, xd, xbs)
+                else:
+                    if qt == 12:
+                        r = _kq_rows(12, 4, 0, row, xq, t, xd, xbs)
+                    elif qt == 13:
+                        r = _kq_rows(13, 4, 0, row, xq, t, xd, xbs)
+                    else:
+                        r = _kq_rows(14, 4, 0, row, xq, t, xd, xbs)
+                out[t, n] = r[0]
+                out[t + 1, n] = r[1]
+                out[t + 2, n] = r[2]
+                out[t + 3, n] = r[3]
+            for t in range(t4, t1):
+                if tiled[j]:
+                    if qt == 12:
+                        r1 = _kq_rows(12, 1, 1, row, xq, t, xd, xbs)
+                    elif qt == 13:
+                        r1 = _kq_rows(13, 1, 1, row, xq, t, xd, xbs)
+                    else:
+                        r1 = _kq_rows(14, 1, 1, row, xq, t, xd, xbs)
+                else:
+                    if qt == 12:
+                        r1 = _kq_rows(12, 1, 0, row, xq, t, xd, xbs)
+                    elif qt == 13:
+                        r1 = _kq_rows(13, 1, 0, row, xq, t, xd, xbs)
+                    else:
+                        r1 = _kq_rows(14, 1, 0, row, xq, t, xd, xbs)
+                out[t, n] = r1[0]
+
+
 # --------------------------------------------------------------------------------------------
 # float weights (F32, F16, BF16)
 #
@@ -1222,6 +1324,46 @@ def linear_selected(xp: Prepared, stack: np.ndarray, sel: np.ndarray, xrow: np.n
     else:
         xs = xp.s if xp.s is not None else xp.d
         _mm_b32_sel(int(ggml_type), stack, sel, xrow, xp.qs, xp.d, xs, out, nc)
+    return out
+
+
+def linear_grouped(xp: Prepared, stack: np.ndarray, experts: np.ndarray, offs: np.ndarray,
+                   ggml_type: int, k: int, solo: bool = False) -> np.ndarray:
+    """Every expert of a layer in one call: out [P, N] with out[p] = W[experts[j]] @ x[p] for p in
+    offs[j]..offs[j+1] (activations gathered by expert), for stack uint8 [E, N, row_bytes].
+
+    Each expert's rows are computed exactly as a separate expert call of linear_prepared on those
+    rows computes them (solo: as one-row calls)."""
+    experts = np.ascontiguousarray(experts, dtype=np.int64)
+    offs = np.ascontiguousarray(offs, dtype=np.int64)
+    J, N = experts.shape[0], stack.shape[1]
+    if offs.shape[0] != J + 1 or offs[0] != 0 or offs[-1] != xp.T or np.any(np.diff(offs) < 0):
+        raise ValueError("offs must rise from 0 to the number of activation rows, one step per expert")
+    if J and (experts.min() < 0 or experts.max() >= stack.shape[0]):
+        raise ValueError("expert index out of range")
+    if xp.numerics != "ggml" or ggml_type in Q.FLOAT_TYPES or not stack.flags.c_contiguous:
+        out = np.empty((xp.T, N), np.float32)
+        for j in range(J):
+            r0, r1 = int(offs[j]), int(offs[j + 1])
+            part = Prepared(xp.numerics, xp.vec_dot_type, *(None if v is None else v[r0:r1]
+                                                             for v in (xp.x, xp.qs, xp.d, xp.s, xp.bsums)))
+            out[r0:r1] = linear_prepared(part, stack[experts[j]], ggml_type, k, expert=True, solo=solo)
+        return out
+    if VEC_DOT_TYPE[ggml_type] != xp.vec_dot_type or xp.K != k:
+        raise ValueError("activations were prepared for another weight type or length")
+    if stack.dtype != np.uint8 or stack.ndim != 3 or stack.shape[2] != Q.row_bytes(ggml_type, k):
+        raise ValueError(f"stack must be uint8 [E, N, {Q.row_bytes(ggml_type, k)}], got {stack.dtype} {stack.shape}")
+    out = np.empty((xp.T, N), np.float32)
+    if J == 0 or N == 0 or xp.T == 0:
+        return out
+    nc = _nchunks(J * N)
+    if ggml_type in Q.KQUANT_TYPES:
+        counts = np.diff(offs)
+        tiled = np.array([0 if solo else tiled_kquant(int(c)) for c in counts], dtype=np.uint8)
+        _mm_kq_grp(int(ggml_type), tiled, stack, experts, offs, xp.qs, xp.d, xp.bsums, out, nc)
+    else:
+        xs = xp.s if xp.s is not None else xp.d
+        _mm_b32_grp(int(ggml_type), stack, experts, offs, xp.qs, xp.d, xs, out, nc)
     return out
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..kernels import ops
-from ..kernels.matmul import linear, linear_prepared, linear_selected, prepare
+from ..kernels.matmul import linear, linear_grouped, linear_prepared, linear_selected, prepare
 from ..storage.experts import ExpertProvider
 from .family import Family
 from .weights import QWeight
@@ -83,29 +83,32 @@ def moe_forward(moe: MoE, family: Family, experts: ExpertProvider, x: np.ndarray
 
 
 def _apply_experts_grouped(layout, family, batch, ids, x, numerics, solo=False) -> np.ndarray:
-    """Each needed expert applied to the tokens routed to it. -> [T, A, D]
-    solo: compute each token as a one-token call would (decode batches: batch invariance)."""
-    T, D = x.shape
-    outputs = np.empty((T, ids.shape[1], D), dtype=np.float32)
-    for e in np.unique(ids):
-        rows, slots = np.nonzero(ids == e)
-        xe = np.ascontiguousarray(x[rows])
-        s = batch.rows[int(e)]
-        if layout.gate_type == layout.up_type:
-            xp = prepare(xe, layout.gate_type, numerics)
-            g = linear_prepared(xp, batch.gate[s], layout.gate_type, D, expert=True, solo=solo)
-            u = linear_prepared(xp, batch.up[s], layout.up_type, D, expert=True, solo=solo)
-        else:
-            g = linear(xe, batch.gate[s], layout.gate_type, D, numerics, expert=True, solo=solo)
-            u = linear(xe, batch.up[s], layout.up_type, D, numerics, expert=True, solo=solo)
-        if batch.gate_bias is not None:
-            g += batch.gate_bias[e]
-            u += batch.up_bias[e]
-        y = linear(_glu(family, g, u), batch.down[s], layout.down_type, layout.n_ff, numerics, expert=True,
-                   solo=solo)
-        if batch.down_bias is not None:
-            y += batch.down_bias[e]
-        outputs[rows, slots] = y
+    """Every needed expert applied to the tokens routed to it, one kernel call per projection for
+    the whole layer. solo: each token computed as a one-token call would (decode batches).
+    ids: [T, A]; x: [T, D] -> [T, A, D]"""
+    (T, A), D = ids.shape, x.shape[1]
+    flat = ids.reshape(-1)  # [T*A] pairs (token, slot), token-major
+    order = np.argsort(flat, kind="stable")  # [P] pairs grouped by expert, tokens ascending
+    by_expert = flat[order]
+    uniq, starts = np.unique(by_expert, return_index=True)
+    offs = np.append(starts, T * A)  # [J+1] each expert's pairs
+    rows = np.array([batch.rows[int(e)] for e in uniq], dtype=np.int64)  # [J] rows of the stacks
+    tok = order // A  # [P] the token of each pair
+    xg = np.ascontiguousarray(x[tok])  # [P, D]
+    xp = prepare(xg, layout.gate_type, numerics)
+    g = linear_grouped(xp, batch.gate, rows, offs, layout.gate_type, D, solo)  # [P, F]
+    if layout.up_type != layout.gate_type:
+        xp = prepare(xg, layout.up_type, numerics)
+    u = linear_grouped(xp, batch.up, rows, offs, layout.up_type, D, solo)
+    if batch.gate_bias is not None:
+        g += batch.gate_bias[by_expert]
+        u += batch.up_bias[by_expert]
+    hp = prepare(_glu(family, g, u), layout.down_type, numerics)
+    y = linear_grouped(hp, batch.down, rows, offs, layout.down_type, layout.n_ff, solo)  # [P, D]
+    if batch.down_bias is not None:
+        y += batch.down_bias[by_expert]
+    outputs = np.empty((T, A, D), dtype=np.float32)
+    outputs[tok, order % A] = y
     return outputs
 
 
