@@ -63,7 +63,8 @@ class RouterBank:
 
 
 class Recall:
-    """Per-layer recall of one predictor: |predicted ∩ exact| / |exact|, over each pass's sets."""
+    """Per-layer recall of one predictor: |predicted ∩ exact| / |exact|, over each pass's sets.
+    Steps where a layer's cache already held every expert are not predicted, so not counted."""
 
     def __init__(self):
         self.found: dict[int, int] = {}
@@ -128,9 +129,12 @@ class Prefetcher:
         self._tokens = tokens
         for p in self._pending.values():
             p.clear()
-        if "path_a" in self.paths:
+        full = self.cache.holds_all
+        if "path_a" in self.paths and not all(full(il) for il in self.bank.layers):
             pred = self._path_a(tokens)  # [T, L, A]
             for i, il in enumerate(self.bank.layers):
+                if full(il):  # nothing to load: no prediction (and no recall sample)
+                    continue
                 ids = set(np.unique(pred[:, i]).tolist())
                 self._pending["path_a"][il] = ids
                 self.cache.prefetch(il, sorted(ids))
@@ -139,7 +143,7 @@ class Prefetcher:
         if "speculative" not in self.paths:
             return
         nxt = self._next_moe.get(il)
-        if nxt is None:
+        if nxt is None or self.cache.holds_all(nxt):  # nothing to load: no prediction
             return
         ids = set(np.unique(self.bank.top_k(nxt, x)).tolist())
         self._pending["speculative"][nxt] = ids

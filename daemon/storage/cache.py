@@ -29,7 +29,6 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -77,6 +76,7 @@ class _Entry:
     prefetched: bool = False
     used: bool = False
     started: bool = False
+    ready: bool = False  # read and usable (set under the cache lock)
     priority: int = DEMAND
 
 
@@ -91,6 +91,7 @@ class _Layer:
     seen: set[int] = field(default_factory=set)
     read_this_pass: set[int] = field(default_factory=set)
     biases: tuple = (None, None, None)
+    resident: ExpertBatch | None = None  # set once an unlimited layer holds every expert
 
 
 class ExpertCache:
@@ -116,33 +117,62 @@ class ExpertCache:
     def layout(self, layer: int) -> ExpertLayout:
         return self._layers[layer].layout
 
-    @contextmanager
-    def fetch(self, layer: int, ids: Sequence[int]) -> Iterator[ExpertBatch]:
+    def fetch(self, layer: int, ids: Sequence[int]) -> _Held:
+        """The experts `ids` of `layer`, pinned until the `with` block exits:
+        `with cache.fetch(layer, ids) as batch: ...`. Raises StorageError if a read fails."""
         lc = self._layers[layer]
-        check_ids(layer, ids, lc.layout.n_expert)
-        held: list[_Entry] = []
-        try:
-            reads: list[_Entry] = []
+        wanted = list(dict.fromkeys(int(e) for e in ids))
+        check_ids(layer, wanted, lc.layout.n_expert)
+        if lc.resident is not None:  # unlimited and every expert read: nothing can move any more
             with self._lock:
-                wanted = list(dict.fromkeys(int(e) for e in ids))
-                # cached ones first, so that room made for a miss never evicts an expert this step wants
-                wanted.sort(key=lambda e: e not in lc.entries)
+                self._count_resident_hits(lc, wanted)
+            return _Held(self, lc, [], lc.resident)
+        held: list[_Entry] = []
+        reads: list[_Entry] = []
+        try:
+            with self._lock:
+                entries = lc.entries
+                if any(e not in entries for e in wanted):
+                    # cached ones first, so that room made for a miss never evicts one this step wants
+                    wanted.sort(key=lambda e: e not in entries)
                 for e in wanted:
                     held.append(self._demand(lc, layer, e, reads))
             self._queue(DEMAND, layer, reads)
-            pending = [h.future for h in held if not h.future.done()]
-            if pending:
-                wait_all(pending)
             for h in held:
-                if h.future.exception() is not None:
-                    raise h.future.exception()
-            yield self._batch(lc, held)
-        finally:
-            with self._lock:
-                for h in held:
-                    h.pins -= 1
-                    if h.slot < 0:  # overflow buffer: used, now dropped
-                        lc.stats.evictions += 1
+                if not h.ready:  # in flight: wait for its read (shared with whoever started it)
+                    wait_all([h.future])
+                    if h.future.exception() is not None:
+                        raise h.future.exception()
+            batch = self._batch(lc, held)
+            if lc.capacity == lc.layout.n_expert and len(lc.entries) == lc.capacity:
+                with self._lock:
+                    if all(ent.ready for ent in lc.entries.values()):
+                        lc.resident = ExpertBatch(*lc.arena, {e: ent.slot for e, ent in lc.entries.items()},
+                                                  *lc.biases)
+            return _Held(self, lc, held, batch)
+        except BaseException:
+            self._release(lc, held)
+            raise
+
+    def _count_resident_hits(self, lc: _Layer, wanted: list[int]) -> None:
+        st = lc.stats
+        st.requests += len(wanted)
+        st.hits += len(wanted)
+        for e in wanted:
+            ent = lc.entries[e]
+            if not ent.used:
+                ent.used = True
+                st.prefetch_used += 1
+            if e not in lc.seen:
+                lc.seen.add(e)
+                st.unique_requested += 1
+
+    def _release(self, lc: _Layer, held: list[_Entry]) -> None:
+        with self._lock:
+            for h in held:
+                h.pins -= 1
+                if h.slot < 0:  # overflow buffer: used, now dropped
+                    lc.stats.evictions += 1
 
     def prefetch(self, layer: int, ids: Sequence[int]) -> None:
         """Start reading experts predicted for `layer`; never waits."""
@@ -163,6 +193,11 @@ class ExpertCache:
                     lc.stats.prefetch_issued += 1
                     reads.append(ent)
         self._queue(PREFETCH, layer, reads)
+
+    def holds_all(self, layer: int) -> bool:
+        """Whether every expert of the layer is cached (nothing left to predict)."""
+        lc = self._layers.get(layer)
+        return lc is not None and len(lc.entries) == lc.layout.n_expert
 
     def begin_pass(self) -> None:
         """A new forward pass starts: reads from now on count toward its duplicate check."""
@@ -291,6 +326,7 @@ class ExpertCache:
             if error is None:
                 lc.stats.loads += 1
                 lc.stats.bytes_read += nbytes
+                ent.ready = True
             else:
                 lc.read_this_pass.discard(ent.expert)  # nothing was read: a retry is no duplicate
                 if ent.slot >= 0 and lc.entries.get(ent.expert) is ent:  # forget it: a later request retries
@@ -302,6 +338,22 @@ class ExpertCache:
             if ent.prefetched and not ent.used:
                 log.debug("prefetch of layer %d expert %d failed: %s", layer, ent.expert, error)
             ent.future.set_exception(error)
+
+
+class _Held:
+    """What fetch returns: the batch while the block runs, then its experts unpinned."""
+
+    __slots__ = ("_cache", "_lc", "_held", "batch")
+
+    def __init__(self, cache: ExpertCache, lc: _Layer, held: list[_Entry], batch: ExpertBatch):
+        self._cache, self._lc, self._held, self.batch = cache, lc, held, batch
+
+    def __enter__(self) -> ExpertBatch:
+        return self.batch
+
+    def __exit__(self, *exc) -> None:
+        held, self._held = self._held, []
+        self._cache._release(self._lc, held)
 
 
 class _IOThread:

@@ -134,6 +134,9 @@ class FakeCache:
     def prefetches(self):
         return [e[1:] for e in self.events if e[0] == "prefetch"]
 
+    def holds_all(self, layer):  # never full: every prediction is made
+        return False
+
 
 class Tagger:
     """Stands between the model and the Prefetcher's step hooks to tag calls and keep the inputs."""
@@ -278,3 +281,21 @@ def test_real_cache_prefetch_counts(fx, mode):
         assert t["loads"] == t["misses"] + t["prefetch_issued"] == t["unique_requested"] + \
             t["prefetch_issued"] - t["prefetch_used"]
     g.close()
+
+
+def test_no_prediction_for_a_layer_that_holds_every_expert(fx):
+    """With every expert of a layer cached there is nothing to load: the predictors skip it."""
+    _, model, _ = fx[("qwen3moe", "Q8_0")]
+
+    class FullCache(FakeCache):
+        def holds_all(self, layer):
+            return True
+
+    cache = FullCache()
+    pf = Prefetcher(model, cache, "all").attach(model)
+    try:
+        model.forward(np.array([3, 4]), model.new_cache(4))
+    finally:
+        pf.detach()
+    assert cache.prefetches() == []
+    assert all(r["exact"] == 0 for r in pf.stats()["recall"].values())

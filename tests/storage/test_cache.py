@@ -563,3 +563,29 @@ def test_stats_shape_and_reset(m, make):
         pass
     s = L(c, 0)
     assert s["unique_requested"] == 1 and s["hits"] == 1
+
+
+def test_unlimited_layer_holding_every_expert_keeps_counting_and_serving(m, make):
+    """Once an unlimited layer holds every expert, fetches take a shortcut (nothing can be evicted
+    any more): the bytes served and the counters must stay what the slow path gives."""
+    c = make()
+    il = m.layers[0]
+    E = m.n_expert
+    c.prefetch(il, [E - 1])  # one predicted expert, used only later
+    with c.fetch(il, list(range(E - 1))) as b:
+        m.check(b, il, range(E - 1))
+    time.sleep(0.2)  # let the prefetch land
+    rng = random.Random(3)
+    asked = E - 1
+    used_prefetch = False
+    for _ in range(20):
+        ids = rng.sample(range(E), 3)
+        with c.fetch(il, ids) as b:
+            m.check(b, il, ids)
+        asked += 3
+        used_prefetch |= E - 1 in ids
+    st = c.stats()["layers"][il]
+    assert st["loads"] == E and st["requests"] == asked
+    assert st["hits"] == asked - (E - 1) and st["misses"] == E - 1
+    assert st["prefetch_used"] == int(used_prefetch) and st["unique_requested"] == E - 1 + int(used_prefetch)
+    assert st["bytes_read"] == E * m.expert_bytes[il]
