@@ -1,6 +1,7 @@
 """moed vs llama.cpp on one model file when the model does not fit in the memory given to both.
 
     python benchmarks/memory_limited.py [--model PATH] [--memory-mb 420] [--cache-mb 24] [--tokens 32]
+                                        [--plain-llama]
 
 Each engine runs in a child process placed in a cgroup-v1 memory cgroup limited to --memory-mb
 (process memory plus the page cache it uses: a memory-mapped model competes with everything
@@ -65,12 +66,24 @@ def child_moed(path: str, ids: list[int], n: int, cache_mb: float) -> dict:
             "expert_bytes_read": st["bytes_read"], "tokens": toks}
 
 
-def child_llama(path: str, ids: list[int], n: int) -> dict:
+def child_llama(path: str, ids: list[int], n: int, plain: bool) -> dict:
     from llama_cpp import Llama
+
+    if plain:  # plain CPU buffers, no repacked weights: the numerics moed reproduces bit for bit
+        import llama_cpp.llama as mod
+
+        default = mod.llama_cpp.llama_model_default_params
+
+        def params():
+            p = default()
+            p.use_extra_bufts = False
+            return p
+
+        mod.llama_cpp.llama_model_default_params = params
 
     r0 = _io_read_bytes()
     llm = Llama(model_path=path, n_ctx=max(256, len(ids) + n + 8), n_threads=2, n_threads_batch=2,
-                use_mmap=True, flash_attn=False, verbose=False, seed=0)
+                use_mmap=True, flash_attn=False, verbose=False, seed=0, logits_all=True)
     llm.eval(ids)
     for t in range(4):  # warm-up, as for moed
         llm.eval([t])
@@ -128,11 +141,13 @@ def main() -> int:
     ap.add_argument("--memory-mb", type=int, default=420)
     ap.add_argument("--cache-mb", type=float, default=24)
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--plain-llama", action="store_true",
+                    help="llama.cpp without repacked weight buffers (its numerics = moed's; slower)")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         kind, path, ids, n = args.child[0], args.child[1], json.loads(args.child[2]), int(args.child[3])
-        r = child_llama(path, ids, n) if kind == "llama" else child_moed(path, ids, n, float(args.child[4]))
+        r = child_llama(path, ids, n, args.child[4] == "plain") if kind == "llama" else child_moed(path, ids, n, float(args.child[4]))
         r["max_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         r["major_faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
         print(json.dumps(r))
@@ -156,7 +171,8 @@ def main() -> int:
     print(f"{Path(path).name}: {size / 2**20:.0f} MiB file; memory limit {args.memory_mb} MiB per process "
           f"(incl. page cache); moed expert cache {args.cache_mb:g} MB; {args.tokens} greedy tokens")
     results = {}
-    for name, child in (("llama.cpp", ["llama", path, json.dumps(ids), str(args.tokens)]),
+    plain = "plain" if args.plain_llama else "default"
+    for name, child in (("llama.cpp", ["llama", path, json.dumps(ids), str(args.tokens), plain]),
                         ("moed", ["moed", path, json.dumps(ids), str(args.tokens), str(args.cache_mb)])):
         drop_cache(path)
         results[name] = r = run_child(cg, args.memory_mb, child)
@@ -169,10 +185,12 @@ def main() -> int:
               f"peak RSS {r['max_rss_mb']:.0f} MiB{extra}")
     a, b = results.get("llama.cpp", {}), results.get("moed", {})
     if "decode_tps" in a and "decode_tps" in b:
-        # llama.cpp runs with its default CPU buffers (repacked Q4_0/Q4_1 layouts where it has
-        # them), its fastest path, so its tokens may differ from moed's in the last bits.
+        # By default llama.cpp runs with its default CPU buffers (repacked weight layouts where it
+        # has them), its fastest path, which sums in another order: tokens may differ.
         print(f"moed/llama.cpp decode {b['decode_tps'] / a['decode_tps']:.2f}x; "
               f"same greedy tokens: {a['tokens'] == b['tokens']}")
+        if a["tokens"] != b["tokens"]:
+            print(f"  llama.cpp {a['tokens']}\n  moed      {b['tokens']}")
     try:
         cg.rmdir()
     except OSError:
