@@ -78,7 +78,9 @@ Two numerics modes:
     * the 32-value block types use one order in all paths: batch invariant.
   So with "ggml" numerics a token's output can legitimately differ (in the last bits) between
   a call with T < 8 and one with T >= 8 (K-quants), or T = 1 and T >= 2 (float weights), just
-  as in llama.cpp (e.g. prompt processing vs one-token decoding). Within one path a token's
+  as in llama.cpp (e.g. prompt processing vs one-token decoding). `solo=True` picks the paths of
+  a one-row call for every row: a decode batch of independent sequences then gives each one
+  exactly its solo result (batch invariance; Transformer.forward_batch). Within one path a token's
   result never depends on the other tokens (the four-token kernels only share the weight
   decoding). The "float32" numerics are fully batch invariant.
 
