@@ -46,20 +46,17 @@ def drop_cache(path: str) -> None:
 
 
 def run(path: str, prompt, n_tokens: int, **settings):
-    """Greedy generation; -> (token ids, decode tok/s, stats, recorder)."""
+    """Greedy generation; -> (text, decode tok/s, stats, recorder, tokens evaluated)."""
     with Engine.load(path, expert_pack=False, **settings) as eng:
         ids = eng.tokenize(prompt) if isinstance(prompt, str) else prompt
         list(eng.generate(ids, max_tokens=2, temperature=0))  # compile kernels outside the timing
         eng.reset_stats()
         rec = RoutingRecorder().attach(eng.model)
-        out: list[int] = []
-        tok_stream = eng.generate(ids, max_tokens=n_tokens, temperature=0)
-        text = "".join(tok_stream)
+        text = "".join(eng.generate(ids, max_tokens=n_tokens, temperature=0))
         rec.detach()
         st = eng.last_stats
         tps = st.eval_count / (st.eval_duration / 1e9) if st.eval_duration else 0.0
-        out = text
-        return out, tps, eng.stats(), rec, st.eval_count + st.prompt_eval_count
+        return text, tps, eng.stats(), rec, st.eval_count + st.prompt_eval_count
 
 
 def curve(path: str, prompt, n_tokens: int, limits_mb: list[float]) -> None:

@@ -686,95 +686,9 @@ def _kq_rows(typingctx, kind, ntok, tiled, row, xq, t0, xd, xbs):
 # ---- the kernels: rows split over threads, tokens by four, then one by one ----
 
 
-@numba.njit(cache=True, parallel=True)
-def _mm_b32(qt, raw, xq, xd, xs, out, nchunks):
-    N = raw.shape[0]
-    T = xq.shape[0]
-    T4 = T - T % 4
-    for c in prange(nchunks):
-        for n in range(c * N // nchunks, (c + 1) * N // nchunks):
-            row = raw[n]
-            for t in range(0, T4, 4):
-                if qt == 8:
-                    r = _b32_rows(8, 4, row, xq, t, xd, xs)
-                elif qt == 2:
-                    r = _b32_rows(2, 4, row, xq, t, xd, xs)
-                elif qt == 3:
-                    r = _b32_rows(3, 4, row, xq, t, xd, xs)
-                elif qt == 6:
-                    r = _b32_rows(6, 4, row, xq, t, xd, xs)
-                elif qt == 7:
-                    r = _b32_rows(7, 4, row, xq, t, xd, xs)
-                else:
-                    r = _b32_rows(39, 4, row, xq, t, xd, xs)
-                out[t, n] = r[0]
-                out[t + 1, n] = r[1]
-                out[t + 2, n] = r[2]
-                out[t + 3, n] = r[3]
-            for t in range(T4, T):
-                if qt == 8:
-                    r1 = _b32_rows(8, 1, row, xq, t, xd, xs)
-                elif qt == 2:
-                    r1 = _b32_rows(2, 1, row, xq, t, xd, xs)
-                elif qt == 3:
-                    r1 = _b32_rows(3, 1, row, xq, t, xd, xs)
-                elif qt == 6:
-                    r1 = _b32_rows(6, 1, row, xq, t, xd, xs)
-                elif qt == 7:
-                    r1 = _b32_rows(7, 1, row, xq, t, xd, xs)
-                else:
-                    r1 = _b32_rows(39, 1, row, xq, t, xd, xs)
-                out[t, n] = r1[0]
-
-
-@numba.njit(cache=True, parallel=True)
-def _mm_kq(qt, tiled, raw, xq, xd, xbs, out, nchunks):
-    N = raw.shape[0]
-    T = xq.shape[0]
-    T4 = T - T % 4
-    for c in prange(nchunks):
-        for n in range(c * N // nchunks, (c + 1) * N // nchunks):
-            row = raw[n]
-            for t in range(0, T4, 4):
-                if tiled:
-                    if qt == 12:
-                        r = _kq_rows(12, 4, 1, row, xq, t, xd, xbs)
-                    elif qt == 13:
-                        r = _kq_rows(13, 4, 1, row, xq, t, xd, xbs)
-                    else:
-                        r = _kq_rows(14, 4, 1, row, xq, t, xd, xbs)
-                else:
-                    if qt == 12:
-                        r = _kq_rows(12, 4, 0, row, xq, t, xd, xbs)
-                    elif qt == 13:
-                        r = _kq_rows(13, 4, 0, row, xq, t, xd, xbs)
-                    else:
-                        r = _kq_rows(14, 4, 0, row, xq, t, xd, xbs)
-                out[t, n] = r[0]
-                out[t + 1, n] = r[1]
-                out[t + 2, n] = r[2]
-                out[t + 3, n] = r[3]
-            for t in range(T4, T):
-                if tiled:
-                    if qt == 12:
-                        r1 = _kq_rows(12, 1, 1, row, xq, t, xd, xbs)
-                    elif qt == 13:
-                        r1 = _kq_rows(13, 1, 1, row, xq, t, xd, xbs)
-                    else:
-                        r1 = _kq_rows(14, 1, 1, row, xq, t, xd, xbs)
-                else:
-                    if qt == 12:
-                        r1 = _kq_rows(12, 1, 0, row, xq, t, xd, xbs)
-                    elif qt == 13:
-                        r1 = _kq_rows(13, 1, 0, row, xq, t, xd, xbs)
-                    else:
-                        r1 = _kq_rows(14, 1, 0, row, xq, t, xd, xbs)
-                out[t, n] = r1[0]
-
-
 # ---- selected experts: out[a, n] = row n of expert sel[a] . activation row xrow[a] ----
 # One parallel call for all experts of a decode step; each output is computed by the same
-# one-token row code as _mm_b32 / _mm_kq (vec_dot path), so results equal separate calls.
+# one-token row code as _mm_b32_grp / _mm_kq_grp (vec_dot path), so results equal separate calls.
 
 
 @numba.njit(cache=True, parallel=True)
@@ -823,10 +737,12 @@ def _mm_kq_sel(qt, stack, sel, xrow, xq, xd, xbs, out, nchunks):
             out[a, n] = r1[0]
 
 
-# ---- grouped experts: out[p, n] = row n of expert experts[j] . activation row p, for the rows
+# ---- grouped rows: out[p, n] = row n of expert experts[j] . activation row p, for the rows
 # p in offs[j]..offs[j+1] (the tokens routed to expert j, gathered). One parallel call for every
-# expert of a layer (llama.cpp's MUL_MAT_ID); each expert's rows go four at a time as in _mm_b32 /
-# _mm_kq, tiled[j] picks the K-quant path per expert as a separate call with its rows would.
+# expert of a layer (llama.cpp's MUL_MAT_ID); an ordinary matmul is the case of one expert. A
+# thread takes one weight row and applies it to the expert's rows four at a time (the block is
+# decoded once for the four); tiled[j] picks the K-quant path as a separate call with those
+# rows would.
 
 
 @numba.njit(cache=True, parallel=True)
@@ -1253,6 +1169,9 @@ def tinyblas_float(rows: int, n: int, k: int, expert: bool) -> bool:
     return not expert and rows >= 2 and n % 4 == 0 and k % 8 == 0
 
 
+_ONE_EXPERT = np.zeros(1, np.int64)
+
+
 def linear_prepared(xp: Prepared, raw: np.ndarray, ggml_type: int, k: int, expert: bool = False,
                     solo: bool = False) -> np.ndarray:
     """out float32 [T, N] = x @ W.T for prepared activations xp and weight raw [N, row_bytes].
@@ -1286,11 +1205,12 @@ def linear_prepared(xp: Prepared, raw: np.ndarray, ggml_type: int, k: int, exper
             _mm_ref(w, qt, k, xp.x, out, nc)
     elif ggml_type in Q.FLOAT_TYPES:
         _mm_float_ggml(w, qt, tinyblas_float(rows, N, k, expert), xp.x, out, nc)
-    elif ggml_type in Q.KQUANT_TYPES:
-        _mm_kq(qt, tiled_kquant(rows), w, xp.qs, xp.d, xp.bsums, out, nc)
+    elif ggml_type in Q.KQUANT_TYPES:  # one "expert": all T rows
+        tiled = np.array([tiled_kquant(rows)], dtype=np.uint8)
+        _mm_kq_grp(qt, tiled, w[None], _ONE_EXPERT, np.array([0, T]), xp.qs, xp.d, xp.bsums, out, nc)
     else:
         xs = xp.s if xp.s is not None else xp.d  # read only for Q8_1
-        _mm_b32(qt, w, xp.qs, xp.d, xs, out, nc)
+        _mm_b32_grp(qt, w[None], _ONE_EXPERT, np.array([0, T]), xp.qs, xp.d, xs, out, nc)
     return out
 
 

@@ -28,7 +28,6 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_all
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -140,9 +139,7 @@ class ExpertCache:
             self._queue(DEMAND, layer, reads)
             for h in held:
                 if not h.ready:  # in flight: wait for its read (shared with whoever started it)
-                    wait_all([h.future])
-                    if h.future.exception() is not None:
-                        raise h.future.exception()
+                    h.future.result()  # raises the read's StorageError
             batch = self._batch(lc, held)
             if lc.capacity == lc.layout.n_expert and len(lc.entries) == lc.capacity:
                 with self._lock:
