@@ -446,20 +446,41 @@ def attention(q, k_cache, v_cache, positions, scale, window, sinks, round_weight
     (lanes over the KV index j: j % 8 for T >= 2, j % 32 for T == 1). Otherwise plain float32.
     -> [T, H, Dv]
     """
-    T, H, _ = q.shape
-    Hkv = k_cache.shape[1]
-    nth = numba.get_num_threads()
-    # Work items: (token, block of kb KV heads). Whole rows of the cache (all KV heads of a
-    # position) are read sequentially when kb == Hkv; split the heads only when there are too
-    # few tokens to keep the threads busy.
-    nblk = 1 if T >= 2 * nth else min(Hkv, -(-2 * nth // T))
-    kb = -(-Hkv // nblk)
-    nitem = T * (-(-Hkv // kb))
-    nchunk = max(1, min(nitem, 4 * nth))
+    T = q.shape[0]
+    kb, nchunk = _attention_split(T, k_cache.shape[1])
     return _attention(np.ascontiguousarray(q, dtype=np.float32), np.ascontiguousarray(k_cache, dtype=np.float32),
                       np.ascontiguousarray(v_cache, dtype=np.float32),
                       np.ascontiguousarray(positions, dtype=np.int64), np.float32(scale), int(window),
                       np.ascontiguousarray(sinks, dtype=np.float32), bool(round_weights_f16), kb, nchunk)
+
+
+def attention_decode(q, k_new, v_new, k_caches, v_caches, layer, positions, scale, window, sinks,
+                     round_weights_f16):
+    """One decode step of B sequences in one call: query b is the single new token of sequence b.
+
+    Stores k_new[b], v_new[b] at cell positions[b] of layer `layer` of k_caches[b], v_caches[b],
+    then attends each query to cells 0..positions[b] of its own cache, computed exactly as
+    attention() computes a one-token call for that sequence.
+    q: [B, H, Dh]; k_new: [B, Hkv, Dh]; v_new: [B, Hkv, Dv]; k_caches, v_caches: numba typed
+    Lists of B float32 arrays [n_layer, C_b, Hkv, Dh|Dv] with C_b > positions[b]. -> [B, H, Dv]
+    """
+    B = q.shape[0]
+    kb, nchunk = _attention_split(B, k_new.shape[1])
+    return _attention_decode(np.ascontiguousarray(q, dtype=np.float32), np.ascontiguousarray(k_new, dtype=np.float32),
+                             np.ascontiguousarray(v_new, dtype=np.float32), k_caches, v_caches, int(layer),
+                             np.ascontiguousarray(positions, dtype=np.int64), np.float32(scale), int(window),
+                             np.ascontiguousarray(sinks, dtype=np.float32), bool(round_weights_f16), kb, nchunk)
+
+
+def _attention_split(rows: int, n_head_kv: int) -> tuple[int, int]:
+    """Work items are (query row, block of kb KV heads). Whole rows of the cache (all KV heads of
+    a position) are read sequentially when kb == Hkv; the heads are split only when there are too
+    few rows to keep the threads busy. Results do not depend on the split. -> (kb, chunks)"""
+    nth = numba.get_num_threads()
+    nblk = 1 if rows >= 2 * nth else min(n_head_kv, -(-2 * nth // rows))
+    kb = -(-n_head_kv // nblk)
+    nitem = rows * (-(-n_head_kv // kb))
+    return kb, max(1, min(nitem, 4 * nth))
 
 
 @njit(parallel=True, cache=True)
@@ -470,11 +491,8 @@ def _attention(q, k_cache, v_cache, positions, scale, window, sinks, ggml, kb, n
     C = k_cache.shape[0]
     G = H // Hkv
     out = np.zeros((T, H, Dv), dtype=np.float32)
-    has_sinks = sinks.shape[0] > 0
-    sg_kq = T >= 2 and Dh % 8 == 0  # tinyBLAS needs k % 8 == 0 (and m = n_kv % 4 == 0: always)
-    sg_kqv = T >= 2 and Dv % 4 == 0  # m = Dv % 4 == 0, k = n_kv % 8 == 0 (padded to 256)
-    NL = 8 if sg_kqv else 32  # lanes of the KQV sum over the KV index
-    vec_kq = Dh % 8 == 0 and not sg_kq  # the 32-lane vec_dot path can use 8-wide loads
+    many = T >= 2
+    NL = 8 if many and Dv % 4 == 0 else 32  # lanes of the KQV sum over the KV index (as _attend)
     nblk = -(-Hkv // kb)
     nitem = T * nblk
     for c in prange(nchunk):
@@ -483,57 +501,98 @@ def _attention(q, k_cache, v_cache, positions, scale, window, sinks, ggml, kb, n
         for item in range(c * nitem // nchunk, (c + 1) * nitem // nchunk):
             t = item // nblk
             kh0 = (item % nblk) * kb
-            kh1 = min(Hkv, kh0 + kb)
-            p = positions[t]
-            lo = 0
-            if window > 0:
-                lo = max(0, p - window + 1)
-            if not ggml:
-                for h in range(kh0 * G, kh1 * G):
-                    _attn_row_f32(q[t, h], k_cache, v_cache, h // G, lo, p, scale, has_sinks, sinks,
-                                  h, w[h - kh0 * G], out[t, h])
-                continue
-            # KQ, then kq*scale (soft_max_ext's vec_scale): w[h - kh0*G, j - lo]
-            for j in range(lo, p + 1):
-                for kh in range(kh0, kh1):
-                    kj = k_cache[j, kh]
-                    for h in range(kh * G, kh * G + G):
-                        qv = q[t, h]
-                        if sg_kq:
-                            s = dot_f16_sgemm(qv, kj)
-                        elif vec_kq:
-                            s = dot_f16_vec(kj, qv)
-                        else:
-                            s = _dot_f16_vec_scalar(kj, qv)
-                        w[h - kh0 * G, j - lo] = np.float32(s * scale)
-            for h in range(kh0 * G, kh1 * G):
-                _softmax_kv_row(w[h - kh0 * G], lo, p, has_sinks, sinks, h)
-            # KQV: out[d] = reduce over lanes r of sum_{j % NL == r} w[j] * v[j, d]
-            acc[:] = 0.0
-            for j in range(lo, p + 1):
-                r = j % NL
-                for kh in range(kh0, kh1):
-                    vj = v_cache[j, kh]
-                    for h in range(kh * G - kh0 * G, kh * G + G - kh0 * G):
-                        wj = w[h, j - lo]
-                        if wj != 0.0:  # zero weights add exact zeros
-                            a = acc[h, r]
-                            if Dv % 8 == 0:
-                                for d in range(0, Dv, 8):
-                                    axpy8(a, d, wj, vj, d)
-                            else:
-                                for d in range(Dv):
-                                    a[d] += wj * vj[d]
-            for h in range(kh0 * G, kh1 * G):
-                o = out[t, h]
-                ag = acc[h - kh0 * G]
-                if NL == 8:
-                    for d in range(Dv):
-                        o[d] = hsum8(ag[0, d], ag[1, d], ag[2, d], ag[3, d], ag[4, d], ag[5, d], ag[6, d], ag[7, d])
-                else:
-                    for d in range(Dv):
-                        o[d] = _reduce32_col(ag, d)
+            _attend(q[t], k_cache, v_cache, positions[t], window, kh0, min(Hkv, kh0 + kb), scale, sinks,
+                    ggml, many, w, acc, out[t])
     return out
+
+
+@njit(parallel=True, cache=True)
+def _attention_decode(q, k_new, v_new, k_caches, v_caches, layer, positions, scale, window, sinks, ggml,
+                      kb, nchunk):
+    B, H, Dh = q.shape
+    Hkv = k_new.shape[1]
+    Dv = v_new.shape[2]
+    G = H // Hkv
+    C = 1
+    for b in range(B):  # the step's keys and values go into each sequence's own cache first
+        k_caches[b][layer, positions[b]] = k_new[b]
+        v_caches[b][layer, positions[b]] = v_new[b]
+        C = max(C, positions[b] + 1)
+    out = np.zeros((B, H, Dv), dtype=np.float32)
+    nblk = -(-Hkv // kb)
+    nitem = B * nblk
+    for c in prange(nchunk):
+        w = np.empty((kb * G, C + 8), dtype=np.float32)
+        acc = np.empty((kb * G, 32, Dv), dtype=np.float32)
+        for item in range(c * nitem // nchunk, (c + 1) * nitem // nchunk):
+            b = item // nblk
+            kh0 = (item % nblk) * kb
+            _attend(q[b], k_caches[b][layer], v_caches[b][layer], positions[b], window, kh0, min(Hkv, kh0 + kb),
+                    scale, sinks, ggml, False, w, acc, out[b])
+    return out
+
+
+@njit(cache=True, inline="always")
+def _attend(qt, k_cache, v_cache, p, window, kh0, kh1, scale, sinks, ggml, many, w, acc, ot):
+    """Query row qt [H, Dh] at position p, heads of KV heads kh0..kh1-1, against cache cells
+    lo..p -> ot [H, Dv] (those heads; zeros on entry). many: the call has >= 2 query rows (llama.cpp
+    then takes tinyBLAS for K·q and V·w). w: [>= heads, p + 1 - lo] and acc: [>= heads, NL, Dv]
+    scratch."""
+    H, Dh = qt.shape
+    Hkv = k_cache.shape[1]
+    Dv = v_cache.shape[2]
+    G = H // Hkv
+    has_sinks = sinks.shape[0] > 0
+    lo = 0
+    if window > 0:
+        lo = max(0, p - window + 1)
+    if not ggml:
+        for h in range(kh0 * G, kh1 * G):
+            _attn_row_f32(qt[h], k_cache, v_cache, h // G, lo, p, scale, has_sinks, sinks, h, w[h - kh0 * G], ot[h])
+        return
+    sg_kq = many and Dh % 8 == 0  # tinyBLAS needs k % 8 == 0 (and m = n_kv % 4 == 0: always)
+    NL = 8 if many and Dv % 4 == 0 else 32  # tinyBLAS for V·w: m = Dv % 4 == 0, k = n_kv % 8 == 0 (padded)
+    vec_kq = Dh % 8 == 0 and not sg_kq  # the 32-lane vec_dot path can use 8-wide loads
+    # KQ, then kq*scale (soft_max_ext's vec_scale): w[h - kh0*G, j - lo]
+    for j in range(lo, p + 1):
+        for kh in range(kh0, kh1):
+            kj = k_cache[j, kh]
+            for h in range(kh * G, kh * G + G):
+                qv = qt[h]
+                if sg_kq:
+                    s = dot_f16_sgemm(qv, kj)
+                elif vec_kq:
+                    s = dot_f16_vec(kj, qv)
+                else:
+                    s = _dot_f16_vec_scalar(kj, qv)
+                w[h - kh0 * G, j - lo] = np.float32(s * scale)
+    for h in range(kh0 * G, kh1 * G):
+        _softmax_kv_row(w[h - kh0 * G], lo, p, has_sinks, sinks, h)
+    # KQV: out[d] = reduce over lanes r of sum_{j % NL == r} w[j] * v[j, d]
+    acc[:] = 0.0
+    for j in range(lo, p + 1):
+        r = j % NL
+        for kh in range(kh0, kh1):
+            vj = v_cache[j, kh]
+            for h in range(kh * G - kh0 * G, kh * G + G - kh0 * G):
+                wj = w[h, j - lo]
+                if wj != 0.0:  # zero weights add exact zeros
+                    a = acc[h, r]
+                    if Dv % 8 == 0:
+                        for d in range(0, Dv, 8):
+                            axpy8(a, d, wj, vj, d)
+                    else:
+                        for d in range(Dv):
+                            a[d] += wj * vj[d]
+    for h in range(kh0 * G, kh1 * G):
+        o = ot[h]
+        ag = acc[h - kh0 * G]
+        if NL == 8:
+            for d in range(Dv):
+                o[d] = hsum8(ag[0, d], ag[1, d], ag[2, d], ag[3, d], ag[4, d], ag[5, d], ag[6, d], ag[7, d])
+        else:
+            for d in range(Dv):
+                o[d] = _reduce32_col(ag, d)
 
 
 @njit(cache=True, inline="always")

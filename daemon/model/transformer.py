@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from numba.typed import List
 
 from ..errors import GGUFError, RequestError
 from ..kernels import ops
@@ -44,6 +45,14 @@ class Attention:
 
 
 @dataclass(frozen=True)
+class _DecodeStep:
+    """The KV caches of a decode step's sequences, one per row, as numba Lists for one attention
+    call per layer: k[b] is sequence b's KVCache.k, [L, C_b, Hkv, Dh]."""
+    k: List
+    v: List
+
+
+@dataclass(frozen=True)
 class DenseFFN:
     gate: QWeight
     up: QWeight
@@ -58,29 +67,28 @@ class Layer:
 
 
 class KVCache:
-    """One sequence's keys and values per layer: [C, Hkv, Dh] f32, grown on demand up to n_ctx."""
+    """One sequence's keys and values: k [L, C, Hkv, Dh], v [L, C, Hkv, Dv] f32 (L layers, C
+    cells), grown on demand up to n_ctx. k[il] is layer il's cache."""
 
     def __init__(self, hp: HParams, n_ctx: int):
         self.n_ctx = n_ctx
         self.n_past = 0
-        self._shape_k = (hp.n_head_kv, hp.head_dim)
-        self._shape_v = (hp.n_head_kv, hp.head_dim_v)
         cap = min(n_ctx, 256)
-        self.k = [np.zeros((cap, *self._shape_k), np.float32) for _ in range(hp.n_layer)]
-        self.v = [np.zeros((cap, *self._shape_v), np.float32) for _ in range(hp.n_layer)]
+        self.k = np.zeros((hp.n_layer, cap, hp.n_head_kv, hp.head_dim), np.float32)
+        self.v = np.zeros((hp.n_layer, cap, hp.n_head_kv, hp.head_dim_v), np.float32)
 
     def reserve(self, n: int) -> None:
         if n > self.n_ctx:
             raise RequestError(f"context full: {n} positions requested, n_ctx is {self.n_ctx}")
-        cap = self.k[0].shape[0]
+        cap = self.k.shape[1]
         if n <= cap:
             return
         new = min(self.n_ctx, max(n, 2 * cap))
-        for cache in (self.k, self.v):
-            for i, a in enumerate(cache):
-                grown = np.zeros((new, *a.shape[1:]), np.float32)
-                grown[:cap] = a
-                cache[i] = grown
+        for name in ("k", "v"):
+            a = getattr(self, name)
+            grown = np.zeros((a.shape[0], new, *a.shape[2:]), np.float32)
+            grown[:, :cap] = a
+            setattr(self, name, grown)
 
 
 class Transformer:
@@ -164,7 +172,7 @@ class Transformer:
         T, start = tokens.size, cache.n_past
         cache.reserve(start + T)
         positions = np.arange(start, start + T, dtype=np.int64)
-        logits = self._run(tokens, positions, [(cache, 0, T)], all_logits, solo=False)
+        logits = self._run(tokens, positions, cache, all_logits, solo=False)
         cache.n_past = start + T
         return logits
 
@@ -172,15 +180,16 @@ class Transformer:
         """One decode step for B sequences: token b is appended to caches[b]. -> logits [B, V].
 
         Batch-invariant: row b is bit-identical to `forward([tokens[b]], caches[b])` alone, since
-        every matmul computes each row as a one-row call (solo) and attention runs per sequence.
-        The experts of the step are fetched once for all B."""
+        every matmul computes each row as a one-row call (solo) and attention computes each
+        sequence as a one-token call. The experts of the step are fetched once for all B."""
         tokens = self._check_tokens(tokens)
         if tokens.size != len(caches) or len({id(c) for c in caches}) != len(caches):
             raise RequestError(f"{tokens.size} tokens for {len(caches)} distinct sequences")
         for c in caches:
             c.reserve(c.n_past + 1)
         positions = np.array([c.n_past for c in caches], dtype=np.int64)
-        logits = self._run(tokens, positions, [(c, b, b + 1) for b, c in enumerate(caches)], True, solo=True)
+        step = _DecodeStep(List([c.k for c in caches]), List([c.v for c in caches]))
+        logits = self._run(tokens, positions, step, True, solo=True)
         for c in caches:
             c.n_past += 1
         return logits
@@ -193,9 +202,9 @@ class Transformer:
             raise RequestError(f"token id out of range 0..{self.hp.n_vocab - 1}")
         return tokens
 
-    def _run(self, tokens, positions, seqs, all_logits: bool, solo: bool) -> np.ndarray:
-        """The layers over T rows. seqs: (cache, first row, end row) per sequence; its rows are
-        the positions that follow the cache's n_past. -> logits [T or 1, V]"""
+    def _run(self, tokens, positions, kv: KVCache | _DecodeStep, all_logits: bool, solo: bool) -> np.ndarray:
+        """The layers over T rows: T tokens of one sequence (kv: its cache; the rows follow its
+        n_past), or one token of each of T sequences (kv: a _DecodeStep). -> logits [T or 1, V]"""
         hp = self.hp
         rope = hp.rope
         rope_tab = ops.rope_cache(positions, rope.n_dims, rope.freq_base, rope.freq_scale,
@@ -208,7 +217,7 @@ class Transformer:
             if hooks is not None:
                 hooks.layer_input(il, x)
             h = ops.rms_norm(x, layer.attn.norm, np.float32(hp.rms_eps))
-            x = x + self._attention(il, layer.attn, h, seqs, positions, rope_tab, solo)
+            x = x + self._attention(il, layer.attn, h, kv, positions, rope_tab, solo)
             if il == hp.n_layer - 1 and not all_logits:
                 x = np.ascontiguousarray(x[-1:])  # as llama.cpp: the last FFN runs on output rows only
             h = ops.rms_norm(x, layer.ffn_norm, np.float32(hp.rms_eps))
@@ -222,7 +231,7 @@ class Transformer:
         x = ops.rms_norm(x, self.output_norm, np.float32(hp.rms_eps))
         return linear(x, self.output.raw, self.output.ggml_type, hp.n_embd, self.numerics, solo=solo)
 
-    def _attention(self, il: int, a: Attention, x, seqs, positions, rope_tab, solo: bool) -> np.ndarray:
+    def _attention(self, il: int, a: Attention, x, kv, positions, rope_tab, solo: bool) -> np.ndarray:
         hp, fam, num = self.hp, self.family, self.numerics
         T = x.shape[0]
         H, Hkv, Dh, Dv = hp.n_head, hp.n_head_kv, hp.head_dim, hp.head_dim_v
@@ -251,14 +260,14 @@ class Transformer:
             q, k, v = (t.astype(np.float16).astype(np.float32) for t in (q, k, v))
         sinks = a.sinks if a.sinks is not None else np.empty(0, np.float32)
         scale = np.float32(1.0 / np.sqrt(Dh))
-        out = np.empty((T, H, Dv), np.float32)
-        for cache, r0, r1 in seqs:  # each sequence attends to its own cache
-            start = cache.n_past
-            end = start + r1 - r0
-            cache.k[il][start:end] = k[r0:r1]
-            cache.v[il][start:end] = v[r0:r1]
-            out[r0:r1] = ops.attention(np.ascontiguousarray(q[r0:r1]), cache.k[il][:end], cache.v[il][:end],
-                                       positions[r0:r1], scale, a.window, sinks, ggml)
+        if isinstance(kv, _DecodeStep):  # one new cell per sequence, all sequences in one call
+            out = ops.attention_decode(q, k, v, kv.k, kv.v, il, positions, scale, a.window, sinks, ggml)
+        else:
+            start = kv.n_past
+            kv.k[il, start:start + T] = k
+            kv.v[il, start:start + T] = v
+            out = ops.attention(q, kv.k[il, :start + T], kv.v[il, :start + T], positions, scale, a.window,
+                                sinks, ggml)
         y = linear(out.reshape(T, H * Dv), a.wo.raw, a.wo.ggml_type, a.wo.n_in, num, solo=solo)
         if a.bo is not None:
             y += a.bo

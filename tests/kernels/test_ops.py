@@ -474,6 +474,41 @@ def test_attention_window_and_sinks_semantics():
     assert np.abs(ops.attention(q, k, v, pos, f32(0.3), 0, s_hi, True)).max() < 1e-6
 
 
+@pytest.mark.parametrize("ggml", [True, False])
+@pytest.mark.parametrize("window, has_sinks", [(0, False), (4, True)])
+def test_attention_decode_equals_one_token_calls(ggml, window, has_sinks):
+    """A decode step of B sequences in one call: each stores its new cell, and each output is
+    bit-identical to a one-token attention() call on that sequence's own cache."""
+    from numba.typed import List
+
+    rng = np.random.default_rng(7 + window)
+    L, H, Hkv, Dh, Dv = 3, 6, 2, 16, 8
+    past = [0, 3, 17, 9, 40]  # cells already in each cache; the new token goes there
+    caps = [n + 1 + int(rng.integers(0, 5)) for n in past]  # room for the new cell, some spare
+    ks = [_f16(rng.standard_normal((L, c, Hkv, Dh)).astype(np.float32)) for c in caps]
+    vs = [_f16(rng.standard_normal((L, c, Hkv, Dv)).astype(np.float32)) for c in caps]
+    B = len(past)
+    q = _f16(rng.standard_normal((B, H, Dh)).astype(np.float32))
+    k_new = _f16(rng.standard_normal((B, Hkv, Dh)).astype(np.float32))
+    v_new = _f16(rng.standard_normal((B, Hkv, Dv)).astype(np.float32))
+    sinks = rng.standard_normal(H).astype(np.float32) if has_sinks else np.empty(0, np.float32)
+    pos = np.array(past, dtype=np.int64)
+    layer, scale = 1, f32(0.25)
+    before = [(k.copy(), v.copy()) for k, v in zip(ks, vs)]
+    got = ops.attention_decode(q, k_new, v_new, List(ks), List(vs), layer, pos, scale, window, sinks, ggml)
+    assert got.shape == (B, H, Dv)
+    for b in range(B):
+        k0, v0 = before[b]
+        k0[layer, past[b]] = k_new[b]
+        v0[layer, past[b]] = v_new[b]
+        assert same(ks[b], k0) and same(vs[b], v0)  # exactly the new cell written
+        n = past[b] + 1
+        want = ops.attention(q[b:b + 1], ks[b][layer, :n], vs[b][layer, :n], pos[b:b + 1], scale, window, sinks,
+                             ggml)
+        assert same(got[b:b + 1], want)
+    assert not np.allclose(got[0], got[1])  # each row saw its own cache
+
+
 # --------------------------------------------------------------------------------------------
 # against libggml itself (llama-cpp-python's build)
 
