@@ -1062,13 +1062,13 @@ class Prepared:
 
     numerics: "ggml" or "float32"; vec_dot_type: ggml type id the activations were converted to
     (for "float32" numerics: F32, x untouched). x: float32 [T, K] (for F16/BF16, the rounded
-    values). For Q8_0/Q8_1: qs int8 [T, K], d f32 [T, B], s f32 [T, B] (Q8_1 only). For Q8_K:
-    qs int8 [T, K], d f32 [T, S], bsums int32 [T, K/16].
+    values; None when quantized). For Q8_0/Q8_1: qs int8 [T, K], d f32 [T, B], s f32 [T, B]
+    (Q8_1 only). For Q8_K: qs int8 [T, K], d f32 [T, S], bsums int32 [T, K/16].
     """
 
     numerics: str
     vec_dot_type: int
-    x: np.ndarray
+    x: np.ndarray | None
     qs: np.ndarray | None = None
     d: np.ndarray | None = None
     s: np.ndarray | None = None
@@ -1076,11 +1076,17 @@ class Prepared:
 
     @property
     def T(self) -> int:
-        return self.x.shape[0]
+        return (self.x if self.qs is None else self.qs).shape[0]
+
+    def rows(self, idx: np.ndarray) -> Prepared:
+        """These activations gathered by row: row i of the result is row idx[i] (conversion is
+        per row, so this equals preparing x[idx])."""
+        return Prepared(self.numerics, self.vec_dot_type,
+                        *(None if a is None else a[idx] for a in (self.x, self.qs, self.d, self.s, self.bsums)))
 
     @property
     def K(self) -> int:
-        return self.x.shape[1]
+        return (self.x if self.qs is None else self.qs).shape[1]
 
 
 def _check_x(x: np.ndarray) -> np.ndarray:
@@ -1117,14 +1123,14 @@ def prepare(x: np.ndarray, ggml_type: int, numerics: str = "ggml") -> Prepared:
         bsums = np.empty((T, K // 16), np.int32)
         if T:
             _quantize_q8_K(x, qs, d, bsums)
-        return Prepared("ggml", vt, x, qs=qs, d=d, bsums=bsums)
+        return Prepared("ggml", vt, None, qs=qs, d=d, bsums=bsums)
     d = np.empty((T, K // 32), np.float32)
     s = np.empty((T, K // 32), np.float32)
     if T:
         _quantize_q8_0_1(x, qs, d, s)
     if vt == Q.Q8_1:
-        return Prepared("ggml", vt, x, qs=qs, d=d, s=s)
-    return Prepared("ggml", vt, x, qs=qs, d=d)
+        return Prepared("ggml", vt, None, qs=qs, d=d, s=s)
+    return Prepared("ggml", vt, None, qs=qs, d=d)
 
 
 def _nchunks(n: int) -> int:

@@ -696,6 +696,28 @@ def _attn_row_f32(qv, k_cache, v_cache, kh, lo, p, scale, has_sinks, sinks, h, w
 # activations and softmax
 
 
+@njit(cache=True)  # serial: per-call thread start-up costs more than this small op
+def moe_mix(y, slot_rows, weights):
+    """The weighted sum of each token's expert outputs, in top-k order, in float32:
+    out[t] = ((y[r0] * w0 + y[r1] * w1) + y[r2] * w2) + ..., r_a = slot_rows[t, a], w_a = weights[t, a]
+    (llama.cpp's chain of ggml_add over the weighted expert views). y: [P, D] expert outputs;
+    slot_rows: [T, A] int64 rows of y; weights: [T, A] f32 -> [T, D]"""
+    T, A = slot_rows.shape
+    D = y.shape[1]
+    out = np.empty((T, D), np.float32)
+    for t in range(T):
+        r = slot_rows[t, 0]
+        w = weights[t, 0]
+        for d in range(D):
+            out[t, d] = y[r, d] * w
+        for a in range(1, A):
+            r = slot_rows[t, a]
+            w = weights[t, a]
+            for d in range(D):
+                out[t, d] = out[t, d] + y[r, d] * w
+    return out
+
+
 @njit(cache=True, error_model="numpy")  # serial: per-call thread start-up costs more than these small ops
 def swiglu(gate, up):
     """silu(gate) * up, elementwise; [T, F] -> [T, F] (ggml_swiglu_split -> ggml_vec_swiglu_f32:

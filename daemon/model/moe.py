@@ -71,35 +71,33 @@ def moe_forward(moe: MoE, family: Family, experts: ExpertProvider, x: np.ndarray
     layout = experts.layout(moe.layer)
     with experts.fetch(moe.layer, np.unique(ids).tolist()) as batch:
         if x.shape[0] == 1:
-            outputs = _apply_experts_per_token(layout, family, batch, ids, x, numerics)
+            y, slot_rows = _apply_experts_per_token(layout, family, batch, ids, x, numerics)
         else:  # each expert's weights read once for all its tokens; solo keeps rows independent
-            outputs = _apply_experts_grouped(layout, family, batch, ids, x, numerics, solo)
-    out = outputs[:, 0] * weights[:, :1]
-    for a in range(1, moe.n_used):
-        out = out + outputs[:, a] * weights[:, a:a + 1]
+            y, slot_rows = _apply_experts_grouped(layout, family, batch, ids, x, numerics, solo)
+    out = ops.moe_mix(y, slot_rows, np.ascontiguousarray(weights, dtype=np.float32))
     if moe.shared is not None:
         out = out + shared_expert(moe.shared, x, numerics, solo)
     return out
 
 
-def _apply_experts_grouped(layout, family, batch, ids, x, numerics, solo=False) -> np.ndarray:
+def _apply_experts_grouped(layout, family, batch, ids, x, numerics, solo=False):
     """Every needed expert applied to the tokens routed to it, one kernel call per projection for
     the whole layer. solo: each token computed as a one-token call would (decode batches).
-    ids: [T, A]; x: [T, D] -> [T, A, D]"""
+    ids: [T, A]; x: [T, D] -> (y [P, D] expert outputs, slot_rows [T, A]: the row of y of each
+    (token, slot)), P = T*A"""
     (T, A), D = ids.shape, x.shape[1]
-    flat = ids.reshape(-1)  # [T*A] pairs (token, slot), token-major
+    flat = ids.reshape(-1)  # [P] pairs (token, slot), token-major
     order = np.argsort(flat, kind="stable")  # [P] pairs grouped by expert, tokens ascending
     by_expert = flat[order]
     uniq, starts = np.unique(by_expert, return_index=True)
     offs = np.append(starts, T * A)  # [J+1] each expert's pairs
     rows = np.array([batch.rows[int(e)] for e in uniq], dtype=np.int64)  # [J] rows of the stacks
     tok = order // A  # [P] the token of each pair
-    xg = np.ascontiguousarray(x[tok])  # [P, D]
-    xp = prepare(xg, layout.gate_type, numerics)
-    g = linear_grouped(xp, batch.gate, rows, offs, layout.gate_type, D, solo)  # [P, F]
+    xq = prepare(x, layout.gate_type, numerics)  # converted once per token, then gathered
+    g = linear_grouped(xq.rows(tok), batch.gate, rows, offs, layout.gate_type, D, solo)  # [P, F]
     if layout.up_type != layout.gate_type:
-        xp = prepare(xg, layout.up_type, numerics)
-    u = linear_grouped(xp, batch.up, rows, offs, layout.up_type, D, solo)
+        xq = prepare(x, layout.up_type, numerics)
+    u = linear_grouped(xq.rows(tok), batch.up, rows, offs, layout.up_type, D, solo)
     if batch.gate_bias is not None:
         g += batch.gate_bias[by_expert]
         u += batch.up_bias[by_expert]
@@ -107,15 +105,15 @@ def _apply_experts_grouped(layout, family, batch, ids, x, numerics, solo=False) 
     y = linear_grouped(hp, batch.down, rows, offs, layout.down_type, layout.n_ff, solo)  # [P, D]
     if batch.down_bias is not None:
         y += batch.down_bias[by_expert]
-    outputs = np.empty((T, A, D), dtype=np.float32)
-    outputs[tok, order % A] = y
-    return outputs
+    slot_rows = np.empty(T * A, dtype=np.int64)
+    slot_rows[order] = np.arange(T * A)
+    return y, slot_rows.reshape(T, A)
 
 
-def _apply_experts_per_token(layout, family, batch, ids, x, numerics) -> np.ndarray:
+def _apply_experts_per_token(layout, family, batch, ids, x, numerics):
     """Decode steps: each token through its own A experts, in two kernel calls (gate/up, then
     down) for the whole batch; every (token, expert) row is computed exactly as a one-token expert
-    call computes it. ids: [T, A] expert ids in top-k order; x: [T, D] -> [T, A, D]"""
+    call computes it. ids: [T, A] expert ids in top-k order; x: [T, D] -> (y [T*A, D], slot_rows)"""
     (T, A), D, F = ids.shape, x.shape[1], layout.n_ff
     flat = ids.reshape(-1)  # [T*A]
     idx = np.array([batch.rows[int(e)] for e in flat], dtype=np.int64)  # [T*A] rows of the stacks
@@ -132,7 +130,7 @@ def _apply_experts_per_token(layout, family, batch, ids, x, numerics) -> np.ndar
     y = linear_selected(hp, batch.down, idx, np.arange(T * A, dtype=np.int64), layout.down_type, F)  # [T*A, D]
     if batch.down_bias is not None:
         y += batch.down_bias[flat]
-    return y.reshape(T, A, D)
+    return y, np.arange(T * A, dtype=np.int64).reshape(T, A)
 
 
 def _glu(family: Family, g: np.ndarray, u: np.ndarray) -> np.ndarray:

@@ -378,6 +378,19 @@ def test_prepared_reuse_across_weights_of_one_vec_dot_type():
     assert np.array_equal(M.linear_prepared(xf, raw, Q.Q6_K, K), M.linear(x, raw, Q.Q6_K, K, "float32"))
 
 
+@pytest.mark.parametrize("qt", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.F16])
+@pytest.mark.parametrize("numerics", ["ggml", "float32"])
+def test_prepared_rows_equal_preparing_gathered_rows(qt, numerics):
+    rng = np.random.default_rng(12)
+    x = activations(5, rng)
+    idx = np.array([4, 0, 0, 2, 3, 1, 4])
+    got, want = M.prepare(x, qt, numerics).rows(idx), M.prepare(x[idx], qt, numerics)
+    assert (got.numerics, got.vec_dot_type) == (want.numerics, want.vec_dot_type)
+    for a, b in zip((got.x, got.qs, got.d, got.s, got.bsums), (want.x, want.qs, want.d, want.s, want.bsums)):
+        assert (a is None) == (b is None)
+        assert a is None or np.array_equal(a, b)
+
+
 def test_expert_slices_and_readonly_weights():
     rng = np.random.default_rng(11)
     E = 3

@@ -655,3 +655,19 @@ def test_attention_equals_libggml(T, start, H, Hkv, window, has_sinks):
     extra = (sinks,) if has_sinks else ()
     want = G.run(build, kf, q.transpose(1, 0, 2), mask, vf, *extra, shape=(H, T, Dh)).transpose(1, 0, 2)
     assert same(ops.attention(q, k, v, pos, scale, window, sinks, True), want)
+
+
+def test_moe_mix_is_the_float32_chain_in_top_k_order():
+    rng = np.random.default_rng(3)
+    T, A, D, P = 5, 4, 24, 23
+    y = rng.standard_normal((P, D)).astype(np.float32)
+    slot_rows = rng.permutation(P)[:T * A].reshape(T, A).astype(np.int64)
+    w = rng.random((T, A)).astype(np.float32)
+    want = y[slot_rows[:, 0]] * w[:, :1]
+    for a in range(1, A):
+        want = want + y[slot_rows[:, a]] * w[:, a:a + 1]
+    got = ops.moe_mix(y, slot_rows, w)
+    assert same(got, want)
+    # the order matters in float32: summing the slots the other way round differs somewhere
+    rev = ops.moe_mix(y, slot_rows[:, ::-1].copy(), w[:, ::-1].copy())
+    assert not same(rev, want)
