@@ -16,8 +16,11 @@
    latency it adds to each token is measured apart: a daemon in this process stamps each token
    when it is sampled, a client process stamps it when it arrives.
 2. Aggregate decode throughput with 1, 4 and 16 concurrent streams (one AsyncClient connection
-   each, distinct prompts, greedy): total generated tokens / wall time, the mean per-stream decode
-   speed from Done, and the daemon's mean batch (sequences per forward_batch step).
+   each, distinct prompts, greedy, all sent at once), two ways: steady = tokens/s while every
+   stream decodes (from the last stream's first token, i.e. after every prefill, to the first
+   stream's last token; token arrival times taken in the client), and wall = all generated
+   tokens / wall time, prompt evaluation included (the 16 prefills run one after another before
+   the first decode step). Also the daemon's mean batch (sequences per forward_batch step).
 3. Expert bytes read per generated token at each concurrency, from the daemon's stats (the
    expert cache's bytes_read and loads deltas over the run). With an unlimited cache every expert
    is read once and then hits, so the tables are repeated for each --cache-mb limit (default:
@@ -164,11 +167,16 @@ def handover_latency(path: str, settings: dict, ids: list[int], tokens: int) -> 
 async def concurrent(sock: str, path: str, prompts: list[list[int]], tokens: int) -> dict:
     from ipc import AsyncClient
 
+    arrivals: list[list[float]] = []  # per stream: perf_counter when each token's chunk arrived
+
     async def one(ids):
+        stamps: list[float] = []
+        arrivals.append(stamps)
         async with AsyncClient(sock, timeout=600) as c:
             gen = c.generate(ids, model=path, max_tokens=tokens, options={"temperature": 0})
-            async for _ in gen:
-                pass
+            async for chunk in gen:
+                if chunk.tokens:
+                    stamps.append(time.perf_counter())
             return gen.done
 
     async with AsyncClient(sock, timeout=600) as admin:
@@ -181,12 +189,18 @@ async def concurrent(sock: str, path: str, prompts: list[list[int]], tokens: int
     cache_b, cache_a = (before.get("cache") or {}).get("total", {}), (after.get("cache") or {}).get("total", {})
     sb, sa = before["scheduler"], after["scheduler"]
     steps = sa["steps"] - sb["steps"]
+    # Steady state: from the moment every stream has its first token (all prefills done, all
+    # decoding) to the moment the first stream ends; tokens that arrived in between / its length.
+    start = max(a[0] for a in arrivals)
+    end = min(a[-1] for a in arrivals)
+    in_window = sum(1 for a in arrivals for t in a if start < t <= end)
     return {
         "streams": len(prompts),
         "tokens": gen_tokens,
         "wall_s": wall,
         "aggregate_tps": gen_tokens / wall,
-        "stream_tps": statistics.mean(d.eval_count / max(d.eval_duration, 1) * 1e9 for d in dones),
+        "steady_tps": in_window / (end - start) if end > start else float("nan"),
+        "steady_s": end - start,
         "mean_batch": (sa["step_tokens"] - sb["step_tokens"]) / steps if steps else 0.0,
         "bytes_per_token": (cache_a.get("bytes_read", 0) - cache_b.get("bytes_read", 0)) / max(gen_tokens, 1),
         "loads_per_token": (cache_a.get("loads", 0) - cache_b.get("loads", 0)) / max(gen_tokens, 1),
@@ -258,14 +272,17 @@ def main() -> None:
                     c.load(path, keep_alive=-1, n_threads=args.threads, expert_cache_limit_mb=limit)
                     list(c.generate(prompts[0], model=path, max_tokens=4, options={"temperature": 0}))
                 print(f"\naggregate decode throughput, expert cache {f'{limit:g} MiB' if limit else 'unlimited'}")
-                print(f"  {'streams':>7} {'tokens':>7} {'wall s':>8} {'agg tok/s':>10} {'per-stream':>11} "
-                      f"{'mean batch':>10} {'speed-up':>9} {'expert B/token':>15} {'loads/token':>12}")
+                print("  steady = tokens/s while every stream decodes (after the last prefill, until the first "
+                      "stream ends);\n  wall = all generated tokens / wall time, prompt evaluation included")
+                print(f"  {'streams':>7} {'tokens':>7} {'steady tok/s':>12} {'speed-up':>9} {'wall s':>7} "
+                      f"{'wall tok/s':>10} {'speed-up':>9} {'mean batch':>10} {'expert B/token':>15} {'loads/token':>12}")
                 base = None
                 for level in levels:
                     r = asyncio.run(concurrent(sock, path, prompts[:level], args.tokens))
-                    base = base or r["aggregate_tps"]
-                    print(f"  {r['streams']:>7} {r['tokens']:>7} {r['wall_s']:>8.2f} {r['aggregate_tps']:>10.1f} "
-                          f"{r['stream_tps']:>11.1f} {r['mean_batch']:>10.2f} {r['aggregate_tps'] / base:>8.2f}x "
+                    base = base or r
+                    print(f"  {r['streams']:>7} {r['tokens']:>7} {r['steady_tps']:>12.1f} "
+                          f"{r['steady_tps'] / base['steady_tps']:>8.2f}x {r['wall_s']:>7.2f} {r['aggregate_tps']:>10.1f} "
+                          f"{r['aggregate_tps'] / base['aggregate_tps']:>8.2f}x {r['mean_batch']:>10.2f} "
                           f"{r['bytes_per_token']:>15,.0f} {r['loads_per_token']:>12.2f}")
             with Client(sock) as c:
                 c.shutdown()
