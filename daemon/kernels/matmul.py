@@ -89,7 +89,8 @@ Two numerics modes:
 
 The row loops are SIMD code emitted as LLVM IR by numba intrinsics ("SIMD row kernels"
 below): portable vector IR with llvm.fma, plus the AVX2 vpmaddwd/vpshufb intrinsics where the
-CPU has AVX2 (same results either way; a test checks it).
+CPU has AVX2, and with AVX512-VNNI two tokens per 512-bit vector in the four-token block kernels
+(same results either way; tests check both).
 
 Speed: `python -m daemon.kernels.matmul [threads]` prints GB/s of weight bytes processed and
 GOP/s for 2048x2048 matrices at T=1 and T=32 (and a larger, memory-bound case).
@@ -330,6 +331,12 @@ def _has_avx2(context):
     return "+avx2" in getattr(context.codegen(), "_tm_features", "")
 
 
+def _has_avx512_vnni(context):
+    """512-bit integer dot products (vpdpbusd on zmm): two tokens' blocks per instruction."""
+    f = getattr(context.codegen(), "_tm_features", "")
+    return all(x in f for x in ("+avx512f", "+avx512bw", "+avx512vnni"))
+
+
 
 def _fma(builder, a, b, c):
     """llvm.fma (one rounding, as x86 vfmadd) on float32 scalars or vectors."""
@@ -452,6 +459,43 @@ def _hdr_b32(k, builder, bp):
     return _f16(builder, bp, 0), None
 
 
+def _block_pairs(builder, k, w, dw, b, xrows, drows, accs):
+    """Block b of tokens (2p, 2p+1) for each pair p: acc_p = fma(dw*d_x as 8+8 lanes, the two
+    tokens' exact int32 lanes, acc_p). The lanes are those of _quads (vpdpbusd with |w| and x
+    negated where w < 0, i.e. the vpsignb trick; lanes where w == 0 multiply by 0 either way)."""
+    v64 = _vt(_I8, 64)
+    if k in (3, 7):  # unsigned codes
+        w2 = _cat(builder, w, w)
+        neg2 = None
+    else:
+        neg = builder.icmp_signed("<", w, ir.Constant(w.type, [0] * 32))
+        wa = _avx2_fn(builder, "llvm.x86.avx2.psign.b", w.type, w, w)
+        w2 = _cat(builder, wa, wa)
+        neg2 = _cat(builder, neg, neg)
+    zero16 = ir.Constant(_vt(_I32, 16), [0] * 16)
+    off = builder.mul(b, _c64(32))
+    for p, acc in enumerate(accs):
+        x2 = _cat(builder, _load(builder, xrows[2 * p], off, _vt(_I8, 32)),
+                  _load(builder, xrows[2 * p + 1], off, _vt(_I8, 32)))
+        if neg2 is not None:
+            x2 = builder.select(neg2, builder.sub(ir.Constant(v64, [0] * 64), x2), x2)
+        lanes = builder.sitofp(_avx2_fn(builder, "llvm.x86.avx512.vpdpbusd.512", zero16.type, zero16, w2, x2),
+                               _vt(_F32, 16))
+        s0 = builder.fmul(dw, _ldf(builder, drows[2 * p], b))
+        s1 = builder.fmul(dw, _ldf(builder, drows[2 * p + 1], b))
+        two = builder.insert_element(builder.insert_element(ir.Constant(_vt(_F32, 2), ir.Undefined), s0,
+                                                            ir.Constant(_I32, 0)), s1, ir.Constant(_I32, 1))
+        sc = _shuffle(builder, two, two, [0] * 8 + [1] * 8)
+        builder.store(_fma(builder, sc, lanes, builder.load(acc)), acc)
+
+
+def _per_token(builder, accs, pairs):
+    """Accumulators -> one <8 x float> per token (pairs: each <16 x float> holds two tokens)."""
+    if not pairs:
+        return accs
+    return [h for v in accs for h in (_shuffle(builder, v, v, range(8)), _shuffle(builder, v, v, range(8, 16)))]
+
+
 @intrinsic
 def _b32_rows(typingctx, kind, ntok, row, xq, t0, xd, xs):
     """Tokens t0 .. t0+ntok-1 (ntok 1 or 4) against one weight row, each as ggml's vec_dot
@@ -473,19 +517,29 @@ def _b32_rows(typingctx, kind, ntok, row, xq, t0, xd, xs):
         nb = cgutils.unpack_tuple(builder, da.shape, 2)[1]
         zero8 = ir.Constant(_vt(_F32, 8), [0.0] * 8)
         npar = 2 if k == 39 else 1
-        accs = [[cgutils.alloca_once_value(builder, zero8) for _ in range(npar)] for _ in range(m)]
+        # pairs: tokens 2p and 2p+1 share <16 x float> accumulators (lanes 0-7: token 2p), their
+        # integer dots one 512-bit vpdpbusd; lane for lane the same operations as one token alone
+        pairs = m == 4 and _has_avx512_vnni(context)
+        if pairs:
+            zero16 = ir.Constant(_vt(_F32, 16), [0.0] * 16)
+            accs = [[cgutils.alloca_once_value(builder, zero16) for _ in range(npar)] for _ in range(m // 2)]
+        else:
+            accs = [[cgutils.alloca_once_value(builder, zero8) for _ in range(npar)] for _ in range(m)]
         maccs = [cgutils.alloca_once_value(builder, ir.Constant(_F32, 0.0)) for _ in range(m)]
 
         def block(b, par):
             bp = _bytes(builder, rp, builder.mul(b, _c64(_B32_BYTES[k])))
             w = _dec_b32(k, context, builder, bp)
             dw, mw = _hdr_b32(k, builder, bp)
+            if pairs:
+                _block_pairs(builder, k, w, dw, b, xrows, drows, [a[par] for a in accs])
             for i in range(m):
-                x = _load(builder, xrows[i], builder.mul(b, _c64(32)), _vt(_I8, 32))
-                lanes = builder.sitofp(_quads(context, builder, w, x, k in (3, 7)), _vt(_F32, 8))
-                sc = builder.fmul(dw, _ldf(builder, drows[i], b))
-                acc = accs[i][par]
-                builder.store(_fma(builder, _splat(builder, sc, 8), lanes, builder.load(acc)), acc)
+                if not pairs:
+                    x = _load(builder, xrows[i], builder.mul(b, _c64(32)), _vt(_I8, 32))
+                    lanes = builder.sitofp(_quads(context, builder, w, x, k in (3, 7)), _vt(_F32, 8))
+                    sc = builder.fmul(dw, _ldf(builder, drows[i], b))
+                    acc = accs[i][par]
+                    builder.store(_fma(builder, _splat(builder, sc, 8), lanes, builder.load(acc)), acc)
                 if mw is not None:
                     builder.store(_fma(builder, mw, _ldf(builder, srows[i], b), builder.load(maccs[i])), maccs[i])
 
@@ -494,8 +548,8 @@ def _b32_rows(typingctx, kind, ntok, row, xq, t0, xd, xs):
                 b = builder.mul(loop.index, _c64(2))
                 block(b, 0)
                 block(builder.add(b, _c64(1)), 1)
-            res = [cgutils.alloca_once_value(builder, _hsum8f(builder, builder.fadd(
-                builder.load(accs[i][0]), builder.load(accs[i][1])))) for i in range(m)]
+            sums = [builder.fadd(builder.load(a[0]), builder.load(a[1])) for a in accs]
+            res = [cgutils.alloca_once_value(builder, _hsum8f(builder, v)) for v in _per_token(builder, sums, pairs)]
             odd = builder.icmp_signed("!=", builder.and_(nb, _c64(1)), _c64(0))
             with builder.if_then(odd, likely=False):
                 b = builder.sub(nb, _c64(1))
@@ -511,7 +565,7 @@ def _b32_rows(typingctx, kind, ntok, row, xq, t0, xd, xs):
         else:
             with cgutils.for_range(builder, nb) as loop:
                 block(loop.index, 0)
-            out = [_hsum8f(builder, builder.load(accs[i][0])) for i in range(m)]
+            out = [_hsum8f(builder, v) for v in _per_token(builder, [builder.load(a[0]) for a in accs], pairs)]
             if k in (3, 7):
                 out = [builder.fadd(o, builder.load(mc)) for o, mc in zip(out, maccs)]
         return context.make_tuple(builder, sig.return_type, out)

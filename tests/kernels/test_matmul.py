@@ -459,6 +459,63 @@ def test_portable_simd_paths_match(monkeypatch):
         assert np.array_equal(out, ref[qt]), Q.type_name(qt)
 
 
+def _cpu_has(*features) -> bool:
+    import llvmlite.binding as llvm
+
+    host = llvm.get_host_cpu_features()
+    return all(host.get(f, False) for f in features)
+
+
+@pytest.mark.skipif(not _cpu_has("avx512f", "avx512bw", "avx512vnni"), reason="needs AVX512-VNNI")
+def test_avx512_token_pairs_match_the_avx2_path(monkeypatch):
+    """With AVX512-VNNI the four-token block kernels run two tokens per 512-bit vector; the
+    results must be bit-identical to the 256-bit (AVX2) code, for every block type and for
+    weights with negative, zero and extreme codes."""
+    import numba
+
+    rng = np.random.default_rng(14)
+    x = activations(9, rng)
+    x[3] = 0.0  # an all-zero activation row
+    cases = [(qt, weights(qt, rng)) for qt in (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.MXFP4)]
+    raw8 = weights(Q.Q8_0, rng)
+    q8 = raw8.reshape(N, -1, 34)
+    q8[:, :, 2:] = rng.choice(np.array([-128, -127, -1, 0, 1, 127], np.int8), size=q8[:, :, 2:].shape).view(np.uint8)
+    cases.append((Q.Q8_0, raw8))
+
+    def run(qt, raw):
+        @numba.njit  # not cached: compiled now, with whichever path the flags select
+        def tiles(qt, raw, xq, xd, xs, out):
+            for n in range(raw.shape[0]):
+                for t in range(0, 8, 4):
+                    if qt == 8:
+                        r = M._b32_rows(8, 4, raw[n], xq, t, xd, xs)
+                    elif qt == 2:
+                        r = M._b32_rows(2, 4, raw[n], xq, t, xd, xs)
+                    elif qt == 3:
+                        r = M._b32_rows(3, 4, raw[n], xq, t, xd, xs)
+                    elif qt == 6:
+                        r = M._b32_rows(6, 4, raw[n], xq, t, xd, xs)
+                    elif qt == 7:
+                        r = M._b32_rows(7, 4, raw[n], xq, t, xd, xs)
+                    else:
+                        r = M._b32_rows(39, 4, raw[n], xq, t, xd, xs)
+                    for i in range(4):
+                        out[t + i, n] = r[i]
+
+        xp = M.prepare(x, qt)
+        out = np.empty((8, N), np.float32)
+        tiles(qt, Q._readonly(raw), xp.qs, xp.d, xp.s if xp.s is not None else xp.d, out)
+        return out
+
+    pairs = [run(qt, raw) for qt, raw in cases]
+    monkeypatch.setattr(M, "_has_avx512_vnni", lambda context: False)
+    for (qt, raw), got in zip(cases, pairs):
+        want = run(qt, raw)
+        assert np.array_equal(got, want), Q.type_name(qt)
+        # and both are what one-token calls give
+        assert np.array_equal(got, np.concatenate([M.linear(x[i:i + 1], raw, qt, K) for i in range(8)]))
+
+
 @pytest.mark.parametrize("qt", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.MXFP4, Q.Q4_K, Q.Q6_K, Q.F16])
 def test_linear_selected_equals_one_token_expert_calls(qt):
     """The decode-step expert kernel gives, row for row, what separate one-token calls give."""
