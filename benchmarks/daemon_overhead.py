@@ -217,6 +217,9 @@ def main() -> None:
                          "(default: 0 and a quarter of the expert bytes)")
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--repeat", type=int, default=5, help="alternating solo runs for the overhead (best kept)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds of the concurrency sweep per cache limit (the machine's speed drifts; each round "
+                         "runs every level once)")
     args = ap.parse_args()
     if args.model is None:
         from daemon.demo import demo_model_path
@@ -274,16 +277,26 @@ def main() -> None:
                 print(f"\naggregate decode throughput, expert cache {f'{limit:g} MiB' if limit else 'unlimited'}")
                 print("  steady = tokens/s while every stream decodes (after the last prefill, until the first "
                       "stream ends);\n  wall = all generated tokens / wall time, prompt evaluation included")
-                print(f"  {'streams':>7} {'tokens':>7} {'steady tok/s':>12} {'speed-up':>9} {'wall s':>7} "
-                      f"{'wall tok/s':>10} {'speed-up':>9} {'mean batch':>10} {'expert B/token':>15} {'loads/token':>12}")
-                base = None
+                runs: dict[int, list[dict]] = {level: [] for level in levels}
+                for rnd in range(args.rounds):  # levels in turn, rotated, so each round sees one machine state
+                    for level in levels[rnd % len(levels):] + levels[:rnd % len(levels)]:
+                        runs[level].append(asyncio.run(concurrent(sock, path, prompts[:level], args.tokens)))
+                print(f"  {args.rounds} rounds; medians, and in brackets the range of each round's speed-up over "
+                      f"its own {levels[0]}-stream run")
+                print(f"  {'streams':>7} {'tokens':>7} {'steady tok/s':>12} {'speed-up':>19} {'wall tok/s':>10} "
+                      f"{'speed-up':>19} {'mean batch':>10} {'expert B/token':>15} {'loads/token':>12}")
+                base = runs[levels[0]]
                 for level in levels:
-                    r = asyncio.run(concurrent(sock, path, prompts[:level], args.tokens))
-                    base = base or r
-                    print(f"  {r['streams']:>7} {r['tokens']:>7} {r['steady_tps']:>12.1f} "
-                          f"{r['steady_tps'] / base['steady_tps']:>8.2f}x {r['wall_s']:>7.2f} {r['aggregate_tps']:>10.1f} "
-                          f"{r['aggregate_tps'] / base['aggregate_tps']:>8.2f}x {r['mean_batch']:>10.2f} "
-                          f"{r['bytes_per_token']:>15,.0f} {r['loads_per_token']:>12.2f}")
+                    rs = runs[level]
+                    med = {key: statistics.median(r[key] for r in rs) for key in
+                           ("tokens", "steady_tps", "aggregate_tps", "mean_batch", "bytes_per_token", "loads_per_token")}
+                    cols = []
+                    for key in ("steady_tps", "aggregate_tps"):
+                        ups = [r[key] / b[key] for r, b in zip(rs, base)]
+                        cols.append(f"{med[key]:>10.1f} {statistics.median(ups):>6.2f}x "
+                                    f"[{min(ups):.2f}-{max(ups):.2f}]")
+                    print(f"  {level:>7} {med['tokens']:>7.0f} {cols[0]:>32} {cols[1]:>30} {med['mean_batch']:>10.2f} "
+                          f"{med['bytes_per_token']:>15,.0f} {med['loads_per_token']:>12.2f}")
             with Client(sock) as c:
                 c.shutdown()
             proc.wait(60)

@@ -718,14 +718,27 @@ def moe_mix(y, slot_rows, weights):
     return out
 
 
-@njit(cache=True, error_model="numpy")  # serial: per-call thread start-up costs more than these small ops
 def swiglu(gate, up):
     """silu(gate) * up, elementwise; [T, F] -> [T, F] (ggml_swiglu_split -> ggml_vec_swiglu_f32:
     ggml_v_silu on each full group of 8 of a row, the scalar ggml_silu_f32 on the rest)."""
-    T, F = gate.shape
+    # threads only pay off on large inputs (a decode batch's expert rows, prefill)
+    return (_swiglu_parallel if gate.size >= 1 << 14 else _swiglu_serial)(gate, up)
+
+
+@njit(cache=True, error_model="numpy")
+def _swiglu_serial(gate, up):
     out = np.empty_like(gate)
-    nv = F - F % 8
-    for t in prange(T):
+    nv = gate.shape[1] - gate.shape[1] % 8
+    for t in range(gate.shape[0]):
+        _swiglu_row(gate[t], up[t], out[t], nv)
+    return out
+
+
+@njit(cache=True, error_model="numpy", parallel=True)
+def _swiglu_parallel(gate, up):
+    out = np.empty_like(gate)
+    nv = gate.shape[1] - gate.shape[1] % 8
+    for t in prange(gate.shape[0]):
         _swiglu_row(gate[t], up[t], out[t], nv)
     return out
 
