@@ -498,11 +498,11 @@ def _per_token(builder, accs, pairs):
 
 @intrinsic
 def _b32_rows(typingctx, kind, ntok, row, xq, t0, xd, xs):
-    """Tokens t0 .. t0+ntok-1 (ntok 1 or 4) against one weight row, each as ggml's vec_dot
+    """Tokens t0 .. t0+ntok-1 (ntok 1, 4 or 8) against one weight row, each as ggml's vec_dot
     (the tokens share the weight decoding only). row: uint8 [row_bytes]; xq: int8 [T, K];
     xd, xs: float32 [T, B] (xs read for Q4_1/Q5_1 only)."""
     k = _literal(kind, _B32_BYTES)
-    m = _literal(ntok, (1, 4))
+    m = _literal(ntok, (1, 4, 8))
     if k is None or m is None or not _is_c(row, xq, xd, xs) or not isinstance(t0, types.Integer):
         return None
     sig = types.UniTuple(types.float32, m)(kind, ntok, row, xq, t0, xd, xs)
@@ -519,7 +519,7 @@ def _b32_rows(typingctx, kind, ntok, row, xq, t0, xd, xs):
         npar = 2 if k == 39 else 1
         # pairs: tokens 2p and 2p+1 share <16 x float> accumulators (lanes 0-7: token 2p), their
         # integer dots one 512-bit vpdpbusd; lane for lane the same operations as one token alone
-        pairs = m == 4 and _has_avx512_vnni(context)
+        pairs = m in (4, 8) and _has_avx512_vnni(context)
         if pairs:
             zero16 = ir.Constant(_vt(_F32, 16), [0.0] * 16)
             accs = [[cgutils.alloca_once_value(builder, zero16) for _ in range(npar)] for _ in range(m // 2)]
@@ -794,9 +794,9 @@ def _mm_kq_sel(qt, stack, sel, xrow, xq, xd, xbs, out, nchunks):
 # ---- grouped rows: out[p, n] = row n of expert experts[j] . activation row p, for the rows
 # p in offs[j]..offs[j+1] (the tokens routed to expert j, gathered). One parallel call for every
 # expert of a layer (llama.cpp's MUL_MAT_ID); an ordinary matmul is the case of one expert. A
-# thread takes one weight row and applies it to the expert's rows four at a time (the block is
-# decoded once for the four); tiled[j] picks the K-quant path as a separate call with those
-# rows would.
+# thread takes one weight row and applies it to the expert's rows eight (block types) or four at
+# a time, then one by one (the block is decoded once per tile); tiled[j] picks the K-quant path
+# as a separate call with those rows would.
 
 
 @numba.njit(cache=True, parallel=True)
@@ -811,8 +811,24 @@ def _mm_b32_grp(qt, stack, experts, offs, xq, xd, xs, out, nchunks):
             row = stack[experts[j], n]
             t0 = offs[j]
             t1 = offs[j + 1]
-            t4 = t1 - (t1 - t0) % 4
-            for t in range(t0, t4, 4):
+            t8 = t1 - (t1 - t0) % 8
+            for t in range(t0, t8, 8):
+                if qt == 8:
+                    r8 = _b32_rows(8, 8, row, xq, t, xd, xs)
+                elif qt == 2:
+                    r8 = _b32_rows(2, 8, row, xq, t, xd, xs)
+                elif qt == 3:
+                    r8 = _b32_rows(3, 8, row, xq, t, xd, xs)
+                elif qt == 6:
+                    r8 = _b32_rows(6, 8, row, xq, t, xd, xs)
+                elif qt == 7:
+                    r8 = _b32_rows(7, 8, row, xq, t, xd, xs)
+                else:
+                    r8 = _b32_rows(39, 8, row, xq, t, xd, xs)
+                for i in range(8):
+                    out[t + i, n] = r8[i]
+            t4 = t1 - (t1 - t8) % 4
+            for t in range(t8, t4, 4):
                 if qt == 8:
                     r = _b32_rows(8, 4, row, xq, t, xd, xs)
                 elif qt == 2:

@@ -537,10 +537,11 @@ def test_linear_selected_equals_one_token_expert_calls(qt):
 @pytest.mark.parametrize("solo", [False, True])
 def test_linear_grouped_equals_separate_expert_calls(qt, solo):
     """The one-call-per-layer expert kernel gives, expert by expert, what separate expert calls on
-    each expert's rows give: 9 rows for one expert (>= 8: K-quant tiled unless solo), 1, 0, 3."""
+    each expert's rows give: 13 rows for one expert (>= 8: K-quant tiled unless solo; block kernels
+    take them 8 + 4 + 1), 1, 0, 3."""
     rng = np.random.default_rng(6)
     stack = np.stack([weights(qt, rng) for _ in range(5)])  # [E, N, row_bytes]
-    counts = [9, 1, 0, 3]
+    counts = [13, 1, 0, 3]
     experts = np.array([3, 0, 4, 1])
     offs = np.concatenate([[0], np.cumsum(counts)])
     x = activations(int(offs[-1]), rng)
