@@ -498,11 +498,11 @@ def _per_token(builder, accs, pairs):
 
 @intrinsic
 def _b32_rows(typingctx, kind, ntok, row, xq, t0, xd, xs):
-    """Tokens t0 .. t0+ntok-1 (ntok 1, 4 or 8) against one weight row, each as ggml's vec_dot
+    """Tokens t0 .. t0+ntok-1 (ntok 1, 2, 4 or 8) against one weight row, each as ggml's vec_dot
     (the tokens share the weight decoding only). row: uint8 [row_bytes]; xq: int8 [T, K];
     xd, xs: float32 [T, B] (xs read for Q4_1/Q5_1 only)."""
     k = _literal(kind, _B32_BYTES)
-    m = _literal(ntok, (1, 4, 8))
+    m = _literal(ntok, (1, 2, 4, 8))
     if k is None or m is None or not _is_c(row, xq, xd, xs) or not isinstance(t0, types.Integer):
         return None
     sig = types.UniTuple(types.float32, m)(kind, ntok, row, xq, t0, xd, xs)
@@ -519,7 +519,7 @@ def _b32_rows(typingctx, kind, ntok, row, xq, t0, xd, xs):
         npar = 2 if k == 39 else 1
         # pairs: tokens 2p and 2p+1 share <16 x float> accumulators (lanes 0-7: token 2p), their
         # integer dots one 512-bit vpdpbusd; lane for lane the same operations as one token alone
-        pairs = m in (4, 8) and _has_avx512_vnni(context)
+        pairs = m > 1 and _has_avx512_vnni(context)
         if pairs:
             zero16 = ir.Constant(_vt(_F32, 16), [0.0] * 16)
             accs = [[cgutils.alloca_once_value(builder, zero16) for _ in range(npar)] for _ in range(m // 2)]
@@ -799,6 +799,82 @@ def _mm_kq_sel(qt, stack, sel, xrow, xq, xd, xbs, out, nchunks):
 # as a separate call with those rows would.
 
 
+@numba.njit(cache=True, inline="always")
+def _b32_tile8(qt, row, xq, t, xd, xs, out, n):
+    """out[t:t+8, n] = rows t..t+7 of the activations against weight row `row`."""
+    if qt == 8:
+        r = _b32_rows(8, 8, row, xq, t, xd, xs)
+    elif qt == 2:
+        r = _b32_rows(2, 8, row, xq, t, xd, xs)
+    elif qt == 3:
+        r = _b32_rows(3, 8, row, xq, t, xd, xs)
+    elif qt == 6:
+        r = _b32_rows(6, 8, row, xq, t, xd, xs)
+    elif qt == 7:
+        r = _b32_rows(7, 8, row, xq, t, xd, xs)
+    else:
+        r = _b32_rows(39, 8, row, xq, t, xd, xs)
+    for i in range(8):
+        out[t + i, n] = r[i]
+
+
+@numba.njit(cache=True, inline="always")
+def _b32_tile4(qt, row, xq, t, xd, xs, out, n):
+    """out[t:t+4, n] = rows t..t+3 of the activations against weight row `row`."""
+    if qt == 8:
+        r = _b32_rows(8, 4, row, xq, t, xd, xs)
+    elif qt == 2:
+        r = _b32_rows(2, 4, row, xq, t, xd, xs)
+    elif qt == 3:
+        r = _b32_rows(3, 4, row, xq, t, xd, xs)
+    elif qt == 6:
+        r = _b32_rows(6, 4, row, xq, t, xd, xs)
+    elif qt == 7:
+        r = _b32_rows(7, 4, row, xq, t, xd, xs)
+    else:
+        r = _b32_rows(39, 4, row, xq, t, xd, xs)
+    for i in range(4):
+        out[t + i, n] = r[i]
+
+
+@numba.njit(cache=True, inline="always")
+def _b32_tile2(qt, row, xq, t, xd, xs, out, n):
+    """out[t:t+2, n] = rows t..t+1 of the activations against weight row `row`."""
+    if qt == 8:
+        r = _b32_rows(8, 2, row, xq, t, xd, xs)
+    elif qt == 2:
+        r = _b32_rows(2, 2, row, xq, t, xd, xs)
+    elif qt == 3:
+        r = _b32_rows(3, 2, row, xq, t, xd, xs)
+    elif qt == 6:
+        r = _b32_rows(6, 2, row, xq, t, xd, xs)
+    elif qt == 7:
+        r = _b32_rows(7, 2, row, xq, t, xd, xs)
+    else:
+        r = _b32_rows(39, 2, row, xq, t, xd, xs)
+    for i in range(2):
+        out[t + i, n] = r[i]
+
+
+@numba.njit(cache=True, inline="always")
+def _b32_tile1(qt, row, xq, t, xd, xs, out, n):
+    """out[t:t+1, n] = rows t..t+0 of the activations against weight row `row`."""
+    if qt == 8:
+        r = _b32_rows(8, 1, row, xq, t, xd, xs)
+    elif qt == 2:
+        r = _b32_rows(2, 1, row, xq, t, xd, xs)
+    elif qt == 3:
+        r = _b32_rows(3, 1, row, xq, t, xd, xs)
+    elif qt == 6:
+        r = _b32_rows(6, 1, row, xq, t, xd, xs)
+    elif qt == 7:
+        r = _b32_rows(7, 1, row, xq, t, xd, xs)
+    else:
+        r = _b32_rows(39, 1, row, xq, t, xd, xs)
+    for i in range(1):
+        out[t + i, n] = r[i]
+
+
 @numba.njit(cache=True, parallel=True)
 def _mm_b32_grp(qt, stack, experts, offs, xq, xd, xs, out, nchunks):
     J = experts.shape[0]
@@ -809,56 +885,19 @@ def _mm_b32_grp(qt, stack, experts, offs, xq, xd, xs, out, nchunks):
             j = i // N
             n = i % N
             row = stack[experts[j], n]
-            t0 = offs[j]
+            t = offs[j]
             t1 = offs[j + 1]
-            t8 = t1 - (t1 - t0) % 8
-            for t in range(t0, t8, 8):
-                if qt == 8:
-                    r8 = _b32_rows(8, 8, row, xq, t, xd, xs)
-                elif qt == 2:
-                    r8 = _b32_rows(2, 8, row, xq, t, xd, xs)
-                elif qt == 3:
-                    r8 = _b32_rows(3, 8, row, xq, t, xd, xs)
-                elif qt == 6:
-                    r8 = _b32_rows(6, 8, row, xq, t, xd, xs)
-                elif qt == 7:
-                    r8 = _b32_rows(7, 8, row, xq, t, xd, xs)
-                else:
-                    r8 = _b32_rows(39, 8, row, xq, t, xd, xs)
-                for i in range(8):
-                    out[t + i, n] = r8[i]
-            t4 = t1 - (t1 - t8) % 4
-            for t in range(t8, t4, 4):
-                if qt == 8:
-                    r = _b32_rows(8, 4, row, xq, t, xd, xs)
-                elif qt == 2:
-                    r = _b32_rows(2, 4, row, xq, t, xd, xs)
-                elif qt == 3:
-                    r = _b32_rows(3, 4, row, xq, t, xd, xs)
-                elif qt == 6:
-                    r = _b32_rows(6, 4, row, xq, t, xd, xs)
-                elif qt == 7:
-                    r = _b32_rows(7, 4, row, xq, t, xd, xs)
-                else:
-                    r = _b32_rows(39, 4, row, xq, t, xd, xs)
-                out[t, n] = r[0]
-                out[t + 1, n] = r[1]
-                out[t + 2, n] = r[2]
-                out[t + 3, n] = r[3]
-            for t in range(t4, t1):
-                if qt == 8:
-                    r1 = _b32_rows(8, 1, row, xq, t, xd, xs)
-                elif qt == 2:
-                    r1 = _b32_rows(2, 1, row, xq, t, xd, xs)
-                elif qt == 3:
-                    r1 = _b32_rows(3, 1, row, xq, t, xd, xs)
-                elif qt == 6:
-                    r1 = _b32_rows(6, 1, row, xq, t, xd, xs)
-                elif qt == 7:
-                    r1 = _b32_rows(7, 1, row, xq, t, xd, xs)
-                else:
-                    r1 = _b32_rows(39, 1, row, xq, t, xd, xs)
-                out[t, n] = r1[0]
+            while t + 8 <= t1:
+                _b32_tile8(qt, row, xq, t, xd, xs, out, n)
+                t += 8
+            if t + 4 <= t1:
+                _b32_tile4(qt, row, xq, t, xd, xs, out, n)
+                t += 4
+            if t + 2 <= t1:
+                _b32_tile2(qt, row, xq, t, xd, xs, out, n)
+                t += 2
+            if t < t1:
+                _b32_tile1(qt, row, xq, t, xd, xs, out, n)
 
 
 @numba.njit(cache=True, parallel=True)
