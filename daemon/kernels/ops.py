@@ -143,6 +143,29 @@ def round_f16(x):
     return bits_f32(sign | a)
 
 
+@intrinsic
+def _f16_trip(typingctx, x):
+    """float32 -> float16 -> float32 as LLVM fptrunc/fpext (F16C vcvtps2ph/vcvtph2ps where the
+    CPU has it): round to nearest even, as numpy's astype(float16) and ggml's fp32->fp16 for every
+    non-NaN value (a NaN stays NaN; its payload bits may differ)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(x), codegen
+
+
+@njit(cache=True)
+def to_f16_values(a):
+    """In place: each element of a C-contiguous float32 array rounded to its float16 value (the
+    f16 KV cache and f16 queries of ggml numerics). Vectorized; see _f16_trip."""
+    f = a.reshape(-1)
+    for i in range(f.shape[0]):
+        f[i] = _f16_trip(f[i])
+
+
 @njit(cache=True)
 def round_f16_array(a):
     """Elementwise round_f16 of a float32 array of any shape -> new (C-contiguous) array."""

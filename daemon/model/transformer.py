@@ -257,7 +257,9 @@ class Transformer:
         k = ops.apply_rope(k, rope_tab, hp.rope.n_dims, hp.rope.neox)
         ggml = num == "ggml"
         if ggml:  # f16 KV cache; q converted to f16 for the K·q product
-            q, k, v = (t.astype(np.float16).astype(np.float32) for t in (q, k, v))
+            q, k, v = (np.ascontiguousarray(t) for t in (q, k, v))
+            for t in (q, k, v):
+                ops.to_f16_values(t)
         sinks = a.sinks if a.sinks is not None else np.empty(0, np.float32)
         scale = np.float32(1.0 / np.sqrt(Dh))
         if isinstance(kv, _DecodeStep):  # one new cell per sequence, all sequences in one call

@@ -200,6 +200,21 @@ def test_round_f16_matches_numpy():
     assert np.signbit(ops.round_f16_array(np.array([-0.0, -1e-9], np.float32))).all()
 
 
+def test_to_f16_values_matches_numpy_on_every_non_nan():
+    sweep = np.arange(0, 2**32, 4093, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    special = np.array([0.0, -0.0, np.inf, -np.inf, 65519.996, 65520.0, -65520.0, 1e-8, 2.9802322e-08,
+                        2.9802326e-08, 5.9604645e-08, 6.1035156e-05, 3.4e38, 1.0 + 2.0**-11], np.float32)
+    for x in (sweep, special):
+        finite = x[~np.isnan(x)].reshape(1, -1).copy()  # any C-contiguous shape
+        with np.errstate(over="ignore"):
+            want = finite.astype(np.float16).astype(np.float32)
+        ops.to_f16_values(finite)
+        assert same(finite, want)
+    nan = sweep[np.isnan(sweep)].copy()
+    ops.to_f16_values(nan)
+    assert np.isnan(nan).all()
+
+
 # --------------------------------------------------------------------------------------------
 # norms and RoPE
 
