@@ -93,11 +93,11 @@ def _apply_experts_grouped(layout, family, batch, ids, x, numerics, solo=False):
     offs = np.append(starts, T * A)  # [J+1] each expert's pairs
     rows = np.array([batch.rows[int(e)] for e in uniq], dtype=np.int64)  # [J] rows of the stacks
     tok = order // A  # [P] the token of each pair
-    xq = prepare(x, layout.gate_type, numerics)  # converted once per token, then gathered
-    g = linear_grouped(xq.rows(tok), batch.gate, rows, offs, layout.gate_type, D, solo)  # [P, F]
+    xg = prepare(x, layout.gate_type, numerics).rows(tok)  # converted once per token, then gathered
+    g = linear_grouped(xg, batch.gate, rows, offs, layout.gate_type, D, solo)  # [P, F]
     if layout.up_type != layout.gate_type:
-        xq = prepare(x, layout.up_type, numerics)
-    u = linear_grouped(xq.rows(tok), batch.up, rows, offs, layout.up_type, D, solo)
+        xg = prepare(x, layout.up_type, numerics).rows(tok)
+    u = linear_grouped(xg, batch.up, rows, offs, layout.up_type, D, solo)
     if batch.gate_bias is not None:
         g += batch.gate_bias[by_expert]
         u += batch.up_bias[by_expert]
