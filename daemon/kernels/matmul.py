@@ -1288,13 +1288,15 @@ _ONE_EXPERT = np.zeros(1, np.int64)
 
 
 def linear_prepared(xp: Prepared, raw: np.ndarray, ggml_type: int, k: int, expert: bool = False,
-                    solo: bool = False) -> np.ndarray:
+                    solo: bool = False, groups: np.ndarray | None = None) -> np.ndarray:
     """out float32 [T, N] = x @ W.T for prepared activations xp and weight raw [N, row_bytes].
 
     expert: the call is one expert of a MUL_MAT_ID (MoE experts: x = the tokens routed to it);
     with "ggml" numerics it selects llama.cpp's path as that op does (see the module docstring).
     solo: the rows are independent one-token steps (a decode batch): each row is computed as a
-    one-row call computes it, so a token's result does not depend on its batch."""
+    one-row call computes it, so a token's result does not depend on its batch.
+    groups: row offsets [G+1] from 0 to T of independent sequences stacked in x (a batched
+    prefill): each group is computed as a separate call on its rows computes it."""
     if ggml_type not in Q.SUPPORTED_TYPES:
         raise UnsupportedError(f"unsupported quant type {Q.type_name(ggml_type)}")
     if xp.K != k:
@@ -1312,21 +1314,41 @@ def linear_prepared(xp: Prepared, raw: np.ndarray, ggml_type: int, k: int, exper
         return out
     nc = _nchunks(N)
     qt = int(ggml_type)
-    rows = 1 if solo else T  # the row count that picks llama.cpp's path
+    groups = _row_groups(T, solo, groups)
+    counts = [1] if solo else np.diff(groups).tolist()  # the row counts that pick llama.cpp's path
     if xp.numerics == "float32":
         if ggml_type in Q.FLOAT_TYPES:
             _mm_float(w, qt, xp.x, out, nc)
         else:
             _mm_ref(w, qt, k, xp.x, out, nc)
     elif ggml_type in Q.FLOAT_TYPES:
-        _mm_float_ggml(w, qt, tinyblas_float(rows, N, k, expert), xp.x, out, nc)
-    elif ggml_type in Q.KQUANT_TYPES:  # one "expert": all T rows
-        tiled = np.array([tiled_kquant(rows)], dtype=np.uint8)
-        _mm_kq_grp(qt, tiled, w[None], _ONE_EXPERT, np.array([0, T]), xp.qs, xp.d, xp.bsums, out, nc)
-    else:
+        flags = [tinyblas_float(c, N, k, expert) for c in counts]
+        if len(set(flags)) == 1:
+            _mm_float_ggml(w, qt, flags[0], xp.x, out, nc)
+        else:  # sequences taking different paths: one call each
+            for g, flag in enumerate(flags):
+                r0, r1 = int(groups[g]), int(groups[g + 1])
+                _mm_float_ggml(w, qt, flag, xp.x[r0:r1], out[r0:r1], nc)
+    elif ggml_type in Q.KQUANT_TYPES:  # rows of one path in one group ("expert" 0)
+        tiled = [tiled_kquant(c) for c in counts]
+        if len(set(tiled)) == 1:
+            groups = np.array([0, T])
+        _mm_kq_grp(qt, np.array(tiled[:len(groups) - 1], dtype=np.uint8), w[None],
+                   np.zeros(len(groups) - 1, np.int64), groups, xp.qs, xp.d, xp.bsums, out, nc)
+    else:  # the row count does not matter to these kernels
         xs = xp.s if xp.s is not None else xp.d  # read only for Q8_1
         _mm_b32_grp(qt, w[None], _ONE_EXPERT, np.array([0, T]), xp.qs, xp.d, xs, out, nc)
     return out
+
+
+def _row_groups(T: int, solo: bool, groups) -> np.ndarray:
+    """Row offsets of independent groups: [0, T] by default; checked when given."""
+    if groups is None or solo:
+        return np.array([0, T], dtype=np.int64)
+    groups = np.ascontiguousarray(groups, dtype=np.int64)
+    if groups.ndim != 1 or groups.size < 2 or groups[0] != 0 or groups[-1] != T or np.any(np.diff(groups) <= 0):
+        raise ValueError(f"groups must rise strictly from 0 to {T}")
+    return groups
 
 
 def linear_selected(xp: Prepared, stack: np.ndarray, sel: np.ndarray, xrow: np.ndarray,
@@ -1421,11 +1443,11 @@ def linear_grouped(xp: Prepared, stack: np.ndarray, experts: np.ndarray, offs: n
 
 def linear(
     x: np.ndarray, raw: np.ndarray, ggml_type: int, k: int, numerics: str = "ggml", expert: bool = False,
-    solo: bool = False,
+    solo: bool = False, groups: np.ndarray | None = None,
 ) -> np.ndarray:
     """out float32 [T, N] = x [T, K] @ W.T, W given as ggml blocks raw uint8 [N, row_bytes].
-    expert, solo: as linear_prepared."""
-    return linear_prepared(prepare(x, ggml_type, numerics), raw, ggml_type, k, expert, solo)
+    expert, solo, groups: as linear_prepared."""
+    return linear_prepared(prepare(x, ggml_type, numerics), raw, ggml_type, k, expert, solo, groups)
 
 
 # --------------------------------------------------------------------------------------------

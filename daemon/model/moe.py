@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..kernels import ops
+from ..kernels import quants as Q
 from ..kernels.matmul import linear, linear_grouped, linear_prepared, linear_selected, prepare
 from ..storage.experts import ExpertProvider
 from .family import Family
@@ -36,9 +37,11 @@ class MoE:
     shared: SharedExpert | None
 
 
-def route(moe: MoE, family: Family, x: np.ndarray, numerics: str, solo: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def route(moe: MoE, family: Family, x: np.ndarray, numerics: str, solo: bool = False,
+          groups: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Exact router (Path B). x: [T, D] -> (ids [T, A] int64 in top-k order, weights [T, A] f32)."""
-    logits = linear(x, moe.router.raw, moe.router.ggml_type, moe.router.n_in, numerics, solo=solo)  # [T, E]
+    logits = linear(x, moe.router.raw, moe.router.ggml_type, moe.router.n_in, numerics, solo=solo,
+                    groups=groups)  # [T, E]
     if moe.router_bias is not None:
         logits = logits + moe.router_bias
     if family.gating == "softmax_weight":
@@ -62,10 +65,11 @@ def _top_k(scores: np.ndarray, k: int) -> np.ndarray:
 
 
 def moe_forward(moe: MoE, family: Family, experts: ExpertProvider, x: np.ndarray, numerics: str,
-                trace=None, solo: bool = False) -> np.ndarray:
+                trace=None, solo: bool = False, groups: np.ndarray | None = None) -> np.ndarray:
     """x: [T, D] (already normed) -> [T, D]. solo: the rows are independent one-token steps of
-    different sequences (a decode batch), each computed exactly as it would be alone."""
-    ids, weights = route(moe, family, x, numerics, solo)
+    different sequences (a decode batch), each computed exactly as it would be alone. groups: row
+    offsets of several sequences' prompts (a batched prefill), each computed as it would be alone."""
+    ids, weights = route(moe, family, x, numerics, solo, groups)
     if trace is not None:
         trace(moe.layer, ids)
     layout = experts.layout(moe.layer)
@@ -73,25 +77,32 @@ def moe_forward(moe: MoE, family: Family, experts: ExpertProvider, x: np.ndarray
         if x.shape[0] == 1:
             y, slot_rows = _apply_experts_per_token(layout, family, batch, ids, x, numerics)
         else:  # each expert's weights read once for all its tokens; solo keeps rows independent
-            y, slot_rows = _apply_experts_grouped(layout, family, batch, ids, x, numerics, solo)
+            y, slot_rows = _apply_experts_grouped(layout, family, batch, ids, x, numerics, solo, groups)
     out = ops.moe_mix(y, slot_rows, np.ascontiguousarray(weights, dtype=np.float32))
     if moe.shared is not None:
-        out = out + shared_expert(moe.shared, x, numerics, solo)
+        out = out + shared_expert(moe.shared, x, numerics, solo, groups)
     return out
 
 
-def _apply_experts_grouped(layout, family, batch, ids, x, numerics, solo=False):
+def _apply_experts_grouped(layout, family, batch, ids, x, numerics, solo=False, groups=None):
     """Every needed expert applied to the tokens routed to it, one kernel call per projection for
-    the whole layer. solo: each token computed as a one-token call would (decode batches).
+    the whole layer. solo: each token computed as a one-token call would (decode batches); groups:
+    row offsets of sequences computed as separate calls would (batched prefills).
     ids: [T, A]; x: [T, D] -> (y [P, D] expert outputs, slot_rows [T, A]: the row of y of each
     (token, slot)), P = T*A"""
     (T, A), D = ids.shape, x.shape[1]
     flat = ids.reshape(-1)  # [P] pairs (token, slot), token-major
-    order = np.argsort(flat, kind="stable")  # [P] pairs grouped by expert, tokens ascending
+    key = flat
+    if groups is not None and not solo and _path_depends_on_rows(layout):
+        # a K-quant expert's path depends on how many of one sequence's tokens it gets:
+        # one group per (expert, sequence), as separate prefills would have
+        seq = np.repeat(np.arange(len(groups) - 1), np.diff(groups) * A)  # [P]
+        key = flat * (len(groups) - 1) + seq
+    order = np.argsort(key, kind="stable")  # [P] pairs grouped by expert (and sequence), tokens ascending
     by_expert = flat[order]
-    uniq, starts = np.unique(by_expert, return_index=True)
-    offs = np.append(starts, T * A)  # [J+1] each expert's pairs
-    rows = np.array([batch.rows[int(e)] for e in uniq], dtype=np.int64)  # [J] rows of the stacks
+    _, starts = np.unique(key[order], return_index=True)
+    offs = np.append(starts, T * A)  # [J+1] each group's pairs
+    rows = np.array([batch.rows[int(e)] for e in by_expert[starts]], dtype=np.int64)  # [J] rows of the stacks
     tok = order // A  # [P] the token of each pair
     xg = prepare(x, layout.gate_type, numerics).rows(tok)  # converted once per token, then gathered
     g = linear_grouped(xg, batch.gate, rows, offs, layout.gate_type, D, solo)  # [P, F]
@@ -133,6 +144,12 @@ def _apply_experts_per_token(layout, family, batch, ids, x, numerics):
     return y, np.arange(T * A, dtype=np.int64).reshape(T, A)
 
 
+def _path_depends_on_rows(layout) -> bool:
+    """Whether an expert call's kernel path depends on its row count (K-quants: llama.cpp's tiled
+    kernel from 8 rows); the other expert kernels compute each row alike."""
+    return any(t in Q.KQUANT_TYPES for t in (layout.gate_type, layout.up_type, layout.down_type))
+
+
 def _glu(family: Family, g: np.ndarray, u: np.ndarray) -> np.ndarray:
     if family.glu == "oai":
         return ops.swiglu_oai(g, u, np.float32(family.glu_alpha), np.float32(family.glu_limit))
@@ -140,25 +157,28 @@ def _glu(family: Family, g: np.ndarray, u: np.ndarray) -> np.ndarray:
 
 
 def dense_ffn(gate: QWeight, up: QWeight, down: QWeight, x: np.ndarray, numerics: str,
-              observe=None, solo: bool = False) -> np.ndarray:
+              observe=None, solo: bool = False, groups: np.ndarray | None = None) -> np.ndarray:
     """down(silu(gate·x) * up·x). x: [T, D] -> [T, D]. observe(x, h [T, F]) sees the activations."""
+    rows = {"solo": solo, "groups": groups}
     if gate.ggml_type == up.ggml_type:
         xp = prepare(x, gate.ggml_type, numerics)
-        g = linear_prepared(xp, gate.raw, gate.ggml_type, gate.n_in, solo=solo)
-        u = linear_prepared(xp, up.raw, up.ggml_type, up.n_in, solo=solo)
+        g = linear_prepared(xp, gate.raw, gate.ggml_type, gate.n_in, **rows)
+        u = linear_prepared(xp, up.raw, up.ggml_type, up.n_in, **rows)
     else:
-        g = linear(x, gate.raw, gate.ggml_type, gate.n_in, numerics, solo=solo)
-        u = linear(x, up.raw, up.ggml_type, up.n_in, numerics, solo=solo)
+        g = linear(x, gate.raw, gate.ggml_type, gate.n_in, numerics, **rows)
+        u = linear(x, up.raw, up.ggml_type, up.n_in, numerics, **rows)
     h = ops.swiglu(g, u)
     if observe is not None:
         observe(x, h)
-    return linear(h, down.raw, down.ggml_type, down.n_in, numerics, solo=solo)
+    return linear(h, down.raw, down.ggml_type, down.n_in, numerics, **rows)
 
 
-def shared_expert(sh: SharedExpert, x: np.ndarray, numerics: str, solo: bool = False) -> np.ndarray:
-    y = dense_ffn(sh.gate, sh.up, sh.down, x, numerics, solo=solo)
+def shared_expert(sh: SharedExpert, x: np.ndarray, numerics: str, solo: bool = False,
+                  groups: np.ndarray | None = None) -> np.ndarray:
+    y = dense_ffn(sh.gate, sh.up, sh.down, x, numerics, solo=solo, groups=groups)
     if sh.gate_inp is not None:
-        z = linear(x, sh.gate_inp.raw, sh.gate_inp.ggml_type, sh.gate_inp.n_in, numerics, solo=solo)  # [T, 1]
+        z = linear(x, sh.gate_inp.raw, sh.gate_inp.ggml_type, sh.gate_inp.n_in, numerics, solo=solo,
+                   groups=groups)  # [T, 1]
         with np.errstate(invalid="ignore", divide="ignore"):  # llama.cpp: silu(z) / z = sigmoid(z)
             y = y * (ops.silu(np.ascontiguousarray(z)) / z)
     return y

@@ -53,6 +53,13 @@ class _DecodeStep:
 
 
 @dataclass(frozen=True)
+class _PrefillStep:
+    """Several sequences' prompts in one pass: rows groups[s]..groups[s+1] are appended to caches[s]."""
+    caches: list[KVCache]
+    groups: np.ndarray  # [S+1] row offsets
+
+
+@dataclass(frozen=True)
 class DenseFFN:
     gate: QWeight
     up: QWeight
@@ -194,6 +201,23 @@ class Transformer:
             c.n_past += 1
         return logits
 
+    def forward_many(self, prompts, caches: list[KVCache]) -> np.ndarray:
+        """Prefill S sequences in one pass: prompts[s] is appended to caches[s]. -> logits [S, V]
+        after each prompt's last token, bit-identical to `forward(prompts[s], caches[s])[-1]`: every
+        matmul takes, per sequence, the path a call on that sequence's rows alone takes, and
+        attention runs per sequence."""
+        toks = [self._check_tokens(p) for p in prompts]
+        if len(toks) != len(caches) or len({id(c) for c in caches}) != len(caches):
+            raise RequestError(f"{len(toks)} prompts for {len(caches)} distinct sequences")
+        for c, t in zip(caches, toks):
+            c.reserve(c.n_past + t.size)
+        groups = np.concatenate([[0], np.cumsum([t.size for t in toks])]).astype(np.int64)
+        positions = np.concatenate([np.arange(c.n_past, c.n_past + t.size) for c, t in zip(caches, toks)])
+        logits = self._run(np.concatenate(toks), positions, _PrefillStep(list(caches), groups), False, solo=False)
+        for c, t in zip(caches, toks):
+            c.n_past += t.size
+        return logits
+
     def _check_tokens(self, tokens) -> np.ndarray:
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if tokens.size == 0:
@@ -202,9 +226,12 @@ class Transformer:
             raise RequestError(f"token id out of range 0..{self.hp.n_vocab - 1}")
         return tokens
 
-    def _run(self, tokens, positions, kv: KVCache | _DecodeStep, all_logits: bool, solo: bool) -> np.ndarray:
+    def _run(self, tokens, positions, kv: KVCache | _DecodeStep | _PrefillStep, all_logits: bool,
+             solo: bool) -> np.ndarray:
         """The layers over T rows: T tokens of one sequence (kv: its cache; the rows follow its
-        n_past), or one token of each of T sequences (kv: a _DecodeStep). -> logits [T or 1, V]"""
+        n_past), one token of each of T sequences (kv: a _DecodeStep), or the prompts of several
+        sequences (kv: a _PrefillStep). -> logits [T, V], or of each sequence's last row."""
+        groups = kv.groups if isinstance(kv, _PrefillStep) else None
         hp = self.hp
         rope = hp.rope
         rope_tab = ops.rope_cache(positions, rope.n_dims, rope.freq_base, rope.freq_scale,
@@ -217,29 +244,32 @@ class Transformer:
             if hooks is not None:
                 hooks.layer_input(il, x)
             h = ops.rms_norm(x, layer.attn.norm, np.float32(hp.rms_eps))
-            x = x + self._attention(il, layer.attn, h, kv, positions, rope_tab, solo)
+            x = x + self._attention(il, layer.attn, h, kv, positions, rope_tab, solo, groups)
             if il == hp.n_layer - 1 and not all_logits:
-                x = np.ascontiguousarray(x[-1:])  # as llama.cpp: the last FFN runs on output rows only
+                # as llama.cpp: the last FFN runs on output rows only, one per sequence
+                x = np.ascontiguousarray(x[-1:] if groups is None else x[groups[1:] - 1])
+                solo, groups = groups is not None, None
             h = ops.rms_norm(x, layer.ffn_norm, np.float32(hp.rms_eps))
             if isinstance(layer.ffn, MoE):
-                x = x + moe_forward(layer.ffn, self.family, self.experts, h, self.numerics, self.trace, solo)
+                x = x + moe_forward(layer.ffn, self.family, self.experts, h, self.numerics, self.trace, solo, groups)
             else:
                 f = layer.ffn
                 obs = self.ffn_observer
-                x = x + dense_ffn(f.gate, f.up, f.down, h, self.numerics, solo=solo,
+                x = x + dense_ffn(f.gate, f.up, f.down, h, self.numerics, solo=solo, groups=groups,
                                   observe=None if obs is None else (lambda a, b, il=il: obs(il, a, b)))
         x = ops.rms_norm(x, self.output_norm, np.float32(hp.rms_eps))
-        return linear(x, self.output.raw, self.output.ggml_type, hp.n_embd, self.numerics, solo=solo)
+        return linear(x, self.output.raw, self.output.ggml_type, hp.n_embd, self.numerics, solo=solo, groups=groups)
 
-    def _attention(self, il: int, a: Attention, x, kv, positions, rope_tab, solo: bool) -> np.ndarray:
+    def _attention(self, il: int, a: Attention, x, kv, positions, rope_tab, solo: bool, groups) -> np.ndarray:
         hp, fam, num = self.hp, self.family, self.numerics
         T = x.shape[0]
         H, Hkv, Dh, Dv = hp.n_head, hp.n_head_kv, hp.head_dim, hp.head_dim_v
+        rows = {"solo": solo, "groups": groups}
         if a.wq.ggml_type == a.wk.ggml_type == a.wv.ggml_type:
             xp = prepare(x, a.wq.ggml_type, num)
-            q, k, v = (linear_prepared(xp, w.raw, w.ggml_type, w.n_in, solo=solo) for w in (a.wq, a.wk, a.wv))
+            q, k, v = (linear_prepared(xp, w.raw, w.ggml_type, w.n_in, **rows) for w in (a.wq, a.wk, a.wv))
         else:
-            q, k, v = (linear(x, w.raw, w.ggml_type, w.n_in, num, solo=solo) for w in (a.wq, a.wk, a.wv))
+            q, k, v = (linear(x, w.raw, w.ggml_type, w.n_in, num, **rows) for w in (a.wq, a.wk, a.wv))
         for t, b in ((q, a.bq), (k, a.bk), (v, a.bv)):
             if b is not None:
                 t += b
@@ -264,13 +294,16 @@ class Transformer:
         scale = np.float32(1.0 / np.sqrt(Dh))
         if isinstance(kv, _DecodeStep):  # one new cell per sequence, all sequences in one call
             out = ops.attention_decode(q, k, v, kv.k, kv.v, il, positions, scale, a.window, sinks, ggml)
-        else:
-            start = kv.n_past
-            kv.k[il, start:start + T] = k
-            kv.v[il, start:start + T] = v
-            out = ops.attention(q, kv.k[il, :start + T], kv.v[il, :start + T], positions, scale, a.window,
-                                sinks, ggml)
-        y = linear(out.reshape(T, H * Dv), a.wo.raw, a.wo.ggml_type, a.wo.n_in, num, solo=solo)
+        else:  # each sequence's rows against its own cache
+            seqs = zip(kv.caches, kv.groups[:-1], kv.groups[1:]) if isinstance(kv, _PrefillStep) else [(kv, 0, T)]
+            out = np.empty((T, H, Dv), np.float32)
+            for cache, r0, r1 in seqs:
+                start, end = cache.n_past, cache.n_past + r1 - r0
+                cache.k[il, start:end] = k[r0:r1]
+                cache.v[il, start:end] = v[r0:r1]
+                out[r0:r1] = ops.attention(q[r0:r1], cache.k[il, :end], cache.v[il, :end], positions[r0:r1], scale,
+                                           a.window, sinks, ggml)
+        y = linear(out.reshape(T, H * Dv), a.wo.raw, a.wo.ggml_type, a.wo.n_in, num, **rows)
         if a.bo is not None:
             y += a.bo
         return y

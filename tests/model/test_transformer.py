@@ -152,6 +152,37 @@ def test_forward_batch_is_batch_invariant(arch, wtype, fixture_dir):
             assert np.array_equal(batched[s][b], solo[b][s]), (b, s)
 
 
+@pytest.mark.parametrize("arch,wtype", BATCH_CASES)
+def test_forward_many_prefills_like_separate_forwards(arch, wtype, fixture_dir):
+    """Several prompts in one pass give each sequence exactly the logits and the KV cache of its
+    own prefill: prompts of 1 to 12 tokens, so that alone some take the one-row paths, some the
+    tiled K-quant (>= 8 rows) or tinyBLAS (>= 2) paths, while together they are 40 rows; the next
+    decode step from those caches matches too."""
+    rng = np.random.default_rng(12)
+    with GGUFFile(fixture_path(arch, wtype, fixture_dir)) as g:
+        model = Transformer(g)
+        V = model.hp.n_vocab
+        prompts = [rng.integers(0, V, n).tolist() for n in (12, 1, 9, 3, 2, 1, 8, 4)]
+        alone, solo_caches = [], []
+        for p in prompts:
+            c = model.new_cache(32)
+            alone.append(model.forward(p, c)[-1])
+            solo_caches.append(c)
+        caches = [model.new_cache(32) for _ in prompts]
+        together = model.forward_many(prompts, caches)
+        assert together.shape == (len(prompts), V)
+        for b, (c, sc) in enumerate(zip(caches, solo_caches)):
+            assert np.array_equal(together[b], alone[b]), b
+            assert c.n_past == sc.n_past == len(prompts[b])
+            assert np.array_equal(c.k[:, :c.n_past], sc.k[:, :sc.n_past]) and np.array_equal(c.v, sc.v)
+        nxt = rng.integers(0, V, len(prompts)).tolist()
+        step = model.forward_batch(nxt, caches)
+        for b, sc in enumerate(solo_caches):
+            assert np.array_equal(step[b], model.forward([nxt[b]], sc)[0]), b
+        with pytest.raises(RequestError):
+            model.forward_many(prompts[:2], [caches[0], caches[0]])
+
+
 def test_forward_batch_needs_solo_rows(fixture_dir):
     """The check above can fail: without per-row paths a 9-row K-quant step sums differently."""
     from daemon.kernels.matmul import linear_prepared, prepare
