@@ -3,7 +3,8 @@
     event loop                          compute thread (one per model; the engine is not thread-safe)
     ----------                          ---------------------------------------------------------
     call(fn) -> Future  ───jobs──────▶  between steps: fn(engine)  (load, stats, close)
-    submit(seq)         ───incoming──▶  at a step boundary: prepare + prefill each new sequence
+    submit(seq)         ───incoming──▶  at a step boundary: prepare the new sequences, prefill them
+                                        together (Transformer.forward_many, up to PREFILL_TOKENS rows)
     seq.cancelled = True                drop cancelled sequences (their KV cache goes with them)
                                         one decode step: forward_batch(tokens [B], caches [B]) -> [B, V]
     emit(reply)  ◀──call_soon_threadsafe── the step's replies, one hand-over per step
@@ -24,10 +25,14 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from ipc.protocol import Error
+
 from ..errors import MoedError, RequestError
 from .sequence import Sequence
 
 log = logging.getLogger("moed.scheduler")
+
+PREFILL_TOKENS = 512  # prompt rows evaluated in one pass (a longer prompt gets a pass of its own)
 
 
 class Batcher:
@@ -47,6 +52,7 @@ class Batcher:
         self.steps = 0  # decode steps (forward_batch calls)
         self.step_tokens = 0  # sequences advanced by those steps
         self.prefills = 0
+        self.prefill_passes = 0  # forward passes those prefills took (prompts arriving together share one)
         self.peak_batch = 0
         self._thread = threading.Thread(target=self._run, name=f"moed-compute:{name}", daemon=True)
         self._thread.start()
@@ -136,8 +142,8 @@ class Batcher:
                         self._post(self._resolve, fut, True, fn(self.engine))
                     except BaseException as e:  # noqa: BLE001 - handed to the awaiting request
                         self._post(self._resolve, fut, False, e)
-                for seq in new:  # each prefill's first token is sent at once, not after the next step
-                    self._post(self._deliver, [(seq, self._start(seq))])
+                if new:  # the prompts that arrived together are evaluated together
+                    self._start(new)
                 if self._active:
                     events = self._step()
                     if events:
@@ -145,21 +151,49 @@ class Batcher:
         finally:
             self._shutdown()
 
-    def _start(self, seq: Sequence) -> list:
+    def _start(self, seqs: list[Sequence]) -> None:
+        """Prepare and prefill new sequences, their prompts in passes of up to PREFILL_TOKENS
+        rows; each sequence's first token is sent as soon as its pass ends."""
+        ready = []
+        for seq in seqs:
+            replies = self._guard(seq, lambda s=seq: s.prepare(self.engine))
+            if replies:
+                self._post(self._deliver, [(seq, replies)])
+            else:
+                ready.append(seq)
+        while ready:
+            n, rows = 0, 0
+            while n < len(ready) and (n == 0 or rows + len(ready[n].ids) <= PREFILL_TOKENS):
+                rows += len(ready[n].ids)
+                n += 1
+            part, ready = ready[:n], ready[n:]
+            t0 = time.perf_counter_ns()
+            try:
+                logits = self.engine.model.forward_many([s.ids for s in part], [s.cache for s in part])
+                self.prefill_passes += 1
+            except Exception:  # noqa: BLE001 - alone, each sequence gets its own outcome
+                log.debug("a prefill of %d prompts failed; each is retried alone", len(part), exc_info=True)
+                events = [(s, self._guard(s, lambda s=s: s.prefill(self.engine))) for s in part]
+                self.prefill_passes += len(part)
+            else:
+                events = [(s, s.prefilled(lg, t0)) for s, lg in zip(part, logits)]
+            self._post(self._deliver, events)
+            for s, replies in events:
+                self.prefills += not (replies and isinstance(replies[-1], Error))
+                if not s.finished:
+                    self._active.append(s)
+
+    def _guard(self, seq: Sequence, fn) -> list:
+        """fn() for one sequence: its replies, or the sequence failed with an Error reply."""
         try:
-            seq.prepare(self.engine)
-            replies = seq.prefill(self.engine)
+            return fn() or []
         except RequestError as e:
             return seq.fail("bad_request", str(e))
         except MoedError as e:
             return seq.fail("model_error", str(e))
         except Exception as e:  # a bug must not take the daemon down
-            log.exception("prefill of request %s failed", seq.id)
+            log.exception("request %s failed", seq.id)
             return seq.fail("internal", f"{type(e).__name__}: {e}")
-        self.prefills += 1
-        if not seq.finished:
-            self._active.append(seq)
-        return replies
 
     def _step(self) -> list:
         """One decode step for every active sequence."""
@@ -208,5 +242,6 @@ class Batcher:
 
     def stats(self) -> dict:
         return {"steps": self.steps, "step_tokens": self.step_tokens, "prefills": self.prefills,
+                "prefill_passes": self.prefill_passes,
                 "peak_batch": self.peak_batch, "active": self.active,
                 "mean_batch": round(self.step_tokens / self.steps, 3) if self.steps else 0.0}

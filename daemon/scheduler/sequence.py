@@ -3,7 +3,8 @@
 The same steps as Engine._generate, cut at the forward pass so that many sequences can share it:
 
     prepare(engine)       ids from the request (template, tokenizer, checks); KV cache allocated
-    prefill(engine)       forward(ids) -> logits of the last prompt token -> feed(logits)
+    prefill(engine)       forward(ids) -> logits of the last prompt token -> feed(logits); or, for
+                          several sequences at once, Transformer.forward_many then prefilled(logits)
     feed(logits [V])      sample, detokenize, stop strings; either finishes, or leaves `token`
                           to be decoded in the next step (forward_batch of every active sequence)
 
@@ -84,11 +85,15 @@ class Sequence:
         self.cache = engine.model.new_cache(min(engine.n_ctx, len(ids) + self.max_tokens + 1))
 
     def prefill(self, engine) -> list:
-        """Evaluate the prompt and take the first token; the replies to send."""
+        """Evaluate the prompt alone and take the first token; the replies to send."""
         t0 = time.perf_counter_ns()
-        logits = engine.model.forward(self.ids, self.cache)[-1]
+        return self.prefilled(engine.model.forward(self.ids, self.cache)[-1], t0)
+
+    def prefilled(self, logits: np.ndarray, started_ns: int) -> list:
+        """The prompt was evaluated (alone or with others' since started_ns): logits [V] of its
+        last token -> take the first token; the replies to send."""
         self.eval_started = time.perf_counter_ns()
-        self.prompt_eval_duration = self.eval_started - t0
+        self.prompt_eval_duration = self.eval_started - started_ns
         return self.feed(logits)
 
     def feed(self, logits: np.ndarray) -> list:

@@ -88,6 +88,34 @@ async def test_continuous_batching_matches_solo_and_engine(sched, model):
             assert engine.last_stats.done_reason == replies[-1].done_reason
 
 
+async def test_prompts_arriving_together_share_a_prefill_pass(sched, model):
+    ps = prompts(6)
+    solo = [await run(sched, Generate(i + 1, model, tokens=p + [7] * i, max_tokens=6, options=GREEDY))
+            for i, p in enumerate(ps)]
+    batcher = sched.registry.find(model).batcher
+    before = batcher.prefill_passes
+    with batcher._cv:  # hold the compute thread so that all six are queued before the next boundary
+        tasks = [asyncio.create_task(run(sched, Generate(50 + i, model, tokens=p + [7] * i, max_tokens=6,
+                                                          options=GREEDY))) for i, p in enumerate(ps)]
+        await asyncio.sleep(0.05)
+    together = await asyncio.gather(*tasks)
+    assert batcher.prefill_passes - before == 1  # one pass for six prompts of 3 to 8 tokens
+    assert [t for _, t, _ in together] == [t for _, t, _ in solo]
+    assert all(isinstance(r[-1], Done) and r[-1].prompt_eval_count == 3 + i for i, (r, _, _) in enumerate(together))
+
+    def broken(*a, **k):
+        raise RuntimeError("batched prefill broke")
+
+    engine = batcher.engine
+    engine.model.forward_many = broken  # each prompt then gets its own prefill, and the right tokens
+    try:
+        again = await asyncio.gather(*(run(sched, Generate(80 + i, model, tokens=p + [7] * i, max_tokens=6,
+                                                            options=GREEDY)) for i, p in enumerate(ps)))
+    finally:
+        del engine.model.forward_many
+    assert [t for _, t, _ in again] == [t for _, t, _ in solo]
+
+
 async def test_done_counts_and_durations(sched, model):
     replies, toks, _ = await run(sched, Generate(1, model, tokens=[5, 6, 7, 8], max_tokens=6, options=GREEDY))
     d = replies[-1]
