@@ -508,7 +508,7 @@ def _attention_split(rows: int, n_head_kv: int) -> tuple[int, int]:
 
 @njit(parallel=True, cache=True)
 def _attention(q, k_cache, v_cache, positions, scale, window, sinks, ggml, kb, nchunk):
-    T, H, Dh = q.shape
+    T, H = q.shape[0], q.shape[1]
     Hkv = k_cache.shape[1]
     Dv = v_cache.shape[2]
     C = k_cache.shape[0]
@@ -532,7 +532,7 @@ def _attention(q, k_cache, v_cache, positions, scale, window, sinks, ggml, kb, n
 @njit(parallel=True, cache=True)
 def _attention_decode(q, k_new, v_new, k_caches, v_caches, layer, positions, scale, window, sinks, ggml,
                       kb, nchunk):
-    B, H, Dh = q.shape
+    B, H = q.shape[0], q.shape[1]
     Hkv = k_new.shape[1]
     Dv = v_new.shape[2]
     G = H // Hkv

@@ -171,7 +171,7 @@ class Batcher:
             try:
                 logits = self.engine.model.forward_many([s.ids for s in part], [s.cache for s in part])
                 self.prefill_passes += 1
-            except Exception:  # noqa: BLE001 - alone, each sequence gets its own outcome
+            except Exception:  # alone, each sequence gets its own outcome
                 log.debug("a prefill of %d prompts failed; each is retried alone", len(part), exc_info=True)
                 events = [(s, self._guard(s, lambda s=s: s.prefill(self.engine))) for s in part]
                 self.prefill_passes += len(part)
