@@ -38,3 +38,21 @@ def smollm2() -> Path:
 def needs_llamacpp():
     if not llama_cpp_available():
         pytest.skip("llama-cpp-python is not installed (pip install -e '.[test]')")
+
+
+@pytest.fixture(scope="session")
+def warm_kernels(fixture_dir) -> None:
+    """Compile the numba kernels that a daemon's prefill and decode steps need, once, before the
+    tests that give each step a time limit: a cold compile (a fresh clone has no numba cache)
+    takes minutes on 2 cores. The kernels are cached on disk, so daemons started as
+    subprocesses load them too."""
+    from daemon.model.transformer import Transformer
+    from daemon.storage.gguf import GGUFFile
+    from tests.fixtures.build import fixture_path
+
+    with GGUFFile(fixture_path("qwen3moe", "Q8_0", fixture_dir)) as g:
+        model = Transformer(g)
+        caches = [model.new_cache(16), model.new_cache(16)]
+        model.forward_many([[1, 2, 3], [4, 5]], caches)
+        model.forward_batch([1, 2], caches)
+        model.forward([3], model.new_cache(8))

@@ -17,6 +17,8 @@ import pytest
 from ipc import Client, NotRunning, ServerError
 from tests.fixtures.build import fixture_path
 
+pytestmark = pytest.mark.usefixtures("warm_kernels")  # compile outside the time limits
+
 T = 120  # seconds before a test fails rather than hangs (daemon start-up imports numba)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -41,6 +41,8 @@ from ipc.protocol import (
 from ipc.server import Server, SocketInUse
 from tests.fixtures.build import fixture_path
 
+pytestmark = pytest.mark.usefixtures("warm_kernels")  # compile outside the time limits
+
 GREEDY = SamplingOptions(temperature=0.0)
 T = 60  # seconds: the longest any step may take before a test fails instead of hanging
 

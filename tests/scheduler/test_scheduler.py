@@ -17,6 +17,8 @@ from daemon.scheduler.batcher import Batcher
 from ipc.protocol import Chat, Chunk, Done, Error, Generate, Message, SamplingOptions
 from tests.fixtures.build import fixture_path
 
+pytestmark = pytest.mark.usefixtures("warm_kernels")  # compile outside the time limits
+
 GREEDY = SamplingOptions(temperature=0.0)
 
 
