@@ -8,6 +8,7 @@ silently); unknown environment variables are ignored.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -19,8 +20,11 @@ NUMERICS = ("ggml", "float32")
 ROUTING = ("auto", "exact", "approx", "speculative", "all")
 
 
-def _meta(env: str, doc: str, choices: tuple[str, ...] | None = None) -> dict[str, Any]:
-    return {"env": env, "doc": doc, "choices": choices}
+def _meta(env: str, doc: str, choices: tuple[str, ...] | None = None, *, path: bool = False,
+          daemon: bool = False) -> dict[str, Any]:
+    """path: the value names a file the daemon writes or reads (a client of another user may not
+    set it); daemon: a setting of the daemon itself, never of one model."""
+    return {"env": env, "doc": doc, "choices": choices, "path": path, "daemon": daemon}
 
 
 @dataclass(frozen=True)
@@ -54,24 +58,41 @@ class Settings:
     expert_trace_per_layer: bool = field(default=False, metadata=_meta(
         "MOE_EXPERT_TRACE_PER_LAYER", "break the activation counts down per layer"))
     expert_trace_output: str = field(default="", metadata=_meta(
-        "MOE_EXPERT_TRACE_OUTPUT", "write the activation counts as JSON to this path (.zst: compressed)"))
+        "MOE_EXPERT_TRACE_OUTPUT", "write the activation counts as JSON to this path (.zst: compressed)",
+        path=True))
     # -- the daemon (moed serve) -------------------------------------------------------------------
     socket: str = field(default="", metadata=_meta(
         "MOED_SOCKET", "the daemon's unix socket (clients use it too); empty = $XDG_RUNTIME_DIR/moed.sock, "
-        "else /tmp/moed-<uid>/moed.sock"))
+        "else /tmp/moed-<uid>/moed.sock", daemon=True))
     max_frame: int = field(default=16 * 2**20, metadata=_meta(
-        "MOED_MAX_FRAME", "largest IPC frame body the daemon reads, bytes"))
+        "MOED_MAX_FRAME", "largest IPC frame body the daemon reads, bytes", daemon=True))
     queue_size: int = field(default=64, metadata=_meta(
         "MOED_QUEUE_SIZE", "generation requests the daemon holds at once (decoding + waiting); more get "
-        "a busy error at once"))
+        "a busy error at once", daemon=True))
     max_batch: int = field(default=16, metadata=_meta(
-        "MOED_MAX_BATCH", "sequences of one model decoded together in one step (continuous batching)"))
+        "MOED_MAX_BATCH", "sequences of one model decoded together in one step (continuous batching)",
+        daemon=True))
     keep_alive: float = field(default=300.0, metadata=_meta(
         "MOED_KEEP_ALIVE", "seconds an idle model stays loaded (requests may override); 0 = unload "
-        "when idle"))
+        "when idle", daemon=True))
     allowed_uids: str = field(default="", metadata=_meta(
         "MOED_ALLOWED_UIDS", "comma-separated user ids that may connect (SO_PEERCRED); empty = only the "
-        "daemon's own user"))
+        "daemon's own user", daemon=True))
+    max_prompt_bytes: int = field(default=4 * 2**20, metadata=_meta(
+        "MOED_MAX_PROMPT_BYTES", "largest prompt, in UTF-8 bytes, after the chat template is applied "
+        "(raw prompts too); checked before tokenizing", daemon=True))
+    template_timeout: float = field(default=5.0, metadata=_meta(
+        "MOED_TEMPLATE_TIMEOUT", "seconds a chat template may take to render before the request fails",
+        daemon=True))
+    max_connections: int = field(default=256, metadata=_meta(
+        "MOED_MAX_CONNECTIONS", "client connections the daemon holds open at once; more are refused "
+        "with a busy error", daemon=True))
+    max_requests_per_connection: int = field(default=16, metadata=_meta(
+        "MOED_MAX_REQUESTS_PER_CONNECTION", "generation requests one connection may have open at once "
+        "(queued or decoding); more get a busy error, so one client cannot fill the queue", daemon=True))
+    frame_timeout: float = field(default=30.0, metadata=_meta(
+        "MOED_FRAME_TIMEOUT", "seconds a client may take to finish sending a frame it has started; a "
+        "slower one is disconnected", daemon=True))
 
     @classmethod
     def load(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
@@ -90,6 +111,16 @@ class Settings:
         return cls(**values)
 
     @classmethod
+    def daemon_settings(cls) -> frozenset[str]:
+        """Settings of the daemon itself (rejected as per-model settings in a Load)."""
+        return frozenset(f.name for f in fields(cls) if f.metadata["daemon"])
+
+    @classmethod
+    def path_settings(cls) -> frozenset[str]:
+        """Settings whose value is a file path on the daemon's side."""
+        return frozenset(f.name for f in fields(cls) if f.metadata["path"])
+
+    @classmethod
     def describe(cls) -> list[tuple[str, str, Any, str]]:
         """(name, env var, default, meaning) for every setting, for --help and the README."""
         return [(f.name, f.metadata["env"], f.default, f.metadata["doc"]) for f in fields(cls)]
@@ -102,8 +133,12 @@ def _coerce(f, value: Any, source: str) -> Any:
             out = value.strip().lower() in ("1", "true", "yes", "on")
         else:
             out = kind(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ConfigError(f"{source}: expected {kind.__name__}, got {value!r}") from None
+    if isinstance(out, float) and not math.isfinite(out):
+        raise ConfigError(f"{source}: must be a finite number, got {value!r}")
+    if isinstance(out, str) and "\0" in out:
+        raise ConfigError(f"{source}: must not contain a NUL character")
     choices = f.metadata["choices"]
     if choices and out not in choices:
         raise ConfigError(f"{source}: {out!r} is not one of {', '.join(choices)}")

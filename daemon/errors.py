@@ -6,6 +6,7 @@
     │   ├── GGUFError          the file is not a well-formed GGUF (names what is wrong)
     │   ├── UnsupportedError   well-formed, but an architecture / quant type / feature moed lacks
     │   └── StorageError       expert bytes could not be read (file truncated, I/O error)
+    │       └── ModelFileChanged   the model file changed on disk while loaded (the model unloads)
     └── RequestError           a bad request: prompt, token ids or sampling options
 """
 
@@ -33,6 +34,12 @@ class UnsupportedError(ModelError):
 class StorageError(ModelError):
     """Expert weights could not be read from disk: the file was truncated, removed or gave an I/O
     error. The request that needed them fails; the engine stays usable."""
+
+
+class ModelFileChanged(StorageError):
+    """The model file was truncated, replaced or rewritten while it was loaded (its size, mtime or
+    inode differ from what was loaded). The request fails and the model is unloaded: its weights
+    can no longer be trusted to match what was validated."""
 
 
 class RequestError(MoedError):

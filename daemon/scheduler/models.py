@@ -30,7 +30,7 @@ from .batcher import Batcher
 log = logging.getLogger("moed.scheduler")
 
 # Settings of the daemon itself, never of one model (rejected in Load.settings).
-DAEMON_SETTINGS = frozenset({"socket", "max_frame", "queue_size", "max_batch", "keep_alive", "allowed_uids"})
+DAEMON_SETTINGS = Settings.daemon_settings()
 
 
 class SchedulerError(Exception):
