@@ -1,7 +1,7 @@
 """Expert streaming end to end: an Engine reading experts from disk through a bounded cache gives
-the same logits and greedy tokens, bit for bit, as a Transformer over the memory-mapped file, at
-every cache size and in every routing mode; it reads exactly the experts it misses; it survives
-a truncated model file; it uses a valid expert pack and ignores a stale one; its tracer and
+the same logits and greedy tokens, bit for bit, as a Transformer over the whole file in memory, at
+every cache size and in every routing mode; it reads exactly the experts it misses; it fails the
+request, not the process, when the model file is truncated; it uses a valid expert pack and ignores a stale one; its tracer and
 verbose routing log report the routing that really happened."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 
 from daemon import Engine
 from daemon.config import Settings
-from daemon.errors import StorageError
+from daemon.errors import ModelFileChanged
 from daemon.model.transformer import Transformer
 from daemon.storage.gguf import GGUFFile
 from daemon.storage.pack import write_pack
@@ -37,7 +37,7 @@ def _clean_env(monkeypatch):
 
 
 class Ref:
-    """The reference: a Transformer over the mapped file (MappedExperts), greedy by argmax."""
+    """The reference: a Transformer over the whole file (ResidentExperts), greedy by argmax."""
 
     def __init__(self, path):
         self.path = path
@@ -221,12 +221,13 @@ def test_truncated_model_fails_the_request_then_recovers(refs, tmp_path, limit, 
     with load(path, expert_cache_limit_mb=limits(ref)[limit], routing=mode) as engine:
         with open(path, "r+b") as f:
             f.truncate(cut)
-        with pytest.raises(StorageError) as ei:
+        with pytest.raises(ModelFileChanged) as ei:
             generate(engine)
         msg = str(ei.value)
-        assert str(path) in msg and f"layer {last}" in msg and "truncated" in msg
-        with open(path, "r+b") as f:  # the same file (inode) again, as it was
+        assert str(path) in msg and "truncated" in msg
+        with open(path, "r+b") as f:  # the same file (inode) again, as it was: a new load serves it
             f.write(original)
+    with load(path, expert_cache_limit_mb=limits(ref)[limit], routing=mode) as engine:
         _, calls = generate(engine)
         assert_matches_ref(ref, calls)
         assert np.array_equal(engine.forward(PROMPT), ref.all_logits)

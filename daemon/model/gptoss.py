@@ -3,11 +3,11 @@
 
 from ..storage.gguf import GGUFFile
 from .family import Family, register
-from .hparams import HParams, read_hparams
+from .hparams import HParams, block_count, read_hparams
 
 
 def _hparams(g: GGUFFile) -> HParams:
-    n_layer = g.get("gpt-oss.block_count", int)
+    n_layer = block_count(g, "gpt-oss")
     # llama.cpp's swa pattern 2: even layers use the sliding window, odd layers full attention.
     return read_hparams(g, "gpt-oss", neox=True, swa_layers=tuple(i % 2 == 0 for i in range(n_layer)))
 

@@ -1,12 +1,17 @@
 """Hyper-parameters read from GGUF metadata, shared by every family.
 
 Keys are `{arch}.<name>` as llama.cpp names them. A key the model needs that is missing or has the
-wrong type raises GGUFError naming it (GGUFFile.get does the checking).
+wrong type raises GGUFError naming it (GGUFFile.get does the checking), and so does a value the
+file cannot back or the model cannot compute with: a block count beyond the blocks whose tensors
+the file holds (checked before anything is sized by it), a negative count, a float that is not
+finite as a float32 (the model computes in float32), or not positive where the model divides by
+it or takes its log.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -65,7 +70,7 @@ def read_hparams(g: GGUFFile, arch: str, *, neox: bool, **extra) -> HParams:
     n_embd = get("embedding_length")
     n_head = get("attention.head_count")
     n_head_kv = _uniform(g, key("attention.head_count_kv"), n_head)
-    n_layer = get("block_count")
+    n_layer = block_count(g, arch)
     head_dim = get("attention.key_length", int, n_embd // n_head if n_head else 0)
     head_dim_v = get("attention.value_length", int, head_dim)
     n_vocab = _n_vocab(g, arch)
@@ -80,19 +85,60 @@ def read_hparams(g: GGUFFile, arch: str, *, neox: bool, **extra) -> HParams:
     n_expert_used = get("expert_used_count", int, 0)
     if n_expert and not 0 < n_expert_used <= n_expert:
         raise GGUFError(f"metadata {key('expert_used_count')}={n_expert_used} must be in 1..{n_expert}")
+    n_ctx_train = get("context_length", int, 4096)
+    if n_ctx_train <= 0:
+        raise GGUFError(f"metadata {key('context_length')} must be positive, got {n_ctx_train}")
     hp = dict(
         arch=arch, n_vocab=n_vocab, n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_head_kv=n_head_kv,
-        head_dim=head_dim, head_dim_v=head_dim_v, n_ctx_train=get("context_length", int, 4096),
-        rms_eps=float(get("attention.layer_norm_rms_epsilon", float, 1e-5)), rope=rope,
+        head_dim=head_dim, head_dim_v=head_dim_v, n_ctx_train=n_ctx_train,
+        rms_eps=_float(g, key("attention.layer_norm_rms_epsilon"), 1e-5, positive=True), rope=rope,
         n_ff=_uniform(g, key("feed_forward_length"), 0), n_expert=n_expert, n_expert_used=n_expert_used,
         n_ff_exp=get("expert_feed_forward_length", int, 0),
         n_ff_shexp=get("expert_shared_feed_forward_length", int, 0),
-        expert_weights_scale=float(get("expert_weights_scale", float, 0.0)),
+        expert_weights_scale=_float(g, key("expert_weights_scale"), 0.0, at_least=0.0),
         sliding_window=get("attention.sliding_window", int, 0),
         swa_layers=(False,) * n_layer,
     )
+    for name in ("n_vocab", "head_dim_v", "n_ff", "n_ff_exp", "n_ff_shexp", "sliding_window"):
+        if hp[name] < 0:
+            raise GGUFError(f"metadata of {arch}: {name} = {hp[name]} is negative")
     hp.update(extra)
     return HParams(**hp)
+
+
+_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.")
+
+
+def block_count(g: GGUFFile, arch: str) -> int:
+    """`{arch}.block_count`, checked against the blocks the file has tensors for (blk.N.*) before
+    anything is sized by it: every block 0..n-1 must have tensors."""
+    name = f"{arch}.block_count"
+    n = g.get(name, int)
+    if n <= 0:
+        raise GGUFError(f"metadata {name} must be positive, got {n}")
+    blocks = {int(m.group(1)) for m in map(_BLOCK_TENSOR.match, g.tensors) if m}
+    if n > len(blocks):
+        raise GGUFError(f"metadata {name} = {n}, but the file has tensors for {len(blocks)} blocks")
+    for i in range(n):  # n <= the number of tensors: cheap
+        if i not in blocks:
+            raise GGUFError(f"metadata {name} = {n}, but the file has no tensors for block {i} (blk.{i}.*)")
+    return n
+
+
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _float(g: GGUFFile, name: str, default: float, *, positive: bool = False,
+           at_least: float | None = None) -> float:
+    """A float hyper-parameter, finite as a float32, and > 0 (positive) or >= at_least."""
+    v = float(g.get(name, float, default))
+    if not (math.isfinite(v) and abs(v) <= _F32_MAX):
+        raise GGUFError(f"metadata {name} = {v} is not a finite float32")
+    if positive and not np.float32(v) > 0:
+        raise GGUFError(f"metadata {name} = {v} must be positive")
+    if at_least is not None and v < at_least:
+        raise GGUFError(f"metadata {name} = {v} must be at least {at_least}")
+    return v
 
 
 def _uniform(g: GGUFFile, name: str, default: int) -> int:
@@ -116,9 +162,9 @@ def _read_rope(g: GGUFFile, arch: str, head_dim: int, neox: bool) -> Rope:
     n_dims = g.get(f"{arch}.rope.dimension_count", int, head_dim)
     if not 0 < n_dims <= head_dim or n_dims % 2:
         raise GGUFError(f"metadata {arch}.rope.dimension_count={n_dims} must be even and in 1..{head_dim}")
-    base = float(g.get(f"{arch}.rope.freq_base", float, 10000.0))
+    base = _float(g, f"{arch}.rope.freq_base", 10000.0, positive=True)
     kind = g.get(f"{arch}.rope.scaling.type", str, "none")
-    factor = float(g.get(f"{arch}.rope.scaling.factor", float, 0.0))
+    factor = _float(g, f"{arch}.rope.scaling.factor", 0.0, at_least=0.0)  # 0: none
     freq_scale = 1.0 / factor if factor > 0 else 1.0
     if kind in ("none", "") or freq_scale == 1.0 and kind != "yarn":
         return Rope(n_dims, base, neox)
@@ -127,12 +173,28 @@ def _read_rope(g: GGUFFile, arch: str, head_dim: int, neox: bool) -> Rope:
     if kind != "yarn":
         raise UnsupportedError(f"rope scaling type {kind!r} is not supported")
     n_ctx_orig = g.get(f"{arch}.rope.scaling.original_context_length", int, 0) or g.get(f"{arch}.context_length", int)
+    # YaRN takes the logs of the factor, of the base and of the original context
+    if not factor > 0:
+        raise GGUFError(f"metadata {arch}.rope.scaling.factor = {factor} must be positive for YaRN")
+    if np.float32(base) == 1:
+        raise GGUFError(f"metadata {arch}.rope.freq_base = {base} cannot be 1 with YaRN scaling")
+    if n_ctx_orig <= 0:
+        raise GGUFError(f"metadata {arch}.rope.scaling.original_context_length = {n_ctx_orig} must be positive")
     # As llama.cpp: betas fixed at 32 / 1, ext_factor 1, and an attn_factor that cancels
     # rope_yarn's own mscale correction up to float32 rounding.
     beta_fast, beta_slow, ext_factor = 32.0, 1.0, 1.0
     f32 = np.float32
-    mscale = f32(1.0) if factor <= 1 else f32(f32(0.1) * f32(math.log(f32(factor))) + f32(1.0))
-    attn_factor = float(f32(mscale * f32(f32(1.0) / f32(f32(1.0) + f32(0.1) * f32(math.log(f32(factor))))))
-                        * f32(g.get(f"{arch}.rope.scaling.attn_factor", float, 1.0)))
-    corr = yarn_corr_dims(n_dims, n_ctx_orig, base, beta_fast, beta_slow)
+    with np.errstate(all="ignore"):  # a result that is not finite is refused below
+        mscale = f32(1.0) if factor <= 1 else f32(f32(0.1) * f32(math.log(f32(factor))) + f32(1.0))
+        attn_factor = float(f32(mscale * f32(f32(1.0) / f32(f32(1.0) + f32(0.1) * f32(math.log(f32(factor))))))
+                            * f32(_float(g, f"{arch}.rope.scaling.attn_factor", 1.0, positive=True)))
+        try:
+            corr = yarn_corr_dims(n_dims, n_ctx_orig, base, beta_fast, beta_slow)
+        except (OverflowError, ValueError):
+            corr = (math.nan, math.nan)
+    if not (math.isfinite(attn_factor) and attn_factor > 0):
+        raise GGUFError(f"metadata {arch}.rope.scaling.factor = {factor} gives a YaRN attention factor of {attn_factor}")
+    if not all(math.isfinite(c) for c in corr):
+        raise GGUFError(f"metadata {arch}.rope.freq_base = {base} and {arch}.rope.scaling.original_context_length = "
+                        f"{n_ctx_orig} give no finite YaRN correction range")
     return Rope(n_dims, base, neox, freq_scale, ext_factor, attn_factor, corr)

@@ -19,7 +19,7 @@ from ..errors import GGUFError, RequestError
 from ..kernels import ops
 from ..kernels.matmul import linear, linear_prepared, prepare
 from ..kernels.quants import dequantize
-from ..storage.experts import ExpertProvider, MappedExperts
+from ..storage.experts import ExpertProvider, ResidentExperts
 from ..storage.gguf import GGUFFile
 from .family import Family, family_for
 from .hparams import HParams
@@ -114,7 +114,7 @@ class Transformer:
         self.moe_layers = moe_layers
         F = hp.n_ff_exp or hp.n_ff
         if experts is None and moe_layers:
-            experts = MappedExperts(src, moe_layers, hp.n_embd, F, hp.n_expert)
+            experts = ResidentExperts(src, moe_layers, hp.n_embd, F, hp.n_expert)
         for il in moe_layers:
             lay = experts.layout(il)
             if (lay.n_expert, lay.n_embd, lay.n_ff) != (hp.n_expert, hp.n_embd, F):

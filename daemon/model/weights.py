@@ -1,7 +1,9 @@
-"""Resident (non-expert) weights as views into the mapped GGUF file.
+"""Resident (non-expert) weights, copied out of the GGUF file at load.
 
-A QWeight is a matrix in its file encoding: raw uint8 rows of ggml blocks, never dequantized as a
-whole. Legend: N = output rows, K = input length (ggml ne[0]), E = experts.
+They are copies, not views of a mapping: a mapped file that another process truncates kills the
+process with SIGBUS on the next step, and these weights are resident anyway. A QWeight is a matrix
+in its file encoding: raw uint8 rows of ggml blocks, never dequantized as a whole.
+Legend: N = output rows, K = input length (ggml ne[0]), E = experts.
 """
 
 from __future__ import annotations

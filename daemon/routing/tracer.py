@@ -20,7 +20,7 @@ Names lines (`names=True`), one per activation, written to `log` as the routing 
     tok 12 blk.5 expert 3: blk.5.ffn_gate_exps.weight[3] blk.5.ffn_up_exps.weight[3] blk.5.ffn_down_exps.weight[3]
 
 `tok` is the 0-based index of the token among all tokens evaluated since attach; the tensors are
-the stacked GGUF tensors the expert is sliced from (as `MappedExperts` reads them), `[e]` the slice
+the stacked GGUF tensors the expert is sliced from (as `ResidentExperts` reads them), `[e]` the slice
 along the expert dimension. Lines of one row are in the router's top-k order.
 
 JSON (`as_dict()`, `write()`; a `.zst` path is zstandard-compressed), cumulative since creation:

@@ -15,6 +15,8 @@ Rules:
 - Reads run on an I/O thread with its own asyncio loop (aiofiles, MOE_IO_DEPTH in flight);
   demand reads jump ahead of queued prefetches. Cache state is guarded by one lock, so a step
   whose experts are all cached never waits on the I/O thread.
+- A failed read (StorageError; ModelFileChanged once the file changed on disk) is forgotten, so a
+  later request reads again; the fetch that waited on it raises the read's exception itself.
 
 Legend: E = experts, S = slots, F = expert FFN size, D = hidden size.
 """
@@ -32,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from ..errors import StorageError
+from ..errors import GGUFError, StorageError
 from .experts import PROJECTIONS, ExpertBatch, ExpertLayout, check_ids
 from .store import ExpertStore, StoreReader
 
@@ -114,12 +116,20 @@ class ExpertCache:
     # -- provider interface ---------------------------------------------------------------------
 
     def layout(self, layer: int) -> ExpertLayout:
-        return self._layers[layer].layout
+        return self._layer(layer).layout
+
+    def _layer(self, layer: int) -> _Layer:
+        try:
+            return self._layers[layer]
+        except KeyError:
+            raise GGUFError(f"{self.store.path}: layer {layer} has no expert tensors "
+                            f"(blk.{layer}.ffn_{{gate,up,down}}_exps.weight)") from None
 
     def fetch(self, layer: int, ids: Sequence[int]) -> _Held:
         """The experts `ids` of `layer`, pinned until the `with` block exits:
-        `with cache.fetch(layer, ids) as batch: ...`. Raises StorageError if a read fails."""
-        lc = self._layers[layer]
+        `with cache.fetch(layer, ids) as batch: ...`. Raises StorageError if a read fails, and
+        ModelFileChanged (the read's own exception) if the file changed since it was loaded."""
+        lc = self._layer(layer)
         wanted = list(dict.fromkeys(int(e) for e in ids))
         check_ids(layer, wanted, lc.layout.n_expert)
         if lc.resident is not None:  # unlimited and every expert read: nothing can move any more

@@ -1,8 +1,8 @@
 """Expert providers: (layer, expert ids) -> the weights of those experts, as stacks kernels index.
 
-Model code never holds expert arrays; it asks a provider. `MappedExperts` serves the stacked
-tensors of the memory-mapped GGUF file as they are; `ExpertCache` (cache.py) streams experts from
-disk into a bounded per-layer cache and serves its slots. Both hand out an `ExpertBatch`.
+Model code never holds expert arrays; it asks a provider. `ResidentExperts` serves the stacked
+tensors of the GGUF file, read whole into memory at load; `ExpertCache` (cache.py) streams experts
+from disk into a bounded per-layer cache and serves its slots. Both hand out an `ExpertBatch`.
 
 Legend: E = experts, S = slots of a stack, D = hidden size, F = expert FFN size,
 rb(t, K) = bytes of one row of K values in ggml type t.
@@ -73,8 +73,9 @@ class ExpertProvider(Protocol):
         ...
 
 
-class MappedExperts:
-    """Serves the stacked tensors of the mapped file directly: every expert is always 'loaded'."""
+class ResidentExperts:
+    """Serves the stacked tensors, copied into memory at load: every expert is always 'loaded'.
+    (Tests and tools use it; the engine streams experts through an ExpertCache.)"""
 
     def __init__(self, source, moe_layers: Sequence[int], n_embd: int, n_ff: int, n_expert: int):
         self._batches: dict[int, ExpertBatch] = {}
@@ -89,10 +90,12 @@ class MappedExperts:
             self._layouts[il] = ExpertLayout(n_expert, n_embd, n_ff, gt, ut, dt)
 
     def layout(self, layer: int) -> ExpertLayout:
+        if layer not in self._layouts:
+            raise GGUFError(f"layer {layer} has no expert tensors")
         return self._layouts[layer]
 
     def fetch(self, layer: int, ids: Sequence[int]) -> ContextManager[ExpertBatch]:
-        check_ids(layer, ids, self._layouts[layer].n_expert)
+        check_ids(layer, ids, self.layout(layer).n_expert)
         return nullcontext(self._batches[layer])
 
 

@@ -17,33 +17,45 @@ Layout (little-endian, versions 2 and 3):
 A string is a u64 byte length followed by that many UTF-8 bytes. An array value is a u32 element
 type, a u64 count and the elements. Arrays of arrays are rejected (llama.cpp rejects them too).
 
-The file is memory-mapped read-only; metadata values are decoded into Python objects (numeric
-arrays are copied into numpy arrays), and `tensor_data` returns zero-copy read-only views.
-The file must not be truncated by another process while it is mapped (no reader can guard
-against that: touching a page past the new end raises SIGBUS).
+Nothing is memory-mapped: a mapping of a file that another process truncates raises SIGBUS when a
+page past the new end is touched, which no Python code can recover from. The header is read with
+positional reads into a buffer that grows as the parser needs it (so a file cut while it loads is
+a GGUFError too), metadata values are decoded into Python objects (numeric arrays into numpy
+arrays), and `tensor_data` / `read_range` return copies read with pread, their length checked.
+
+The file is opened only if it is a regular file, and without blocking (a FIFO or device at the
+path is refused before it is opened). Its identity (device, inode, size, mtime) is recorded at
+open (`FileIdentity`); every later read checks it, so a model file truncated, rewritten or
+replaced while loaded gives ModelFileChanged instead of other bytes than were validated.
+
+No error message contains bytes read from a file that is not known to be a GGUF file: a
+daemon's error text must not disclose the start of whatever file a client names.
 """
 
 from __future__ import annotations
 
-import mmap
+import errno
 import os
 import stat
 import struct
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from daemon.errors import GGUFError, ModelError
+from daemon.errors import GGUFError, ModelError, ModelFileChanged, StorageError
 
 __all__ = [
+    "FileIdentity",
     "GGUFFile",
     "TensorInfo",
     "GGML_TYPE_NAMES",
     "GGUF_VALUE_TYPE_NAMES",
     "ggml_type_block_size",
     "ggml_type_name",
+    "open_regular",
 ]
 
 GGUF_MAGIC = b"GGUF"
@@ -63,6 +75,7 @@ MAX_ARRAY_LEN = 1 << 24  # 16.7M elements; vocabularies are < 300k
 _MIN_KV_BYTES = 8 + 4 + 1  # empty key, value type, 1-byte value
 _MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8  # empty name, n_dims, one ne, type, offset
 _HEADER_BYTES = 4 + 4 + 8 + 8
+_READ_CHUNK = 1 << 20  # the header is read in chunks of at least this size, doubling
 
 GGML_TYPE_NAMES: dict[int, str] = {int(t): t.name for t in GGML_QUANT_SIZES}
 GGUF_VALUE_TYPE_NAMES: dict[int, str] = {int(t): t.name.lower() for t in GGUFValueType}
@@ -156,16 +169,118 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
     return getattr(kind, "__name__", str(kind))
 
 
+def open_regular(path: str) -> tuple[int, os.stat_result]:
+    """Open `path` read-only if it is a regular file; -> (descriptor, its fstat).
+
+    The type is checked before the open, so a FIFO or device is never opened (opening a FIFO
+    blocks until a writer comes), and the open is non-blocking with the type checked again on
+    the descriptor, so a swap between the two cannot block either. Raises OSError; a path that
+    is not a regular file gives strerror "not a regular file"."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise OSError(errno.EINVAL, "not a regular file", path)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """A file as it was when it was loaded. `check` raises ModelFileChanged once it is not."""
+
+    path: str
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, path: str, st: os.stat_result) -> FileIdentity:
+        return cls(path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def changes(self, fd: int | None = None) -> str:
+        """What changed, or "" if nothing did. fd: a descriptor open on the file, whose size and
+        mtime are compared (those of the path otherwise); the path's inode is always compared,
+        to notice a file replaced (renamed over) or removed."""
+        notes = []
+        if fd is not None:
+            try:
+                st = os.fstat(fd)
+            except OSError as e:
+                return f"cannot stat the open file: {e.strerror or e}"
+            if (st.st_dev, st.st_ino) != (self.dev, self.ino):
+                notes.append("the open file is another file")
+            notes += self._content_changes(st)
+        try:
+            pst = os.stat(self.path)
+        except FileNotFoundError:
+            notes.append("removed")
+        except OSError as e:
+            notes.append(f"cannot stat the path: {e.strerror or e}")
+        else:
+            if (pst.st_dev, pst.st_ino) != (self.dev, self.ino):
+                notes.append("replaced by another file")
+            elif fd is None:
+                notes += self._content_changes(pst)
+        return "; ".join(notes)
+
+    def _content_changes(self, st: os.stat_result) -> list[str]:
+        if st.st_size < self.size:
+            return [f"truncated from {self.size} to {st.st_size} bytes"]
+        if st.st_size > self.size:
+            return [f"grew from {self.size} to {st.st_size} bytes"]
+        if st.st_mtime_ns != self.mtime_ns:
+            return ["modified: its modification time changed"]
+        return []
+
+    def check(self, fd: int | None = None, context: str = "") -> None:
+        """Raise ModelFileChanged naming the file and what changed, if anything did.
+        context: appended to the message (what was being read)."""
+        what = self.changes(fd)
+        if what:
+            raise ModelFileChanged(self.changed_message(what, context))
+
+    def changed_message(self, what: str, context: str = "") -> str:
+        return f"model file changed on disk: {self.path} ({what})" + (f"; {context}" if context else "")
+
+
 class _Cursor:
-    """Bounds-checked little-endian reads from the mapped header."""
+    """Bounds-checked little-endian reads from the header. `buf` holds the file's first bytes,
+    read with pread as the cursor needs them (`fill`); `size` is the file size at open."""
 
-    __slots__ = ("buf", "pos", "size", "path")
+    __slots__ = ("fd", "buf", "pos", "size", "path")
 
-    def __init__(self, buf: mmap.mmap, size: int, path: str) -> None:
-        self.buf = buf
+    def __init__(self, fd: int, size: int, path: str) -> None:
+        self.fd = fd
+        self.buf = bytearray()
         self.pos = 0
         self.size = size
         self.path = path
+
+    def fill(self, end: int) -> bytearray:
+        """Make buf hold at least the file's first `end` bytes (end <= size); -> buf (the same
+        object: references to it stay valid). Reads ahead in doubling chunks."""
+        buf = self.buf
+        if end <= len(buf):
+            return buf
+        want = min(self.size, max(end, 2 * len(buf), _READ_CHUNK))
+        try:
+            while len(buf) < want:
+                chunk = os.pread(self.fd, want - len(buf), len(buf))
+                if not chunk:
+                    raise GGUFError(
+                        f"{self.path}: the file shrank while it was being read: it ends at {len(buf)} bytes, "
+                        f"it had {self.size} when opened"
+                    )
+                buf += chunk
+        except OSError as e:
+            raise ModelError(f"cannot read model file {self.path!r}: {e.strerror or e}") from None
+        return buf
 
     def remaining(self) -> int:
         return self.size - self.pos
@@ -176,6 +291,8 @@ class _Cursor:
                 f"{self.path}: truncated file: {what} needs {n} bytes at offset {self.pos}, "
                 f"but only {self.size - self.pos} remain (file size {self.size})"
             )
+        if self.pos + n > len(self.buf):
+            self.fill(self.pos + n)
 
     def u32(self, what: str) -> int:
         self.need(4, what)
@@ -204,7 +321,8 @@ class _Cursor:
                 f"{self.path}: {what}: string length {n} at offset {self.pos - 8} runs past end of file "
                 f"({self.size - self.pos} bytes remain, file size {self.size})"
             )
-        b = self.buf[self.pos : self.pos + n]
+        self.need(n, what)
+        b = bytes(self.buf[self.pos : self.pos + n])
         self.pos += n
         return b
 
@@ -217,12 +335,12 @@ class _Cursor:
 
 
 class GGUFFile:
-    """A parsed, fully validated GGUF file, memory-mapped read-only.
+    """A parsed, fully validated GGUF file, kept open (not mapped) for `tensor_data` reads.
 
     Attributes: path, version, alignment, data_offset (absolute start of the tensor data section:
     the end of the header rounded up to the alignment; it may lie past file_size in a file with no
-    tensor data), file_size, metadata (key -> decoded value, in file
-    order), tensors (name -> TensorInfo, in file order).
+    tensor data), file_size, identity (the file as opened: device, inode, size, mtime), metadata
+    (key -> decoded value, in file order), tensors (name -> TensorInfo, in file order).
     """
 
     path: str
@@ -230,6 +348,7 @@ class GGUFFile:
     alignment: int
     data_offset: int
     file_size: int
+    identity: FileIdentity
     metadata: dict[str, Any]
     tensors: dict[str, TensorInfo]
 
@@ -237,33 +356,25 @@ class GGUFFile:
         self.path = os.fspath(path)
         if isinstance(self.path, bytes):
             self.path = os.fsdecode(self.path)
-        self._mm: mmap.mmap | None = None
+        self._fd: int | None = None
         self.metadata = {}
         self._types: dict[str, tuple[int, int | None]] = {}  # key -> (value type, array element type)
         self.tensors = {}
         try:
-            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except OSError as e:
-            raise ModelError(f"cannot open model file {self.path!r}: {e.strerror or e}") from e
+            fd, st = open_regular(self.path)
+        except (OSError, ValueError) as e:  # ValueError: a NUL in the path
+            raise ModelError(f"cannot open model file {self.path!r}: {getattr(e, 'strerror', None) or e}") from None
+        self._fd = fd
+        self._closer = weakref.finalize(self, os.close, fd)  # an unclosed GGUFFile frees its descriptor
+        self.identity = FileIdentity.of(self.path, st)
+        self.file_size = st.st_size
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise ModelError(f"cannot open model file {self.path!r}: not a regular file")
-            self.file_size = st.st_size
             if self.file_size < _HEADER_BYTES:
                 raise GGUFError(
                     f"{self.path}: file too small for a GGUF header ({self.file_size} bytes, need at least {_HEADER_BYTES})"
                 )
-            try:
-                self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-            except (OSError, ValueError) as e:
-                raise ModelError(f"cannot map model file {self.path!r}: {e}") from e
-        finally:
-            os.close(fd)
-        try:
-            # The size of the mapping is what we can read, whatever fstat said.
-            self.file_size = min(self.file_size, len(self._mm))
             self._parse()
+            self.identity.check(fd, "while its header was read")
         except BaseException:
             self.close()
             raise
@@ -271,13 +382,13 @@ class GGUFFile:
     # ----------------------------------------------------------------------------------- parsing
 
     def _parse(self) -> None:
-        assert self._mm is not None
+        assert self._fd is not None
         p = self.path
-        cur = _Cursor(self._mm, self.file_size, p)
+        cur = _Cursor(self._fd, self.file_size, p)
 
-        magic = self._mm[0:4]
-        if magic != GGUF_MAGIC:
-            raise GGUFError(f"{p}: bad magic {magic!r}, expected {GGUF_MAGIC!r}: not a GGUF file")
+        # The bytes are not echoed: this may be any file the daemon can read (/etc/shadow).
+        if cur.fill(len(GGUF_MAGIC))[: len(GGUF_MAGIC)] != GGUF_MAGIC:
+            raise GGUFError(f"{p}: not a GGUF file (it does not start with the GGUF magic)")
         cur.pos = 4
         version = cur.u32("version")
         if version not in SUPPORTED_VERSIONS:
@@ -423,6 +534,7 @@ class GGUFFile:
                     f"({rem} bytes remain)"
                 )
             if n:
+                cur.need(n * dt.itemsize, f"{what}: array")
                 arr = np.frombuffer(cur.buf, dtype=dt, count=n, offset=cur.pos).astype(dt.newbyteorder("="))
             else:
                 arr = np.empty(0, dtype=dt.newbyteorder("="))
@@ -442,6 +554,7 @@ class GGUFFile:
 
     def _read_string_array(self, cur: _Cursor, n: int, what: str) -> list[str]:
         buf, size, pos = cur.buf, cur.size, cur.pos
+        have = len(buf)  # bytes of the file in buf; fill() grows buf in place
         unpack = _U64.unpack_from
         out: list[str] = [""] * n
         try:
@@ -452,6 +565,8 @@ class GGUFFile:
                         f"{self.path}: {what}: element {i}: string length runs past end of file "
                         f"(offset {pos}, file size {size})"
                     )
+                if pos + 8 > have:
+                    have = len(cur.fill(pos + 8))
                 (ln,) = unpack(buf, pos)
                 pos += 8
                 if ln > size - pos or ln > MAX_STRING_LEN:
@@ -460,6 +575,8 @@ class GGUFFile:
                         f"runs past end of file (file size {size})"
                     )
                 end = pos + ln
+                if end > have:
+                    have = len(cur.fill(end))
                 out[i] = buf[pos:end].decode("utf-8")
                 pos = end
         except UnicodeDecodeError as e:
@@ -539,21 +656,49 @@ class GGUFFile:
             raise GGUFError(f"{self.path}: no tensor named {name!r}") from None
 
     def tensor_data(self, name: str) -> np.ndarray:
-        """The tensor's bytes: a read-only 1-D uint8 view into the mapping (no copy)."""
+        """The tensor's bytes: a read-only 1-D uint8 array, a copy read from the file.
+        Raises ModelFileChanged if the file is no longer the one parsed, StorageError if the read
+        comes up short or fails."""
         ti = self.tensor_info(name)
-        if self._mm is None:
+        return self._read(ti.offset, ti.nbytes, f"tensor {name!r}")
+
+    def read_range(self, name: str, start: int, nbytes: int) -> np.ndarray:
+        """Bytes [start, start + nbytes) of a tensor's data, as tensor_data (one expert's slice of a
+        stacked tensor, without reading the rest)."""
+        ti = self.tensor_info(name)
+        if start < 0 or nbytes < 0 or start + nbytes > ti.nbytes:
+            raise ValueError(f"tensor {name!r}: range [{start}, {start + nbytes}) is outside its {ti.nbytes} bytes")
+        return self._read(ti.offset + start, nbytes, f"tensor {name!r}")
+
+    def _read(self, offset: int, nbytes: int, what: str) -> np.ndarray:
+        fd = self._fd
+        if fd is None:
             raise ModelError(f"{self.path}: file is closed")
-        return np.frombuffer(self._mm, dtype=np.uint8, count=ti.nbytes, offset=ti.offset)
+        out = np.empty(nbytes, np.uint8)
+        view = memoryview(out)
+        got = 0
+        try:
+            while got < nbytes:  # one read returns at most ~2 GiB
+                n = os.preadv(fd, [view[got:]], offset + got)
+                if n == 0:
+                    break
+                got += n
+        except OSError as e:
+            raise StorageError(f"{self.path}: cannot read {what}: {e.strerror or e}") from None
+        # After the read: a change made before it (truncation, rewrite) shows in the identity.
+        self.identity.check(fd, f"while reading {what}")
+        if got != nbytes:
+            raise StorageError(f"{self.path}: {what}: short read at offset {offset} ({got} of {nbytes} bytes): "
+                               "is the file truncated?")
+        out.flags.writeable = False
+        return out
 
     def close(self) -> None:
-        """Release the mapping. Views returned by tensor_data stay valid: the mapping is unmapped
-        when the last of them is gone."""
-        mm, self._mm = self._mm, None
-        if mm is not None:
-            try:
-                mm.close()
-            except BufferError:
-                pass  # views still alive; the mapping goes with the last of them
+        """Close the file. Arrays returned by tensor_data are copies: they stay valid."""
+        self._fd = None
+        closer = getattr(self, "_closer", None)
+        if closer is not None:
+            closer()  # closes the descriptor once
 
     def __enter__(self) -> GGUFFile:
         return self

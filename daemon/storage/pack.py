@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 from ..errors import ConfigError, ModelError, StorageError
 from .experts import PROJECTIONS, ExpertLayout
-from .gguf import GGUFFile, ggml_type_name
+from .gguf import FileIdentity, GGUFFile, ggml_type_name, open_regular
 from .store import ExpertLocation, ExpertStore, expert_layouts
 
 __all__ = ["PACK_SUFFIX", "PackError", "PackReport", "TypeStats", "open_pack", "out_path", "pack_path",
@@ -94,8 +94,9 @@ def _header_size(n_entries: int) -> int:
 # --- source identity -------------------------------------------------------------------------------
 
 def source_identity(gguf: GGUFFile) -> tuple[int, bytes, bytes]:
-    """(file size, blake2b of the header region, blake2b of a data sample) of the GGUF file."""
-    fd = os.open(gguf.path, os.O_RDONLY)
+    """(file size, blake2b of the header region, blake2b of a data sample) of the GGUF file.
+    Raises OSError, or ModelFileChanged if the file is no longer the one `gguf` parsed."""
+    fd, _ = open_regular(gguf.path)
     try:
         size = os.fstat(fd).st_size
         head_end = min(gguf.data_offset, size)
@@ -111,6 +112,7 @@ def source_identity(gguf: GGUFFile) -> tuple[int, bytes, bytes]:
         for off in _sample_offsets(gguf, head_end, size):
             sample.update(struct.pack("<Q", off))
             sample.update(os.pread(fd, SAMPLE_BLOCK, off))
+        gguf.identity.check(fd, "while checking its expert pack")
         return size, head.digest(), sample.digest()
     finally:
         os.close(fd)
@@ -215,7 +217,7 @@ def write_pack(model_path, out=None, *, level: int = 3, min_saving: float = 0.10
             parts = []
             for p in PROJECTIONS:
                 n = lay.nbytes(p)
-                parts.append(gguf.tensor_data(f"blk.{il}.ffn_{p}_exps.weight")[e * n:(e + 1) * n])
+                parts.append(gguf.read_range(f"blk.{il}.ffn_{p}_exps.weight", e * n, n))
             raw = b"".join(parts)
             return (*_encode(raw, level, min_saving), len(raw), zlib.crc32(raw))
 
@@ -277,8 +279,10 @@ def read_pack(path, gguf: GGUFFile, layouts: dict[int, ExpertLayout]) -> ExpertS
     """The pack at `path` as an ExpertStore; raises PackError saying why it cannot be used."""
     path = os.fspath(path)
     try:
-        with open(path, "rb") as f:
-            file_size = os.fstat(f.fileno()).st_size
+        fd, st = open_regular(path)  # a FIFO at the path must not block the load
+        with open(fd, "rb") as f:
+            identity = FileIdentity.of(path, st)
+            file_size = st.st_size
             prefix = f.read(_PREFIX.size)
             if len(prefix) < _PREFIX.size:
                 raise PackError("truncated header")
@@ -298,14 +302,14 @@ def read_pack(path, gguf: GGUFFile, layouts: dict[int, ExpertLayout]) -> ExpertS
     if zlib.crc32(body) != crc:
         raise PackError("header checksum mismatch (corrupt header)")
     try:
-        identity = source_identity(gguf)
+        source = source_identity(gguf)
     except OSError as e:
         raise PackError(f"cannot read the model to check the pack against it: {e.strerror or e}") from None
-    if src_size != identity[0]:
-        raise PackError(f"stale: made from a model of {src_size} bytes, this one has {identity[0]}")
-    if head_hash != identity[1]:
+    if src_size != source[0]:
+        raise PackError(f"stale: made from a model of {src_size} bytes, this one has {source[0]}")
+    if head_hash != source[1]:
         raise PackError("stale: the model's header (metadata or tensor table) differs")
-    if sample_hash != identity[2]:
+    if sample_hash != source[2]:
         raise PackError("stale: the model's tensor data differs")
 
     want = [(il, e) for il in sorted(layouts) for e in range(layouts[il].n_expert)]
@@ -327,7 +331,7 @@ def read_pack(path, gguf: GGUFFile, layouts: dict[int, ExpertLayout]) -> ExpertS
                             f"the file has {file_size} bytes")
         end = off + stored
         locations[il].append(ExpertLocation(((off, stored),), _CODECS[codec], crc))
-    return ExpertStore(path, layouts, locations, "pack")
+    return ExpertStore(path, layouts, locations, "pack", identity, gguf.identity)
 
 
 def open_pack(model_path, gguf: GGUFFile, layouts: dict[int, ExpertLayout], *, path=None) -> ExpertStore | None:

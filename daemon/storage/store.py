@@ -7,12 +7,16 @@ In an expert pack (pack.py) they are adjacent, so an expert is one segment, poss
 
 Reads are positional (`preadv` straight into the destination buffers, run in the I/O thread pool
 through aiofiles), so the model is never mapped or read whole and several reads can be in flight
-on one descriptor. Legend: E = experts, K = input length, N = output rows.
+on one descriptor. Every read's length is checked, and after each batch of reads the file is
+compared with the one loaded (`FileIdentity`: inode, size, mtime; and the GGUF a pack was made
+from): if it changed, every expert of the batch fails with ModelFileChanged, since its bytes may
+not be the ones validated. Legend: E = experts, K = input length, N = output rows.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,8 +24,9 @@ from dataclasses import dataclass
 import aiofiles
 import aiofiles.os
 
-from ..errors import StorageError
+from ..errors import GGUFError, ModelFileChanged, StorageError
 from .experts import PROJECTIONS, ExpertLayout
+from .gguf import FileIdentity, open_regular
 
 
 @dataclass(frozen=True)
@@ -39,14 +44,20 @@ class ExpertLocation:
 
 
 class ExpertStore:
-    """Locations of every expert of every MoE layer in one file."""
+    """Locations of every expert of every MoE layer in one file.
+
+    identity: that file as loaded (None: not checked); source: for a pack, the GGUF file it was
+    made from, also checked at each read batch (the model is that file)."""
 
     def __init__(self, path: str, layouts: dict[int, ExpertLayout],
-                 locations: dict[int, list[ExpertLocation]], kind: str):
+                 locations: dict[int, list[ExpertLocation]], kind: str,
+                 identity: FileIdentity | None = None, source: FileIdentity | None = None):
         self.path = path
         self.layouts = layouts  # MoE layer -> layout
         self.locations = locations  # MoE layer -> [E] locations
         self.kind = kind  # "gguf" | "pack"
+        self.identity = identity
+        self.source = source
 
     @classmethod
     def from_gguf(cls, gguf, layouts: dict[int, ExpertLayout]) -> ExpertStore:
@@ -56,28 +67,49 @@ class ExpertStore:
             sizes = [lay.nbytes(p) for p in PROJECTIONS]
             for ti, size in zip(infos, sizes):
                 if ti.nbytes != size * lay.n_expert:
-                    raise StorageError(f"{ti.name}: {ti.nbytes} bytes, expected {lay.n_expert} x {size}")
+                    raise GGUFError(f"{gguf.path}: tensor {ti.name!r}: {ti.nbytes} bytes, "
+                                    f"expected {lay.n_expert} x {size}")
             locations[il] = [ExpertLocation(tuple((ti.offset + e * size, size) for ti, size in zip(infos, sizes)))
                              for e in range(lay.n_expert)]
-        return cls(os.fspath(gguf.path), layouts, locations, "gguf")
+        return cls(os.fspath(gguf.path), layouts, locations, "gguf", gguf.identity)
 
     def location(self, layer: int, expert: int) -> ExpertLocation:
         return self.locations[layer][expert]
 
+    def changes(self, fd: int) -> tuple[FileIdentity, str] | None:
+        """(the file, what changed) if the store's file (open as fd) or its source changed."""
+        for ident, ident_fd in ((self.identity, fd), (self.source, None)):
+            if ident is not None:
+                what = ident.changes(ident_fd)
+                if what:
+                    return ident, what
+        return None
+
+
+_EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(?:gate|up|down)_exps\.weight|blk\.(\d+)\.ffn_gate_inp\.weight")
+
 
 def expert_layouts(gguf) -> dict[int, ExpertLayout]:
-    """MoE layer -> layout, from the stacked expert tensors the file holds (ne = [K, N, E])."""
+    """MoE layer -> layout, from the stacked expert tensors the file holds (ne = [K, N, E]).
+
+    A layer with a router or any of its three expert tensors must have all three, of matching
+    shapes and no empty dimension; otherwise GGUFError names what is missing or wrong."""
+    layers = sorted({int(m.group(1) or m.group(2)) for m in map(_EXPERT_TENSOR.fullmatch, gguf.tensors) if m})
     layouts = {}
-    il = 0
-    while f"blk.{il}.attn_norm.weight" in gguf.tensors or f"blk.{il}.ffn_gate_exps.weight" in gguf.tensors:
+    for il in layers:
         names = [f"blk.{il}.ffn_{p}_exps.weight" for p in PROJECTIONS]
-        if all(n in gguf.tensors for n in names):
-            g, u, d = (gguf.tensor_info(n) for n in names)
-            if len(g.ne) != 3 or g.ne != u.ne or tuple(d.ne) != (g.ne[1], g.ne[0], g.ne[2]):
-                raise StorageError(f"layer {il}: expert tensors of mismatched shapes "
-                                   f"{list(g.ne)}, {list(u.ne)}, {list(d.ne)}")
-            layouts[il] = ExpertLayout(g.ne[2], g.ne[0], g.ne[1], g.ggml_type, u.ggml_type, d.ggml_type)
-        il += 1
+        missing = [n for n in names if n not in gguf.tensors]
+        if missing:
+            has = [n for n in (f"blk.{il}.ffn_gate_inp.weight", *names) if n in gguf.tensors]
+            raise GGUFError(f"{gguf.path}: no tensor named {missing[0]!r} (layer {il} has "
+                            f"{', '.join(repr(n) for n in has)})")
+        g, u, d = (gguf.tensor_info(n) for n in names)
+        if len(g.ne) != 3 or g.ne != u.ne or tuple(d.ne) != (g.ne[1], g.ne[0], g.ne[2]):
+            raise GGUFError(f"{gguf.path}: layer {il}: expert tensors of mismatched shapes "
+                            f"{list(g.ne)}, {list(u.ne)}, {list(d.ne)}")
+        if 0 in g.ne:
+            raise GGUFError(f"{gguf.path}: layer {il}: expert tensors of empty shape {list(g.ne)}")
+        layouts[il] = ExpertLayout(g.ne[2], g.ne[0], g.ne[1], g.ggml_type, u.ggml_type, d.ggml_type)
     return layouts
 
 
@@ -89,22 +121,22 @@ class StoreReader:
 
     def __init__(self, store: ExpertStore):
         self.store = store
-        self._file = None
+        self._fd: int | None = None
 
     async def open(self) -> None:
-        try:
-            self._file = await aiofiles.open(self.store.path, "rb", buffering=0)
-        except OSError as e:
-            raise StorageError(f"cannot open {self.store.path}: {e.strerror or e}") from None
+        """Open the store's file (a regular file, never blocking) and check it is the one loaded.
+        Raises StorageError, or ModelFileChanged."""
+        self._fd = await _open_store(self.store)
 
     async def close(self) -> None:
-        if self._file is not None:
-            await self._file.close()
-            self._file = None
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
 
     async def read_into(self, layer: int, expert: int, dests: Sequence[memoryview]) -> int:
         """Read one expert into dests (gate, up, down byte buffers); -> bytes read.
-        Raises StorageError naming the file, layer and expert on a short read or an I/O error."""
+        Raises StorageError naming the file, layer and expert on a short read or an I/O error,
+        ModelFileChanged if the file is no longer the one loaded."""
         out: list = []
         await self.read_batch([(layer, expert, dests, lambda n, err: out.append((n, err)))])
         n, err = out[0]
@@ -113,9 +145,10 @@ class StoreReader:
         return n
 
     async def read_batch(self, items) -> None:
-        """items: (layer, expert, dests, done(nbytes, error | None)); done runs on the reading
-        thread as each expert finishes, so a waiter wakes without another hop through the loop."""
-        await _read_batch(self, self._file.fileno(), items)
+        """items: (layer, expert, dests, done(nbytes, error | None)). The experts are read, the file
+        is checked, then each done runs on the reading thread, so a waiter wakes without another
+        hop through the loop. A changed file fails every expert of the batch."""
+        await _read_batch(self, self._fd, items)
 
     def read_sync(self, fd: int, layer: int, expert: int, dests: Sequence[memoryview]) -> int:
         loc = self.store.location(layer, expert)
@@ -142,14 +175,44 @@ class StoreReader:
 
 
 @aiofiles.os.wrap
-def _read_batch(reader: StoreReader, fd: int, items) -> None:
-    for layer, expert, dests, done in items:
+def _open_store(store: ExpertStore) -> int:
+    try:
+        fd, _ = open_regular(store.path)
+    except OSError as e:
+        why = f"cannot open {store.path}: {e.strerror or e}"
+        what = store.identity.changes() if store.identity is not None else ""
+        if what:  # removed or replaced since it was loaded
+            raise ModelFileChanged(store.identity.changed_message(what, why)) from None
+        raise StorageError(why) from None
+    changed = store.changes(fd)
+    if changed is not None:
+        os.close(fd)
+        ident, what = changed
+        raise ModelFileChanged(ident.changed_message(what))
+    return fd
+
+
+@aiofiles.os.wrap
+def _read_batch(reader: StoreReader, fd: int | None, items) -> None:
+    if fd is None:
+        err = StorageError(f"{reader.store.path}: the store is not open")
+        for *_, done in items:
+            done(0, err)
+        return
+    results = []
+    for layer, expert, dests, _ in items:
         try:
-            n = reader.read_sync(fd, layer, expert, dests)
+            results.append((reader.read_sync(fd, layer, expert, dests), None))
         except StorageError as e:
-            done(0, e)
+            results.append((0, e))
+    # Checked after the reads: a change made before them (truncation, rewrite) shows here.
+    changed = reader.store.changes(fd)
+    for (layer, expert, _, done), (n, err) in zip(items, results):
+        if changed is not None:
+            ident, what = changed
+            done(0, ModelFileChanged(ident.changed_message(what, f"reading layer {layer} expert {expert}")))
         else:
-            done(n, None)
+            done(n, err)
 
 
 def _read_zstd(fd: int, loc: ExpertLocation, dests: Sequence[memoryview], where: str) -> None:

@@ -4,6 +4,7 @@ shared in-flight reads, prefetch rules, read errors and shutdown."""
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import threading
@@ -13,7 +14,7 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 
-from daemon.errors import GGUFError, StorageError
+from daemon.errors import GGUFError, ModelFileChanged, StorageError
 from daemon.storage.cache import ExpertCache
 from daemon.storage.experts import PROJECTIONS
 from daemon.storage.gguf import GGUFFile
@@ -489,11 +490,14 @@ def test_failed_prefetch_is_forgotten(m, make, faulty):
 
 
 def test_truncated_file(m, make, tmp_path):
+    """Without the check of the file (as if the truncation raced it), each read's length check
+    still fails the read cleanly, and a file restored in place serves again."""
     path = tmp_path / "m.gguf"
     shutil.copyfile(m.path, path)
     with GGUFFile(path) as g:
         store = ExpertStore.from_gguf(g, expert_layouts(g))
         down = g.tensor_info("blk.1.ffn_down_exps.weight")
+    store.identity = None
     original = path.read_bytes()
     with open(path, "r+b") as f:
         f.truncate(down.offset + down.nbytes // 2)
@@ -507,6 +511,28 @@ def test_truncated_file(m, make, tmp_path):
         f.write(original)
     with c.fetch(1, [7, 0]) as b:
         m.check(b, 1, [0, 7])
+
+
+def test_changed_file_fails_every_later_fetch(m, make, tmp_path):
+    path = tmp_path / "m.gguf"
+    shutil.copyfile(m.path, path)
+    with GGUFFile(path) as g:
+        store = ExpertStore.from_gguf(g, expert_layouts(g))
+    original = path.read_bytes()
+    c = make(2, store=store)
+    with c.fetch(0, [1, 2]) as b:
+        m.check(b, 0, [1, 2])
+    os.truncate(path, len(original) - 4096)
+    with pytest.raises(ModelFileChanged, match="truncated") as ei, c.fetch(0, [3]):
+        pass
+    assert str(path) in str(ei.value) and "layer 0 expert 3" in str(ei.value)
+    with open(path, "r+b") as f:  # restored in place: still not the file that was loaded (mtime)
+        f.write(original)
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # as the write does on a fine clock
+    c.prefetch(1, [4])
+    with pytest.raises(ModelFileChanged, match="modified"), c.fetch(1, [4, 5]):
+        pass
 
 
 def test_missing_file_fails_every_fetch(m, make, tmp_path):

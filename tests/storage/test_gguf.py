@@ -4,6 +4,7 @@ small file, and seeded random byte flips in the header."""
 
 from __future__ import annotations
 
+import os
 import random
 import struct
 from pathlib import Path
@@ -135,7 +136,7 @@ def test_round_trip(valid_path: Path) -> None:
         with pytest.raises(GGUFError, match="no tensor named"):
             g.tensor_info("nope")
         view = g.tensor_data("w.f16")
-    # views outlive close(); new ones cannot be made
+    # arrays (copies) outlive close(); new ones cannot be read
     assert view.tobytes() == F16_DATA.tobytes()
     with pytest.raises(ModelError, match="closed"):
         g.tensor_data("w.f16")
@@ -195,6 +196,26 @@ def test_open_errors(tmp_path: Path) -> None:
     (tmp_path / "empty.gguf").write_bytes(b"")
     with pytest.raises(GGUFError, match="file too small"):
         GGUFFile(tmp_path / "empty.gguf")
+    with pytest.raises(ModelError, match="cannot open model file"):
+        GGUFFile(str(tmp_path / "a\0b.gguf"))
+
+
+def test_file_cut_while_its_header_is_read(valid_path: Path, tmp_path: Path, monkeypatch) -> None:
+    """The header is read with positional reads, not mapped: a file cut after it was opened is a
+    GGUFError, not a SIGBUS."""
+    import daemon.storage.gguf as gguf_module
+
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(valid_path.read_bytes())
+    real_open = gguf_module.open_regular
+
+    def open_then_cut(p):
+        fd, st = real_open(p)
+        os.truncate(p, 100)  # inside the metadata
+        return fd, st
+    monkeypatch.setattr(gguf_module, "open_regular", open_then_cut)
+    with pytest.raises(GGUFError, match="the file shrank while it was being read"):
+        GGUFFile(path)
 
 
 # --------------------------------------------------------------------------- hand-built files
@@ -282,7 +303,7 @@ def test_builder_sanity(parse) -> None:
 
 
 MALFORMED: dict[str, tuple[bytes, str]] = {
-    "bad magic": (b"GGML" + build([ARCH])[4:], r"bad magic b'GGML'.*not a GGUF file"),
+    "bad magic": (b"GGML" + build([ARCH])[4:], r"not a GGUF file \(it does not start with the GGUF magic\)$"),
     "version 1": (build([ARCH], version=1), r"unsupported version 1\b"),
     "version huge": (build([ARCH], version=0x7FFFFFFF), r"unsupported version 2147483647"),
     "big-endian": (b"GGUF" + struct.pack(">I", 3) + build([ARCH])[8:], r"big-endian"),

@@ -246,9 +246,11 @@ async def test_corrupt_blob_fails_the_read(model, min_saving):
     path = model("qwen3moe", "F16")
     pack.write_pack(path, min_saving=min_saving)
     g, layouts, store = _open(path)
+    g.close()
     il = max(layouts)
     (off, n), = store.location(il, 3).segments
-    _flip(store.path, off + n // 2, 0x10)
+    _flip(store.path, off + n // 2, 0x10)  # corrupt on disk before the load (after it, the pack changed)
+    g, layouts, store = _open(path)
     reader = StoreReader(store)
     await reader.open()
     lay = layouts[il]

@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 
-from daemon.errors import StorageError
+from daemon.errors import ModelFileChanged, StorageError
 from daemon.storage.experts import PROJECTIONS
 from daemon.storage.gguf import GGUFFile
 from daemon.storage.store import ExpertStore, StoreReader, expert_layouts
@@ -117,6 +117,8 @@ def test_segments_lie_inside_their_tensors(fixtures):
 
 
 async def test_truncated_file_names_file_layer_expert(fixtures, tmp_path):
+    """Each read's own length check, which catches a truncation that races the check of the file
+    (here the file check is off, as if the truncation came after it)."""
     path = tmp_path / "m.gguf"
     shutil.copyfile(fixtures[("qwen3moe", "Q8_0")], path)
     with GGUFFile(path) as g:
@@ -125,6 +127,7 @@ async def test_truncated_file_names_file_layer_expert(fixtures, tmp_path):
         store = ExpertStore.from_gguf(g, layouts)
         last = max(layouts)
         down = g.tensor_info(f"blk.{last}.ffn_down_exps.weight")
+    store.identity = None
     cut_expert = 5
     per = down.nbytes // layouts[last].n_expert
     os.truncate(path, down.offset + cut_expert * per + per // 2)
@@ -151,6 +154,34 @@ async def test_truncated_file_names_file_layer_expert(fixtures, tmp_path):
         assert got[cut_expert][0] == 0 and isinstance(got[cut_expert][1], StorageError)
     finally:
         await reader.close()
+
+
+async def test_changed_file_fails_every_expert_of_the_batch(fixtures, tmp_path):
+    path = tmp_path / "m.gguf"
+    shutil.copyfile(fixtures[("qwen3moe", "Q8_0")], path)
+    with GGUFFile(path) as g:
+        layouts = expert_layouts(g)
+        store = ExpertStore.from_gguf(g, layouts)
+    lay = layouts[0]
+    reader = StoreReader(store)
+    await reader.open()
+    try:
+        await reader.read_into(0, 1, [memoryview(b) for b in _bufs(lay)])
+        os.truncate(path, path.stat().st_size - 1)  # past every expert of layer 0: they still read whole
+        got = {}
+        items = [(0, e, [memoryview(b) for b in _bufs(lay)], lambda n, err, e=e: got.__setitem__(e, (n, err)))
+                 for e in (0, 1, 2)]
+        await reader.read_batch(items)
+        for e in (0, 1, 2):
+            n, err = got[e]
+            assert n == 0 and isinstance(err, ModelFileChanged), got[e]
+            assert str(err).startswith(f"model file changed on disk: {path} (truncated from ")
+            assert f"layer 0 expert {e}" in str(err)
+    finally:
+        await reader.close()
+    reader = StoreReader(store)  # a reader opened after the change fails at once
+    with pytest.raises(ModelFileChanged, match="truncated"):
+        await reader.open()
 
 
 async def test_missing_file_fails_on_open(fixtures, tmp_path):
