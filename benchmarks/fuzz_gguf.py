@@ -30,8 +30,8 @@ Each mutant runs in a persistent worker process (numba's import and the cached k
 seconds, paid once per worker) with an address-space cap (RLIMIT_AS, --mem-gb, 4 GiB: a worker
 maps under 1 GiB, and a forged count that makes the loader allocate fails sooner): Engine.load
 with a 2 MB expert cache (a quarter of them unlimited) and expert_pack=False, tokenize a short
-text, forward it, then three greedy and two sampled decode steps. A worker that dies is a crash;
-one that does not answer in --timeout seconds is killed and the mutant retried once with
+text, forward 8 tokens, then three greedy and two sampled decode steps. A worker that dies is a
+crash; one that does not answer in --timeout seconds is killed and the mutant retried once with
 --slow-timeout (a kernel compiled on first use, for a mutated quant type, is slow, not hung); a
 second timeout is a hang, and the worker's Python stacks (faulthandler) say where. Workers are
 restarted after either. Outcomes:
@@ -792,8 +792,8 @@ def run_model(path: str, limit_mb: float, after_load: dict | None = None) -> dic
             ids = eng.tokenize(TEXT)
             logits = eng.forward(ids[:8])
             nonfinite = not bool(np.isfinite(logits).all())
-            list(eng.generate(ids[:4], max_tokens=3, temperature=0))
-            list(eng.generate(ids[:2], max_tokens=2, seed=0))  # the default sampler
+            list(eng.generate(ids[:8], max_tokens=3, temperature=0))
+            list(eng.generate(ids[:3], max_tokens=2, seed=0))  # the default sampler
         finally:
             eng.close()
     except MoedError as e:
@@ -813,10 +813,8 @@ def _selftest(what: str) -> dict:
         os.kill(os.getpid(), signal.SIGSEGV)
     if what == "hang":
         time.sleep(3600)
-    if what == "clean":
-        from daemon.errors import GGUFError
-
-        return {"kind": "clean", "type": GGUFError.__name__, "message": "selftest"}
+    if what == "clean":  # (no daemon import: a slow import must not look like a hang)
+        return {"kind": "clean", "type": "GGUFError", "message": "selftest"}
     if what == "other":
         try:
             {}["selftest"]
