@@ -314,6 +314,7 @@ def _start_daemon(path: str, reply_timeout: float | None = None, timeout: float 
 
     from ipc.client import Client
     from ipc.errors import NotRunning, Timeout
+    from ipc.server import prepare_socket_dir
 
     client = Client(path, timeout=reply_timeout)
     try:
@@ -322,11 +323,15 @@ def _start_daemon(path: str, reply_timeout: float | None = None, timeout: float 
     except NotRunning:
         pass
     log_path = os.path.splitext(path)[0] + ".log"
-    os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
+    prepare_socket_dir(path, Settings.load())  # before the log goes there: no other user may write in it
     print(f"moed: starting the daemon on {path} (log: {log_path})", file=sys.stderr)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # so `-m daemon.cli` imports from "/"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    with open(log_path, "ab") as log:
+    try:  # never through a planted symbolic link
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise MoedError(f"cannot open the daemon's log {log_path}: {e}") from None
+    with os.fdopen(log_fd, "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "serve", "--socket", path],
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd="/", env=env,
                                 start_new_session=True, close_fds=True)

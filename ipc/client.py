@@ -18,7 +18,14 @@ stream ends (errors are raised, see ipc.errors). Leaving it early (break, close(
 Timeouts: `connect_timeout` bounds connecting plus the handshake; `timeout` bounds the wait for
 each reply (inactivity, not the whole generation; None = wait forever). On Timeout an
 AsyncClient cancels the generation and keeps the connection; a Client closes its connection
-(the next call reconnects), since a frame may have been cut in half.
+(the next call reconnects), since a frame may have been cut in half. A connect that finds the
+daemon's listen queue full (EAGAIN) is retried with a short backoff until connect_timeout.
+
+Who is listening: right after connecting, before a byte is sent, the client reads the server's
+uid from the kernel (SO_PEERCRED). It must be the client's own uid, root, or `expected_uid=`
+(to use another user's daemon); anything else raises Impostor. Another user who can write to the
+socket's directory could otherwise put a listener of their own at the daemon's path and read
+every prompt. This module imports nothing from `daemon` (no numba).
 """
 
 from __future__ import annotations
@@ -29,11 +36,13 @@ import errno
 import itertools
 import os
 import socket as _socket
+import struct
+import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from .errors import ClientError, NotRunning, ProtocolError, Timeout, error_for
+from .errors import ClientError, Impostor, NotRunning, ProtocolError, Timeout, error_for
 from .framing import MAX_FRAME, pack_frame, read_frame, recv_frame, send_frame
 from .protocol import (
     PROTOCOL_VERSION,
@@ -64,9 +73,11 @@ from .protocol import (
     encode,
 )
 
-__all__ = ["AsyncClient", "AsyncGeneration", "Client", "Generation", "default_socket_path"]
+__all__ = ["AsyncClient", "AsyncGeneration", "Client", "Generation", "default_socket_path", "peer_cred"]
 
 _NO_DAEMON = (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTSOCK)
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_BACKOFF_FIRST, _BACKOFF_MAX = 0.002, 0.1  # seconds between connects while the listen queue is full
 
 
 def default_socket_path() -> str:
@@ -116,6 +127,99 @@ def _connect_error(path: str, e: OSError) -> ClientError:
     if e.errno in _NO_DAEMON:
         return NotRunning(f"no moed daemon at {path} ({e.strerror or e}); start one with `moed serve`")
     return ClientError(f"cannot connect to {path}: {e}")
+
+
+# -- connecting: a full listen queue is retried; the peer is checked before anything is sent -------
+
+def peer_cred(sock) -> tuple[int, int, int] | None:
+    """(pid, uid, gid) of the process at the other end of an AF_UNIX socket (SO_PEERCRED; for a
+    listening server, as of its listen()), or None where the kernel cannot tell."""
+    try:
+        raw = sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, _CRED.size)
+    except (OSError, AttributeError):
+        return None
+    return _CRED.unpack(raw)
+
+
+def _check_peer(sock, path: str, expected_uid: int | None) -> None:
+    """Impostor unless the server runs as us, as root, or as the uid we were told to expect."""
+    cred = peer_cred(sock)
+    uid = None if cred is None else cred[1]
+    trusted = {os.getuid(), 0} | ({expected_uid} if expected_uid is not None else set())
+    if uid in trusted:
+        return
+    who = "a user the kernel does not name" if uid is None else f"uid {uid}"
+    hint = "" if uid is None else f"If that is the daemon you mean, pass expected_uid={uid}; otherwise "
+    raise Impostor(f"the process listening on {path} runs as {who}, not as you (uid {os.getuid()}) or "
+                   f"root: refusing to talk to it. {hint or 'Perhaps '}someone has taken the daemon's "
+                   f"socket path (check its directory's owner and permissions)")
+
+
+def _try_connect(path: str) -> _socket.socket | None:
+    """A non-blocking socket connected to `path`, or None while the listen queue is full."""
+    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        sock.connect(path)  # AF_UNIX connects at once, or fails with EAGAIN when the queue is full
+    except BlockingIOError:
+        sock.close()
+        return None
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _pauses():
+    pause = _BACKOFF_FIRST
+    while True:
+        yield pause
+        pause = min(pause * 2, _BACKOFF_MAX)
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(1e-3, deadline - time.monotonic())  # 0 would mean non-blocking
+
+
+def _queue_full(path: str) -> Timeout:
+    return Timeout(f"connecting to {path} timed out: the daemon's listen queue stayed full")
+
+
+def _attempt(path: str, deadline: float | None, pause: float, expected_uid: int | None) -> _socket.socket | None:
+    """One connect: the socket, its peer checked; or None to try again after `pause` (the listen
+    queue is full); Timeout when the deadline would pass first."""
+    try:
+        sock = _try_connect(path)
+    except OSError as e:
+        raise _connect_error(path, e) from None
+    if sock is None:
+        if deadline is not None and time.monotonic() + pause > deadline:
+            raise _queue_full(path)
+        return None
+    try:
+        _check_peer(sock, path, expected_uid)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _connect_sync(path: str, deadline: float | None, expected_uid: int | None) -> _socket.socket:
+    for pause in _pauses():
+        if (sock := _attempt(path, deadline, pause, expected_uid)) is not None:
+            return sock
+        time.sleep(pause)
+
+
+async def _connect_async(path: str, deadline: float | None, expected_uid: int | None) -> _socket.socket:
+    for pause in _pauses():
+        if (sock := _attempt(path, deadline, pause, expected_uid)) is not None:
+            return sock
+        await asyncio.sleep(pause)
 
 
 class _GenerationBase:
@@ -187,13 +291,16 @@ class AsyncGeneration(_GenerationBase):
 
 
 class AsyncClient:
-    """asyncio client over one AF_UNIX connection, shared by any number of tasks."""
+    """asyncio client over one AF_UNIX connection, shared by any number of tasks. expected_uid:
+    also trust a daemon running as this user (see "Who is listening")."""
 
     def __init__(self, socket: str | None = None, timeout: float | None = 60.0, *,
-                 connect_timeout: float | None = 5.0, max_frame: int = MAX_FRAME):
+                 connect_timeout: float | None = 5.0, max_frame: int = MAX_FRAME,
+                 expected_uid: int | None = None):
         self.socket = socket or default_socket_path()
         self.timeout = timeout
         self.connect_timeout = connect_timeout
+        self.expected_uid = expected_uid
         self.max_frame = max_frame
         self.server: HealthReply | None = None  # the daemon's answer to Hello
         self._ids = itertools.count(1)
@@ -219,18 +326,18 @@ class AsyncClient:
         async with self._lock:
             if self._connected():
                 return self.server
+            deadline = _deadline(self.connect_timeout)
+            sock = await _connect_async(self.socket, deadline, self.expected_uid)
             try:
-                opening = asyncio.open_unix_connection(self.socket)
-                reader, self._writer = await asyncio.wait_for(opening, self.connect_timeout)
-            except TimeoutError:
-                raise Timeout(f"connecting to {self.socket} timed out") from None
-            except OSError as e:
-                raise _connect_error(self.socket, e) from None
+                reader, self._writer = await asyncio.open_unix_connection(sock=sock)
+            except BaseException:
+                sock.close()
+                raise
             self._reader_task = asyncio.create_task(self._read_loop(reader))
             hello = Hello(next(self._ids), PROTOCOL_VERSION)
             try:
                 queue = self._send(hello)
-                reply = await self._recv(queue, self.connect_timeout)
+                reply = await self._recv(queue, _left(deadline))
                 self._forget(hello.id)
                 self.server = _check_hello(reply)
             except BaseException:
@@ -306,7 +413,7 @@ class AsyncClient:
         try:
             item = await asyncio.wait_for(queue.get(), timeout)
         except TimeoutError:
-            raise Timeout(f"no reply from the daemon within {timeout} s") from None
+            raise Timeout(f"no reply from the daemon within {timeout:.3g} s") from None
         if isinstance(item, BaseException):
             raise item
         return item
@@ -401,13 +508,16 @@ class Generation(_GenerationBase):
 
 
 class Client:
-    """Blocking client over one AF_UNIX socket; not thread-safe (use one per thread)."""
+    """Blocking client over one AF_UNIX socket; not thread-safe (use one per thread). expected_uid:
+    also trust a daemon running as this user (see "Who is listening")."""
 
     def __init__(self, socket: str | None = None, timeout: float | None = 60.0, *,
-                 connect_timeout: float | None = 5.0, max_frame: int = MAX_FRAME):
+                 connect_timeout: float | None = 5.0, max_frame: int = MAX_FRAME,
+                 expected_uid: int | None = None):
         self.socket = socket or default_socket_path()
         self.timeout = timeout
         self.connect_timeout = connect_timeout
+        self.expected_uid = expected_uid
         self.max_frame = max_frame
         self.server: HealthReply | None = None
         self._ids = itertools.count(1)
@@ -424,16 +534,9 @@ class Client:
     def connect(self) -> HealthReply:
         if self._sock is not None:
             return self.server
-        sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
-        sock.settimeout(self.connect_timeout)
-        try:
-            sock.connect(self.socket)
-        except TimeoutError:
-            sock.close()
-            raise Timeout(f"connecting to {self.socket} timed out") from None
-        except OSError as e:
-            sock.close()
-            raise _connect_error(self.socket, e) from None
+        deadline = _deadline(self.connect_timeout)
+        sock = _connect_sync(self.socket, deadline, self.expected_uid)
+        sock.settimeout(_left(deadline))
         self._sock = sock
         try:
             hello = Hello(next(self._ids), PROTOCOL_VERSION)
@@ -459,8 +562,22 @@ class Client:
         try:
             self._sock.sendall(frame)
         except OSError as e:
+            said = self._parting_words()
             self.close()
-            raise NotRunning(f"connection to the daemon lost: {e}") from None
+            raise (said or NotRunning(f"connection to the daemon lost: {e}")) from None
+
+    def _parting_words(self) -> ClientError | None:
+        """The error a daemon sent before closing on us (forbidden, busy, shutdown), if it did: a
+        refused connection may be closed before our first frame is written."""
+        try:
+            self._sock.settimeout(0.1)  # it is in our receive buffer already, or it never came
+            frame = recv_frame(self._sock, self.max_frame)
+            reply = decode_reply(frame) if frame is not None else None
+        except (OSError, ClientError):
+            return None
+        if isinstance(reply, Error) and reply.id is None:
+            return error_for(reply.code, reply.message)
+        return None
 
     def _recv(self, id: int) -> Reply:
         """The next reply to request `id`, buffering replies to other open requests."""

@@ -2,15 +2,23 @@
 
     ClientError            base; .code is the wire error code when the daemon sent one, else None
     ├── NotRunning         no daemon: socket file missing, connection refused, connection lost
+    ├── Impostor           the process on the socket runs as a user the client does not trust
+    │                      (not the client's own uid, root, or the expected_uid it was given);
+    │                      nothing was sent to it
     ├── ProtocolError      the bytes are not the protocol: undecodable frame, unknown tag, wrongly
     │   │                  typed field (code "bad_frame"/"bad_request"), version mismatch ("bad_version")
     │   ├── FrameTooLarge  a length prefix above the maximum frame size (never read or allocated)
     │   └── TruncatedFrame EOF inside a frame's header or body
-    ├── Busy               "busy": the daemon's request queue is full; retry later
+    ├── Busy               "busy": the daemon's request queue, this connection's share of it, or
+    │                      its connections are full; retry later
+    ├── BadRequest         "bad_request": the daemon refused the request as invalid (a prompt
+    │   │                  longer than the context, a bad setting, ...); retrying will not help
+    │   └── Forbidden      "forbidden": this user may not do that (connect, set a daemon-side
+    │                      path, name a model file it cannot read itself)
     ├── ModelError         "model_error" (failed to load or run), "not_found" (no such model)
     ├── Cancelled          "cancelled": the generation was stopped by a Cancel
     ├── Timeout            connecting, or waiting for the next reply, took longer than the timeout
-    └── ServerError        any other error reply: "bad_request", "shutdown", "internal", ...
+    └── ServerError        any other error reply: "shutdown", "internal" (a daemon fault), ...
 
 The daemon's side uses ProtocolError too: `ipc.protocol.decode_request` raises it, and its `code`
 and `request_id` are what the error reply should carry.
@@ -47,8 +55,21 @@ class TruncatedFrame(ProtocolError):
     """The stream ended inside a frame; the stream is out of sync afterwards."""
 
 
+class Impostor(ClientError):
+    """The socket is served by a process of a user the client does not trust: someone may have
+    put their own listener at the daemon's path. Nothing was sent to it."""
+
+
 class Busy(ClientError):
-    """The daemon's queue is full."""
+    """The daemon's queue (or this connection's share of it, or its connection slots) is full."""
+
+
+class BadRequest(ClientError):
+    """The daemon refused the request as invalid; the same request will fail again."""
+
+
+class Forbidden(BadRequest):
+    """This user may not make that request (or use this daemon at all)."""
 
 
 class ModelError(ClientError):
@@ -64,13 +85,15 @@ class Timeout(ClientError):
 
 
 class ServerError(ClientError):
-    """An error reply whose code has no class of its own."""
+    """An error reply whose code has no class of its own: the daemon is stopping, or failed."""
 
 
 _BY_CODE: dict[str, type[ClientError]] = {
     "bad_frame": ProtocolError,
     "bad_version": ProtocolError,
     "busy": Busy,
+    "bad_request": BadRequest,
+    "forbidden": Forbidden,
     "model_error": ModelError,
     "not_found": ModelError,
     "cancelled": Cancelled,

@@ -22,10 +22,12 @@ Conversation
 
 Error codes (Error.code)
     bad_frame    not a frame / not msgpack        bad_request  valid msgpack, not a valid request
-    bad_version  Hello's protocol not spoken      busy         the request queue is full
+    bad_version  Hello's protocol not spoken      busy         the request queue, this connection's
+                                                               share of it, or the connections are full
     not_found    no such model (file or loaded)   model_error  the model failed to load or run
     cancelled    stopped by Cancel                shutdown     the daemon is stopping
-    forbidden    the peer's uid is not allowed   internal     a bug in the daemon
+    forbidden    the peer's uid may not connect,  internal     a bug in the daemon
+                 or may not make this request
 
 Evolution: requests forbid unknown (extra trailing) fields, so the daemon never silently ignores
 something it does not implement; replies tolerate them, so an older client reads a newer daemon.

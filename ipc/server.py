@@ -6,22 +6,38 @@
 
     serve(socket_path, settings) -> int         # `moed serve`: the above with signal handlers
 
-The socket
-    - path: the argument, else settings.socket ($MOED_SOCKET), else ipc.client.default_socket_path();
-      a missing parent directory is created 0700.
-    - `PATH.lock` is flock()ed for the daemon's lifetime, so two daemons never race for one path.
+The socket (docs/security.md says why each rule is there)
+    - path: the argument, else settings.socket ($MOED_SOCKET), else ipc.client.default_socket_path().
+    - its directory must be the daemon's own (or root's) and not writable by group or others unless
+      sticky (as /tmp), as ssh-agent and tmux insist; else UnsafeSocketPath. A missing one is
+      created 0700 (0711 when allowed_uids names other users, so they can reach the socket).
+    - `PATH.lock` is opened O_NOFOLLOW and must be a regular file of ours with one link (a planted
+      symlink or hard link is refused, never followed or truncated); it is flock()ed for the
+      daemon's lifetime and holds its pid, so a second daemon says which process holds it.
     - an existing socket file is connected to: a live daemon there is never replaced (SocketInUse);
-      a dead one's file (connection refused) is removed. Something that is not a socket is left alone.
-    - bound under umask 0177, so the file is 0600 from the start; removed at exit (if still ours).
+      a dead one's file (connection refused) is removed if it is ours (another user's is refused).
+      Something that is not a socket is left alone.
+    - bound under umask 0177, so the file is 0600 from the start; 0666 when allowed_uids names other
+      users (inside a 0711 directory): then SO_PEERCRED below is the gate. Removed at exit (if ours).
+    - listen backlog BACKLOG (the kernel caps it at net.core.somaxconn); clients retry EAGAIN.
     - every connection's peer is checked with SO_PEERCRED: its uid must be the daemon's own, or one
       of settings.allowed_uids ($MOED_ALLOWED_UIDS); others get Error(None, "forbidden") and are closed.
+      Past settings.max_connections open connections, one more gets Error(None, "busy") and is closed.
 
 Each connection: Hello first (HealthReply, or Error("bad_version") and close); then any number of
 requests, each in its own task, replies routed by id (ipc.protocol). Frames that do not decode get
-an error reply and the connection goes on; an oversized or truncated frame gets Error(None,
-"bad_frame") and the connection is closed (its stream position is lost). A client that closes its
-connection cancels its running generations. A client that stops reading while more than
-WRITE_LIMIT bytes of replies pile up is disconnected.
+an error reply and the connection goes on; an oversized or truncated frame, or one not finished
+within settings.frame_timeout of its first byte, gets Error(None, "bad_frame") and the connection is
+closed (its stream position is lost). Waiting between frames has no limit. A connection may hold
+settings.max_requests_per_connection generations at once; one more gets Error(id, "busy") at once,
+so one client cannot fill the daemon's queue. A client that closes its connection cancels its
+running generations. A client that stops reading while more than WRITE_LIMIT bytes of replies pile
+up is disconnected.
+
+Peers other than the daemon's own user (or root) are held to what they could do themselves: a
+Load may not set a daemon-side path (Settings.path_settings()), and a Load/Generate/Chat may only
+name a model file that uid could read (by the mode bits of the file and every directory above it);
+else Error(id, "forbidden").
 
 Shutdown (Shutdown request, SIGTERM, SIGINT): stop accepting, remove the socket, end every open
 request with Error("shutdown"), stop the models' compute threads (each finishes its current step),
@@ -32,21 +48,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import logging
 import os
+import pwd
 import signal
 import socket
 import stat
-import struct
 import sys
 import time
 
 from daemon.config import Settings
 from daemon.errors import MoedError
 from daemon.scheduler import Scheduler, SchedulerError
+from daemon.scheduler.models import resolve_path
 
-from .client import default_socket_path
+from .client import default_socket_path, peer_cred
 from .errors import FrameTooLarge, ProtocolError, TruncatedFrame
 from .framing import pack_frame, read_frame
 from .protocol import (
@@ -75,16 +93,23 @@ from .protocol import (
     encode,
 )
 
-__all__ = ["WRITE_LIMIT", "Server", "SocketInUse", "serve"]
+__all__ = ["BACKLOG", "WRITE_LIMIT", "Server", "SocketInUse", "UnsafeSocketPath", "peer_cred",
+           "prepare_socket_dir", "readable_by", "serve"]
 
 log = logging.getLogger("moed.server")
 
 WRITE_LIMIT = 64 * 2**20  # reply bytes queued for one connection before it counts as not reading
-_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+BACKLOG = max(socket.SOMAXCONN, 4096)  # connections the kernel queues before accept(); it caps this
+PATH_SETTINGS = Settings.path_settings()
 
 
 class SocketInUse(MoedError):
     """Another daemon serves (or is starting) on this socket path, or the path is not a socket."""
+
+
+class UnsafeSocketPath(MoedError):
+    """The socket's directory, an existing socket file or the lock file is not safely ours: another
+    user could take the daemon's place (or make it write where they choose). Nothing was created."""
 
 
 def _version() -> str:
@@ -107,13 +132,91 @@ def _allowed_uids(spec: str) -> frozenset[int]:
     return frozenset(uids)
 
 
-def peer_uid(sock) -> int | None:
-    """The uid of the process at the other end of an AF_UNIX socket (SO_PEERCRED), or None."""
+def _for_others(settings: Settings) -> bool:
+    """Whether allowed_uids names a user other than the daemon's own."""
+    return bool(_allowed_uids(settings.allowed_uids) - {os.geteuid()})
+
+
+def prepare_socket_dir(socket_path: str, settings: Settings) -> str:
+    """The socket's directory, created if missing (0700; 0711 when allowed_uids names other users,
+    so they can reach the socket) and refused (UnsafeSocketPath) if another user could write to it:
+    they could move our socket away and listen in its place. As ssh-agent and tmux: it must be
+    ours or root's, and not writable by group or others unless sticky (as /tmp)."""
+    uid, others = os.geteuid(), _for_others(settings)
+    parent = os.path.dirname(os.path.abspath(socket_path))
+    mode = 0o711 if others else 0o700
     try:
-        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size)
-    except (OSError, AttributeError):
-        return None
-    return _CRED.unpack(raw)[1]
+        os.makedirs(parent, mode)
+        os.chmod(parent, mode)  # the umask may have taken bits from it
+    except FileExistsError:
+        pass
+    link = os.lstat(parent)
+    if stat.S_ISLNK(link.st_mode) and link.st_uid not in (uid, 0):
+        raise UnsafeSocketPath(f"{parent} is a symbolic link of uid {link.st_uid}: they could point it "
+                               f"elsewhere; put the socket in a directory of your own (MOED_SOCKET)")
+    st = os.stat(parent)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeSocketPath(f"{parent} is not a directory")
+    if st.st_uid not in (uid, 0):
+        raise UnsafeSocketPath(f"the socket directory {parent} belongs to uid {st.st_uid}, not to this user "
+                               f"(uid {uid}) or root: they could replace the socket; use a directory of "
+                               f"your own (MOED_SOCKET)")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+        raise UnsafeSocketPath(f"the socket directory {parent} is writable by group or others (mode "
+                               f"{stat.S_IMODE(st.st_mode):04o}): they could replace the socket; "
+                               f"`chmod go-w {parent}`, or use a directory of your own (MOED_SOCKET)")
+    if others and not st.st_mode & stat.S_IXOTH:
+        log.warning("MOED_ALLOWED_UIDS names other users, but they cannot reach %s (mode %04o): "
+                    "`chmod 711 %s`", parent, stat.S_IMODE(st.st_mode), parent)
+    return parent
+
+
+def _groups(uid: int, gid: int) -> frozenset[int]:
+    """The groups a user's processes have: `gid` (from SO_PEERCRED) and its supplementary ones."""
+    try:
+        return frozenset(os.getgrouplist(pwd.getpwuid(uid).pw_name, gid))
+    except (KeyError, OSError):  # a uid with no passwd entry: only the group the kernel told us
+        return frozenset({gid})
+
+
+def _permits(st: os.stat_result, uid: int, gids: frozenset[int], owner: int, group: int, other: int) -> bool:
+    """The mode bits' answer for this user: the owner's bits, else the group's, else others'."""
+    if st.st_uid == uid:
+        return bool(st.st_mode & owner)
+    if st.st_gid in gids:
+        return bool(st.st_mode & group)
+    return bool(st.st_mode & other)
+
+
+def readable_by(path: str, uid: int, gids: frozenset[int]) -> bool:
+    """Whether the user could read the file at this resolved path: every directory above it
+    searchable and the file readable, by mode bits (ACLs are not consulted). A missing file whose
+    directory the user can search counts as readable: they could see it is missing themselves."""
+    parent = os.path.dirname(path)
+    dirs = [parent]
+    while dirs[-1] != os.path.dirname(dirs[-1]):
+        dirs.append(os.path.dirname(dirs[-1]))
+    for d in reversed(dirs):  # from "/" down: stop at the first the user may not search
+        try:
+            st = os.stat(d)
+        except FileNotFoundError:
+            return True
+        if not stat.S_ISDIR(st.st_mode) or not _permits(st, uid, gids, stat.S_IXUSR, stat.S_IXGRP, stat.S_IXOTH):
+            return False
+    try:
+        st = os.stat(path)  # stat, not open: a FIFO must not block here
+    except FileNotFoundError:
+        return True
+    return _permits(st, uid, gids, stat.S_IRUSR, stat.S_IRGRP, stat.S_IROTH)
+
+
+def _lock_holder(fd: int) -> str:
+    """" (pid N)" from a held lock file (its holder wrote its pid there), or "" if unreadable."""
+    try:
+        pid = int(os.pread(fd, 32, 0).decode().strip())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return ""
+    return f" (pid {pid})"
 
 
 # -- one request, one connection ------------------------------------------------------------------
@@ -147,12 +250,54 @@ class _Open:
             self.task.cancel()
 
 
+class _Peer:
+    """Who is at the other end of a connection, as the kernel says (SO_PEERCRED)."""
+
+    __slots__ = ("gid", "trusted", "uid", "_gids")
+
+    def __init__(self, uid: int | None, gid: int | None, trusted: bool):
+        self.uid = uid
+        self.gid = gid
+        self.trusted = trusted  # the daemon's own user or root: no per-request limits on paths
+        self._gids: frozenset[int] | None = None
+
+    @property
+    def gids(self) -> frozenset[int]:
+        if self._gids is None:  # looked up once, and only for a peer that needs checking
+            self._gids = _groups(self.uid, self.gid)
+        return self._gids
+
+
+class _Started:
+    """The reader of a frame whose first byte is already read: read_frame sees it again."""
+
+    def __init__(self, reader: asyncio.StreamReader, first: bytes):
+        self.reader = reader
+        self.first = first
+
+    async def readexactly(self, n: int) -> bytes:
+        head, self.first = self.first[:n], self.first[n:]
+        try:
+            return head + await self.reader.readexactly(n - len(head))
+        except asyncio.IncompleteReadError as e:
+            raise asyncio.IncompleteReadError(head + e.partial, n) from None
+
+
+class _FrameTimeout(Exception):
+    """A frame begun but not finished within frame_timeout."""
+
+
 class _Connection:
-    def __init__(self, server: Server, writer: asyncio.StreamWriter):
+    def __init__(self, server: Server, writer: asyncio.StreamWriter, peer: _Peer | None = None):
         self.server = server
         self.writer = writer
+        self.peer = peer
         self.open: dict[int, _Open] = {}
         self.hello = False
+
+    def generations(self) -> int:
+        """Generate/Chat requests of this connection without their final reply yet."""
+        return sum(1 for op in self.open.values() if op.stream)
 
     def send(self, reply: Reply) -> None:
         """Frame and write one reply (one write call: frames never interleave)."""
@@ -186,7 +331,12 @@ class Server:
         self.settings = settings or Settings.load()
         self.path = os.fspath(socket_path or self.settings.socket or default_socket_path())
         self.max_frame = self.settings.max_frame
+        self.uid = os.geteuid()
         self.allowed_uids = _allowed_uids(self.settings.allowed_uids)
+        self.for_others = _for_others(self.settings)  # the socket must be reachable by other users
+        self.max_connections = max(1, self.settings.max_connections)
+        self.max_requests = max(1, self.settings.max_requests_per_connection)
+        self.frame_timeout = self.settings.frame_timeout or None  # 0: no limit
         self.scheduler = scheduler or Scheduler(self.settings, **scheduler_kw)
         self.close_timeout = close_timeout  # seconds shutdown waits for the compute threads
         self.version = _version()
@@ -212,7 +362,7 @@ class Server:
     async def start(self) -> Server:
         sock = self._claim()
         try:
-            self._server = await asyncio.start_unix_server(self._serve, sock=sock)
+            self._server = await asyncio.start_unix_server(self._serve, sock=sock, backlog=BACKLOG)
         except BaseException:
             sock.close()
             self._release()
@@ -221,15 +371,8 @@ class Server:
         return self
 
     def _claim(self) -> socket.socket:
-        parent = os.path.dirname(os.path.abspath(self.path))
-        os.makedirs(parent, mode=0o700, exist_ok=True)
-        fd = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise SocketInUse(f"a moed daemon is already serving on {self.path} (or starting)") from None
-        self._lock_fd = fd
+        prepare_socket_dir(self.path, self.settings)
+        self._lock_fd = self._take_lock(self.path + ".lock")
         try:
             self._remove_stale()
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -241,15 +384,50 @@ class Server:
                 raise
             finally:
                 os.umask(old)
-            os.chmod(self.path, 0o600)
+            # Opened up only for allowed_uids naming other users: SO_PEERCRED is then the gate.
+            os.chmod(self.path, 0o666 if self.for_others else 0o600)
             st = os.stat(self.path)
             self._inode = (st.st_dev, st.st_ino)
-            sock.listen(128)
+            sock.listen(BACKLOG)
             sock.setblocking(False)
             return sock
         except BaseException:
             self._release()
             raise
+
+    def _take_lock(self, lock: str) -> int:
+        """flock the lock file for the daemon's lifetime and write our pid into it; never follow
+        a link or truncate a file that is not a private lock of ours."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+        try:
+            fd = os.open(lock, flags, 0o600)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise UnsafeSocketPath(f"the lock file {lock} is a symbolic link; not following it "
+                                       f"(remove it if you made it)") from None
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise UnsafeSocketPath(f"the lock file {lock} is not a regular file")
+            if st.st_uid != self.uid:
+                raise UnsafeSocketPath(f"the lock file {lock} belongs to uid {st.st_uid}, not to this user "
+                                       f"(uid {self.uid}); remove it, or use a directory of your own")
+            if st.st_nlink != 1:
+                raise UnsafeSocketPath(f"the lock file {lock} has other hard links; not writing to it "
+                                       f"(remove it if you made it)")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _lock_holder(fd)
+                raise SocketInUse(f"a moed daemon{holder} is already serving on {self.path} (or starting): "
+                                  f"it holds {lock}") from None
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def _remove_stale(self) -> None:
         try:
@@ -258,6 +436,9 @@ class Server:
             return
         if not stat.S_ISSOCK(st.st_mode):
             raise SocketInUse(f"{self.path} exists and is not a socket; not replacing it")
+        if st.st_uid != self.uid:
+            raise UnsafeSocketPath(f"{self.path} is a socket of uid {st.st_uid}, not of this user (uid "
+                                   f"{self.uid}); not replacing it: use a directory of your own (MOED_SOCKET)")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         probe.settimeout(1.0)
         try:
@@ -291,26 +472,25 @@ class Server:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = _Connection(self, writer)
-        uid = peer_uid(writer.get_extra_info("socket"))
-        if uid not in self.allowed_uids:
-            log.warning("refused a connection from uid %s", uid)
-            conn.send(Error(None, "forbidden", f"uid {uid} may not use this daemon"))
-            await self._flush_and_close(writer)
-            return
-        if self.stopping:
-            conn.send(Error(None, "shutdown", "the daemon is shutting down"))
+        refusal = self._admit(conn, writer.get_extra_info("socket"))
+        if refusal is not None:
+            conn.send(refusal)
             await self._flush_and_close(writer)
             return
         self.connections.add(conn)
         try:
             while not writer.is_closing():
                 try:
-                    frame = await read_frame(reader, self.max_frame)
+                    frame = await self._read_frame(reader)
                     if frame is None:
                         break
                     req = decode_request(frame)
                 except (FrameTooLarge, TruncatedFrame) as e:  # out of sync: say why, then close
                     conn.send(Error(None, e.code, str(e)))
+                    break
+                except _FrameTimeout:
+                    conn.send(Error(None, "bad_frame", f"a frame was not finished within {self.frame_timeout:g} s "
+                                                      f"of its first byte (MOED_FRAME_TIMEOUT); closing"))
                     break
                 except ProtocolError as e:
                     conn.send(Error(e.request_id, e.code, str(e)))
@@ -327,6 +507,34 @@ class Server:
             self.connections.discard(conn)
             conn.close()
             await self._flush_and_close(writer)
+
+    def _admit(self, conn: _Connection, sock) -> Error | None:
+        """Who may connect: an allowed uid, while the daemon runs and has a connection slot."""
+        cred = peer_cred(sock)
+        uid, gid = (None, None) if cred is None else cred[1:]
+        if uid not in self.allowed_uids:
+            log.warning("refused a connection from uid %s", uid)
+            return Error(None, "forbidden", f"uid {uid} may not use this daemon (MOED_ALLOWED_UIDS)")
+        if self.stopping:
+            return Error(None, "shutdown", "the daemon is shutting down")
+        if len(self.connections) >= self.max_connections:
+            log.warning("refused a connection: %d are open (MOED_MAX_CONNECTIONS)", len(self.connections))
+            return Error(None, "busy", f"the daemon has {len(self.connections)} connections open "
+                                       f"(MOED_MAX_CONNECTIONS={self.max_connections}); retry later")
+        conn.peer = _Peer(uid, gid, trusted=uid in (self.uid, 0))
+        return None
+
+    async def _read_frame(self, reader: asyncio.StreamReader) -> bytes | None:
+        """The next frame, or None at a clean EOF. The wait for a frame to begin is unbounded; once
+        its first byte is in, the rest must follow within frame_timeout (else _FrameTimeout)."""
+        first = await reader.read(1)
+        if not first:
+            return None
+        try:
+            async with asyncio.timeout(self.frame_timeout):
+                return await read_frame(_Started(reader, first), self.max_frame)
+        except TimeoutError:
+            raise _FrameTimeout from None
 
     @staticmethod
     async def _flush_and_close(writer: asyncio.StreamWriter) -> None:
@@ -366,7 +574,13 @@ class Server:
         if isinstance(req, Ps):
             conn.send(PsReply(req.id, [ModelInfo(**m) for m in self.scheduler.ps()]))
             return True
-        op = _Open(conn, req.id, isinstance(req, (Generate, Chat)))
+        stream = isinstance(req, (Generate, Chat))
+        if stream and conn.generations() >= self.max_requests:
+            conn.send(Error(req.id, "busy", f"this connection already has {self.max_requests} generation "
+                                            f"requests open (MOED_MAX_REQUESTS_PER_CONNECTION); wait for "
+                                            f"one to finish"))
+            return True
+        op = _Open(conn, req.id, stream)
         conn.open[req.id] = op
         op.task = self._spawn(self._handle(op, req, time.perf_counter_ns()))
         return True
@@ -383,6 +597,8 @@ class Server:
     async def _handle(self, op: _Open, req: Request, received_ns: int) -> None:
         sched = self.scheduler
         try:
+            if not op.conn.peer.trusted:
+                self._check_peer_may(op.conn.peer, req)
             if isinstance(req, (Generate, Chat)):
                 await sched.generate(req, op.reply, received_ns)
             elif isinstance(req, Load):
@@ -410,6 +626,25 @@ class Server:
                 op.closed = True
                 if op.conn.open.get(op.id) is op:
                     del op.conn.open[op.id]
+
+    @staticmethod
+    def _check_peer_may(peer: _Peer, req: Request) -> None:
+        """A user other than the daemon's own gets nothing it could not get itself: no daemon-side
+        paths (the daemon would write where they say), no model file they cannot read (the daemon
+        would read it for them). SchedulerError("forbidden") otherwise."""
+        if isinstance(req, Load) and (paths := sorted(PATH_SETTINGS & req.settings.keys())):
+            raise SchedulerError("forbidden", f"{', '.join(paths)}: only the daemon's own user may set "
+                                              f"daemon-side paths")
+        name = req.model if isinstance(req, (Load, Generate, Chat)) else None
+        if name is None:  # the daemon's default model: its own choice
+            return
+        try:
+            path = resolve_path(name)
+        except ValueError:  # a NUL in the name
+            raise SchedulerError("bad_request", "the model path is not a valid path") from None
+        if not readable_by(path, peer.uid, peer.gids):
+            raise SchedulerError("forbidden", f"uid {peer.uid} cannot read {name} itself, so the daemon "
+                                              f"will not read it for it")
 
     # -- shutdown ------------------------------------------------------------------------------
 
@@ -468,7 +703,7 @@ def serve(socket_path: str | None = None, settings: Settings | None = None, **se
 
     try:
         asyncio.run(main())
-    except SocketInUse as e:
+    except MoedError as e:  # SocketInUse, UnsafeSocketPath, a bad MOED_ALLOWED_UIDS
         print(f"moed: error: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # path too long, no permission, read-only file system, ...

@@ -16,7 +16,8 @@ mock answers Hello itself (HealthReply, or Error("bad_version") when the client'
 `protocol`), runs each request in its own task so replies interleave, answers Cancel(id) by
 cancelling that task and sending Error(id, "cancelled"), answers undecodable frames with
 Error(request_id or None, code), and closes after a frame error that loses sync. Every decoded
-request, Hello and Cancel included, is appended to `requests`.
+request, Hello and Cancel included, is appended to `requests`. `backlog` is its listen queue (a
+small one lets a test fill it); `loop` is the event loop it serves on, once started.
 """
 
 from __future__ import annotations
@@ -48,18 +49,21 @@ Handler = Callable[[Request], Any]
 
 class MockServer:
     def __init__(self, handler: Handler, path: str | os.PathLike, *, protocol: int = PROTOCOL_VERSION,
-                 max_frame: int = MAX_FRAME):
+                 max_frame: int = MAX_FRAME, backlog: int = 100):
         self.handler = handler
         self.path = os.fspath(path)
         self.protocol = protocol  # what Hello accepts and HealthReply claims
         self.max_frame = max_frame
+        self.backlog = backlog
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.requests: list[Request] = []
         self.connections = 0  # accepted so far
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task] = set()
 
     async def start(self) -> MockServer:
-        self._server = await asyncio.start_unix_server(self._serve, self.path)
+        self.loop = asyncio.get_running_loop()
+        self._server = await asyncio.start_unix_server(self._serve, self.path, backlog=self.backlog)
         return self
 
     async def close(self) -> None:

@@ -1,5 +1,6 @@
 """The daemon as a process: `python -m daemon.cli serve` with SIGTERM mid-generation, and the CLI
-path (`moed run` starting a background daemon, `moed ps`, `moed stats`, `moed stop`)."""
+path (`moed run` starting a background daemon, `moed ps`, `moed stats`, `moed stop`); the socket's
+defences end to end (an impostor, an unsafe directory, MOED_ALLOWED_UIDS with another user)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,14 @@ import sys
 import tempfile
 import time
 
+import shutil
+import stat
+
 import pytest
 
 from ipc import Client, NotRunning, ServerError
 from tests.fixtures.build import fixture_path
+from tests.ipc.test_security import OTHER, ImpostorListener, as_root, as_user, client_call
 
 pytestmark = pytest.mark.usefixtures("warm_kernels")  # compile outside the time limits
 
@@ -123,7 +128,7 @@ def test_second_daemon_on_a_live_socket_refuses(sock):
     try:
         wait_for_daemon(sock, proc).close()
         out = moed(sock, "serve", "--socket", sock)
-        assert out.returncode == 1 and "already serving" in out.stderr
+        assert out.returncode == 1 and "already serving" in out.stderr and f"pid {proc.pid}" in out.stderr
         with Client(sock) as c:
             assert c.health().pid == proc.pid
     finally:
@@ -163,3 +168,64 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+@pytest.fixture
+def shared_dir():
+    d = tempfile.mkdtemp(prefix="moed-t-", dir="/tmp")  # reachable by other users, unlike tmp_path
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@as_root
+def test_cli_refuses_an_impostor_on_the_socket(shared_dir):
+    sock = os.path.join(shared_dir, "moed.sock")
+    impostor = ImpostorListener(sock)  # another user, listening where the daemon should be
+    try:
+        out = moed(sock, "run", "a secret prompt")
+        assert out.returncode == 1 and f"uid {OTHER}" in out.stderr and "starting" not in out.stderr
+        assert impostor.bytes_received() == 0
+    finally:
+        impostor.kill()
+
+
+def test_serve_refuses_a_world_writable_socket_directory(shared_dir):
+    os.chmod(shared_dir, 0o777)
+    sock = os.path.join(shared_dir, "moed.sock")
+    out = moed(sock, "serve", "--socket", sock)
+    assert out.returncode == 1 and "writable by group or others" in out.stderr
+    assert not os.path.exists(sock) and not os.path.exists(sock + ".lock")
+
+
+def test_run_does_not_follow_a_planted_log_symlink(shared_dir):
+    sock = os.path.join(shared_dir, "moed.sock")
+    target = os.path.join(shared_dir, "elsewhere")
+    os.symlink(target, os.path.join(shared_dir, "moed.log"))
+    out = moed(sock, "run", "hi")
+    assert out.returncode == 1 and "log" in out.stderr
+    assert not os.path.lexists(target)
+
+
+@as_root
+def test_allowed_uids_let_another_user_in(shared_dir):
+    sock = os.path.join(shared_dir, "run", "moed.sock")
+    proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "serve", "--socket", sock], stderr=subprocess.PIPE,
+                            text=True, env={**env(sock), "MOED_ALLOWED_UIDS": str(OTHER)}, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + T
+        while not os.path.exists(sock):
+            assert proc.poll() is None and time.monotonic() < deadline, "the daemon did not start"
+            time.sleep(0.05)
+        assert stat.S_IMODE(os.stat(os.path.dirname(sock)).st_mode) == 0o711
+        assert stat.S_IMODE(os.stat(sock).st_mode) == 0o666
+        assert as_user(OTHER, client_call, sock, "health") == {"ok": True}
+        refused = as_user(OTHER, client_call, sock, "trace", "/etc/hostname")
+        assert refused["code"] == "forbidden"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            assert proc.wait(T) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()

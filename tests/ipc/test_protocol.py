@@ -177,7 +177,7 @@ def test_local_construction_validates_too():
 @pytest.mark.parametrize("code, cls", [
     ("busy", errors.Busy), ("model_error", errors.ModelError), ("not_found", errors.ModelError),
     ("cancelled", errors.Cancelled), ("bad_frame", errors.ProtocolError),
-    ("bad_version", errors.ProtocolError), ("bad_request", errors.ServerError),
+    ("bad_version", errors.ProtocolError), ("bad_request", errors.BadRequest), ("forbidden", errors.Forbidden),
     ("shutdown", errors.ServerError), ("internal", errors.ServerError), ("new_code", errors.ServerError),
 ])
 def test_error_codes_map_to_classes(code, cls):
