@@ -2,6 +2,13 @@
 
 temperature <= 0 is greedy (the first index of the maximum logit). The same seed, prompt and
 options give the same tokens.
+
+Sampling is total over validated options: extreme but finite ones (repeat_penalty=1e-300 or
+1e300, temperature=1e-300 or 1e300, top_p tiny, min_p=1) always give a token id. The repeat
+penalty is applied in float32, as llama.cpp does (the same tokens as before for ordinary values),
+and saturates at the float32 range where it overflows; everything after it works in float64, where
+differences of such logits stay finite. Logits that are not finite (NaN or inf: a broken model or
+file) raise ModelError(NON_FINITE) instead of sampling garbage.
 """
 
 from __future__ import annotations
@@ -9,7 +16,11 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-from .errors import RequestError
+from .errors import ModelError, RequestError
+
+NON_FINITE = "the model produced non-finite values"
+SEED_LIMIT = 2**64  # numpy's SeedSequence takes any non-negative int; the wire carries a uint64
+_LOGIT_LIMIT = np.finfo(np.float32).max  # a penalized logit stays a logit the model could give
 
 
 class SamplingOptions(msgspec.Struct, kw_only=True, frozen=True):
@@ -19,9 +30,12 @@ class SamplingOptions(msgspec.Struct, kw_only=True, frozen=True):
     min_p: float = 0.05  # 0 = off
     repeat_penalty: float = 1.1  # 1 = off
     repeat_last_n: int = 64
-    seed: int | None = None  # None = a fresh random seed
+    seed: int | None = None  # None = a fresh random seed; else 0..2**64-1
 
-    def __post_init__(self):
+    def __post_init__(self):  # RequestError: bad_request on decode (msgspec lets it through)
+        floats = (self.temperature, self.top_p, self.min_p, self.repeat_penalty)
+        if any(isinstance(v, float) and not np.isfinite(v) for v in floats):
+            raise RequestError("sampling options must be finite")
         checks = (
             (self.temperature >= 0, "temperature must be >= 0"),
             (self.top_k >= 0, "top_k must be >= 0"),
@@ -29,11 +43,11 @@ class SamplingOptions(msgspec.Struct, kw_only=True, frozen=True):
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
             (self.repeat_penalty > 0, "repeat_penalty must be > 0"),
             (self.repeat_last_n >= 0, "repeat_last_n must be >= 0"),
+            (self.seed is None or 0 <= self.seed < SEED_LIMIT, f"seed must be an integer in 0..{SEED_LIMIT - 1}"),
         )
         for ok, message in checks:
-            if not ok or any(isinstance(v, float) and not np.isfinite(v) for v in
-                             (self.temperature, self.top_p, self.min_p, self.repeat_penalty)):
-                raise RequestError(message if not ok else "sampling options must be finite")
+            if not ok:
+                raise RequestError(message)
 
 
 class Sampler:
@@ -42,30 +56,52 @@ class Sampler:
         self.rng = np.random.default_rng(options.seed)
 
     def sample(self, logits: np.ndarray, history: list[int]) -> int:
-        """logits: [V] f32 for the next token; history: tokens so far (prompt + generated)."""
+        """logits: [V] f32 for the next token; history: tokens so far (prompt + generated).
+        ModelError(NON_FINITE) when a logit is NaN or infinite."""
         o = self.options
         logits = np.asarray(logits, dtype=np.float32)
+        if not np.isfinite(logits).all():
+            raise ModelError(NON_FINITE)
         if o.repeat_penalty != 1.0 and o.repeat_last_n and history:
-            logits = logits.copy()
-            recent = np.unique(np.asarray(history[-o.repeat_last_n:], dtype=np.int64))
-            vals = logits[recent]
-            logits[recent] = np.where(vals > 0, vals / o.repeat_penalty, vals * o.repeat_penalty)
+            logits = self._penalized(logits, history)
         if o.temperature <= 0:
             return int(np.argmax(logits))
+        return self._draw(logits)
+
+    def _penalized(self, logits: np.ndarray, history: list[int]) -> np.ndarray:
+        """A copy of logits with the recent tokens' logits divided (> 0) or multiplied (< 0) by
+        the penalty, in float32; a penalty that rounds to 0 or inf there, or a result past the
+        float32 range, saturates at the range's ends (never inf, never NaN: 0 stays 0)."""
+        o = self.options
+        logits = logits.copy()
+        recent = np.unique(np.asarray(history[-o.repeat_last_n:], dtype=np.int64))
+        recent = recent[(recent >= 0) & (recent < len(logits))]
+        vals = logits[recent]
+        with np.errstate(all="ignore"):  # the penalty may round to 0 or inf; then x / 0 and 0 * inf
+            penalty = np.float32(o.repeat_penalty)  # arise, in branches np.where does not pick
+            penalized = np.where(vals > 0, vals / penalty, np.where(vals < 0, vals * penalty, vals))
+        logits[recent] = np.clip(penalized, -_LOGIT_LIMIT, _LOGIT_LIMIT)
+        return logits
+
+    def _draw(self, logits: np.ndarray) -> int:
+        """top-k, top-p, min-p, temperature, then the seeded draw, in float64. Every logit lies
+        in the float32 range, so every difference below is finite; exp() of one is in [0, 1]
+        and the best candidate's is exactly 1, so no sum is 0 and no cut leaves nothing."""
+        o = self.options
         order = np.argsort(-logits, kind="stable")  # candidates, best first
         if o.top_k:
             order = order[:o.top_k]
         cand = logits[order].astype(np.float64)
-        probs = np.exp(cand - cand[0])
-        probs /= probs.sum()
-        if o.top_p < 1.0:
-            keep = int(np.searchsorted(np.cumsum(probs), o.top_p) + 1)
-            order, cand, probs = order[:keep], cand[:keep], probs[:keep]
-        if o.min_p > 0:
-            keep = probs >= o.min_p * probs[0]
-            order, cand = order[keep], cand[keep]
-        scaled = (cand - cand[0]) / o.temperature
-        p = np.exp(scaled)
+        with np.errstate(over="ignore", under="ignore"):  # a tiny temperature: -inf, exp() -> 0
+            probs = np.exp(cand - cand[0])
+            probs /= probs.sum()
+            if o.top_p < 1.0:
+                keep = int(np.searchsorted(np.cumsum(probs), o.top_p) + 1)
+                order, cand, probs = order[:keep], cand[:keep], probs[:keep]
+            if o.min_p > 0:
+                keep = probs >= o.min_p * probs[0]  # min_p <= 1: the best candidate always stays
+                order, cand = order[keep], cand[keep]
+            p = np.exp((cand - cand[0]) / o.temperature)
         p /= p.sum()
         return int(order[self.rng.choice(len(order), p=p)])
 
