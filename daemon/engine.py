@@ -5,6 +5,12 @@
     logits = engine.forward(ids)            # [len(ids), vocab] f32, fresh sequence
     for piece in engine.generate("Hello", max_tokens=32, temperature=0):
         print(piece, end="")
+
+Prompts are bounded like the daemon's (settings.max_prompt_bytes, MOED_MAX_PROMPT_BYTES): a raw
+prompt, or a chat's messages before the template and its rendered prompt after it, longer than
+that many UTF-8 bytes is a RequestError before anything is tokenized; the template renders within
+settings.template_timeout seconds and max_prompt_bytes of output. prompt_ids / chat_ids are the
+text steps alone (the daemon's scheduler runs them on its text threads).
 """
 
 from __future__ import annotations
@@ -40,6 +46,20 @@ class GenerationStats:
     eval_count: int = 0
     eval_duration: int = 0
     done_reason: str = ""
+
+
+def check_prompt_bytes(text: str, limit: int, what: str = "prompt") -> None:
+    """RequestError when text is more than `limit` bytes of UTF-8 (MOED_MAX_PROMPT_BYTES)."""
+    if 4 * len(text) > limit and _utf8_size(text, limit) > limit:  # <= 4 bytes a character
+        raise RequestError(f"the {what} is longer than {limit} bytes of UTF-8, the most MOED_MAX_PROMPT_BYTES "
+                           f"allows; shorten it (or raise the daemon's limit)")
+
+
+def _utf8_size(text: str, limit: int) -> int:
+    """len(text) in UTF-8; a text of more than `limit` characters is not encoded (its length,
+    already over the limit, is returned)."""
+    n = len(text)
+    return n if n > limit else len(text.encode("utf-8", "surrogatepass"))
 
 
 def _expert_cache(gguf: GGUFFile, cfg: Settings, say) -> ExpertCache | None:
@@ -142,9 +162,32 @@ class Engine:
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids))
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return render_chat(chat_template_from_metadata(self.gguf.metadata), messages,
-                           add_generation_prompt=add_generation_prompt, **template_tokens(self.tokenizer))
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                            max_bytes: int | None = None, timeout: float | None = None) -> str:
+        """The prompt for a conversation, by the model's template (ChatML without one). Messages
+        and the rendered prompt are capped at max_bytes (default settings.max_prompt_bytes); the
+        render gets timeout seconds (default settings.template_timeout)."""
+        limit = self.settings.max_prompt_bytes if max_bytes is None else max_bytes
+        prompt = render_chat(chat_template_from_metadata(self.gguf.metadata), messages,
+                             add_generation_prompt=add_generation_prompt, **template_tokens(self.tokenizer),
+                             timeout=self.settings.template_timeout if timeout is None else timeout,
+                             max_bytes=limit)  # messages are refused before rendering, output while it grows
+        check_prompt_bytes(prompt, limit, "rendered chat prompt")  # what the tokenizer gets, whatever rendered it
+        return prompt
+
+    def prompt_ids(self, prompt: str, *, max_bytes: int | None = None) -> list[int]:
+        """Token ids of a raw prompt (BOS as the model wants), refused beyond max_bytes."""
+        if not isinstance(prompt, str):
+            raise RequestError(f"a prompt must be a string, not {type(prompt).__name__}")
+        check_prompt_bytes(prompt, self.settings.max_prompt_bytes if max_bytes is None else max_bytes)
+        return self.tokenize(prompt)
+
+    def chat_ids(self, messages: list[dict], *, max_bytes: int | None = None,
+                 timeout: float | None = None) -> list[int]:
+        """Token ids of a conversation rendered by the template (apply_chat_template's bounds);
+        BOS is added unless the template wrote it."""
+        prompt = self.apply_chat_template(messages, max_bytes=max_bytes, timeout=timeout)
+        return self.tokenize(prompt, add_special=not self._template_adds_bos(prompt), parse_special=True)
 
     # -- compute -------------------------------------------------------------------------------
 
@@ -160,7 +203,7 @@ class Engine:
         options = options or SamplingOptions(**sampling)
         if max_tokens < 0:
             raise RequestError("max_tokens must be >= 0")
-        ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        ids = self.prompt_ids(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
             raise RequestError("empty prompt")
         if len(ids) >= self.n_ctx:
@@ -168,9 +211,7 @@ class Engine:
         return self._generate(ids, max_tokens, list(stop), options)
 
     def chat(self, messages: list[dict], max_tokens: int = 256, **kw) -> Iterator[str]:
-        prompt = self.apply_chat_template(messages)
-        ids = self.tokenize(prompt, add_special=not self._template_adds_bos(prompt), parse_special=True)
-        return self.generate(ids, max_tokens, **kw)
+        return self.generate(self.chat_ids(messages), max_tokens, **kw)
 
     def _template_adds_bos(self, prompt: str) -> bool:
         bos = template_tokens(self.tokenizer)["bos_token"]

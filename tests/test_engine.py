@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from daemon import Engine
@@ -79,3 +81,41 @@ def test_load_missing_and_malformed_files(tmp_path):
     bad.write_bytes(b"GGUF" + b"\xff" * 64)
     with pytest.raises(ModelError):
         Engine.load(bad)
+
+
+def test_extreme_sampling_options_generate(engine):
+    text = "".join(engine.generate("Hello", max_tokens=4, temperature=0.7, repeat_penalty=1e-300, seed=1))
+    assert isinstance(text, str) and engine.last_stats.done_reason in ("length", "stop")
+
+
+@pytest.fixture
+def capped(engine, monkeypatch):
+    """The engine with MOED_MAX_PROMPT_BYTES=64; the texts its tokenizer is given."""
+    monkeypatch.setattr(engine, "settings", dataclasses.replace(engine.settings, max_prompt_bytes=64))
+    seen = []
+    real = engine.tokenize
+    monkeypatch.setattr(engine, "tokenize", lambda text, *a, **k: (seen.append(text), real(text, *a, **k))[1])
+    return engine, seen
+
+
+def test_prompt_size_is_capped_before_tokenizing(capped):
+    engine, seen = capped
+    for prompt in ("x" * 65, "é" * 33):  # 65 characters; 33 characters but 66 bytes
+        with pytest.raises(RequestError, match="MOED_MAX_PROMPT_BYTES"):
+            list(engine.generate(prompt, max_tokens=1))
+    with pytest.raises(RequestError, match="MOED_MAX_PROMPT_BYTES"):
+        list(engine.chat([{"role": "user", "content": "ü" * 40}], max_tokens=1))
+    assert seen == []
+    list(engine.generate("é" * 32, max_tokens=1))  # 64 bytes: allowed
+    assert seen == ["é" * 32]
+
+
+def test_rendered_chat_prompt_is_capped(capped):
+    engine, seen = capped
+    # SmolLM2's template adds a system prompt: two bytes of content render to more than 64
+    with pytest.raises(RequestError, match="MOED_MAX_PROMPT_BYTES"):
+        engine.apply_chat_template([{"role": "user", "content": "hi"}])
+    with pytest.raises(RequestError, match="MOED_MAX_PROMPT_BYTES"):
+        list(engine.chat([{"role": "user", "content": "hi"}], max_tokens=1))
+    assert seen == []
+    assert engine.apply_chat_template([{"role": "user", "content": "hi"}], max_bytes=1000).endswith("assistant\n")

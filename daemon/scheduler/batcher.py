@@ -3,8 +3,9 @@
     event loop                          compute thread (one per model; the engine is not thread-safe)
     ----------                          ---------------------------------------------------------
     call(fn) -> Future  ───jobs──────▶  between steps: fn(engine)  (load, stats, close)
-    submit(seq)         ───incoming──▶  at a step boundary: prepare the new sequences, prefill them
-                                        together (Transformer.forward_many, up to PREFILL_TOKENS rows)
+    submit(seq)         ───incoming──▶  at a step boundary: prepare the new sequences (their token
+                                        ids are ready: no text work here), prefill them together
+                                        (Transformer.forward_many, up to PREFILL_TOKENS rows)
     seq.cancelled = True                drop cancelled sequences (their KV cache goes with them)
                                         one decode step: forward_batch(tokens [B], caches [B]) -> [B, V]
     emit(reply)  ◀──call_soon_threadsafe── the step's replies, one hand-over per step
@@ -13,6 +14,14 @@ Every active sequence advances by exactly one token per forward_batch call; a se
 its prefill and leaves when it finishes or is cancelled, so a cancel or a client disconnect stops
 it within one decode step. forward_batch is batch-invariant, so a request gets the same tokens
 whatever else shares its steps.
+
+Failures stay with the sequences they concern: an exception while one sequence is prepared, fed
+or sampled (non-finite logits included) fails that sequence; a failed forward pass fails the
+sequences of that pass; the loop goes on. ModelFileChanged fails them and stops the batcher
+(the model's weights no longer match its file), with that message for every sequence left. If the
+loop itself ever breaks, the thread still fails every sequence and resolves `stopped`, and the
+registry drops the model (`stopping` is set from then on: call/submit refuse), so the next
+request loads it again instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from typing import Any
 
 from ipc.protocol import Error
 
-from ..errors import MoedError, RequestError
+from ..errors import ModelFileChanged, MoedError, RequestError
 from .sequence import Sequence
 
 log = logging.getLogger("moed.scheduler")
@@ -58,6 +67,16 @@ class Batcher:
         self._thread.start()
 
     # -- event loop side -----------------------------------------------------------------------
+
+    @property
+    def stopping(self) -> bool:
+        """The thread is ending or has ended (an unload, a changed model file or a broken loop)."""
+        return self._stopping
+
+    @property
+    def stop_reason(self) -> str:
+        """Why it stopped (or will): the message its unfinished sequences get."""
+        return self._stop_reason[1]
 
     @property
     def active(self) -> int:
@@ -142,14 +161,39 @@ class Batcher:
                         self._post(self._resolve, fut, True, fn(self.engine))
                     except BaseException as e:  # noqa: BLE001 - handed to the awaiting request
                         self._post(self._resolve, fut, False, e)
-                if new:  # the prompts that arrived together are evaluated together
-                    self._start(new)
-                if self._active:
-                    events = self._step()
-                    if events:
-                        self._post(self._deliver, events)
+                try:
+                    self._advance(new)
+                except Exception as e:  # a bug outside every guard: its sequences fail, the loop goes on
+                    log.exception("%s: a step failed", self.name)
+                    self._fail_all(new + self._active, e)
+        except BaseException as e:  # noqa: BLE001 - the loop broke: fail everything, let the registry know
+            log.critical("%s: the compute thread failed", self.name, exc_info=True)
+            self._stop_self("internal", f"the compute thread of {self.name} failed: {type(e).__name__}: {e}")
         finally:
             self._shutdown()
+
+    def _advance(self, new: list[Sequence]) -> None:
+        """Prefill the sequences that arrived, then one decode step of every active one."""
+        if new:  # the prompts that arrived together are evaluated together
+            self._start(new)
+        if self._active and not self._stopping:
+            events = self._step()
+            if events:
+                self._post(self._deliver, events)
+
+    def _fail_all(self, seqs: list[Sequence], e: BaseException) -> None:
+        events = [(s, s.fail_with(e)) for s in seqs if not s.finished]
+        self._active = [s for s in self._active if not s.finished]
+        if events:
+            self._post(self._deliver, events)
+
+    def _stop_self(self, code: str, message: str) -> None:
+        """The batcher cannot go on (its model file changed, its loop broke): the loop ends after
+        this step; every sequence left gets Error(code, message)."""
+        with self._cv:
+            if not self._stopping:
+                self._stopping = True
+                self._stop_reason = (code, message)
 
     def _start(self, seqs: list[Sequence]) -> None:
         """Prepare and prefill new sequences, their prompts in passes of up to PREFILL_TOKENS
@@ -162,6 +206,10 @@ class Batcher:
             else:
                 ready.append(seq)
         while ready:
+            if self._stopping:  # stopped meanwhile: the rest never start
+                code, message = self._stop_reason
+                self._post(self._deliver, [(s, s.fail(code, message)) for s in ready])
+                return
             n, rows = 0, 0
             while n < len(ready) and (n == 0 or rows + len(ready[n].ids) <= PREFILL_TOKENS):
                 rows += len(ready[n].ids)
@@ -176,24 +224,32 @@ class Batcher:
                 events = [(s, self._guard(s, lambda s=s: s.prefill(self.engine))) for s in part]
                 self.prefill_passes += len(part)
             else:
-                events = [(s, s.prefilled(lg, t0)) for s, lg in zip(part, logits)]
-            self._post(self._deliver, events)
-            for s, replies in events:
+                events = [(s, self._guard(s, lambda s=s, lg=lg: s.prefilled(lg, t0))) for s, lg in zip(part, logits)]
+            for s, replies in events:  # active before its first token is out
                 self.prefills += not (replies and isinstance(replies[-1], Error))
                 if not s.finished:
                     self._active.append(s)
+            self._post(self._deliver, events)
 
     def _guard(self, seq: Sequence, fn) -> list:
         """fn() for one sequence: its replies, or the sequence failed with an Error reply."""
         try:
             return fn() or []
-        except RequestError as e:
-            return seq.fail("bad_request", str(e))
-        except MoedError as e:
-            return seq.fail("model_error", str(e))
-        except Exception as e:  # a bug must not take the daemon down
-            log.exception("request %s failed", seq.id)
-            return seq.fail("internal", f"{type(e).__name__}: {e}")
+        except Exception as e:  # a bad request, a broken model or a bug: this sequence only
+            self._failed(e, f"request {seq.id}")
+            return seq.fail_with(e)
+
+    def _failed(self, e: Exception, what: str) -> None:
+        """Log a failure; a changed model file also stops the batcher."""
+        if isinstance(e, ModelFileChanged):
+            log.warning("%s: %s; unloading", self.name, e)
+            self._stop_self("model_error", str(e))
+        elif isinstance(e, RequestError):
+            pass  # the requester is told; nothing is wrong here
+        elif isinstance(e, MoedError):
+            log.warning("%s: %s failed: %s", self.name, what, e)
+        else:  # a bug must not take the daemon down, but it is logged in full
+            log.error("%s: %s failed", self.name, what, exc_info=e)
 
     def _step(self) -> list:
         """One decode step for every active sequence."""
@@ -207,20 +263,20 @@ class Batcher:
         try:
             logits = self.engine.model.forward_batch([s.token for s in active], [s.cache for s in active])
         except Exception as e:  # every sequence of the step fails; the daemon goes on
-            log.exception("decode step failed")
-            code = "model_error" if isinstance(e, MoedError) else "internal"
+            self._failed(e, "a decode step")
             self._active = []
-            return [(s, s.fail(code, f"{type(e).__name__}: {e}")) for s in active]
+            return [(s, s.fail_with(e)) for s in active]
         self.steps += 1
         self.step_tokens += len(active)
         self.peak_batch = max(self.peak_batch, len(active))
-        events = [(s, s.feed(logits[b])) for b, s in enumerate(active)]
+        events = [(s, self._guard(s, lambda s=s, b=b: s.feed(logits[b]))) for b, s in enumerate(active)]
         self._active = [s for s in active if not s.finished]
         return events
 
     def _shutdown(self) -> None:
-        code, message = self._stop_reason
         with self._cv:
+            self._stopping = True  # however the loop ended: call/submit refuse from now on
+            code, message = self._stop_reason
             left = self._active + list(self._incoming)
             self._active, self._incoming = [], deque()
             jobs = list(self._jobs)

@@ -11,6 +11,11 @@
     unload(name) / close()
         stop the compute thread(s): unfinished sequences end with an error, the engine closes.
 
+A compute thread can also stop by itself: its model file changed on disk (ModelFileChanged), or,
+as a last line of defence, its loop broke. The registry then drops the model as if unloaded
+(`batcher.stopped` resolves; a request that comes first sees `batcher.stopping`), so the next
+request loads the file afresh instead of waiting on a thread that is gone.
+
 Models are keyed by their resolved path; `name` is what the first request called it.
 """
 
@@ -52,6 +57,8 @@ def _error_for_load(path: str, e: BaseException) -> SchedulerError:
 
 
 def resolve_path(name: str) -> str:
+    if "\0" in name:  # no file has one; os.path would raise ValueError
+        raise SchedulerError("bad_request", "a model path cannot contain a NUL character")
     return os.path.realpath(os.path.expanduser(name))
 
 
@@ -130,6 +137,9 @@ class ModelRegistry:
             raise SchedulerError("bad_request", str(e)) from None
         path = resolve_path(name)
         m = self.models.get(path)
+        if m is not None and m.batcher.stopping and not m.unloading:  # stopped by itself: load afresh
+            await self._unload(m)
+            m = self.models.get(path)
         if m is not None and settings and settings != m.settings:
             if m.users or not m.ready.done():
                 raise SchedulerError("busy", f"{m.name} is in use with other settings ({m.settings})")
@@ -139,6 +149,7 @@ class ModelRegistry:
             if not os.path.exists(path):
                 raise SchedulerError("not_found", f"no model file {name}")
             m = LoadedModel(name, path, settings, self.default_keep_alive, self.max_batch)
+            m.batcher.stopped.add_done_callback(lambda _f, m=m: self._forget(m))
             self.models[path] = m
             self.loads += 1
             asyncio.get_running_loop().create_task(self._load(m))
@@ -254,6 +265,19 @@ class ModelRegistry:
             if self._closing.get(m.path) is stopped:
                 del self._closing[m.path]
         log.info("unloaded %s", m.path)
+
+    def _forget(self, m: LoadedModel) -> None:
+        """m's compute thread has ended. Without an unload (its model file changed, its loop
+        broke) the model must not stay listed: the next request loads it again."""
+        if m.unloading:
+            return
+        m.unloading = True
+        self._stop_clock(m)
+        m.expires_at = None
+        if self.models.get(m.path) is m:
+            del self.models[m.path]
+            log.warning("%s: its compute thread stopped (%s); dropped, the next request loads it again",
+                        m.name, m.batcher.stop_reason)
 
     async def close(self, code: str = "shutdown", message: str = "the daemon is shutting down") -> None:
         """Stop every model (loads in progress finish first, on their own threads)."""

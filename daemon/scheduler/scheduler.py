@@ -9,12 +9,21 @@
 Bounded queue: at most `queue_size` generation requests are held at once, whether waiting for a
 model to load, waiting for a place in the batch (`max_batch` per model) or decoding; one more is
 refused with SchedulerError("busy") at once.
+
+Text work is done here, before a sequence reaches its model's compute thread: the chat template
+and the tokenizer run on TextThreads (two daemon threads), so a long prompt or a slow template
+never holds up a forward pass, and cancelling the request while its prompt is prepared works.
+Prompts are refused beyond MOED_MAX_PROMPT_BYTES (the raw prompt or the messages before the
+template, the rendered prompt before the tokenizer); a template has MOED_TEMPLATE_TIMEOUT seconds.
+A request given token ids has no text work: its ids are checked in place.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import queue
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -22,8 +31,11 @@ from typing import Any
 from ipc.protocol import Chat, Done, Error, Generate
 
 from ..config import Settings
+from ..errors import MoedError
 from .models import LoadedModel, ModelRegistry, SchedulerError
-from .sequence import Sequence
+from .sequence import Sequence, error_reply, prompt_ids
+
+TEXT_THREADS = 2  # template rendering and tokenizing for every model: a bound on the cores they take
 
 log = logging.getLogger("moed.scheduler")
 
@@ -48,22 +60,60 @@ def _in_thread(fn: Callable[[], Any], name: str) -> asyncio.Future:
     fut = loop.create_future()
     fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "not retrieved"
 
-    def settle(ok: bool, value) -> None:
-        if not fut.done():
-            (fut.set_result if ok else fut.set_exception)(value)
-
     def work() -> None:
         try:
             result = (True, fn())
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting requests
             result = (False, e)
         try:
-            loop.call_soon_threadsafe(settle, *result)
+            loop.call_soon_threadsafe(_settle, fut, *result)
         except RuntimeError:  # the loop is closed
             pass
 
     threading.Thread(target=work, name=name, daemon=True).start()
     return fut
+
+
+def _settle(fut: asyncio.Future, ok: bool, value) -> None:
+    if not fut.done():
+        (fut.set_result if ok else fut.set_exception)(value)
+
+
+class TextThreads:
+    """A small pool of daemon threads for the text work of requests (chat template, tokenizer).
+    Bounded, so text work cannot take every core; daemon threads, so a shutdown never waits for a
+    render that is still running. Work whose future was cancelled before it started is skipped."""
+
+    def __init__(self, n: int = TEXT_THREADS):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, name=f"moed-text-{i}", daemon=True) for i in range(n)]
+        for t in self._threads:
+            t.start()
+
+    def run(self, fn: Callable[[], Any]) -> asyncio.Future:
+        """fn() on one of the threads; its result as a Future of the running loop."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._queue.put((fn, fut, loop))
+        return fut
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            fn, fut, loop = item
+            if fut.cancelled():  # its request gave up while it waited
+                continue
+            try:
+                result = (True, fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the awaiting request
+                result = (False, e)
+            try:
+                loop.call_soon_threadsafe(_settle, fut, *result)
+            except RuntimeError:  # the loop is closed
+                pass
 
 
 class Scheduler:
@@ -76,6 +126,7 @@ class Scheduler:
                                       max_batch=settings.max_batch, warm=warm)
         self._default_model_fn = default_model or _demo_model
         self._default_future: asyncio.Future | None = None
+        self.text = TextThreads()
         self.inflight = 0  # generation requests held now
         self.closing = False
 
@@ -93,6 +144,15 @@ class Scheduler:
         try:
             name = req.model or await self.default_model()
             model, load_ns = await self.registry.acquire(name, keep_alive=req.keep_alive)
+            try:
+                ids = await self._prompt_ids(req, model)
+            except SchedulerError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the request's error reply, as the batcher gives it
+                if not isinstance(e, MoedError):
+                    log.exception("preparing request %s failed", req.id)
+                emit(error_reply(req.id, e))
+                return
             done = asyncio.get_running_loop().create_future()
 
             def on_reply(reply) -> None:  # on the event loop, from the compute thread's hand-over
@@ -102,7 +162,7 @@ class Scheduler:
                 if isinstance(reply, (Done, Error)):
                     done.set_result(None)
 
-            seq = Sequence(req, on_reply, received_ns=received_ns, load_ns=load_ns)
+            seq = Sequence(req, ids, on_reply, received_ns=received_ns, load_ns=load_ns)
             try:
                 model.batcher.submit(seq)
             except RuntimeError:
@@ -117,6 +177,17 @@ class Scheduler:
             self.inflight -= 1
             if model is not None:
                 self.registry.release(model)
+
+    async def _prompt_ids(self, req: Generate | Chat, model: LoadedModel) -> list[int]:
+        """The request's token ids, checked (sequence.prompt_ids), prepared off the compute thread."""
+        engine = model.engine
+        if engine is None or model.batcher.stopping:
+            raise SchedulerError("model_error", f"{model.name} is being unloaded")
+        work = functools.partial(prompt_ids, req, engine, max_bytes=self.settings.max_prompt_bytes,
+                                 template_timeout=self.settings.template_timeout)
+        if isinstance(req, Generate) and req.tokens is not None:
+            return work()  # no text to render or tokenize: checked in place, no thread hop
+        return await self.text.run(work)
 
     async def default_model(self) -> str:
         """The only loaded model, else the demo MoE (built once, on a thread, on first use)."""
@@ -147,14 +218,18 @@ class Scheduler:
         await self.registry.unload(name)
 
     def ps(self) -> list[dict[str, Any]]:
-        return [m.info() for m in self.registry.models.values() if m.loaded and not m.unloading]
+        return [m.info() for m in self.registry.models.values() if self._serving(m)]
+
+    @staticmethod
+    def _serving(m: LoadedModel) -> bool:
+        return m.loaded and not m.unloading and not m.batcher.stopping
 
     async def stats(self, name: str | None = None) -> dict[str, Any]:
         if name is None:
-            models = [m for m in self.registry.models.values() if m.loaded]
+            models = [m for m in self.registry.models.values() if self._serving(m)]
         else:
             m = self.registry.find(name)
-            if m is None or not m.loaded:
+            if m is None or not self._serving(m):
                 raise SchedulerError("not_found", f"{name} is not loaded")
             models = [m]
         out = {}
@@ -168,4 +243,5 @@ class Scheduler:
 
     async def close(self) -> None:
         self.closing = True
+        self.text.close()
         await self.registry.close()

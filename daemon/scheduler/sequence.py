@@ -2,7 +2,9 @@
 
 The same steps as Engine._generate, cut at the forward pass so that many sequences can share it:
 
-    prepare(engine)       ids from the request (template, tokenizer, checks); KV cache allocated
+    prompt_ids(req, ...)  ids from the request (template, tokenizer, size and range checks); run by
+                          the scheduler before the sequence exists, never on the compute thread
+    prepare(engine)       sampler, detokenizer, stop strings; KV cache allocated
     prefill(engine)       forward(ids) -> logits of the last prompt token -> feed(logits); or, for
                           several sequences at once, Transformer.forward_many then prefilled(logits)
     feed(logits [V])      sample, detokenize, stop strings; either finishes, or leaves `token`
@@ -10,6 +12,8 @@ The same steps as Engine._generate, cut at the forward pass so that many sequenc
 
 A Sequence lives on the compute thread. The event loop only reads `finished`/`emit` and sets
 `cancelled`; replies are built on the compute thread and handed to `emit` on the event loop.
+`error_reply(id, exc)` is how an exception becomes the request's Error (bad_request for a
+RequestError, model_error for another MoedError, internal for a bug).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import numpy as np
 # (No import cycle: ipc.protocol needs only daemon.errors and daemon.sampling.)
 from ipc.protocol import Chat, Chunk, Done, Error, Generate
 
-from ..errors import RequestError
+from ..errors import MoedError, RequestError
 from ..sampling import Sampler, SamplingOptions, StopMatcher
 from ..text.tokenizer import StreamDecoder
 
@@ -34,8 +38,8 @@ DEFAULT_OPTIONS = SamplingOptions()
 class Sequence:
     """State of one Generate/Chat request inside the scheduler."""
 
-    def __init__(self, request: Generate | Chat, emit: Callable[[Any], None], *, received_ns: int,
-                 load_ns: int = 0):
+    def __init__(self, request: Generate | Chat, ids: list[int], emit: Callable[[Any], None], *,
+                 received_ns: int, load_ns: int = 0):
         self.request = request
         self.id = request.id
         self.emit = emit  # called on the event loop with each reply (Chunk ..., then Done or Error)
@@ -45,7 +49,7 @@ class Sequence:
         self.finished = False  # a terminal reply has been built (compute thread)
         self.max_tokens = request.max_tokens
         self.options = request.options or DEFAULT_OPTIONS
-        self.ids: list[int] = []
+        self.ids = ids  # the prompt, checked by prompt_ids
         self.history: list[int] = []
         self.token: int | None = None  # sampled, not yet fed to the model
         self.cache = None  # KVCache, freed (None) when the sequence leaves the batch
@@ -56,33 +60,13 @@ class Sequence:
     # -- compute thread ------------------------------------------------------------------------
 
     def prepare(self, engine) -> None:
-        """Token ids from the request, checked; RequestError when they cannot be used."""
-        req = self.request
-        if isinstance(req, Generate) and req.tokens is not None:
-            ids = list(req.tokens)
-        elif isinstance(req, Generate) and (req.raw or not _has_template(engine)):
-            ids = engine.tokenize(req.prompt)
-        elif not _has_template(engine):  # a Chat for a model without a template: the contents, in order
-            ids = engine.tokenize("\n\n".join(m.content for m in req.messages))
-        else:
-            messages = ([{"role": m.role, "content": m.content} for m in req.messages] if isinstance(req, Chat)
-                        else [{"role": "user", "content": req.prompt}])
-            prompt = engine.apply_chat_template(messages)
-            ids = engine.tokenize(prompt, add_special=not engine._template_adds_bos(prompt), parse_special=True)
-        if not ids:
-            raise RequestError("empty prompt")
-        n_vocab = engine.model.hp.n_vocab
-        if min(ids) < 0 or max(ids) >= n_vocab:
-            raise RequestError(f"token id out of range 0..{n_vocab - 1}")
-        if len(ids) >= engine.n_ctx:
-            raise RequestError(f"prompt of {len(ids)} tokens does not fit the context of {engine.n_ctx}")
-        self.ids = ids
-        self.history = list(ids)
+        """What the token loop needs, the KV cache included (the ids are ready and checked)."""
+        self.history = list(self.ids)
         self.sampler = Sampler(self.options)
         self.decoder = StreamDecoder(engine.tokenizer)
-        self.stopper = StopMatcher(list(req.stop))
+        self.stopper = StopMatcher(list(self.request.stop))
         self.eog = engine.tokenizer.eog_ids
-        self.cache = engine.model.new_cache(min(engine.n_ctx, len(ids) + self.max_tokens + 1))
+        self.cache = engine.model.new_cache(min(engine.n_ctx, len(self.ids) + self.max_tokens + 1))
 
     def prefill(self, engine) -> list:
         """Evaluate the prompt alone and take the first token; the replies to send."""
@@ -118,8 +102,14 @@ class Sequence:
 
     def fail(self, code: str, message: str) -> list:
         self.finished = True
+        self.token = None
         self.cache = None
         return [Error(self.id, code, message)]
+
+    def fail_with(self, e: BaseException) -> list:
+        """Fail because of e (error_reply's code and message)."""
+        err = error_reply(self.id, e)
+        return self.fail(err.code, err.message)
 
     def _finish(self, reason: str, out: list) -> list:
         if not self.stopper.stopped:
@@ -135,6 +125,44 @@ class Sequence:
         self.token = None
         self.cache = None  # the KV cache goes with the sequence
         return out
+
+
+def prompt_ids(req: Generate | Chat, engine, *, max_bytes: int, template_timeout: float) -> list[int]:
+    """The request's prompt as token ids, checked; RequestError when they cannot be used, ModelError
+    when the model's template fails. Text work (template, tokenizer): the scheduler runs it on its
+    text threads. A text is refused beyond max_bytes before it is rendered or tokenized."""
+    if isinstance(req, Generate) and req.tokens is not None:
+        ids = list(req.tokens)
+    elif isinstance(req, Generate) and (req.raw or not _has_template(engine)):
+        ids = engine.prompt_ids(req.prompt, max_bytes=max_bytes)
+    elif not _has_template(engine):  # a Chat for a model without a template: the contents, in order
+        ids = engine.prompt_ids("\n\n".join(m.content for m in req.messages), max_bytes=max_bytes)
+    else:
+        messages = ([{"role": m.role, "content": m.content} for m in req.messages] if isinstance(req, Chat)
+                    else [{"role": "user", "content": req.prompt}])
+        ids = engine.chat_ids(messages, max_bytes=max_bytes, timeout=template_timeout)
+    check_ids(ids, engine)
+    return ids
+
+
+def check_ids(ids: list[int], engine) -> None:
+    """RequestError unless ids is a prompt the model can evaluate."""
+    if not ids:
+        raise RequestError("empty prompt")
+    if len(ids) >= engine.n_ctx:  # first: a huge list is refused without a pass over it
+        raise RequestError(f"prompt of {len(ids)} tokens does not fit the context of {engine.n_ctx}")
+    n_vocab = engine.model.hp.n_vocab
+    if min(ids) < 0 or max(ids) >= n_vocab:
+        raise RequestError(f"token id out of range 0..{n_vocab - 1}")
+
+
+def error_reply(id: int, e: BaseException) -> Error:
+    """The Error that ends request `id` because of e."""
+    if isinstance(e, RequestError):
+        return Error(id, "bad_request", str(e))
+    if isinstance(e, MoedError):
+        return Error(id, "model_error", str(e))
+    return Error(id, "internal", f"{type(e).__name__}: {e}")
 
 
 def _has_template(engine) -> bool:
