@@ -166,6 +166,8 @@ def _read_rope(g: GGUFFile, arch: str, head_dim: int, neox: bool) -> Rope:
     kind = g.get(f"{arch}.rope.scaling.type", str, "none")
     factor = _float(g, f"{arch}.rope.scaling.factor", 0.0, at_least=0.0)  # 0: none
     freq_scale = 1.0 / factor if factor > 0 else 1.0
+    if factor > 0 and not (freq_scale <= _F32_MAX and np.float32(factor) > 0):
+        raise GGUFError(f"metadata {arch}.rope.scaling.factor = {factor} is out of float32 range")
     if kind in ("none", "") or freq_scale == 1.0 and kind != "yarn":
         return Rope(n_dims, base, neox)
     if kind == "linear":
@@ -184,16 +186,18 @@ def _read_rope(g: GGUFFile, arch: str, head_dim: int, neox: bool) -> Rope:
     # rope_yarn's own mscale correction up to float32 rounding.
     beta_fast, beta_slow, ext_factor = 32.0, 1.0, 1.0
     f32 = np.float32
+    attn_scale = f32(_float(g, f"{arch}.rope.scaling.attn_factor", 1.0, positive=True))
     with np.errstate(all="ignore"):  # a result that is not finite is refused below
         mscale = f32(1.0) if factor <= 1 else f32(f32(0.1) * f32(math.log(f32(factor))) + f32(1.0))
         attn_factor = float(f32(mscale * f32(f32(1.0) / f32(f32(1.0) + f32(0.1) * f32(math.log(f32(factor))))))
-                            * f32(_float(g, f"{arch}.rope.scaling.attn_factor", 1.0, positive=True)))
+                            * attn_scale)
         try:
             corr = yarn_corr_dims(n_dims, n_ctx_orig, base, beta_fast, beta_slow)
-        except (OverflowError, ValueError):
+        except (OverflowError, ValueError):  # log of 0, or an infinite range
             corr = (math.nan, math.nan)
     if not (math.isfinite(attn_factor) and attn_factor > 0):
-        raise GGUFError(f"metadata {arch}.rope.scaling.factor = {factor} gives a YaRN attention factor of {attn_factor}")
+        raise GGUFError(f"metadata {arch}.rope.scaling.factor = {factor} gives a YaRN attention factor "
+                        f"of {attn_factor}")
     if not all(math.isfinite(c) for c in corr):
         raise GGUFError(f"metadata {arch}.rope.freq_base = {base} and {arch}.rope.scaling.original_context_length = "
                         f"{n_ctx_orig} give no finite YaRN correction range")

@@ -21,7 +21,6 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import aiofiles
 import aiofiles.os
 
 from ..errors import GGUFError, ModelFileChanged, StorageError

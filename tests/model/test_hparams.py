@@ -18,9 +18,11 @@ NAN, INF = float("nan"), float("inf")
 
 
 def _load_with(tmp_path, fixture_dir, arch, wtype, **keys):
-    """Transformer over a copy of the fixture with metadata keys (`{arch}.` prefixed) replaced."""
+    """Transformer over a copy of the fixture with metadata keys replaced: a__b=(type, value) sets
+    `{arch}.a.b`."""
     src = fixture_path(arch, wtype, fixture_dir)
-    dst = rewrite_gguf(src, tmp_path / "m.gguf", set_keys={f"{arch}.{k.replace('__', '.')}": v for k, v in keys.items()})
+    set_keys = {f"{arch}.{k.replace('__', '.')}": v for k, v in keys.items()}
+    dst = rewrite_gguf(src, tmp_path / "m.gguf", set_keys=set_keys)
     with GGUFFile(dst) as g:
         return Transformer(g)
 
@@ -55,6 +57,7 @@ def test_float64_that_overflows_float32_is_refused(tmp_path, fixture_dir):
     ("rope.scaling.factor", VT.FLOAT32, NAN),
     ("rope.scaling.factor", VT.FLOAT32, INF),
     ("rope.scaling.factor", VT.FLOAT32, -2.0),
+    ("rope.scaling.factor", VT.FLOAT64, 1e-300),  # 0 as a float32, and 1 / it infinite
     ("rope.scaling.attn_factor", VT.FLOAT32, NAN),
     ("rope.scaling.attn_factor", VT.FLOAT32, 0.0),
     ("rope.freq_base", VT.FLOAT32, 1.0),  # YaRN divides by log(base)
