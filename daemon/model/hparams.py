@@ -106,7 +106,7 @@ def read_hparams(g: GGUFFile, arch: str, *, neox: bool, **extra) -> HParams:
     return HParams(**hp)
 
 
-_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.")
+_BLOCK_TENSOR = re.compile(r"blk\.(0|[1-9]\d*)\.")  # the names the model loads: no leading zeros
 
 
 def block_count(g: GGUFFile, arch: str) -> int:

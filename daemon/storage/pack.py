@@ -27,7 +27,9 @@ The source identity is the file size plus two hashes that cost a few hundred sma
 reread of the model: the whole GGUF header (metadata and tensor table) and a sample of the data:
 64 evenly spaced 4 KiB blocks plus the first and last 4 KiB of every expert tensor. mtime is not
 part of it, so a copied model keeps its pack. A change elsewhere in the data goes unnoticed by the
-identity; the per-expert crc32 only guards the pack's own bytes.
+identity; the per-expert crc32 only guards the pack's own bytes. Once a pack is in use, both it and
+the model are checked at each read batch (inode, size, mtime, as recorded at load): a change to
+either fails the read with ModelFileChanged (store.py).
 """
 
 from __future__ import annotations

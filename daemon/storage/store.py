@@ -85,7 +85,7 @@ class ExpertStore:
         return None
 
 
-_EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(?:gate|up|down)_exps\.weight|blk\.(\d+)\.ffn_gate_inp\.weight")
+_EXPERT_TENSOR = re.compile(r"blk\.(0|[1-9]\d*)\.ffn_(?:gate_exps|up_exps|down_exps|gate_inp)\.weight")
 
 
 def expert_layouts(gguf) -> dict[int, ExpertLayout]:
@@ -93,7 +93,7 @@ def expert_layouts(gguf) -> dict[int, ExpertLayout]:
 
     A layer with a router or any of its three expert tensors must have all three, of matching
     shapes and no empty dimension; otherwise GGUFError names what is missing or wrong."""
-    layers = sorted({int(m.group(1) or m.group(2)) for m in map(_EXPERT_TENSOR.fullmatch, gguf.tensors) if m})
+    layers = sorted({int(m.group(1)) for m in map(_EXPERT_TENSOR.fullmatch, gguf.tensors) if m})
     layouts = {}
     for il in layers:
         names = [f"blk.{il}.ffn_{p}_exps.weight" for p in PROJECTIONS]

@@ -267,3 +267,12 @@ def test_corrupted_expert_tensor_name_is_a_clean_load_error(tmp_path, fixture_di
     for limit in (0.0, TINY_CACHE_MB):
         with pytest.raises(GGUFError, match=name.replace(".", r"\.")):
             Engine.load(path, expert_cache_limit_mb=limit, expert_pack=False)
+
+
+def test_router_without_expert_tensors_is_a_clean_load_error(tmp_path, fixture_dir):
+    src = fixture_path("qwen3moe", "Q8_0", fixture_dir)
+    names = [f"blk.1.ffn_{p}_exps.weight" for p in ("gate", "up", "down")]
+    path = rewrite_gguf(src, tmp_path / "m.gguf", rename={n: n[:-1] + "u" for n in names})
+    with pytest.raises(GGUFError, match=r"no tensor named 'blk\.1\.ffn_gate_exps\.weight' \(layer 1 has "
+                                        r"'blk\.1\.ffn_gate_inp\.weight'\)"):
+        Engine.load(path, expert_cache_limit_mb=TINY_CACHE_MB, expert_pack=False)
