@@ -100,10 +100,15 @@ class ResidentExperts:
 
 
 def expert_biases(source, layer: int, n_embd: int, n_ff: int, n_expert: int) -> list[np.ndarray | None]:
-    """Per-expert biases of a layer (gpt-oss), small enough to stay resident: gate, up, down."""
-    p = f"blk.{layer}."
-    return [source.optional_vector(p + f"ffn_{w}_exps.bias", shape=(n_expert, n))
-            for w, n in (("gate", n_ff), ("up", n_ff), ("down", n_embd))]
+    """Per-expert biases of a layer (gpt-oss), small enough to stay resident: gate, up, down.
+    All three or none: GGUFError names a missing one."""
+    names = [f"blk.{layer}.ffn_{w}_exps.bias" for w in PROJECTIONS]
+    present = [source.has(n) for n in names]
+    if any(present) and not all(present):
+        missing = names[present.index(False)]
+        raise GGUFError(f"no tensor named {missing!r} (layer {layer} has the other expert biases)")
+    return [source.optional_vector(name, shape=(n_expert, n))
+            for name, n in zip(names, (n_ff, n_ff, n_embd))]
 
 
 def check_ids(layer: int, ids: Sequence[int], n_expert: int) -> None:

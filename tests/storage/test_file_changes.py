@@ -22,6 +22,7 @@ import pytest
 
 from daemon.engine import Engine
 from daemon.errors import GGUFError, ModelError, ModelFileChanged
+from daemon.model.transformer import Transformer
 from daemon.storage import pack
 from daemon.storage.cache import ExpertCache
 from daemon.storage.gguf import GGUFFile
@@ -276,3 +277,16 @@ def test_router_without_expert_tensors_is_a_clean_load_error(tmp_path, fixture_d
     with pytest.raises(GGUFError, match=r"no tensor named 'blk\.1\.ffn_gate_exps\.weight' \(layer 1 has "
                                         r"'blk\.1\.ffn_gate_inp\.weight'\)"):
         Engine.load(path, expert_cache_limit_mb=TINY_CACHE_MB, expert_pack=False)
+
+
+@pytest.mark.parametrize("bias", ["gate", "up", "down"])
+def test_missing_expert_bias_is_a_clean_load_error(tmp_path, fixture_dir, bias):
+    """gpt-oss has gate, up and down expert biases; a corrupted name leaves two of them."""
+    src = fixture_path("gpt-oss", "MXFP4", fixture_dir)
+    name = f"blk.1.ffn_{bias}_exps.bias"
+    path = rewrite_gguf(src, tmp_path / "m.gguf", rename={name: name[:-1] + "r"})
+    for limit in (0.0, TINY_CACHE_MB):
+        with pytest.raises(GGUFError, match=rf"no tensor named '{name.replace('.', '[.]')}'"):
+            Engine.load(path, expert_cache_limit_mb=limit, expert_pack=False)
+    with GGUFFile(path) as g, pytest.raises(GGUFError, match=rf"no tensor named '{name.replace('.', '[.]')}'"):
+        Transformer(g)
