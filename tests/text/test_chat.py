@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 from datetime import datetime
+from pathlib import Path
 
 import pytest
 
@@ -276,3 +280,203 @@ def test_broken_templates_are_model_errors():
         render_chat("{{ undefined_thing.attr }}", [{"role": "user", "content": "x"}])
     with pytest.raises(ModelError, match="failed"):
         render_chat("{{ messages[0].content + 1 }}", [{"role": "user", "content": "x"}])
+
+
+# --- resource bounds (issue 9, defect 3) ----------------------------------------------------------
+#
+# The dangerous renders run in a child process whose address space is capped at 1 GiB more than it
+# starts with and which is killed after a timeout, so a template that escapes its bounds fails the
+# test instead of hanging or exhausting the machine.
+
+ROOT = Path(__file__).resolve().parents[2]
+HI = [{"role": "user", "content": "hi"}]
+PEAK_LIMIT_MB = 64
+
+_CHILD = r"""
+import json, resource, sys, time, tracemalloc
+from daemon.text.chat import render_chat
+
+def address_space():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * resource.getpagesize()
+
+limit = address_space() + (1 << 30)
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+case = json.loads(sys.argv[1])
+tracemalloc.start()
+start = time.monotonic()
+try:
+    out = render_chat(case["template"], case["messages"], **case["kwargs"])
+    result = {"error": None, "message": f"rendered {len(out)} characters"}
+except BaseException as e:
+    result = {"error": type(e).__name__, "message": str(e)[:500]}
+result["seconds"] = time.monotonic() - start
+result["peak_mb"] = tracemalloc.get_traced_memory()[1] / 2**20
+print(json.dumps(result))
+"""
+
+
+def _render_isolated(template, messages=HI, kill_after=30, **kwargs):
+    """render_chat(template, messages, **kwargs) in a guarded child: {error, message, seconds,
+    peak_mb} (peak_mb: tracemalloc's peak over compile + render)."""
+    case = json.dumps({"template": template, "messages": messages, "kwargs": kwargs})
+    try:
+        proc = subprocess.run([sys.executable, "-c", _CHILD, case], capture_output=True, text=True,
+                              timeout=kill_after, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the render still ran after {kill_after} s (killed)")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _assert_refused(result, *phrases):
+    assert result["error"] == "ModelError", result
+    assert any(p in result["message"] for p in phrases), result
+    assert result["peak_mb"] < PEAK_LIMIT_MB, result
+
+
+def _doubling(expr, start="'x'"):
+    return ("{% set ns = namespace(s=" + start + ") %}{% for i in range(40) %}"
+            "{% set ns.s = " + expr + " %}{% endfor %}{{ ns.s|length }}")
+
+
+# each doubles a string (or a list, an int, a rendered buffer) 40 times: 2**40 without bounds
+GROWTH_TEMPLATES = {
+    "concat": _doubling("ns.s ~ ns.s"),
+    "plus": _doubling("ns.s + ns.s"),
+    "times": _doubling("ns.s * 2"),
+    "join_filter": _doubling("[ns.s, ns.s]|join"),
+    "join_method": _doubling("''.join([ns.s, ns.s])"),
+    "replace_filter": _doubling("ns.s|replace('x', 'xx')"),
+    "replace_method": _doubling("ns.s.replace('x', 'xx')"),
+    "percent": _doubling("'%s%s' % (ns.s, ns.s)"),
+    "format_method": _doubling("'{}{}'.format(ns.s, ns.s)"),
+    "format_map": _doubling("'{a}{a}'.format_map({'a': ns.s})"),
+    "format_filter": _doubling("'%s%s'|format(ns.s, ns.s)"),
+    "indent": _doubling("ns.s|indent(ns.s|length, true)"),
+    "wordwrap": _doubling("ns.s|wordwrap(1, wrapstring=ns.s)", start="'xx'"),
+    "ljust": _doubling("ns.s.ljust((ns.s|length) * 2, 'y')"),
+    "center_method": _doubling("ns.s.center((ns.s|length) * 2)"),
+    "zfill": _doubling("ns.s.zfill((ns.s|length) * 2)"),
+    "center_filter": _doubling("ns.s|center((ns.s|length) * 2)"),
+    "list_plus": _doubling("ns.s + ns.s", start="[0]"),
+    "int_square": _doubling("ns.s * ns.s", start="3"),
+    "block_set": ("{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set t %}{{ ns.s }}"
+                  "{{ ns.s }}{% endset %}{% set ns.s = t %}{% endfor %}{{ ns.s|length }}"),
+    "macro_output": ("{% macro d(n) %}{% if n %}{% set s = d(n - 1) %}{{ s }}{{ s }}{% else %}x"
+                     "{% endif %}{% endmacro %}{{ d(40)|length }}"),
+    "nested_list_repr": _doubling("[ns.s, ns.s]").replace("{{ ns.s|length }}", "{{ ns.s }}"),
+    "nested_list_tojson": _doubling("[ns.s, ns.s]").replace("|length", "|tojson"),
+    "nested_list_concat": _doubling("[ns.s, ns.s]").replace("{{ ns.s|length }}",
+                                                              "{{ (ns.s ~ '')|length }}"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GROWTH_TEMPLATES))
+def test_growth_is_refused_before_it_allocates(name):
+    result = _render_isolated(GROWTH_TEMPLATES[name])
+    _assert_refused(result, "size limit")
+
+
+# one call asking for a huge value
+AMPLIFIERS = [
+    "{{ ''|center(2**27) }}",
+    "{{ ''|center(134217728) }}",  # constant arguments: jinja folds this at compile time
+    "{{ 'x'.ljust(2**27) }}",
+    "{{ '{:>134217728}'.format('x') }}",
+    "{{ '%134217728s' % 'x' }}",
+    "{{ '%*s' % (2**27, 'x') }}",
+    "{{ 'x'|indent(2**27, true) }}",
+    "{{ [1]|batch(2**27, 0)|list }}",
+    "{{ lipsum(n=100000, min=999, max=1000) }}",
+    "{{ strftime_now('%c' * 2**19) }}",
+    "{{ 1.5|round(2**27, 'ceil') }}",
+    "{{ 1.5|round(2**20, 'ceil') }}",  # 10 ** precision
+    "{{ 5|round(-(2**24)) }}",
+    "{{ ('x,' * 2**19 ~ 'x,' * 2**19).split(',')|length }}",
+]
+
+
+@pytest.mark.parametrize("template", AMPLIFIERS)
+def test_huge_arguments_are_refused_fast_and_small(template):
+    result = _render_isolated(template)
+    _assert_refused(result, "size limit")
+    assert result["seconds"] < 10, result
+
+
+def test_retained_values_are_capped_in_total():
+    # each value is under the per-value cap, but together they would hold 1 GB
+    template = ("{% set ns = namespace(s='x' * 1000000, l=[]) %}{% for i in range(1000) %}"
+                "{% set ns.l = ns.l + [ns.s ~ i] %}{% endfor %}{{ ns.l|length }}")
+    result = _render_isolated(template, max_bytes=2**20)
+    _assert_refused(result, "in total")
+
+
+def test_nested_loops_end_within_the_time_budget():
+    template = ("{% for i in range(100000) %}{% for j in range(100000) %}{{ '' }}{% endfor %}"
+                "{% endfor %}")
+    result = _render_isolated(template, timeout=1.0)
+    assert result["error"] == "ModelError", result
+    assert "time budget of 1 s" in result["message"] or "loop limit" in result["message"], result
+    assert result["seconds"] < 1.0 + 2, result
+
+
+def test_loop_limit_counts_every_loop_of_a_render():
+    template = ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+                "{% endfor %}")
+    result = _render_isolated(template, timeout=None)
+    assert result["error"] == "ModelError", result
+    assert "loop limit of 1,000,000 iterations" in result["message"], result
+
+
+def test_time_budget_without_loops():
+    # 2**40 macro calls, no for-loop anywhere
+    template = ("{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}"
+                "{{ f(40) }}")
+    result = _render_isolated(template, timeout=0.5)
+    assert result["error"] == "ModelError", result
+    assert "time budget of 0.5 s" in result["message"], result
+    assert result["seconds"] < 0.5 + 2, result
+
+
+def test_huge_conversation_fails_before_rendering():
+    huge = [{"role": "user", "content": "x" * (4 * 2**20 + 1)}]
+    # the template would raise if it ran: the size check comes first
+    with pytest.raises(RequestError, match="prompt too large"):
+        render_chat("{{ raise_exception('rendered') }}", huge)
+    with pytest.raises(RequestError, match="prompt too large"):
+        render_chat(None, huge, timeout=5.0, max_bytes=4 * 2**20)
+
+
+def test_conversation_size_is_counted_in_utf8_bytes():
+    messages = [{"role": "user", "content": "é" * 600}]  # 600 characters, 1200 bytes
+    with pytest.raises(RequestError, match="prompt too large"):
+        render_chat(None, messages, max_bytes=1000)
+    assert render_chat(None, messages, max_bytes=2000).count("é") == 600
+
+
+def test_output_over_the_cap():
+    # the conversation fills most of the cap: the prompt is too large (a request error)
+    messages = [{"role": "user", "content": "x" * 900}]
+    with pytest.raises(RequestError, match="prompt too large"):
+        render_chat("{{ messages[0].content }}{{ messages[0].content }}", messages, max_bytes=1000)
+    # a small conversation blown up by the template: the template is at fault
+    with pytest.raises(ModelError, match="size limit"):
+        render_chat("{% for i in range(1000) %}0123456789{% endfor %}", HI, max_bytes=1000)
+
+
+def test_many_messages_still_render():
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"message {i}"}
+                for i in range(20000)]
+    expected = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    assert render_chat(None, messages, add_generation_prompt=False) == expected
+    out = render_chat(SMOLLM2_TEMPLATE, messages, timeout=5.0, max_bytes=4 * 2**20)
+    assert out.count("<|im_start|>") == 20000 + 2  # + default system prompt + generation prompt
+
+
+def test_bounds_are_keyword_only_and_optional():
+    messages = CONVERSATIONS["multi_turn"]
+    expected = render_chat(QWEN_LIKE_TEMPLATE, messages)
+    assert render_chat(QWEN_LIKE_TEMPLATE, messages, timeout=None, max_bytes=None) == expected
+    with pytest.raises(TypeError):
+        render_chat(QWEN_LIKE_TEMPLATE, messages, True, "", "", 5.0)
