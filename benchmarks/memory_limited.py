@@ -7,8 +7,8 @@ Each engine runs in a child process placed in a cgroup-v1 memory cgroup limited 
 (process memory plus the page cache it uses: a memory-mapped model competes with everything
 else for it). The model's pages are dropped from the page cache before each run (posix_fadvise
 DONTNEED), and both decode the same prompt greedily. llama.cpp maps the whole file (use_mmap),
-so under the limit its expert pages are evicted and faulted in again; moed keeps only the
-non-expert weights mapped and reads experts into a cache bounded by --cache-mb. Prints decode
+so under the limit its expert pages are evicted and faulted in again; moed copies only the
+non-expert weights into memory at load (it never maps the file) and reads experts into a cache bounded by --cache-mb. Prints decode
 tokens/s, bytes read from disk (/proc/self/io read_bytes), major page faults and peak RSS, and
 whether both produced the same tokens. Needs root and a writable cgroup-v1 memory hierarchy
 (as in the dev VM); says so and stops otherwise.
