@@ -127,8 +127,7 @@ class Engine:
 
     def close(self) -> None:
         if self.tracer is not None:
-            self.tracer.write()
-            self.tracer.detach()
+            self.tracer.close()  # writes what is not written yet, once
             self.tracer = None
         if self.prefetcher is not None:
             self.prefetcher.detach()

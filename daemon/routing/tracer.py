@@ -32,6 +32,13 @@ JSON (`as_dict()`, `write()`; a `.zst` path is zstandard-compressed), cumulative
      "skew": {"<layer>": {"max_over_mean": f, "entropy": f, "unused": int}},
      "top_experts": [{"layer": L, "expert": e, "count": c}, ...]}
 
+Written at the end, whatever the end: once attached, a tracer with an `output` writes its JSON when
+it is closed (`close()`, as `Engine.close` does), when the process exits normally (atexit: still
+attached), and when it is garbage-collected (its engine dropped unclosed); each end writes only
+counts not yet written, so a close after the exit's write (or the other way round) rewrites
+nothing. A failed end write is reported on stderr, not raised. SIGKILL or a crash writes nothing;
+since every write is a rename of a complete temp file, the file is never left half-written.
+
 Skew: max_over_mean is the busiest expert's count over the mean count (1.0 = perfectly even);
 entropy is the Shannon entropy of the layer's expert distribution over log(n_expert) (1.0 = even,
 0.0 = one expert takes all); unused counts experts never chosen.
@@ -39,11 +46,14 @@ entropy is the Shannon entropy of the layer's expert distribution over log(n_exp
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
 import sys
 import tempfile
 import threading
+import weakref
 from collections.abc import Callable
 from typing import TextIO
 
@@ -62,7 +72,7 @@ class ExpertUsageTracer:
     """Counts (and optionally names) every expert activation seen through `Transformer.trace`.
 
     tracer = ExpertUsageTracer(stats=True, output="usage.json").attach(model)
-    ...generate...; tracer.report(); tracer.write(); tracer.detach()
+    ...generate...; tracer.report(); tracer.close()   # close: write what is new, detach
     """
 
     def __init__(self, stats: bool = False, names: bool = False, per_layer: bool = False,
@@ -81,6 +91,10 @@ class ExpertUsageTracer:
         self._pass_start = 0  # token index of the current pass's first token
         self._pass_rows = 0
         self._lock = threading.Lock()  # the engine may report/write from another thread
+        self._write_lock = threading.RLock()  # one writer at a time: the newest snapshot lands last
+        self._version = 0  # bumped by every routing call
+        self._written: int | None = None  # the version last written to `output` (or tried at an end)
+        self._armed = False  # attached with an output, not closed: its end writes
         self._prev: Callable | None = None
         self._model = None
 
@@ -109,6 +123,9 @@ class ExpertUsageTracer:
         self._prev = model.trace
         self._model = model
         model.trace = self
+        if self.output:
+            self._armed = True
+            _at_exit.add(self)
         return self
 
     def detach(self) -> None:
@@ -118,10 +135,34 @@ class ExpertUsageTracer:
             self._model = None
             self._prev = None
 
+    def close(self) -> None:
+        """The end of use: write what is not written yet (see the module docstring), then detach."""
+        self._armed = False
+        _at_exit.discard(self)
+        self._write_at_end()
+        self.detach()
+
+    def __del__(self) -> None:  # dropped unclosed (e.g. its engine was): the end of use too
+        if getattr(self, "_armed", False):  # False too when __init__ failed
+            self._write_at_end()
+
+    def _write_at_end(self) -> None:
+        """write() unless this version was written (or tried) already; errors go to stderr."""
+        with self._write_lock:
+            version = self._version
+            if not self.output or self._written == version:
+                return
+            try:
+                self.write()
+            except Exception as e:  # noqa: BLE001 - an exit or a collection has no caller to raise to
+                self._written = version  # the same counts are not tried twice
+                print(f"moed: could not write the expert usage to {self.output}: {e}", file=sys.stderr)
+
     def __call__(self, layer: int, ids: np.ndarray) -> None:
         a = np.atleast_2d(np.asarray(ids, dtype=np.int64))
         rows = a.shape[0]
         with self._lock:
+            self._version += 1
             if layer <= self._last_layer or self.forward_passes == 0:  # a new forward pass
                 self.forward_passes += 1
                 self._pass_start = self.total_tokens
@@ -216,25 +257,42 @@ class ExpertUsageTracer:
         path = os.fspath(path) if path else self.output
         if not path:
             return None
-        data = json.dumps(self.as_dict(), indent=1).encode("utf-8")
-        if path.endswith(".zst"):
-            import zstandard
-
-            data = zstandard.ZstdCompressor(level=10).compress(data)
-        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp",
-                                   dir=os.path.dirname(os.path.abspath(path)))
-        try:
-            os.fchmod(fd, 0o644)  # mkstemp's 0600 would make the trace private
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        with self._write_lock:
+            version = self._version  # read before the snapshot: a later count makes it stale, not lost
+            _write_atomically(path, json.dumps(self.as_dict(), indent=1).encode("utf-8"))
+            if path == self.output:
+                self._written = version
         return path
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    """`data` (zstandard-compressed for a `.zst` path) to `path` via a temp file and a rename."""
+    if path.endswith(".zst"):
+        import zstandard
+
+        data = zstandard.ZstdCompressor(level=10).compress(data)
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp",
+                               dir=os.path.dirname(os.path.abspath(path)))
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would make the trace private
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            os.fsync(f.fileno())  # the rename must not land before the data (a system crash)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+_at_exit: weakref.WeakSet[ExpertUsageTracer] = weakref.WeakSet()  # armed tracers; weak: engines stay collectable
+
+
+@atexit.register
+def _write_at_exit() -> None:
+    """A normal exit is the end of use of every tracer still armed."""
+    for tracer in list(_at_exit):
+        tracer._write_at_end()
 
 
 def _skew(c: np.ndarray) -> dict:
