@@ -293,11 +293,13 @@ def _serve(args) -> int:
 
     from ipc.server import serve
 
+    from .scheduler import Scheduler
+
     logging.basicConfig(stream=sys.stderr, level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s moed[%(process)d] %(levelname)s %(message)s")
     overrides = {"queue_size": args.queue_size, "max_batch": args.max_batch, "keep_alive": args.keep_alive}
     settings = Settings.load(**overrides)
-    return serve(args.socket, settings)
+    return serve(args.socket, settings, Scheduler(settings))
 
 
 def _socket(args) -> str:

@@ -29,7 +29,7 @@ from .model.transformer import Transformer
 from .model.weights import TensorSource
 from .routing.predict import Prefetcher
 from .routing.tracer import ExpertUsageTracer
-from .sampling import Sampler, SamplingOptions, StopMatcher
+from .sampling import Sampler, SamplingOptions, StopMatcher, sampling_options
 from .storage.cache import ExpertCache
 from .storage.experts import expert_biases
 from .storage.gguf import GGUFFile
@@ -199,7 +199,7 @@ class Engine:
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 256, *, stop: Sequence[str] = (),
                  options: SamplingOptions | None = None, **sampling) -> Iterator[str]:
         """Yield text pieces as tokens are produced. `sampling`: fields of SamplingOptions."""
-        options = options or SamplingOptions(**sampling)
+        options = options or sampling_options(**sampling)  # a bad value: RequestError
         if max_tokens < 0:
             raise RequestError("max_tokens must be >= 0")
         ids = self.prompt_ids(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]

@@ -7,7 +7,13 @@
     │   ├── UnsupportedError   well-formed, but an architecture / quant type / feature moed lacks
     │   └── StorageError       expert bytes could not be read (file truncated, I/O error)
     │       └── ModelFileChanged   the model file changed on disk while loaded (the model unloads)
-    └── RequestError           a bad request: prompt, token ids or sampling options
+    ├── RequestError           a bad request: prompt, token ids or sampling options
+    └── SchedulerError         the daemon cannot serve a request now; `.code` says why (busy,
+                               not_found, forbidden, shutdown, ...)
+
+wire_error(exc) is the one mapping from an exception to the (code, message) of the Error reply
+that ends a request (ipc.protocol, "Error codes"): SchedulerError its own code, RequestError and
+ConfigError "bad_request", any other MoedError "model_error", anything else "internal" (a bug).
 """
 
 
@@ -44,3 +50,22 @@ class ModelFileChanged(StorageError):
 
 class RequestError(MoedError):
     """A request is malformed: bad tokens, empty prompt, sampling options out of range."""
+
+
+class SchedulerError(MoedError):
+    """A request cannot be served; `code` is the wire error code (ipc.protocol "Error codes")."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def wire_error(e: BaseException) -> tuple[str, str]:
+    """(code, message) of the Error reply for a request that failed because of e."""
+    if isinstance(e, SchedulerError):
+        return e.code, str(e)
+    if isinstance(e, (RequestError, ConfigError)):
+        return "bad_request", str(e)
+    if isinstance(e, MoedError):
+        return "model_error", str(e)
+    return "internal", f"{type(e).__name__}: {e}"

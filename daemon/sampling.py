@@ -9,45 +9,30 @@ penalty is applied in float32, as llama.cpp does (the same tokens as before for 
 and saturates at the float32 range where it overflows; everything after it works in float64, where
 differences of such logits stay finite. Logits that are not finite (NaN or inf: a broken model or
 file) raise ModelError(NON_FINITE) instead of sampling garbage.
+
+The options are ipc.protocol.SamplingOptions, the wire struct (its checks raise ValueError);
+sampling_options(**fields) builds them for in-process callers, a bad value a RequestError.
 """
 
 from __future__ import annotations
 
-import msgspec
 import numpy as np
+
+from ipc.protocol import SamplingOptions  # a wire struct: the client library builds it without numpy
 
 from .errors import ModelError, RequestError
 
 NON_FINITE = "the model produced non-finite values"
-SEED_LIMIT = 2**64  # numpy's SeedSequence takes any non-negative int; the wire carries a uint64
 _LOGIT_LIMIT = np.finfo(np.float32).max  # a penalized logit stays a logit the model could give
 
 
-class SamplingOptions(msgspec.Struct, kw_only=True, frozen=True):
-    temperature: float = 0.8
-    top_k: int = 40  # 0 = off
-    top_p: float = 0.95  # 1 = off
-    min_p: float = 0.05  # 0 = off
-    repeat_penalty: float = 1.1  # 1 = off
-    repeat_last_n: int = 64
-    seed: int | None = None  # None = a fresh random seed; else 0..2**64-1
-
-    def __post_init__(self):  # RequestError: bad_request on decode (msgspec lets it through)
-        floats = (self.temperature, self.top_p, self.min_p, self.repeat_penalty)
-        if any(isinstance(v, float) and not np.isfinite(v) for v in floats):
-            raise RequestError("sampling options must be finite")
-        checks = (
-            (self.temperature >= 0, "temperature must be >= 0"),
-            (self.top_k >= 0, "top_k must be >= 0"),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-            (self.repeat_penalty > 0, "repeat_penalty must be > 0"),
-            (self.repeat_last_n >= 0, "repeat_last_n must be >= 0"),
-            (self.seed is None or 0 <= self.seed < SEED_LIMIT, f"seed must be an integer in 0..{SEED_LIMIT - 1}"),
-        )
-        for ok, message in checks:
-            if not ok:
-                raise RequestError(message)
+def sampling_options(**fields) -> SamplingOptions:
+    """SamplingOptions for in-process callers: a bad value is a RequestError (the struct raises
+    ValueError, which the wire decoder turns into bad_request)."""
+    try:
+        return SamplingOptions(**fields)
+    except ValueError as e:
+        raise RequestError(str(e)) from None
 
 
 class Sampler:

@@ -39,12 +39,10 @@ Units: durations are int nanoseconds; keep_alive is float seconds (None = the da
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgspec
-
-from daemon.errors import RequestError
-from daemon.sampling import SamplingOptions
 
 from .errors import ProtocolError
 
@@ -72,6 +70,7 @@ __all__ = [
     "PsReply",
     "Reply",
     "Request",
+    "SEED_LIMIT",
     "SamplingOptions",
     "Shutdown",
     "Stats",
@@ -89,6 +88,39 @@ _REP = {"array_like": True, "omit_defaults": True}
 
 
 # -- nested values ------------------------------------------------------------------------------
+
+SEED_LIMIT = 2**64  # seeds are 0..2**64-1: what msgpack carries as an unsigned int
+
+
+class SamplingOptions(msgspec.Struct, kw_only=True, frozen=True):
+    """How the next token is drawn (daemon.sampling.Sampler). The same struct in process and on
+    the wire (a msgpack map of its non-default fields)."""
+
+    temperature: float = 0.8  # 0 = greedy
+    top_k: int = 40  # 0 = off
+    top_p: float = 0.95  # 1 = off
+    min_p: float = 0.05  # 0 = off
+    repeat_penalty: float = 1.1  # 1 = off
+    repeat_last_n: int = 64
+    seed: int | None = None  # None = a fresh random seed; else 0..2**64-1
+
+    def __post_init__(self):  # ValueError: bad_request on decode (msgspec's ValidationError)
+        floats = (self.temperature, self.top_p, self.min_p, self.repeat_penalty)
+        if any(isinstance(v, float) and not math.isfinite(v) for v in floats):
+            raise ValueError("sampling options must be finite")
+        checks = (
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (self.top_k >= 0, "top_k must be >= 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+            (self.repeat_penalty > 0, "repeat_penalty must be > 0"),
+            (self.repeat_last_n >= 0, "repeat_last_n must be >= 0"),
+            (self.seed is None or 0 <= self.seed < SEED_LIMIT, f"seed must be an integer in 0..{SEED_LIMIT - 1}"),
+        )
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
 
 class Message(msgspec.Struct, **_REQ):
     role: str  # "system" | "user" | "assistant" | "tool"
@@ -275,8 +307,6 @@ def _decode(decoder: msgspec.msgpack.Decoder, data: bytes):
         raise ProtocolError(f"invalid message: {e}", code="bad_request", request_id=_peek_id(data)) from None
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:  # not msgpack, bad UTF-8, too deep
         raise ProtocolError(f"undecodable message: {e}", code="bad_frame") from None
-    except RequestError as e:  # SamplingOptions.__post_init__ raises it, and msgspec lets it through
-        raise ProtocolError(f"invalid message: {e}", code="bad_request", request_id=_peek_id(data)) from None
 
 
 def _peek_id(data: bytes) -> int | None:

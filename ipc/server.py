@@ -1,10 +1,13 @@
 """The moed daemon's unix-socket server: framing, handshake, dispatch to the scheduler, shutdown.
 
-    server = Server(socket_path, settings)      # or Server() for $MOED_SOCKET / the standard path
+    server = Server(socket_path, settings, scheduler=Scheduler(settings))  # socket_path None: see below
     await server.start()                        # claims the socket (see below), starts accepting
     await server.wait_closed()                  # until Shutdown, SIGTERM/SIGINT (serve()) or shutdown()
 
-    serve(socket_path, settings) -> int         # `moed serve`: the above with signal handlers
+    serve(socket_path, settings, scheduler) -> int   # `moed serve`: the above with signal handlers
+
+The scheduler (daemon.scheduler.Scheduler, built by the caller) does the work behind each request;
+this module only frames, checks and routes, so it imports no model code.
 
 The socket (docs/security.md says why each rule is there)
     - path: the argument, else settings.socket ($MOED_SOCKET), else ipc.client.default_socket_path().
@@ -59,10 +62,10 @@ import stat
 import sys
 import time
 
+from typing import TYPE_CHECKING
+
 from daemon.config import Settings
-from daemon.errors import MoedError
-from daemon.scheduler import Scheduler, SchedulerError
-from daemon.scheduler.models import resolve_path
+from daemon.errors import MoedError, SchedulerError, wire_error
 
 from .client import default_socket_path, peer_cred
 from .errors import FrameTooLarge, ProtocolError, TruncatedFrame
@@ -92,6 +95,9 @@ from .protocol import (
     decode_request,
     encode,
 )
+
+if TYPE_CHECKING:
+    from daemon.scheduler import Scheduler
 
 __all__ = ["BACKLOG", "WRITE_LIMIT", "Server", "SocketInUse", "UnsafeSocketPath", "peer_cred",
            "prepare_socket_dir", "readable_by", "serve"]
@@ -327,7 +333,7 @@ class _Connection:
 
 class Server:
     def __init__(self, socket_path: str | os.PathLike | None = None, settings: Settings | None = None, *,
-                 scheduler: Scheduler | None = None, close_timeout: float = 30.0, **scheduler_kw):
+                 scheduler: Scheduler, close_timeout: float = 30.0):
         self.settings = settings or Settings.load()
         self.path = os.fspath(socket_path or self.settings.socket or default_socket_path())
         self.max_frame = self.settings.max_frame
@@ -337,7 +343,7 @@ class Server:
         self.max_connections = max(1, self.settings.max_connections)
         self.max_requests = max(1, self.settings.max_requests_per_connection)
         self.frame_timeout = self.settings.frame_timeout or None  # 0: no limit
-        self.scheduler = scheduler or Scheduler(self.settings, **scheduler_kw)
+        self.scheduler = scheduler
         self.close_timeout = close_timeout  # seconds shutdown waits for the compute threads
         self.version = _version()
         self.started = time.time()
@@ -598,7 +604,7 @@ class Server:
         sched = self.scheduler
         try:
             if not op.conn.peer.trusted:
-                self._check_peer_may(op.conn.peer, req)
+                self._check_peer_may(op.conn.peer, req, sched.resolve_path)
             if isinstance(req, (Generate, Chat)):
                 await sched.generate(req, op.reply, received_ns)
             elif isinstance(req, Load):
@@ -614,13 +620,12 @@ class Server:
                 self.request_shutdown()
             else:  # a request type this daemon does not serve
                 op.reply(Error(req.id, "bad_request", f"unsupported request {type(req).__name__}"))
-        except SchedulerError as e:
-            op.reply(Error(req.id, e.code, str(e)))
         except asyncio.CancelledError:
             pass  # cancelled by the client, a disconnect or shutdown (which sent the final reply)
-        except Exception as e:  # a bug answers the request; the daemon goes on
-            log.exception("request %s failed", type(req).__name__)
-            op.reply(Error(req.id, "internal", f"{type(e).__name__}: {e}"))
+        except Exception as e:  # the request's error reply; a bug is logged too, and the daemon goes on
+            if not isinstance(e, MoedError):
+                log.exception("request %s failed", type(req).__name__)
+            op.reply(Error(req.id, *wire_error(e)))
         finally:
             if not op.closed:  # e.g. cancelled with no reply sent
                 op.closed = True
@@ -628,7 +633,7 @@ class Server:
                     del op.conn.open[op.id]
 
     @staticmethod
-    def _check_peer_may(peer: _Peer, req: Request) -> None:
+    def _check_peer_may(peer: _Peer, req: Request, resolve_path) -> None:
         """A user other than the daemon's own gets nothing it could not get itself: no daemon-side
         paths (the daemon would write where they say), no model file they cannot read (the daemon
         would read it for them). SchedulerError("forbidden") otherwise."""
@@ -638,10 +643,7 @@ class Server:
         name = req.model if isinstance(req, (Load, Generate, Chat)) else None
         if name is None:  # the daemon's default model: its own choice
             return
-        try:
-            path = resolve_path(name)
-        except ValueError:  # a NUL in the name
-            raise SchedulerError("bad_request", "the model path is not a valid path") from None
+        path = resolve_path(name)  # the file the scheduler would open (SchedulerError for a NUL)
         if not readable_by(path, peer.uid, peer.gids):
             raise SchedulerError("forbidden", f"uid {peer.uid} cannot read {name} itself, so the daemon "
                                               f"will not read it for it")
@@ -690,11 +692,11 @@ class Server:
 
 # -- moed serve --------------------------------------------------------------------------------------
 
-def serve(socket_path: str | None = None, settings: Settings | None = None, **server_kw) -> int:
+def serve(socket_path: str | None, settings: Settings, scheduler: Scheduler, **server_kw) -> int:
     """Run the daemon in the foreground until Shutdown, SIGTERM or SIGINT; the exit status."""
 
     async def main() -> None:
-        server = Server(socket_path, settings, **server_kw)
+        server = Server(socket_path, settings, scheduler=scheduler, **server_kw)
         await server.start()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

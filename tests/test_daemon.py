@@ -229,3 +229,23 @@ def test_allowed_uids_let_another_user_in(shared_dir):
         finally:
             if proc.poll() is None:
                 proc.kill()
+
+
+def test_sigterm_writes_the_expert_usage_json(sock, model, tmp_path):
+    out = tmp_path / "usage.json"
+    proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "serve", "--socket", sock], stderr=subprocess.PIPE,
+                            text=True, env={**env(sock), "MOE_EXPERT_TRACE_OUTPUT": str(out)}, cwd=ROOT)
+    try:
+        with wait_for_daemon(sock, proc) as c:
+            c.load(model)
+            assert sum(len(r.tokens) for r in c.generate([1, 2, 3], model=model, max_tokens=2)) == 2
+            out.unlink(missing_ok=True)  # whatever was written so far: the shutdown must write it
+            proc.send_signal(signal.SIGTERM)
+        assert proc.wait(T) == 0, proc.stderr.read()
+        d = json.loads(out.read_text())
+        assert d["forward_passes"] >= 2 and d["activations"] > 0  # the prefill and a decode step at least
+        assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # no temp file left
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from daemon.errors import ModelError, RequestError
-from daemon.sampling import Sampler, SamplingOptions, StopMatcher
+from daemon.sampling import Sampler, SamplingOptions, StopMatcher, sampling_options
 
 
 def _logits(seed=0, n=200):
@@ -56,8 +56,19 @@ def test_repeat_penalty_moves_greedy_choice():
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(min_p=2),
                                  dict(top_k=-1), dict(repeat_penalty=0), dict(temperature=float("nan"))])
 def test_bad_options_rejected(bad):
-    with pytest.raises(RequestError):
+    with pytest.raises(ValueError):  # the wire struct's check: bad_request when decoded
         SamplingOptions(**bad)
+    with pytest.raises(RequestError):  # in process
+        sampling_options(**bad)
+
+
+def test_the_options_are_the_wire_struct_and_keep_their_messages():
+    from ipc import protocol
+
+    assert SamplingOptions is protocol.SamplingOptions
+    with pytest.raises(RequestError, match=r"top_p must be in \(0, 1\]"):
+        sampling_options(top_p=2.0)
+    assert sampling_options(seed=3) == SamplingOptions(seed=3)
 
 
 def test_stop_matcher_holds_back_prefixes_and_cuts():
@@ -132,7 +143,7 @@ def test_non_finite_logits_are_a_model_error(bad, temperature):
 
 @pytest.mark.parametrize("seed", [-1, 2**64, -(2**63)])
 def test_seed_out_of_range_is_a_request_error(seed):
-    with pytest.raises(RequestError, match="seed"):
+    with pytest.raises(ValueError, match="seed"):
         SamplingOptions(seed=seed)
 
 

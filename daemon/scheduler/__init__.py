@@ -7,8 +7,9 @@ batching on one compute thread per model, the per-sequence token loop.
     sequence.py    Sequence: one request's sampler, detokenizer, stop strings, KV cache, counts
 """
 
+from ..errors import SchedulerError
 from .batcher import Batcher
-from .models import LoadedModel, ModelRegistry, SchedulerError
+from .models import LoadedModel, ModelRegistry
 from .scheduler import Scheduler
 from .sequence import Sequence
 

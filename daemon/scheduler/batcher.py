@@ -36,7 +36,7 @@ from typing import Any
 
 from ipc.protocol import Error
 
-from ..errors import ModelFileChanged, MoedError, RequestError
+from ..errors import ModelFileChanged, MoedError, RequestError, wire_error
 from .sequence import Sequence
 
 log = logging.getLogger("moed.scheduler")
@@ -168,7 +168,8 @@ class Batcher:
                     self._fail_all(new + self._active, e)
         except BaseException as e:  # noqa: BLE001 - the loop broke: fail everything, let the registry know
             log.critical("%s: the compute thread failed", self.name, exc_info=True)
-            self._stop_self("internal", f"the compute thread of {self.name} failed: {type(e).__name__}: {e}")
+            code, why = wire_error(e)
+            self._stop_self(code, f"the compute thread of {self.name} failed: {why}")
         finally:
             self._shutdown()
 
@@ -243,7 +244,7 @@ class Batcher:
         """Log a failure; a changed model file also stops the batcher."""
         if isinstance(e, ModelFileChanged):
             log.warning("%s: %s; unloading", self.name, e)
-            self._stop_self("model_error", str(e))
+            self._stop_self(*wire_error(e))
         elif isinstance(e, RequestError):
             pass  # the requester is told; nothing is wrong here
         elif isinstance(e, MoedError):

@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..config import Settings
-from ..errors import ConfigError, MoedError
+from ..errors import ConfigError, ModelError, MoedError, SchedulerError, wire_error
 from .batcher import Batcher
 
 log = logging.getLogger("moed.scheduler")
@@ -38,22 +38,13 @@ log = logging.getLogger("moed.scheduler")
 DAEMON_SETTINGS = Settings.daemon_settings()
 
 
-class SchedulerError(Exception):
-    """A request cannot be served; `code` is the wire error code (ipc.protocol "Error codes")."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
-
-
 def _error_for_load(path: str, e: BaseException) -> SchedulerError:
+    """What every requester of a failed load is told (its code by daemon.errors.wire_error)."""
     if isinstance(e, FileNotFoundError) or (isinstance(e, MoedError) and not os.path.exists(path)):
         return SchedulerError("not_found", f"no model file {path}")
-    if isinstance(e, ConfigError):
-        return SchedulerError("bad_request", str(e))
-    if isinstance(e, MoedError):
-        return SchedulerError("model_error", str(e))
-    return SchedulerError("model_error", f"loading {path} failed: {type(e).__name__}: {e}")
+    if not isinstance(e, MoedError):  # a failure the reader did not name: still the file's
+        e = ModelError(f"loading {path} failed: {type(e).__name__}: {e}")
+    return SchedulerError(*wire_error(e))
 
 
 def resolve_path(name: str) -> str:
@@ -134,7 +125,7 @@ class ModelRegistry:
         try:
             Settings.load(env={}, **settings)  # a typo or bad value fails here, before any (re)load
         except ConfigError as e:
-            raise SchedulerError("bad_request", str(e)) from None
+            raise SchedulerError(*wire_error(e)) from None
         path = resolve_path(name)
         m = self.models.get(path)
         if m is not None and m.batcher.stopping and not m.unloading:  # stopped by itself: load afresh

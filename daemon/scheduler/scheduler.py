@@ -5,6 +5,7 @@
                                        starts (busy, not_found, model_error, ...). Cancelling the task
                                        that runs it cancels the sequence (within one decode step).
     load / unload / ps / stats / close
+    resolve_path(name)                 the file a model name stands for (the server checks peers' access)
 
 Bounded queue: at most `queue_size` generation requests are held at once, whether waiting for a
 model to load, waiting for a place in the batch (`max_batch` per model) or decoding; one more is
@@ -31,8 +32,8 @@ from typing import Any
 from ipc.protocol import Chat, Done, Error, Generate
 
 from ..config import Settings
-from ..errors import MoedError
-from .models import LoadedModel, ModelRegistry, SchedulerError
+from ..errors import MoedError, SchedulerError
+from .models import LoadedModel, ModelRegistry, resolve_path
 from .sequence import Sequence, error_reply, prompt_ids
 
 TEXT_THREADS = 2  # template rendering and tokenizing for every model: a bound on the cores they take
@@ -216,6 +217,11 @@ class Scheduler:
 
     async def unload(self, name: str) -> None:
         await self.registry.unload(name)
+
+    @staticmethod
+    def resolve_path(name: str) -> str:
+        """The file a model name stands for: the one a Load of it opens (SchedulerError for a NUL)."""
+        return resolve_path(name)
 
     def ps(self) -> list[dict[str, Any]]:
         return [m.info() for m in self.registry.models.values() if self._serving(m)]

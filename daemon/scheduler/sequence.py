@@ -12,8 +12,8 @@ The same steps as Engine._generate, cut at the forward pass so that many sequenc
 
 A Sequence lives on the compute thread. The event loop only reads `finished`/`emit` and sets
 `cancelled`; replies are built on the compute thread and handed to `emit` on the event loop.
-`error_reply(id, exc)` is how an exception becomes the request's Error (bad_request for a
-RequestError, model_error for another MoedError, internal for a bug).
+`error_reply(id, exc)` is how an exception becomes the request's Error (daemon.errors.wire_error:
+bad_request for a RequestError, model_error for another MoedError, internal for a bug).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 
 # Replies are built here, on the compute thread: the Chunk made per token is the one sent.
-# (No import cycle: ipc.protocol needs only daemon.errors and daemon.sampling.)
+# (ipc.protocol imports nothing from daemon.)
 from ipc.protocol import Chat, Chunk, Done, Error, Generate
 
-from ..errors import MoedError, RequestError
+from ..errors import RequestError, wire_error
 from ..sampling import Sampler, SamplingOptions, StopMatcher
 from ..text.tokenizer import StreamDecoder
 
@@ -107,9 +107,8 @@ class Sequence:
         return [Error(self.id, code, message)]
 
     def fail_with(self, e: BaseException) -> list:
-        """Fail because of e (error_reply's code and message)."""
-        err = error_reply(self.id, e)
-        return self.fail(err.code, err.message)
+        """Fail because of e (daemon.errors.wire_error's code and message)."""
+        return self.fail(*wire_error(e))
 
     def _finish(self, reason: str, out: list) -> list:
         if not self.stopper.stopped:
@@ -157,12 +156,8 @@ def check_ids(ids: list[int], engine) -> None:
 
 
 def error_reply(id: int, e: BaseException) -> Error:
-    """The Error that ends request `id` because of e."""
-    if isinstance(e, RequestError):
-        return Error(id, "bad_request", str(e))
-    if isinstance(e, MoedError):
-        return Error(id, "model_error", str(e))
-    return Error(id, "internal", f"{type(e).__name__}: {e}")
+    """The Error that ends request `id` because of e (daemon.errors.wire_error)."""
+    return Error(id, *wire_error(e))
 
 
 def _has_template(engine) -> bool:

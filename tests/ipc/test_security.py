@@ -26,6 +26,7 @@ import ipc.client
 import ipc.server
 from daemon.config import Settings
 from daemon.engine import Engine
+from daemon.scheduler import Scheduler
 from ipc import (
     AsyncClient,
     BadRequest,
@@ -93,8 +94,9 @@ class Factory:
 
 
 def make_server(path, **settings) -> Server:
-    return Server(path, Settings.load(env={}, **settings), factory=Factory(),
-                  default_model=lambda: "/nonexistent/demo.gguf", close_timeout=T)
+    cfg = Settings.load(env={}, **settings)
+    sched = Scheduler(cfg, factory=Factory(), default_model=lambda: "/nonexistent/demo.gguf")
+    return Server(path, cfg, scheduler=sched, close_timeout=T)
 
 
 @contextlib.contextmanager

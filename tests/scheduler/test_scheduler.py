@@ -345,3 +345,19 @@ async def test_model_none_is_the_default_model_built_once(model):
         assert [m["path"] for m in s.ps()] == [model]
     finally:
         await s.close()
+
+
+def test_one_mapping_from_exceptions_to_wire_errors():
+    from daemon.errors import (ConfigError, GGUFError, ModelFileChanged, MoedError, RequestError,
+                               wire_error)
+    from daemon.scheduler.sequence import error_reply
+
+    assert issubclass(SchedulerError, MoedError)
+    assert SchedulerError("busy", "full").code == "busy"
+    cases = [(SchedulerError("forbidden", "no"), ("forbidden", "no")),
+             (RequestError("bad"), ("bad_request", "bad")), (ConfigError("typo"), ("bad_request", "typo")),
+             (GGUFError("broken"), ("model_error", "broken")), (ModelFileChanged("moved"), ("model_error", "moved")),
+             (MoedError("other"), ("model_error", "other")), (KeyError("k"), ("internal", "KeyError: 'k'"))]
+    for exc, want in cases:
+        assert wire_error(exc) == want
+        assert error_reply(7, exc) == Error(7, *want)
