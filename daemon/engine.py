@@ -11,6 +11,9 @@ prompt, or a chat's messages before the template and its rendered prompt after i
 that many UTF-8 bytes is a RequestError before anything is tokenized; the template renders within
 settings.template_timeout seconds and max_prompt_bytes of output. prompt_ids / chat_ids are the
 text steps alone (the daemon's scheduler runs them on its text threads).
+
+generate and chat run the daemon's token loop (daemon.scheduler.sequence) on one sequence alone,
+so they check, template, stop and finish exactly as a daemon's Generate(raw=True) and Chat do.
 """
 
 from __future__ import annotations
@@ -20,8 +23,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+import msgspec
 import numba
 import numpy as np
+
+from ipc.protocol import Chat, Done, Generate, Message, SamplingOptions
 
 from .config import Settings
 from .errors import RequestError
@@ -29,23 +35,34 @@ from .model.transformer import Transformer
 from .model.weights import TensorSource
 from .routing.predict import Prefetcher
 from .routing.tracer import ExpertUsageTracer
-from .sampling import Sampler, SamplingOptions, StopMatcher, sampling_options
+from .sampling import sampling_options
+from .scheduler import sequence as token_loop
 from .storage.cache import ExpertCache
 from .storage.experts import expert_biases
 from .storage.gguf import GGUFFile
 from .storage.store import ExpertStore, expert_layouts
 from .text.chat import chat_template_from_metadata, render_chat, template_tokens
-from .text.tokenizer import StreamDecoder, Tokenizer
+from .text.tokenizer import Tokenizer
 
 
 @dataclass
 class GenerationStats:
-    """Counts and durations (ns) of the last generation, with Ollama's meanings."""
+    """Counts and durations (ns) of the last generation, with Ollama's meanings (its Done);
+    done_reason is "" when it did not finish (it raised, or its pieces were not all read)."""
     prompt_eval_count: int = 0
     prompt_eval_duration: int = 0
     eval_count: int = 0
     eval_duration: int = 0
     done_reason: str = ""
+
+    @classmethod
+    def of(cls, seq: token_loop.Sequence, done: Done | None) -> GenerationStats:
+        """A sequence's Done; what it counted so far when it never finished (it failed, or its
+        stream was dropped)."""
+        if done is None:
+            return cls(len(seq.ids) if seq.eval_started else 0, seq.prompt_eval_duration, seq.eval_count)
+        return cls(done.prompt_eval_count, done.prompt_eval_duration, done.eval_count, done.eval_duration,
+                   done.done_reason)
 
 
 def check_prompt_bytes(text: str, limit: int, what: str = "prompt") -> None:
@@ -198,61 +215,48 @@ class Engine:
 
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 256, *, stop: Sequence[str] = (),
                  options: SamplingOptions | None = None, **sampling) -> Iterator[str]:
-        """Yield text pieces as tokens are produced. `sampling`: fields of SamplingOptions."""
-        options = options or sampling_options(**sampling)  # a bad value: RequestError
-        if max_tokens < 0:
-            raise RequestError("max_tokens must be >= 0")
-        ids = self.prompt_ids(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        if not ids:
-            raise RequestError("empty prompt")
-        if len(ids) >= self.n_ctx:
-            raise RequestError(f"prompt of {len(ids)} tokens does not fit the context of {self.n_ctx}")
-        return self._generate(ids, max_tokens, list(stop), options)
+        """Yield text pieces as tokens are produced. A text prompt is used raw (no chat template,
+        BOS as the model wants), token ids as they are. `sampling`: fields of SamplingOptions.
+        A bad request raises RequestError here, before the first piece."""
+        fields = dict(prompt=prompt, raw=True) if isinstance(prompt, str) else dict(tokens=[int(t) for t in prompt])
+        return self._start(Generate, fields, max_tokens, stop, options, sampling)
 
-    def chat(self, messages: list[dict], max_tokens: int = 256, **kw) -> Iterator[str]:
-        return self.generate(self.chat_ids(messages), max_tokens, **kw)
+    def chat(self, messages: list[dict], max_tokens: int = 256, *, stop: Sequence[str] = (),
+             options: SamplingOptions | None = None, **sampling) -> Iterator[str]:
+        """generate's reply to a conversation of {role, content} strings, rendered as the daemon
+        renders a Chat: by the model's template (BOS added unless the template wrote it), or,
+        for a model without one, the contents in order."""
+        return self._start(Chat, dict(messages=_messages(messages)), max_tokens, stop, options, sampling)
 
     def _template_adds_bos(self, prompt: str) -> bool:
         bos = template_tokens(self.tokenizer)["bos_token"]
         return bool(bos) and prompt.startswith(bos)
 
-    def _generate(self, ids: list[int], max_tokens: int, stop: list[str], options: SamplingOptions) -> Iterator[str]:
-        stats = self.last_stats = GenerationStats()
+    def _start(self, kind: type[Generate | Chat], fields: dict, max_tokens: int, stop: Sequence[str],
+               options: SamplingOptions | None, sampling: dict) -> Iterator[str]:
+        """The request as the daemon gets it, checked and tokenized now; its token loop, lazily."""
+        options = options or sampling_options(**sampling)
         try:
-            sampler = Sampler(options)
-            decoder = StreamDecoder(self.tokenizer)
-            stopper = StopMatcher(stop)
-            cache = self.model.new_cache(min(self.n_ctx, len(ids) + max_tokens + 1))
-            history = list(ids)
-            t0 = time.perf_counter_ns()
-            logits = self.model.forward(ids, cache)[-1]
-            stats.prompt_eval_count = len(ids)
-            stats.prompt_eval_duration = time.perf_counter_ns() - t0
-            t1 = time.perf_counter_ns()
-            reason = "length"
-            for _ in range(max_tokens):
-                token = sampler.sample(logits, history)
-                if token in self.tokenizer.eog_ids:
-                    reason = "stop"
-                    break
-                history.append(token)
-                stats.eval_count += 1
-                text = stopper.feed(decoder.feed(token))
-                if text:
-                    yield text
-                if stopper.stopped:
-                    reason = "stop"
-                    break
-                if cache.n_past + 1 > cache.n_ctx:
-                    break
-                logits = self.model.forward([token], cache)[-1]
-            stats.eval_duration = time.perf_counter_ns() - t1
-            stats.done_reason = reason
-            if not stopper.stopped:
-                tail = stopper.feed(decoder.flush()) + stopper.flush()
-                if tail:
-                    yield tail
+            req = kind(0, max_tokens=max_tokens, stop=list(stop), options=options, **fields)
+        except ValueError as e:  # the struct's own checks (bad_request on the wire)
+            raise RequestError(str(e)) from None
+        ids = token_loop.prompt_ids(req, self, max_bytes=self.settings.max_prompt_bytes,
+                                    template_timeout=self.settings.template_timeout)
+        return self._generate(token_loop.Sequence(req, ids, received_ns=time.perf_counter_ns()))
+
+    def _generate(self, seq: token_loop.Sequence) -> Iterator[str]:
+        """Run seq alone: the text of its Chunks; its Done (or its counts so far) in last_stats.
+        A failure raises as it was raised."""
+        self.last_stats = GenerationStats()
+        done = None
+        try:
+            for reply in seq.run(self):
+                if isinstance(reply, Done):
+                    done = reply
+                elif reply.text:  # "" while a character or a possible stop string is held back
+                    yield reply.text
         finally:
+            self.last_stats = GenerationStats.of(seq, done)
             self._after_generation()
 
     def _after_generation(self) -> None:
@@ -261,3 +265,13 @@ class Engine:
         if self.tracer is not None:
             self.tracer.report()
             self.tracer.write()
+
+
+def _messages(messages: list[dict]) -> list[Message]:
+    """The conversation as a Chat holds it; RequestError for what the wire would refuse."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise RequestError("messages must be a list of {role, content} objects")
+    try:
+        return [Message(**msgspec.convert(m, dict[str, str])) for m in messages]
+    except (msgspec.ValidationError, TypeError) as e:
+        raise RequestError(f"messages must be {{role, content}} strings: {e}") from None

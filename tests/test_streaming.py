@@ -65,7 +65,7 @@ class Ref:
         m = self.model
         cache = m.new_cache(len(prompt) + n + 1)
         steps = [(list(prompt), m.forward(prompt, cache))]
-        for _ in range(n):
+        for _ in range(n - 1):  # the n-th token ends the generation: it is never fed
             tok = int(np.argmax(steps[-1][1][-1]))
             if tok == self.eos:
                 break

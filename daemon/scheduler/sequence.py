@@ -1,6 +1,6 @@
-"""One generation request's token loop, advanced a token at a time by the Batcher.
-
-The same steps as Engine._generate, cut at the forward pass so that many sequences can share it:
+"""One generation request's token loop: the only one. The Batcher advances many sequences a
+token at a time; Engine.generate/chat run one alone (run(engine)). The loop is cut at the forward
+pass so that many sequences can share it:
 
     prompt_ids(req, ...)  ids from the request (template, tokenizer, size and range checks); run by
                           the scheduler before the sequence exists, never on the compute thread
@@ -9,9 +9,11 @@ The same steps as Engine._generate, cut at the forward pass so that many sequenc
                           several sequences at once, Transformer.forward_many then prefilled(logits)
     feed(logits [V])      sample, detokenize, stop strings; either finishes, or leaves `token`
                           to be decoded in the next step (forward_batch of every active sequence)
+    run(engine)           all of it alone, in the caller's thread: prepare, prefill, then feed the
+                          logits of Transformer.forward([token]) until finished; yields the replies
 
-A Sequence lives on the compute thread. The event loop only reads `finished`/`emit` and sets
-`cancelled`; replies are built on the compute thread and handed to `emit` on the event loop.
+In the daemon a Sequence lives on the compute thread. The event loop only reads `finished`/`emit`
+and sets `cancelled`; replies are built on the compute thread and handed to `emit` on the event loop.
 `error_reply(id, exc)` is how an exception becomes the request's Error (daemon.errors.wire_error:
 bad_request for a RequestError, model_error for another MoedError, internal for a bug).
 """
@@ -19,7 +21,7 @@ bad_request for a RequestError, model_error for another MoedError, internal for 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -36,10 +38,10 @@ DEFAULT_OPTIONS = SamplingOptions()
 
 
 class Sequence:
-    """State of one Generate/Chat request inside the scheduler."""
+    """State of one Generate/Chat request, in the scheduler or alone (run)."""
 
-    def __init__(self, request: Generate | Chat, ids: list[int], emit: Callable[[Any], None], *,
-                 received_ns: int, load_ns: int = 0):
+    def __init__(self, request: Generate | Chat, ids: list[int], emit: Callable[[Any], None] | None = None,
+                 *, received_ns: int, load_ns: int = 0):
         self.request = request
         self.id = request.id
         self.emit = emit  # called on the event loop with each reply (Chunk ..., then Done or Error)
@@ -79,6 +81,15 @@ class Sequence:
         self.eval_started = time.perf_counter_ns()
         self.prompt_eval_duration = self.eval_started - started_ns
         return self.feed(logits)
+
+    def run(self, engine) -> Iterator[Chunk | Done]:
+        """The whole loop alone, in the caller's thread (Engine.generate): the replies, ending
+        with Done. An exception propagates as raised (no Error reply is built: that is the
+        Batcher's way of failing one sequence of many)."""
+        self.prepare(engine)
+        yield from self.prefill(engine)
+        while not self.finished:  # decode steps of one row, as Engine always did them
+            yield from self.feed(engine.model.forward([self.token], self.cache)[-1])
 
     def feed(self, logits: np.ndarray) -> list:
         """Logits [V] for the next token: sample it; the replies to send. Afterwards either
