@@ -185,6 +185,16 @@ class ExpertUsageTracer:
         if self._prev is not None:
             self._prev(layer, ids)
 
+    def reset(self) -> None:
+        """Forget the counts so far (the daemon's warm-up pass at load is not the user's)."""
+        with self._lock:
+            self._version += 1
+            for c in self.counts.values():
+                c[:] = 0
+            self.layer_rows = dict.fromkeys(self.layer_rows, 0)
+            self.total_tokens = self.forward_passes = self._pass_rows = self._pass_start = 0
+            self._last_layer = -1
+
     def _grow(self, layer: int, n: int) -> None:
         self.n_expert = max(self.n_expert, n)
         c = self.counts.get(layer)

@@ -180,3 +180,25 @@ def test_hook_without_model():
     assert d["total_tokens"] == 3 and d["forward_passes"] == 2 and d["n_expert"] == 6
     assert d["per_expert"] == {"0": [1, 2, 2, 1, 0, 0], "2": [0, 0, 0, 0, 1, 1]}
     assert d["moe_layers"] == [0, 2] and d["n_expert_used"] is None
+
+
+
+def test_reset_forgets_the_counts_so_far(model):
+    """The daemon's warm-up pass at load calls engine.reset_stats(): it must not count as use."""
+    tracer = ExpertUsageTracer(stats=True)
+    run(model, tracer)
+    assert tracer.forward_passes == 4
+    tracer.reset()
+    assert tracer.forward_passes == 0 and tracer.total_tokens == 0
+    assert all(not c.any() for c in tracer.counts.values())
+    seen = []
+    model.trace = lambda layer, ids: seen.append((layer, np.array(ids)))
+    tracer.attach(model)  # counts only what comes after the reset
+    try:
+        model.forward([5, 6], model.new_cache(8))
+    finally:
+        tracer.detach()
+    assert tracer.forward_passes == 1 and tracer.total_tokens == 2
+    want = expected_counts(seen, model.hp.n_expert)
+    for layer, counts in tracer.counts.items():
+        np.testing.assert_array_equal(counts, want[layer])
