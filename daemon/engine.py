@@ -163,6 +163,8 @@ class Engine:
         if self.cache is not None:
             self.cache.reset_stats()
             self.prefetcher.reset_stats()
+        if self.tracer is not None:
+            self.tracer.reset()
 
     def __enter__(self):
         return self
