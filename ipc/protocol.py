@@ -16,6 +16,10 @@ Conversation
       names a running Generate/Chat and has no reply of its own: that stream ends with
       Error(code="cancelled"), or with its Done if it finished first; an unknown id is ignored.
       Every other request gets exactly one reply (see REPLIES).
+    - A Generate, Chat or Load that waits for work before it can be served (building the demo
+      model, loading the model, compiling kernels on a fresh machine) may first get any number of
+      Progress(id, phase, percent, message), as Ollama streams a pull's progress. They are
+      advisory: the daemon sends only the latest when they come faster than it writes.
     - A body that does not decode gets Error(id, code) with the id when it can be read
       (ProtocolError.request_id), else id=None, and the connection goes on. After FrameTooLarge
       or TruncatedFrame the stream is out of sync: Error(None, "bad_frame"), then close.
@@ -46,7 +50,7 @@ import msgspec
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: the Progress reply (a version-1 client fails on its unknown tag)
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -67,6 +71,7 @@ __all__ = [
     "Ok",
     "ProtocolError",
     "Ps",
+    "Progress",
     "PsReply",
     "Reply",
     "Request",
@@ -269,11 +274,20 @@ class Ok(msgspec.Struct, tag="k", **_REP):
     id: int
 
 
-Reply = Chunk | Done | Error | Loaded | PsReply | StatsReply | HealthReply | Ok
+class Progress(msgspec.Struct, tag="r", **_REP):
+    id: int  # the Generate/Chat/Load that waits
+    phase: str  # "download" | "build" (the demo model) | "load" | "compile" (kernels, first run only)
+    percent: float | None = None  # 0..100 of this phase; None = unknown
+    message: str = ""  # for people, e.g. "calibration text 3/12"
 
-# What each request is answered with (a stream for Generate/Chat; Error is always possible).
+
+Reply = Chunk | Done | Error | Loaded | PsReply | StatsReply | HealthReply | Ok | Progress
+
+# What each request is answered with (a stream for Generate/Chat; Error is always possible; Progress
+# may come first for Generate, Chat and Load).
 REPLIES: dict[type, tuple[type, ...]] = {
-    Hello: (HealthReply,), Load: (Loaded,), Unload: (Ok,), Generate: (Chunk, Done), Chat: (Chunk, Done),
+    Hello: (HealthReply,), Load: (Progress, Loaded), Unload: (Ok,), Generate: (Progress, Chunk, Done),
+    Chat: (Progress, Chunk, Done),
     Cancel: (), Ps: (PsReply,), Stats: (StatsReply,), Health: (HealthReply,), Shutdown: (Ok,),
 }
 

@@ -33,7 +33,9 @@ an error reply and the connection goes on; an oversized or truncated frame, or o
 within settings.frame_timeout of its first byte, gets Error(None, "bad_frame") and the connection is
 closed (its stream position is lost). Waiting between frames has no limit. A connection may hold
 settings.max_requests_per_connection generations at once; one more gets Error(id, "busy") at once,
-so one client cannot fill the daemon's queue. A client that closes its connection cancels its
+so one client cannot fill the daemon's queue. A Generate, Chat or Load that waits for a model (the
+demo build, the load, the first kernel compile) gets the scheduler's Progress replies meanwhile
+(they do not end the request). A client that closes its connection cancels its
 running generations. A client that stops reading while more than WRITE_LIMIT bytes of replies pile
 up is disconnected.
 
@@ -84,6 +86,7 @@ from .protocol import (
     Loaded,
     ModelInfo,
     Ok,
+    Progress,
     Ps,
     PsReply,
     Reply,
@@ -240,10 +243,11 @@ class _Open:
         self.closed = False
 
     def reply(self, reply: Reply) -> None:
-        """Send a reply; the first that is not a Chunk ends the request (later ones are dropped)."""
+        """Send a reply; the first that is not a Chunk or Progress ends the request (later ones are
+        dropped)."""
         if self.closed:
             return
-        if not isinstance(reply, Chunk):
+        if not isinstance(reply, (Chunk, Progress)):
             self.closed = True
             if self.conn.open.get(self.id) is self:
                 del self.conn.open[self.id]
@@ -608,7 +612,8 @@ class Server:
             if isinstance(req, (Generate, Chat)):
                 await sched.generate(req, op.reply, received_ns)
             elif isinstance(req, Load):
-                model, load_ns = await sched.load(req.model, req.settings, req.keep_alive)
+                model, load_ns = await sched.load(req.model, req.settings, req.keep_alive,
+                                                  progress=lambda *report: op.reply(Progress(req.id, *report)))
                 op.reply(Loaded(req.id, model.name, load_ns))
             elif isinstance(req, Unload):
                 await sched.unload(req.model)

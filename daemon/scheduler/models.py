@@ -1,10 +1,13 @@
 """Loaded models: one load per file at a time, reference counts, keep-alive and unloading.
 
-    acquire(name, settings, keep_alive) -> (LoadedModel, ns waited for a load)
+    acquire(name, settings, keep_alive, progress) -> (LoadedModel, ns waited for a load)
         the first request for a file starts its load (on that model's compute thread); every
         other request for the same file awaits the same load, so a model is never loaded twice
         concurrently. A failed load reaches each waiting requester as SchedulerError and the
-        entry is dropped (the next request tries again).
+        entry is dropped (the next request tries again). While it waits, `progress` gets the
+        load's reports (daemon.progress: ("load", %, message), then ("compile", None, ...) when
+        the warm-up compiles kernels), the latest one first; the compute thread never waits
+        for them (LoadedModel.progress, a Relay).
     release(model)
         when the last user is gone the keep-alive starts: 0 = unload now, > 0 = unload after that
         many idle seconds (a new request stops the clock), < 0 = never.
@@ -30,6 +33,7 @@ from typing import Any
 
 from ..config import Settings
 from ..errors import ConfigError, ModelError, MoedError, SchedulerError, wire_error
+from ..progress import COMPILE_NOTICE_S, COMPILING, Progress, Relay, Report, reported_if_slow
 from .batcher import Batcher
 
 log = logging.getLogger("moed.scheduler")
@@ -47,6 +51,28 @@ def _error_for_load(path: str, e: BaseException) -> SchedulerError:
     return SchedulerError(*wire_error(e))
 
 
+LOAD_STEPS = 4  # Engine.load's progress messages: reading, experts, model, tokenizer
+
+
+def load_engine(factory: Callable[..., Any], path: str, settings: Mapping[str, Any], report: Report,
+                warm: bool = True, compile_notice: float = COMPILE_NOTICE_S):
+    """factory(path, progress=..., **settings) with its steps reported as ("load", %, message);
+    then, if warm, one token through the model so numba compiles the kernels now rather than in
+    the first request, reported as ("compile", None, COMPILING) when that is slow (a fresh machine)."""
+    steps = Progress("load", LOAD_STEPS, report=report)
+    engine = factory(path, progress=steps.step, **settings)
+    steps.close()
+    if warm:
+        try:
+            with reported_if_slow(report, "compile", COMPILING, compile_notice):
+                engine.forward(engine.tokenize("warm", add_special=False) or [0])
+            engine.reset_stats()
+        except BaseException:
+            engine.close()
+            raise
+    return engine
+
+
 def resolve_path(name: str) -> str:
     if "\0" in name:  # no file has one; os.path would raise ValueError
         raise SchedulerError("bad_request", "a model path cannot contain a NUL character")
@@ -62,6 +88,7 @@ class LoadedModel:
         self.batcher = Batcher(os.path.basename(path), max_batch)
         self.ready: asyncio.Future = asyncio.get_running_loop().create_future()  # -> load ns
         self.ready.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "not retrieved"
+        self.progress = Relay()  # the load's reports, to the requests awaiting `ready`
         self.users = 0  # requests holding it (loading, waiting or decoding)
         self.expires_at: float | None = None  # unix seconds of the keep-alive unload
         self.timer: asyncio.TimerHandle | None = None
@@ -98,7 +125,7 @@ class LoadedModel:
 class ModelRegistry:
     def __init__(self, factory: Callable[..., Any], *, keep_alive: float = 300.0, max_batch: int = 16,
                  warm: bool = True):
-        self.factory = factory  # Engine.load(path, **settings)
+        self.factory = factory  # Engine.load(path, progress=..., **settings)
         self.default_keep_alive = keep_alive
         self.max_batch = max_batch
         self.warm = warm  # run one token through a new model so the kernels compile during the load
@@ -117,7 +144,7 @@ class ModelRegistry:
     # -- acquire / release ---------------------------------------------------------------------
 
     async def acquire(self, name: str, settings: Mapping[str, Any] | None = None,
-                      keep_alive: float | None = None) -> tuple[LoadedModel, int]:
+                      keep_alive: float | None = None, progress: Report | None = None) -> tuple[LoadedModel, int]:
         settings = dict(settings or {})
         bad = sorted(DAEMON_SETTINGS & settings.keys())
         if bad:
@@ -150,7 +177,8 @@ class ModelRegistry:
         t0 = time.perf_counter_ns()
         was_ready = m.ready.done()
         try:
-            await asyncio.shield(m.ready)
+            with m.progress.listening(None if was_ready else progress):
+                await asyncio.shield(m.ready)
         except BaseException:
             m.users -= 1
             if m.loaded:
@@ -195,11 +223,8 @@ class ModelRegistry:
         t0 = time.perf_counter_ns()
 
         def job(_engine):
-            engine = self.factory(m.path, **m.settings)
+            engine = load_engine(self.factory, m.path, m.settings, m.progress, self.warm)
             try:
-                if self.warm:
-                    engine.forward(engine.tokenize("warm", add_special=False) or [0])
-                    engine.reset_stats()
                 gguf = getattr(engine, "gguf", None)
                 if gguf is not None:
                     m.arch = gguf.architecture

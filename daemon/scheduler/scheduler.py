@@ -1,10 +1,12 @@
 """The scheduler: what the daemon does with each request, independent of the wire.
 
-    generate(req, emit, received_ns)   serve a Generate/Chat to its end; emit(reply) gets each Chunk,
-                                       then Done or Error. Raises SchedulerError before the stream
+    generate(req, emit, received_ns)   serve a Generate/Chat to its end; emit(reply) gets Progress
+                                       while the request waits for its model (the demo build, the
+                                       load, the kernel compile), each Chunk, then Done or Error.
+                                       Raises SchedulerError before the stream
                                        starts (busy, not_found, model_error, ...). Cancelling the task
                                        that runs it cancels the sequence (within one decode step).
-    load / unload / ps / stats / close
+    load(name, settings, keep_alive, progress) / unload / ps / stats / close
     resolve_path(name)                 the file a model name stands for (the server checks peers' access)
 
 Bounded queue: at most `queue_size` generation requests are held at once, whether waiting for a
@@ -25,13 +27,15 @@ import asyncio
 import functools
 import logging
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
-from ipc.protocol import Chat, Done, Error, Generate
+from ipc.protocol import Chat, Done, Error, Generate, Progress
 
 from ..config import Settings
+from ..progress import Relay, Renderer, Report
 from ..errors import MoedError, SchedulerError
 from .models import LoadedModel, ModelRegistry, resolve_path
 from .sequence import Sequence, error_reply, prompt_ids
@@ -48,10 +52,10 @@ def _engine_load(path, **settings):
     return Engine.load(path, **settings)
 
 
-def _demo_model() -> str:
+def _demo_model(progress: Report) -> str:
     from ..demo import demo_model_path
 
-    return str(demo_model_path())
+    return str(demo_model_path(progress=progress))
 
 
 def _in_thread(fn: Callable[[], Any], name: str) -> asyncio.Future:
@@ -119,7 +123,7 @@ class TextThreads:
 
 class Scheduler:
     def __init__(self, settings: Settings | None = None, *, factory: Callable[..., Any] | None = None,
-                 default_model: Callable[[], str] | None = None, warm: bool = True):
+                 default_model: Callable[[Report], str] | None = None, warm: bool = True):
         settings = settings or Settings.load()
         self.settings = settings
         self.queue_size = max(1, settings.queue_size)
@@ -127,6 +131,7 @@ class Scheduler:
                                       max_batch=settings.max_batch, warm=warm)
         self._default_model_fn = default_model or _demo_model
         self._default_future: asyncio.Future | None = None
+        self._default_progress: Relay | None = None  # the demo build's reports
         self.text = TextThreads()
         self.inflight = 0  # generation requests held now
         self.closing = False
@@ -142,9 +147,12 @@ class Scheduler:
         self.inflight += 1
         model: LoadedModel | None = None
         seq: Sequence | None = None
+        def progress(phase: str, percent: float | None, message: str) -> None:
+            emit(Progress(req.id, phase, percent, message))
+
         try:
-            name = req.model or await self.default_model()
-            model, load_ns = await self.registry.acquire(name, keep_alive=req.keep_alive)
+            name = req.model or await self.default_model(progress)
+            model, load_ns = await self.registry.acquire(name, keep_alive=req.keep_alive, progress=progress)
             try:
                 ids = await self._prompt_ids(req, model)
             except SchedulerError:
@@ -190,15 +198,23 @@ class Scheduler:
             return work()  # no text to render or tokenize: checked in place, no thread hop
         return await self.text.run(work)
 
-    async def default_model(self) -> str:
-        """The only loaded model, else the demo MoE (built once, on a thread, on first use)."""
+    async def default_model(self, progress: Report | None = None) -> str:
+        """The only loaded model, else the demo MoE (built once, on a thread, on first use; its
+        build reported to `progress` and to the log)."""
         models = list(self.registry.models.values())
         if len(models) == 1:
             return models[0].path
         if self._default_future is None:
-            self._default_future = _in_thread(self._default_model_fn, "moed-default-model")
+            relay = self._default_progress = Relay()
+            log_lines = Renderer(sys.stderr)  # the daemon's log, as before
+
+            def build() -> str:
+                return self._default_model_fn(lambda *report: (log_lines(*report), relay(*report)))
+
+            self._default_future = _in_thread(build, "moed-default-model")
         try:
-            return await asyncio.shield(self._default_future)
+            with self._default_progress.listening(progress):
+                return await asyncio.shield(self._default_future)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - reported to the requester
@@ -207,11 +223,11 @@ class Scheduler:
 
     # -- models --------------------------------------------------------------------------------
 
-    async def load(self, name: str, settings: dict[str, Any] | None = None,
-                   keep_alive: float | None = None) -> tuple[LoadedModel, int]:
+    async def load(self, name: str, settings: dict[str, Any] | None = None, keep_alive: float | None = None,
+                   progress: Report | None = None) -> tuple[LoadedModel, int]:
         if self.closing:
             raise SchedulerError("shutdown", "the daemon is shutting down")
-        model, load_ns = await self.registry.acquire(name, settings, keep_alive)
+        model, load_ns = await self.registry.acquire(name, settings, keep_alive, progress)
         self.registry.release(model)  # keep-alive starts now (0: unloaded right away)
         return model, load_ns
 

@@ -25,6 +25,7 @@ from ipc import (
 )
 from ipc.framing import HEADER, pack_frame, read_frame
 from ipc.protocol import (
+    PROTOCOL_VERSION,
     Cancel,
     Chat,
     Chunk,
@@ -37,6 +38,7 @@ from ipc.protocol import (
     Loaded,
     ModelInfo,
     Ok,
+    Progress,
     Ps,
     PsReply,
     Shutdown,
@@ -138,7 +140,7 @@ def wait_until(predicate, timeout=2.0):
 
 async def test_generate_streams_chunks_then_done(server):
     async with AsyncClient(server.path) as c:
-        assert c.server.protocol == 1
+        assert c.server.protocol == PROTOCOL_VERSION
         gen = c.generate("the quick brown fox", max_tokens=9, options={"temperature": 0.0, "seed": 3},
                          stop=["\n"], keep_alive=0.0, raw=True)
         chunks = [chunk async for chunk in gen]
@@ -267,7 +269,7 @@ async def test_concurrent_generations_share_one_connection(server):
 
 
 async def test_protocol_version_mismatch(path):
-    async with MockServer(handler, path, protocol=2):
+    async with MockServer(handler, path, protocol=PROTOCOL_VERSION + 1):
         with pytest.raises(ProtocolError) as e:
             await AsyncClient(path).health()
         assert e.value.code == "bad_version"
@@ -408,3 +410,31 @@ def test_server_error_for_other_codes(sync_server):
     with Client(sync_server.path) as c, pytest.raises(ServerError) as e:
         c.ps()
     assert e.value.code == "internal"
+
+
+def progressing(req):
+    """A daemon that reports a load before it answers."""
+    steps = [Progress(req.id, "load", 50.0, "reading"), Progress(req.id, "compile", None, "compiling kernels")]
+    if isinstance(req, Load):
+        return [*steps, Loaded(req.id, req.model, 7)]
+    return [*steps, Chunk(req.id, "hi", [1]), Done(req.id, eval_count=1)]
+
+
+async def test_progress_goes_to_the_callback_and_never_into_the_stream(path):
+    seen = []
+    async with MockServer(progressing, path), AsyncClient(path) as c:
+        gen = c.generate("Hi", on_progress=seen.append)
+        assert [chunk.text async for chunk in gen] == ["hi"] and gen.done.eval_count == 1
+        assert (await c.load("/m.gguf", on_progress=seen.append)).load_duration == 7
+        assert [chunk.text async for chunk in c.chat([{"role": "user", "content": "Hi"}])] == ["hi"]  # no callback
+    assert [(p.phase, p.percent) for p in seen] == [("load", 50.0), ("compile", None)] * 2
+
+
+def test_progress_in_the_blocking_client(path):
+    seen = []
+    with MockServer(progressing, path).in_thread(), Client(path) as c:
+        gen = c.chat([{"role": "user", "content": "Hi"}], on_progress=seen.append)
+        assert [chunk.text for chunk in gen] == ["hi"]
+        assert c.load("/m.gguf", on_progress=seen.append).model == "/m.gguf"
+        assert [chunk.text for chunk in c.generate("Hi")] == ["hi"]
+    assert [p.message for p in seen] == ["reading", "compiling kernels"] * 2

@@ -10,6 +10,7 @@ import pytest
 
 from ipc import errors
 from ipc.protocol import (
+    PROTOCOL_VERSION,
     REPLIES,
     Cancel,
     Chat,
@@ -25,6 +26,7 @@ from ipc.protocol import (
     Message,
     ModelInfo,
     Ok,
+    Progress,
     ProtocolError,
     Ps,
     PsReply,
@@ -72,6 +74,8 @@ REPLY_MSGS = [
     StatsReply(9, {"/m/a.gguf": {"layers": [{"hits": 10, "misses": 2, "hit_rate": 0.83}]}}),
     HealthReply(11, "0.1.0", 1, 4242, 12.5),
     Ok(12),
+    Progress(2, "build", 42.5, "calibration text 5/12"),
+    Progress(5, "compile"),
 ]
 
 
@@ -184,3 +188,10 @@ def test_error_codes_map_to_classes(code, cls):
     err = errors.error_for(code, "why", 3)
     assert type(err) is cls and isinstance(err, errors.ClientError)
     assert (err.code, err.request_id, str(err)) == (code, 3, "why")
+
+
+def test_progress_is_a_reply_of_the_requests_that_wait_and_bumps_the_version():
+    assert PROTOCOL_VERSION == 2  # a version-1 client would fail on the unknown tag: bad_version at Hello
+    for kind in (Generate, Chat, Load):
+        assert REPLIES[kind][0] is Progress
+    assert msgspec.msgpack.decode(encode(Progress(3, "load", 50.0, "reading"))) == ["r", 3, "load", 50.0, "reading"]

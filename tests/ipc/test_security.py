@@ -49,6 +49,7 @@ from ipc.protocol import (
     HealthReply,
     Hello,
     Ok,
+    Progress,
     decode_reply,
     encode,
 )
@@ -95,7 +96,7 @@ class Factory:
 
 def make_server(path, **settings) -> Server:
     cfg = Settings.load(env={}, **settings)
-    sched = Scheduler(cfg, factory=Factory(), default_model=lambda: "/nonexistent/demo.gguf")
+    sched = Scheduler(cfg, factory=Factory(), default_model=lambda _progress: "/nonexistent/demo.gguf")
     return Server(path, cfg, scheduler=sched, close_timeout=T)
 
 
@@ -543,8 +544,12 @@ class Raw:
         await self.writer.drain()
 
     async def recv(self, timeout: float = T):
-        frame = await asyncio.wait_for(read_frame(self.reader), timeout)
-        return None if frame is None else decode_reply(frame)
+        """The next reply; Progress replies (advisory) are skipped."""
+        while True:
+            frame = await asyncio.wait_for(read_frame(self.reader), timeout)
+            reply = None if frame is None else decode_reply(frame)
+            if not isinstance(reply, Progress):
+                return reply
 
     def close(self) -> None:
         self.writer.close()

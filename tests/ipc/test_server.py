@@ -38,6 +38,7 @@ from ipc.protocol import (
     Health,
     HealthReply,
     Hello,
+    Progress,
     decode_reply,
     encode,
 )
@@ -74,7 +75,7 @@ class Factory:
 
 def make_server(path, **settings) -> Server:
     cfg = Settings.load(env={}, **settings)
-    sched = Scheduler(cfg, factory=Factory(), default_model=lambda: "/nonexistent/demo.gguf")
+    sched = Scheduler(cfg, factory=Factory(), default_model=lambda _progress: "/nonexistent/demo.gguf")
     return Server(path, cfg, scheduler=sched, close_timeout=T)
 
 
@@ -114,9 +115,13 @@ class Raw:
         self.writer.write(data)
         await self.writer.drain()
 
-    async def recv(self):
-        frame = await asyncio.wait_for(read_frame(self.reader), T)
-        return None if frame is None else decode_reply(frame)
+    async def recv(self, progress: bool = False):
+        """The next reply; Progress replies (advisory) are skipped unless `progress`."""
+        while True:
+            frame = await asyncio.wait_for(read_frame(self.reader), T)
+            reply = None if frame is None else decode_reply(frame)
+            if progress or not isinstance(reply, Progress):
+                return reply
 
     def close(self) -> None:
         self.writer.close()
@@ -443,3 +448,29 @@ async def test_stats_and_health(server, path, model):
             await c.stats("/not/loaded.gguf")
         h = await c.health()
         assert h.uptime_s >= 0 and h.version
+
+
+async def test_a_waiting_generate_and_load_get_the_loads_progress(path, model):
+    from tests.scheduler.test_scheduler import Gate, until
+
+    gate = Gate()
+    cfg = Settings.load(env={})
+    async with Server(path, cfg, scheduler=Scheduler(cfg, factory=gate), close_timeout=T), \
+            AsyncClient(path, timeout=T) as c:
+        generated, loaded = [], []
+        gen = c.generate([1, 2], model=model, max_tokens=2, options=GREEDY, on_progress=generated.append)
+        text = asyncio.create_task(asyncio.wait_for(_text(gen), T))
+        await until(lambda: generated)  # the daemon's compute thread is still loading
+        load = asyncio.create_task(c.load(model, on_progress=loaded.append))
+        await until(lambda: loaded)
+        gate.go.set()
+        await asyncio.gather(text, load)
+    assert gen.done is not None and gen.done.eval_count == 2
+    for seen in (generated, loaded):
+        assert all(isinstance(p, Progress) for p in seen)
+        assert any(p.message == "reading the file" for p in seen)
+        assert (seen[-1].phase, seen[-1].percent) == ("load", 100.0)
+
+
+async def _text(gen) -> str:
+    return "".join([chunk.text async for chunk in gen])

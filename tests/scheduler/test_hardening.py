@@ -50,7 +50,7 @@ def nan_model(fixture_dir, tmp_path_factory) -> str:
 
 @pytest.fixture
 async def sched():
-    s = Scheduler(settings(), factory=Factory(), default_model=lambda: "/nonexistent/demo.gguf")
+    s = Scheduler(settings(), factory=Factory(), default_model=lambda _progress: "/nonexistent/demo.gguf")
     yield s
     await s.close()
 

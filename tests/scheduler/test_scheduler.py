@@ -14,7 +14,7 @@ from daemon.config import Settings
 from daemon.engine import Engine
 from daemon.scheduler import Scheduler, SchedulerError
 from daemon.scheduler.batcher import Batcher
-from ipc.protocol import Chat, Chunk, Done, Error, Generate, Message, SamplingOptions
+from ipc.protocol import Chat, Chunk, Done, Error, Generate, Message, Progress, SamplingOptions
 from tests.fixtures.build import fixture_path
 
 pytestmark = pytest.mark.usefixtures("warm_kernels")  # compile outside the time limits
@@ -48,15 +48,16 @@ def settings(**kw) -> Settings:
 
 @pytest.fixture
 async def sched():
-    s = Scheduler(settings(), factory=Factory(), default_model=lambda: "/nonexistent/demo.gguf")
+    s = Scheduler(settings(), factory=Factory(), default_model=lambda _progress: "/nonexistent/demo.gguf")
     yield s
     await s.close()
 
 
-async def run(s: Scheduler, req) -> tuple[list, list[int], str]:
-    """Replies, generated token ids, text."""
+async def run(s: Scheduler, req, progress: bool = False) -> tuple[list, list[int], str]:
+    """Replies (Progress ones only if `progress`: they are advisory), generated token ids, text."""
     replies = []
     await s.generate(req, replies.append, time.perf_counter_ns())
+    replies = [r for r in replies if progress or not isinstance(r, Progress)]
     toks = [t for r in replies if isinstance(r, Chunk) for t in r.tokens]
     return replies, toks, "".join(r.text for r in replies if isinstance(r, Chunk))
 
@@ -332,15 +333,19 @@ async def test_batcher_jobs_run_on_its_thread_and_stop():
 async def test_model_none_is_the_default_model_built_once(model):
     calls = []
 
-    def default():
+    def default(progress):
         calls.append(threading.current_thread().name)
+        progress("build", 50.0, "half way")  # reaches every request that waits for the build
         time.sleep(0.2)
         return model
 
     s = Scheduler(settings(), factory=Factory(), default_model=default)
     try:
-        results = await asyncio.gather(*(run(s, Generate(i, None, tokens=[1, 2], max_tokens=2)) for i in range(3)))
+        results = await asyncio.gather(*(run(s, Generate(i, None, tokens=[1, 2], max_tokens=2), progress=True)
+                                         for i in range(3)))
         assert all(isinstance(r[0][-1], Done) for r in results)
+        for i, (replies, _, _) in enumerate(results):
+            assert Progress(i, "build", 50.0, "half way") in replies
         assert calls == ["moed-default-model"]  # one build, on its own thread
         assert [m["path"] for m in s.ps()] == [model]
     finally:
@@ -361,3 +366,72 @@ def test_one_mapping_from_exceptions_to_wire_errors():
     for exc, want in cases:
         assert wire_error(exc) == want
         assert error_reply(7, exc) == Error(7, *want)
+
+
+
+class Gate:
+    """A factory that reports a step of its load, then waits until the test lets it go on."""
+
+    def __init__(self):
+        self.go = threading.Event()
+
+    def __call__(self, path, progress, **settings):
+        progress("reading the file")
+        assert self.go.wait(30)
+        return Engine.load(path, progress=progress, **{"n_threads": 1, **settings})
+
+
+async def until(predicate, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_load_reports_its_progress_to_every_request_that_waits(model):
+    gate = Gate()
+    s = Scheduler(settings(), factory=gate)
+    try:
+        replies, loads = [], []
+        gen = asyncio.create_task(s.generate(Generate(1, model, tokens=[1], max_tokens=1), replies.append, 0))
+        reading = Progress(1, "load", 25.0, "reading the file")
+        await until(lambda: reading in replies)  # the compute thread is still inside the load
+        assert all(isinstance(r, Progress) for r in replies)
+        load = asyncio.create_task(s.load(model, progress=lambda *r: loads.append(r)))
+        await until(lambda: loads)  # a late waiter gets the latest report at once
+        assert loads == [("load", 25.0, "reading the file")]
+        gate.go.set()
+        await asyncio.gather(gen, load)
+        assert isinstance(replies[-1], Done) and isinstance(replies[-2], Chunk)
+        progress = [r for r in replies if isinstance(r, Progress)]
+        assert progress[-1].phase == "load" and progress[-1].percent == 100.0 and replies[len(progress)] == replies[-2]
+        assert loads[-1][:2] == ("load", 100.0)
+    finally:
+        await s.close()
+
+
+def test_compile_is_reported_only_when_the_warm_up_is_slow():
+    from daemon.progress import COMPILING
+    from daemon.scheduler.models import load_engine
+
+    class SlowEngine:
+        def tokenize(self, text, add_special):
+            return [1]
+
+        def forward(self, ids):
+            time.sleep(self.delay)
+
+        def reset_stats(self):
+            pass
+
+    for delay, want in ((0.0, []), (0.3, [("compile", None, COMPILING)])):
+        engine, reports = SlowEngine(), []
+        engine.delay = delay
+
+        def factory(path, progress):
+            progress("reading")
+            return engine
+
+        load_engine(factory, "m.gguf", {}, lambda *r: reports.append(r), compile_notice=0.1)
+        assert [r for r in reports if r[0] == "compile"] == want
+        assert reports[:2] == [("load", 0.0, ""), ("load", 25.0, "reading")] and ("load", 100.0, "") in reports
