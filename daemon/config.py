@@ -60,6 +60,11 @@ class Settings:
     expert_trace_output: str = field(default="", metadata=_meta(
         "MOE_EXPERT_TRACE_OUTPUT", "write the activation counts as JSON to this path (.zst: compressed)",
         path=True))
+    routing_replay: str = field(default="", metadata=_meta(
+        "MOE_ROUTING_REPLAY", "benchmarks only: each MoE layer uses the experts of this routing trace "
+        "(jsonl or .jsonl.zst, as moed trace record writes; e.g. benchmarks/data/traces), mapped onto the "
+        "model's layers and experts, instead of its router's top-k; the router still weighs them. The "
+        "outputs are no longer the model's", path=True))
     # -- the daemon (moed serve) -------------------------------------------------------------------
     socket: str = field(default="", metadata=_meta(
         "MOED_SOCKET", "the daemon's unix socket (clients use it too); empty = $XDG_RUNTIME_DIR/moed.sock, "

@@ -34,6 +34,7 @@ from .errors import RequestError
 from .model.transformer import Transformer
 from .model.weights import TensorSource
 from .routing.predict import Prefetcher
+from .routing.replay_routing import RoutingReplay
 from .routing.tracer import ExpertUsageTracer
 from .sampling import sampling_options
 from .scheduler import sequence as token_loop
@@ -108,6 +109,13 @@ class Engine:
         self.last_stats = GenerationStats()
         self.n_ctx = min(settings.n_ctx, model.hp.n_ctx_train) if settings.n_ctx else model.hp.n_ctx_train
         self.cache = model.experts if isinstance(model.experts, ExpertCache) else None
+        try:  # a bad trace fails the load; the engine owns the file and the cache it was given
+            self.routing_replay = RoutingReplay.from_settings(settings, model)
+        except BaseException:
+            if self.cache is not None:
+                self.cache.close()
+            gguf.close()
+            raise
         self.routing = settings.routing
         if self.routing == "auto":
             self.routing = "exact" if settings.expert_cache_limit_mb else "speculative"

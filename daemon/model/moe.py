@@ -38,18 +38,20 @@ class MoE:
 
 
 def route(moe: MoE, family: Family, x: np.ndarray, numerics: str, solo: bool = False,
-          groups: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Exact router (Path B). x: [T, D] -> (ids [T, A] int64 in top-k order, weights [T, A] f32)."""
+          groups: np.ndarray | None = None, chosen: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Exact router (Path B). x: [T, D] -> (ids [T, A] int64 in top-k order, weights [T, A] f32).
+    chosen: ids [T, A] to use instead of the router's top-k (routing replay); the router weighs
+    them as it weighs its own choice."""
     logits = linear(x, moe.router.raw, moe.router.ggml_type, moe.router.n_in, numerics, solo=solo,
                     groups=groups)  # [T, E]
     if moe.router_bias is not None:
         logits = logits + moe.router_bias
     if family.gating == "softmax_weight":
-        ids = _top_k(logits, moe.n_used)
+        ids = _top_k(logits, moe.n_used) if chosen is None else chosen
         weights = ops.softmax_rows(np.take_along_axis(logits, ids, axis=1))
     else:
         probs = ops.softmax_rows(logits)
-        ids = _top_k(probs, moe.n_used)
+        ids = _top_k(probs, moe.n_used) if chosen is None else chosen
         weights = np.take_along_axis(probs, ids, axis=1)
     if family.norm_topk:
         total = weights.astype(np.float64).sum(axis=1, keepdims=True).astype(np.float32)
@@ -65,11 +67,13 @@ def _top_k(scores: np.ndarray, k: int) -> np.ndarray:
 
 
 def moe_forward(moe: MoE, family: Family, experts: ExpertProvider, x: np.ndarray, numerics: str,
-                trace=None, solo: bool = False, groups: np.ndarray | None = None) -> np.ndarray:
+                trace=None, solo: bool = False, groups: np.ndarray | None = None,
+                chosen: np.ndarray | None = None) -> np.ndarray:
     """x: [T, D] (already normed) -> [T, D]. solo: the rows are independent one-token steps of
     different sequences (a decode batch), each computed exactly as it would be alone. groups: row
-    offsets of several sequences' prompts (a batched prefill), each computed as it would be alone."""
-    ids, weights = route(moe, family, x, numerics, solo, groups)
+    offsets of several sequences' prompts (a batched prefill), each computed as it would be alone.
+    chosen: expert ids [T, A] replacing the router's top-k (route)."""
+    ids, weights = route(moe, family, x, numerics, solo, groups, chosen)
     if trace is not None:
         trace(moe.layer, ids)
     layout = experts.layout(moe.layer)

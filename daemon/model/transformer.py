@@ -122,6 +122,8 @@ class Transformer:
                                 f"the model expects [{hp.n_expert} x {F} x {hp.n_embd}]")
         self.experts = experts
         self.trace = None  # callable(layer, ids [T, A]) observing routing decisions
+        # callable(layer, positions [T]) -> ids [T, A] replacing the router's top-k (MOE_ROUTING_REPLAY)
+        self.route_override = None
         self.step_hooks = None  # .begin(tokens [T]) per forward pass, .layer_input(il, x [T, D]) per layer
         self.ffn_observer = None  # callable(layer, x [T, D], h [T, F]) observing dense FFN activations
 
@@ -247,11 +249,14 @@ class Transformer:
             x = x + self._attention(il, layer.attn, h, kv, positions, rope_tab, solo, groups)
             if il == hp.n_layer - 1 and not all_logits:
                 # as llama.cpp: the last FFN runs on output rows only, one per sequence
-                x = np.ascontiguousarray(x[-1:] if groups is None else x[groups[1:] - 1])
+                out_rows = slice(-1, None) if groups is None else groups[1:] - 1
+                x, positions = np.ascontiguousarray(x[out_rows]), positions[out_rows]
                 solo, groups = groups is not None, None
             h = ops.rms_norm(x, layer.ffn_norm, np.float32(hp.rms_eps))
             if isinstance(layer.ffn, MoE):
-                x = x + moe_forward(layer.ffn, self.family, self.experts, h, self.numerics, self.trace, solo, groups)
+                chosen = None if self.route_override is None else self.route_override(il, positions)
+                x = x + moe_forward(layer.ffn, self.family, self.experts, h, self.numerics, self.trace, solo, groups,
+                                    chosen)
             else:
                 f = layer.ffn
                 obs = self.ffn_observer

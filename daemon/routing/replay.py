@@ -55,6 +55,12 @@ def load_trace(path: str | os.PathLike) -> Trace:
     """Read a jsonl trace (`.jsonl` or `.jsonl.zst`): one `{"tok": n, "layers": [[ids], ...]}` per
     token. Returns per-layer token sequences of expert-id sets. Raises RequestError naming the line
     of a malformed record."""
+    return [[frozenset(ids) for ids in seq] for seq in load_trace_ids(path)]
+
+
+def load_trace_ids(path: str | os.PathLike) -> list[list[list[int]]]:
+    """load_trace, keeping each token's ids in file order (moed's own traces: top-k order):
+    [moe layer][token] -> ids."""
     path = os.fspath(path)
     try:
         text = _read_text(path)
@@ -62,8 +68,7 @@ def load_trace(path: str | os.PathLike) -> Trace:
         raise RequestError(f"cannot read trace {path}: {e.strerror or e}") from None
     except UnicodeDecodeError:
         raise RequestError(f"{path}: trace is not UTF-8 text") from None
-    layers: Trace | None = None
-    n_tok = 0
+    layers: list[list[list[int]]] | None = None
     for lineno, line in enumerate(io.StringIO(text), 1):
         if not line.strip():
             continue
@@ -86,8 +91,7 @@ def load_trace(path: str | os.PathLike) -> Trace:
                 raise RequestError(f"{where}: layer {il} must be a list of non-negative integer expert ids")
             if len(set(ids)) != len(ids):
                 raise RequestError(f"{where}: layer {il} repeats an expert id")
-            layers[il].append(frozenset(ids))
-        n_tok += 1
+            layers[il].append(ids)
     if layers is None:
         raise RequestError(f"{path}: trace holds no tokens")
     return layers
