@@ -200,3 +200,15 @@ def test_replay_is_a_path_setting():
 
     assert "routing_replay" in Settings.path_settings()
     assert Settings.load({"MOE_ROUTING_REPLAY": "/x.jsonl"}).routing_replay == "/x.jsonl"
+
+
+def test_a_failed_load_releases_the_file_and_the_cache(qwen3moe, tmp_path, monkeypatch):
+    from daemon.storage.cache import ExpertCache
+    from daemon.storage.gguf import GGUFFile as File
+
+    closed = []
+    for cls in (ExpertCache, File):
+        monkeypatch.setattr(cls, "close", lambda self, _close=cls.close: (closed.append(type(self)), _close(self))[1])
+    with pytest.raises(ConfigError):
+        Engine.load(qwen3moe, routing_replay=str(tmp_path / "missing.jsonl"))
+    assert ExpertCache in closed and File in closed
