@@ -117,8 +117,9 @@ class Engine:
             gguf.close()
             raise
         self.routing = settings.routing
-        if self.routing == "auto":
-            self.routing = "exact" if settings.expert_cache_limit_mb else "speculative"
+        if self.routing == "auto":  # predictors read the real router, so under replay they would guess wrong
+            replayed = self.routing_replay is not None
+            self.routing = "exact" if settings.expert_cache_limit_mb or replayed else "speculative"
         self.prefetcher = (Prefetcher(model, self.cache, self.routing, settings.routing_verbose).attach(model)
                            if self.cache is not None else None)
         self.tracer = ExpertUsageTracer.from_settings(settings) if model.moe_layers else None

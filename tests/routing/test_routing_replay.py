@@ -212,3 +212,14 @@ def test_a_failed_load_releases_the_file_and_the_cache(qwen3moe, tmp_path, monke
     with pytest.raises(ConfigError):
         Engine.load(qwen3moe, routing_replay=str(tmp_path / "missing.jsonl"))
     assert ExpertCache in closed and File in closed
+
+
+def test_auto_routing_does_not_predict_from_the_real_router_under_replay(qwen3moe, tmp_path):
+    """Predictors read the model's own router; under replay their guesses would be wasted reads."""
+    path = _write(tmp_path / "t.jsonl", _trace_records())
+    with Engine.load(qwen3moe, routing_replay=str(path)) as engine:
+        assert engine.routing == "exact"
+    with Engine.load(qwen3moe, routing_replay=str(path), routing="speculative") as engine:
+        assert engine.routing == "speculative"  # asked for explicitly: kept
+    with Engine.load(qwen3moe) as engine:
+        assert engine.routing == "speculative"  # no limit, no replay: as before
