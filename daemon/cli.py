@@ -50,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("settings", help="list settings and their environment variables")
     _add_trace(sub)
     _add_pack(sub)
+    _add_synth(sub)
     _add_daemon(sub)
     return ap
 
@@ -106,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
             return _trace(args, parser)
         if args.command == "pack":
             return _pack(args)
+        if args.command == "synth":
+            return _synth(args)
         if args.command in DAEMON_COMMANDS:
             return _daemon_command(args)
         if args.command == "settings":
@@ -153,6 +156,38 @@ def _generate(args) -> int:
         print(f"[{s.prompt_eval_count} prompt tokens in {s.prompt_eval_duration / 1e9:.2f}s, "
               f"{s.eval_count} tokens at {s.eval_count / max(s.eval_duration, 1) * 1e9:.1f} tok/s, "
               f"stop: {s.done_reason}]", file=sys.stderr)
+    return 0
+
+
+def _add_synth(sub) -> None:
+    from .synth.presets import PRESETS
+    sy = sub.add_parser("synth", help="write a full-size model with random weights, shaped like a real one")
+    sy.add_argument("out", metavar="OUT.gguf")
+    sy.add_argument("--like", required=True, metavar="NAME", help="one of: " + ", ".join(PRESETS))
+    sy.add_argument("--type", default=None, help="quant mix where the model has several (qwen3-30b-a3b: Q4_K_M, Q8_0)")
+    sy.add_argument("--layers", type=int, default=None, help="number of layers (default: the model's)")
+    sy.add_argument("--experts", type=int, default=None, help="experts per layer")
+    sy.add_argument("--used", type=int, default=None, help="experts used per token")
+    sy.add_argument("--hidden", type=int, default=None, help="hidden size (small test files)")
+    sy.add_argument("--ff", type=int, default=None, help="expert FFN width (small test files)")
+    sy.add_argument("--heads", type=int, default=None, help="attention heads (kv heads keep the model's ratio)")
+    sy.add_argument("--seed", type=int, default=0)
+    sy.add_argument("--force", action="store_true", help="overwrite OUT")
+
+
+def _synth(args) -> int:
+    import time
+
+    from .synth import synth
+
+    t0 = time.monotonic()
+    pl = synth(args.out, args.like, type=args.type, seed=args.seed, force=args.force, n_layer=args.layers,
+               n_expert=args.experts, n_expert_used=args.used, n_embd=args.hidden, n_ff_exp=args.ff,
+               n_head=args.heads)
+    dt = time.monotonic() - t0
+    print(f"{args.out}: {pl.name} {pl.type}, {pl.preset.n_layer} layers, {pl.preset.n_expert} experts "
+          f"(top {pl.preset.n_expert_used}), {pl.n_params / 1e9:.2f}B parameters, "
+          f"{pl.data_bytes / 1e9:.2f} GB in {dt:.1f}s ({pl.data_bytes / 1e6 / max(dt, 1e-9):.0f} MB/s)")
     return 0
 
 

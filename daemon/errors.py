@@ -8,6 +8,7 @@
     │   └── StorageError       expert bytes could not be read (file truncated, I/O error)
     │       └── ModelFileChanged   the model file changed on disk while loaded (the model unloads)
     ├── RequestError           a bad request: prompt, token ids or sampling options
+    ├── SynthError             `moed synth` cannot write the model (bad option, no space, bad path)
     └── SchedulerError         the daemon cannot serve a request now; `.code` says why (busy,
                                not_found, forbidden, shutdown, ...)
 
@@ -50,6 +51,11 @@ class ModelFileChanged(StorageError):
 
 class RequestError(MoedError):
     """A request is malformed: bad tokens, empty prompt, sampling options out of range."""
+
+
+class SynthError(MoedError):
+    """`moed synth` cannot write the model: an unknown preset or bad option, too little free disk
+    space, or a path it cannot write. No partial file is left behind."""
 
 
 class SchedulerError(MoedError):
