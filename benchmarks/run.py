@@ -14,8 +14,8 @@ in the same run (`dd iflag=direct bs=4M`, up to 1 GiB), peak RSS (the child's ru
 llama.cpp (llama-cpp-python) on the same file and prompt ids at each thread count: its routing is
 its own model's and ignores --replay, which the routing column says; each moed row has its
 prefill and decode ratio to the llama.cpp row of the same threads. Concurrency N prefills N
-sequences in one pass and decodes them as one batch (tok/s are totals); llama-cpp-python's Llama
-runs one sequence, so its rows exist at concurrency 1 only.
+sequences (the prompt's body rotated by 0..N-1 tokens) in one pass and decodes them as one batch,
+in both engines (llama.cpp: one llama_decode with N sequence ids); tok/s are totals.
 
 Warm runs time a second pass of the same prompts in one process (the experts it routes to are
 cached). --cold drops the model's pages (posix_fadvise DONTNEED, and drop_caches where permitted)
@@ -137,12 +137,7 @@ def llama_rows(args, base: dict, installed: bool) -> list[dict]:
     rows = []
     for threads, conc in itertools.product(args.threads, args.concurrency):
         spec = base | {"engine": "llama.cpp", "threads": threads, "concurrency": conc}
-        if not installed:
-            result = {"error": "not installed (pip install llama-cpp-python)"}
-        elif conc != 1:
-            result = {"error": "n/a: llama-cpp-python's Llama runs one sequence"}
-        else:
-            result = run_child(spec)
+        result = run_child(spec) if installed else {"error": "not installed (pip install llama-cpp-python)"}
         row = spec | result | {"routing_label": "its own router (replay n/a)"}
         rows.append(row)
         _progress(row)
@@ -157,7 +152,8 @@ def _progress(row: dict) -> None:
 
 
 def add_derived(rows: list[dict], dd_rate: float) -> None:
-    """Disk bandwidth of the timed passes, its fraction of dd, the moed/llama.cpp ratios."""
+    """Disk bandwidth of the timed passes, its fraction of dd, the moed/llama.cpp ratios, and
+    (JSON only) whether moed with its own router produced llama.cpp's greedy tokens."""
     llama = {(r["threads"], r["concurrency"]): r for r in rows if r["engine"] == "llama.cpp" and "error" not in r}
     for r in rows:
         if "error" in r:
@@ -169,6 +165,8 @@ def add_derived(rows: list[dict], dd_rate: float) -> None:
         if r["engine"] == "moed" and ref:
             r["ratio_prefill"] = r["prefill_tps"] / ref["prefill_tps"]
             r["ratio_decode"] = r["decode_tps"] / ref["decode_tps"] if r["decode_tps"] and ref["decode_tps"] else None
+            if not r["replay"]:  # the same greedy tokens, or how far they agree (llama.cpp's repacked
+                r["same_tokens_as_llama"] = r["generated"] == ref["generated"]  # weights sum in another order)
 
 
 def llama_installed() -> bool:

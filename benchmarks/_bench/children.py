@@ -1,7 +1,8 @@
 """One benchmark configuration, run in a child process of its own (threads are fixed at start).
 
-    moed(spec) / llama(spec) -> a row: load_s, prefill_tps, decode_tps, ttft_s, hit_rate,
-                                expert_bytes, disk_bytes, timed_s, tokens, max_rss_mb, ...
+    moed(spec) / llama(spec) -> a row: load_s, load_disk_bytes, prefill_tps, decode_tps, ttft_s,
+                                hit_rate, expert_bytes, disk_bytes (of the timed passes), timed_s,
+                                tokens, generated (sequence 0's greedy tokens), max_rss_mb, ...
 
 spec: {"engine", "model", "ids", "threads", "concurrency", "decode", "cold", and for moed
 "cache_mb", "routing", "replay"}. Sequence s of a batch gets the prompt with its body rotated
@@ -37,9 +38,9 @@ def moed(spec: dict) -> dict:
         with Engine.load(spec["model"], **settings) as engine:
             _moed_pass(engine.model, seqs, 2)
         row["dropped"] = drop_file_pages(spec["model"])
-    t0 = time.perf_counter()
+    io0, t0 = io_read_bytes(), time.perf_counter()
     with Engine.load(spec["model"], **settings) as engine:
-        row["load_s"] = time.perf_counter() - t0
+        row["load_s"], row["load_disk_bytes"] = time.perf_counter() - t0, io_read_bytes() - io0
         if not spec["cold"]:
             _moed_pass(engine.model, seqs, spec["decode"])
         engine.reset_stats()
@@ -67,56 +68,105 @@ def _moed_pass(model, seqs: list[list[int]], n_decode: int) -> dict:
     else:
         logits = model.forward_many(seqs, caches)
     toks = logits.argmax(-1)
+    out = [int(toks[0])]
     t1 = time.perf_counter()
     for _ in range(n_decode):
         logits = model.forward(toks[:1], caches[0]) if len(seqs) == 1 else model.forward_batch(toks, caches)
         toks = logits[-len(seqs):].argmax(-1)
+        out.append(int(toks[0]))
     t2 = time.perf_counter()
-    return _timings(sum(map(len, seqs)), len(seqs) * n_decode, t0, t1, t2)
+    return _timings(sum(map(len, seqs)), len(seqs) * n_decode, t0, t1, t2) | {"generated": out[:-1]}
 
 
 def llama(spec: dict) -> dict:
+    """One sequence through Llama.eval; a batch of N through llama_decode with N sequence ids."""
     from llama_cpp import Llama
 
-    if spec["concurrency"] != 1:
-        raise SystemExit("llama-cpp-python's Llama runs one sequence at a time")
-    ids, n = spec["ids"], spec["decode"]
+    seqs, n, conc = prompts(spec["ids"], spec["concurrency"]), spec["decode"], spec["concurrency"]
+    if conc > 1:
+        _context_sequences(conc)
+    run = _llama_pass if conc == 1 else _llama_batch_pass
 
     def load():
-        return Llama(model_path=spec["model"], n_ctx=max(256, len(ids) + n + 8), n_threads=spec["threads"],
-                     n_threads_batch=spec["threads"], n_batch=max(512, len(ids)), flash_attn=False,
-                     verbose=False, seed=0)
+        return Llama(model_path=spec["model"], n_ctx=conc * max(256, len(seqs[0]) + n + 8),
+                     n_threads=spec["threads"], n_threads_batch=spec["threads"],
+                     n_batch=max(512, sum(map(len, seqs))), flash_attn=False, verbose=False, seed=0)
 
     row: dict = {}
     if spec["cold"]:
         warm = load()
-        _llama_pass(warm, ids, 2)
+        run(warm, seqs, 2)
         warm.close()
         del warm
         row["dropped"] = drop_file_pages(spec["model"])
-    t0 = time.perf_counter()
+    io0, t0 = io_read_bytes(), time.perf_counter()
     llm = load()  # maps the file and reads it all (MAP_POPULATE): a cold start's reads land here
-    row["load_s"] = time.perf_counter() - t0
+    row["load_s"], row["load_disk_bytes"] = time.perf_counter() - t0, io_read_bytes() - io0
     if not spec["cold"]:
-        _llama_pass(llm, ids, n)
+        run(llm, seqs, n)
     io0 = io_read_bytes()
-    row |= _llama_pass(llm, ids, n)
+    row |= run(llm, seqs, n)
     row["disk_bytes"] = io_read_bytes() - io0
     llm.close()
     return _finish(row)
 
 
-def _llama_pass(llm, ids: list[int], n_decode: int) -> dict:
+def _context_sequences(n: int) -> None:
+    """Llama takes no n_seq_max: give its contexts room for n sequences (each n_ctx / n long)."""
+    import llama_cpp.llama as mod
+
+    default = mod.llama_cpp.llama_context_default_params
+
+    def params():
+        p = default()
+        p.n_seq_max = n
+        return p
+
+    mod.llama_cpp.llama_context_default_params = params
+
+
+def _llama_pass(llm, seqs: list[list[int]], n_decode: int) -> dict:
+    (ids,) = seqs
     llm.reset()
     t0 = time.perf_counter()
     llm.eval(ids)
-    tok = int(llm.scores[llm.n_tokens - 1].argmax())
+    out = [_argmax(llm, -1)]  # Llama.scores stays empty without logits_all: read the context's logits
     t1 = time.perf_counter()
     for _ in range(n_decode):
-        llm.eval([tok])
-        tok = int(llm.scores[llm.n_tokens - 1].argmax())
+        llm.eval(out[-1:])
+        out.append(_argmax(llm, -1))
     t2 = time.perf_counter()
-    return _timings(len(ids), n_decode, t0, t1, t2)
+    return _timings(len(ids), n_decode, t0, t1, t2) | {"generated": out[:-1]}
+
+
+def _llama_batch_pass(llm, seqs: list[list[int]], n_decode: int) -> dict:
+    """Every prompt in one llama_decode (sequence ids 0..N-1), then N tokens per decode step."""
+    from llama_cpp import _internals
+
+    llm._ctx.kv_cache_clear()
+    batch = _internals.LlamaBatch(n_tokens=sum(map(len, seqs)), embd=0, n_seq_max=1, verbose=False)
+    for s, ids in enumerate(seqs):
+        batch.add_sequence(ids, s, False)
+    last = np.cumsum([len(ids) for ids in seqs]) - 1
+    t0 = time.perf_counter()
+    llm._ctx.decode(batch)
+    toks = [_argmax(llm, int(i)) for i in last]
+    out = [toks[0]]
+    t1 = time.perf_counter()
+    b = batch.batch
+    for step in range(n_decode):
+        b.n_tokens = len(seqs)
+        for s, tok in enumerate(toks):
+            b.token[s], b.pos[s], b.seq_id[s][0], b.n_seq_id[s], b.logits[s] = tok, len(seqs[s]) + step, s, 1, True
+        llm._ctx.decode(batch)
+        toks = [_argmax(llm, s) for s in range(len(seqs))]
+        out.append(toks[0])
+    t2 = time.perf_counter()
+    return _timings(sum(map(len, seqs)), len(seqs) * n_decode, t0, t1, t2) | {"generated": out[:-1]}
+
+
+def _argmax(llm, row: int) -> int:
+    return int(np.ctypeslib.as_array(llm._ctx.get_logits_ith(row), shape=(llm.n_vocab(),)).argmax())
 
 
 def _timings(n_prompt: int, n_decode: int, t0: float, t1: float, t2: float) -> dict:
