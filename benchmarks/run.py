@@ -42,6 +42,7 @@ sys.path[:0] = [str(HERE), str(ROOT)]
 
 from _bench import table  # noqa: E402
 from _bench.disk import direct_read_rate, drop_file_pages  # noqa: E402
+from daemon.errors import MoedError  # noqa: E402
 
 PROMPT = ("The history of the printing press begins in the workshops of medieval Europe, where "
           "goldsmiths, papermakers and scribes shared a trade in books that few could afford. ")
@@ -50,15 +51,20 @@ QUICK_SYNTH = {"n_layer": 2, "n_embd": 256, "n_ff_exp": 256, "n_head": 2}  # qwe
 QUICK_CACHE_MB = 4.0  # about 16 of the 128 experts of each of the 2 layers
 
 
-def _list(kind, check=None, what=""):
+def _list(kind, check, what: str):
+    """An argparse type: comma-separated values, each of `kind` and passing `check`."""
     def parse(text: str):
-        try:
-            values = [kind(v.strip()) for v in text.split(",") if v.strip()]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r}: expected a comma-separated list of {what}") from None
-        bad = [v for v in values if check and not check(v)]
-        if not values or bad:
-            raise argparse.ArgumentTypeError(f"{text!r}: {bad[0] if bad else 'nothing'} is not {what}")
+        values = []
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            try:
+                value = kind(part)
+            except ValueError:
+                value = None
+            if value is None or not check(value):
+                raise argparse.ArgumentTypeError(f"{part!r} is not {what}")
+            values.append(value)
+        if not values:
+            raise argparse.ArgumentTypeError("give at least one value")
         return values
     return parse
 
@@ -191,10 +197,15 @@ def bench(args, model: str) -> int:
     if args.llama and not installed:
         print("error: --llama: llama-cpp-python is not installed (pip install llama-cpp-python)", file=sys.stderr)
         return 2
+    try:
+        ids = prompt_ids(model, args.prompt_tokens)
+    except MoedError as e:
+        print(f"error: cannot read {model}: {e}", file=sys.stderr)
+        return 2
     size = os.path.getsize(model)
     dd = direct_read_rate(model)
     drop = drop_file_pages(model) if args.cold else "none (warm: a second pass in the same process)"
-    base = {"model": model, "ids": prompt_ids(model, args.prompt_tokens), "decode": args.decode_tokens,
+    base = {"model": model, "ids": ids, "decode": args.decode_tokens,
             "cold": args.cold}
     print(f"{Path(model).name}: {size / 2**30:.2f} GiB; {len(base['ids'])} prompt tokens, {args.decode_tokens} "
           f"decoded (greedy); {os.cpu_count()} CPUs; page cache: {drop}\n"
@@ -228,7 +239,12 @@ def main(argv: list[str] | None = None) -> int:
         args.replay = ["off", str(QUICK_TRACE)]
         args.prompt_tokens, args.decode_tokens = 32, 8
         with tempfile.TemporaryDirectory(prefix="moed-bench-quick-") as td:
-            return bench(args, quick_model(td))
+            try:
+                model = quick_model(td)
+            except MoedError as e:  # SynthError: no space in the temp dir, ...
+                print(f"error: --quick could not write its model: {e}", file=sys.stderr)
+                return 2
+            return bench(args, model)
     if not args.model:
         ap.error("a MODEL.gguf is needed (or --quick)")
     return bench(args, args.model)

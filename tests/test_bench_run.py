@@ -74,8 +74,14 @@ def test_missing_model_file_is_a_clear_error(tmp_path):
     assert p.returncode == 2 and "no model file at" in p.stderr and "nope.gguf" in p.stderr
 
 
+def test_a_file_that_is_no_model_is_a_clear_error(tmp_path):
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    p = _run(str(tmp_path / "m.gguf"), "--no-llama")
+    assert p.returncode == 2 and "error: cannot read" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
 @pytest.mark.parametrize("option, value, says", [
-    ("--routing", "fastest", "one of"), ("--threads", "two", "comma-separated list"),
+    ("--routing", "fastest", "one of"), ("--threads", "two", "'two' is not a positive integer"),
     ("--threads", "0", "positive integer"), ("--cache-mb", "-1", ">= 0"), ("--replay", "no/such.jsonl", "no routing trace"),
 ])
 def test_unknown_option_values_are_clear_errors(tmp_path, option, value, says):
