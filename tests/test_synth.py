@@ -239,3 +239,16 @@ def test_unwritable_path_is_a_clear_error(tmp_path):
     with pytest.raises(SynthError, match="cannot write"):
         synth(tmp_path / "missing" / "x.gguf", "mixtral-8x7b", n_layer=1, report=quiet, **SMALL["mixtral-8x7b"])
     assert _left(tmp_path) == ["file"]
+
+
+def test_routing_spreads_over_the_experts_in_every_layer(tmp_path):
+    # full depth and expert count, tiny widths: 64 distinct tokens should reach most of the
+    # 128 experts in every layer (uniform top-8 choice: 126 expected), not a few favourites
+    path = tmp_path / "route.gguf"
+    synth(path, "qwen3-30b-a3b", type="Q8_0", n_embd=256, n_ff_exp=32, n_head=4, report=quiet)
+    used: dict[int, set[int]] = {}
+    with Engine.load(path) as e:
+        e.model.trace = lambda layer, ids: used.setdefault(layer, set()).update(np.ravel(ids).tolist())
+        e.forward(list(range(300, 364)))
+    assert len(used) == 48
+    assert min(len(s) for s in used.values()) >= 96

@@ -8,7 +8,9 @@ mean ~0 and the requested standard deviation `std`:
     Q4_K   [d f16][dmin f16][12 scales][128 qs]  every sub-block scale = min = 8 (6-bit),
                                                 w = d*8*q - dmin*8 with q in 0..15, dmin = 7.5 d
     Q5_K   [d][dmin][12 scales][32 qh][128 qs]   the same with q in 0..31, dmin = 15.5 d
-    Q6_K   [128 ql][64 qh][16 x int8 scales][d]  every scale = 8, w = d*8*(q-32), q in 0..63
+    Q6_K   [128 ql][64 qh][16 x int8 scales][d]  every scale +-8 (random sign: q-32 has mean -1/2,
+                                                which a common sign would add to every row alike),
+                                                w = d*scale*(q-32), q in 0..63
     MXFP4  [e8m0][16 qs]                        w = e2m1(q) * 2^(e-128), doubled e2m1 rms 5.85
 
 `random_blocks(type, n_blocks, std, rng)` returns the bytes of n_blocks such blocks (uint8, one row
@@ -56,6 +58,10 @@ def random_blocks(qtype: str, n_blocks: int, std: float, bitgen: np.random.BitGe
     size = BLOCK[qtype][1]
     n = n_blocks * size
     raw = bitgen.random_raw(-(-n // 8)).view(np.uint8)[:n].reshape(n_blocks, size)
+    if qtype == "Q6_K":  # keep the random bytes' low bit as the sign of each scale
+        sign = raw[:, 192:208] & 1
     for offset, field in fixed_fields(qtype, std):
         raw[:, offset:offset + len(field)] = np.frombuffer(field, dtype=np.uint8)
+    if qtype == "Q6_K":
+        raw[:, 192:208] = np.where(sign, np.uint8(256 - SUB_SCALE), np.uint8(SUB_SCALE))
     return raw
