@@ -268,11 +268,7 @@ class ModelRegistry:
         if m.unloading:
             await asyncio.shield(m.batcher.stopped)
             return
-        m.unloading = True
-        self._stop_clock(m)
-        m.expires_at = None
-        if self.models.get(m.path) is m:
-            del self.models[m.path]
+        self._retire(m)
         stopped = m.batcher.stop(code, message)
         self._closing[m.path] = stopped
         try:
@@ -285,15 +281,19 @@ class ModelRegistry:
     def _forget(self, m: LoadedModel) -> None:
         """m's compute thread has ended. Without an unload (its model file changed, its loop
         broke) the model must not stay listed: the next request loads it again."""
-        if m.unloading:
-            return
+        if not m.unloading and self._retire(m):
+            log.warning("%s: its compute thread stopped (%s); dropped, the next request loads it again",
+                        m.name, m.batcher.stop_reason)
+
+    def _retire(self, m: LoadedModel) -> bool:
+        """Mark m unloading, stop its keep-alive clock, unlist it; whether it was listed."""
         m.unloading = True
         self._stop_clock(m)
         m.expires_at = None
-        if self.models.get(m.path) is m:
+        listed = self.models.get(m.path) is m
+        if listed:
             del self.models[m.path]
-            log.warning("%s: its compute thread stopped (%s); dropped, the next request loads it again",
-                        m.name, m.batcher.stop_reason)
+        return listed
 
     async def close(self, code: str = "shutdown", message: str = "the daemon is shutting down") -> None:
         """Stop every model (loads in progress finish first, on their own threads)."""

@@ -65,18 +65,20 @@ def _in_thread(fn: Callable[[], Any], name: str) -> asyncio.Future:
     fut = loop.create_future()
     fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "not retrieved"
 
-    def work() -> None:
-        try:
-            result = (True, fn())
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting requests
-            result = (False, e)
-        try:
-            loop.call_soon_threadsafe(_settle, fut, *result)
-        except RuntimeError:  # the loop is closed
-            pass
-
-    threading.Thread(target=work, name=name, daemon=True).start()
+    threading.Thread(target=_call_and_post, args=(fn, fut, loop), name=name, daemon=True).start()
     return fut
+
+
+def _call_and_post(fn: Callable[[], Any], fut: asyncio.Future, loop: asyncio.AbstractEventLoop) -> None:
+    """fn() on this thread; its result or exception settles fut on the loop."""
+    try:
+        result = (True, fn())
+    except BaseException as e:  # noqa: BLE001 - handed to the awaiting request(s)
+        result = (False, e)
+    try:
+        loop.call_soon_threadsafe(_settle, fut, *result)
+    except RuntimeError:  # the loop is closed
+        pass
 
 
 def _settle(fut: asyncio.Future, ok: bool, value) -> None:
@@ -109,16 +111,8 @@ class TextThreads:
     def _work(self) -> None:
         while (item := self._queue.get()) is not None:
             fn, fut, loop = item
-            if fut.cancelled():  # its request gave up while it waited
-                continue
-            try:
-                result = (True, fn())
-            except BaseException as e:  # noqa: BLE001 - handed to the awaiting request
-                result = (False, e)
-            try:
-                loop.call_soon_threadsafe(_settle, fut, *result)
-            except RuntimeError:  # the loop is closed
-                pass
+            if not fut.cancelled():  # else its request gave up while it waited
+                _call_and_post(fn, fut, loop)
 
 
 class Scheduler:
