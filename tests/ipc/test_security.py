@@ -49,13 +49,13 @@ from ipc.protocol import (
     HealthReply,
     Hello,
     Ok,
-    Progress,
     decode_reply,
     encode,
 )
 from ipc.server import Server, SocketInUse, UnsafeSocketPath
 from ipc.testing import MockServer
 from tests.fixtures.build import fixture_path
+from tests.ipc.raw import Raw
 
 T = 60  # seconds before a test fails rather than hangs
 OTHER, STRANGER = 4242, 4243  # uids of other local users (no such accounts needed)
@@ -525,34 +525,6 @@ async def test_two_hundred_back_to_back_connects_all_succeed(path):
         finally:
             for s in socks:
                 s.close()
-
-
-class Raw:
-    def __init__(self, reader, writer):
-        self.reader, self.writer = reader, writer
-
-    @classmethod
-    async def open(cls, path, hello: bool = True) -> Raw:
-        raw = cls(*await asyncio.open_unix_connection(path))
-        if hello:
-            await raw.send(Hello(1, PROTOCOL_VERSION))
-            assert isinstance(await raw.recv(), HealthReply)
-        return raw
-
-    async def send(self, msg) -> None:
-        self.writer.write(pack_frame(encode(msg)))
-        await self.writer.drain()
-
-    async def recv(self, timeout: float = T):
-        """The next reply; Progress replies (advisory) are skipped."""
-        while True:
-            frame = await asyncio.wait_for(read_frame(self.reader), timeout)
-            reply = None if frame is None else decode_reply(frame)
-            if not isinstance(reply, Progress):
-                return reply
-
-    def close(self) -> None:
-        self.writer.close()
 
 
 @pytest.mark.usefixtures("warm_kernels")

@@ -28,7 +28,7 @@ from ipc import (
     SamplingOptions,
     ServerError,
 )
-from ipc.framing import HEADER, pack_frame, read_frame
+from ipc.framing import HEADER, pack_frame
 from ipc.protocol import (
     PROTOCOL_VERSION,
     Chunk,
@@ -39,11 +39,11 @@ from ipc.protocol import (
     HealthReply,
     Hello,
     Progress,
-    decode_reply,
     encode,
 )
 from ipc.server import Server, SocketInUse
 from tests.fixtures.build import fixture_path
+from tests.ipc.raw import Raw
 
 pytestmark = pytest.mark.usefixtures("warm_kernels")  # compile outside the time limits
 
@@ -93,39 +93,6 @@ async def tokens_of(gen) -> list[int]:
 
 
 # -- raw connections ----------------------------------------------------------------------------
-
-class Raw:
-    """A bare connection: frames in, replies out, no client library."""
-
-    def __init__(self, reader, writer):
-        self.reader, self.writer = reader, writer
-
-    @classmethod
-    async def open(cls, path, hello: bool = True) -> Raw:
-        raw = cls(*await asyncio.open_unix_connection(path))
-        if hello:
-            await raw.send(Hello(1, PROTOCOL_VERSION))
-            assert isinstance(await raw.recv(), HealthReply)
-        return raw
-
-    async def send(self, msg) -> None:
-        await self.send_bytes(pack_frame(encode(msg)))
-
-    async def send_bytes(self, data: bytes) -> None:
-        self.writer.write(data)
-        await self.writer.drain()
-
-    async def recv(self, progress: bool = False):
-        """The next reply; Progress replies (advisory) are skipped unless `progress`."""
-        while True:
-            frame = await asyncio.wait_for(read_frame(self.reader), T)
-            reply = None if frame is None else decode_reply(frame)
-            if progress or not isinstance(reply, Progress):
-                return reply
-
-    def close(self) -> None:
-        self.writer.close()
-
 
 # -- the socket ---------------------------------------------------------------------------------
 
