@@ -7,13 +7,14 @@
 
 Each combination runs in a fresh child process (threads are fixed when numba starts), and times a
 prefill of the same prompt (--prompt-tokens ids of the model's own tokenizer) and greedy decode.
-One table: prefill and decode tok/s, time to first token, expert-cache hit rate, bytes per token
+One table: prefill and decode tok/s, time to first token (the prefill of every sequence and its
+first greedy token), expert-cache hit rate, bytes per token
 read by the expert cache and from disk (/proc/self/io read_bytes), the disk bandwidth achieved in
 the timed passes and that as a fraction of an O_DIRECT sequential read of the same file measured
 in the same run (`dd iflag=direct bs=4M`, up to 1 GiB), peak RSS (the child's ru_maxrss). Then
-llama.cpp (llama-cpp-python) on the same file and prompt ids at each thread count: its routing is
-its own model's and ignores --replay, which the routing column says; each moed row has its
-prefill and decode ratio to the llama.cpp row of the same threads. Concurrency N prefills N
+llama.cpp (llama-cpp-python) on the same file and prompt ids at each thread count and concurrency:
+its routing is its own model's and ignores --replay, which the routing column says; each moed row
+has its prefill and decode ratio to the llama.cpp row of the same threads and concurrency. Concurrency N prefills N
 sequences (the prompt's body rotated by 0..N-1 tokens) in one pass and decodes them as one batch,
 in both engines (llama.cpp: one llama_decode with N sequence ids); tok/s are totals.
 

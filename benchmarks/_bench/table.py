@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-COLUMNS = [  # (header, width, row -> text)
+COLUMNS = [  # (header, least width, row -> text); the first 5 are text
     ("engine", 9, lambda r: r["engine"]),
     ("thr", 3, lambda r: str(r["threads"])),
     ("cache MB", 8, lambda r: "-" if r["engine"] != "moed" else ("unlim" if not r["cache_mb"] else f"{r['cache_mb']:g}")),
@@ -32,12 +32,14 @@ def _per_tok(r: dict, key: str) -> str:
 
 
 def render(rows: list[dict]) -> str:
-    lines = ["  ".join(h.rjust(w) if i > 4 else h.ljust(w) for i, (h, w, _) in enumerate(COLUMNS))]
-    for r in rows:
-        if "error" in r:
-            head = "  ".join(f(r).ljust(w) for h, w, f in COLUMNS[:5])
-            lines.append(f"{head}  {r['error']}")
-            continue
-        lines.append("  ".join(f(r).rjust(w) if i > 4 else f(r).ljust(w)
-                               for i, (h, w, f) in enumerate(COLUMNS)))
+    """Text columns left-aligned, figures right-aligned, each as wide as its widest cell."""
+    cells = [[f(r) for _, _, f in (COLUMNS if "error" not in r else COLUMNS[:5])] for r in rows]
+    widths = [max([w, len(h)] + [len(c[i]) for c in cells if i < len(c)]) for i, (h, w, _) in enumerate(COLUMNS)]
+
+    def line(texts: list[str]) -> str:
+        return "  ".join(t.ljust(w) if i < 5 else t.rjust(w) for i, (t, w) in enumerate(zip(texts, widths)))
+
+    lines = [line([h for h, _, _ in COLUMNS])]
+    for r, c in zip(rows, cells):
+        lines.append(line(c) if "error" not in r else f"{line(c)}  {r['error']}")
     return "\n".join(lines)
