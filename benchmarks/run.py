@@ -70,6 +70,18 @@ def _list(kind, check, what: str):
     return parse
 
 
+def _count(least: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < least:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= {least}")
+        return value
+    return parse
+
+
 def _replay(text: str) -> str:
     if text != "off" and not Path(text).is_file():
         raise argparse.ArgumentTypeError(f"no routing trace at {text} (give 'off' or a trace file)")
@@ -89,8 +101,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--replay", type=lambda t: [_replay(v.strip()) for v in t.split(",") if v.strip()],
                     default=["off"], help="off and/or MOE_ROUTING_REPLAY trace files")
     ap.add_argument("--concurrency", type=_list(int, lambda v: v > 0, "a positive integer"), default=[1])
-    ap.add_argument("--prompt-tokens", type=int, default=128)
-    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--prompt-tokens", type=_count(1), default=128)
+    ap.add_argument("--decode-tokens", type=_count(0), default=32)
     ap.add_argument("--cold", action="store_true", help="drop the model's pages before each timed run")
     ap.add_argument("--json", help="also write the results here")
     llama = ap.add_mutually_exclusive_group()

@@ -82,7 +82,7 @@ def test_a_file_that_is_no_model_is_a_clear_error(tmp_path):
 
 @pytest.mark.parametrize("option, value, says", [
     ("--routing", "fastest", "one of"), ("--threads", "two", "'two' is not a positive integer"),
-    ("--threads", "0", "positive integer"), ("--cache-mb", "-1", ">= 0"), ("--replay", "no/such.jsonl", "no routing trace"),
+    ("--threads", "0", "positive integer"), ("--cache-mb", "-1", ">= 0"), ("--prompt-tokens", "0", "integer >= 1"), ("--replay", "no/such.jsonl", "no routing trace"),
 ])
 def test_unknown_option_values_are_clear_errors(tmp_path, option, value, says):
     model = tmp_path / "m.gguf"
