@@ -34,16 +34,19 @@ def moed_run(path: str, threads: int, n_tokens: int) -> dict:
 
 LLAMA_SCRIPT = r"""
 import json, sys, time
+import numpy as np
 from llama_cpp import Llama
 path, threads, n, ids = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
 llm = Llama(model_path=path, n_ctx=512, n_threads=threads, n_threads_batch=threads, n_batch=512,
             flash_attn=False, verbose=False, seed=0)
+def last_argmax():  # Llama.scores stays zeros without logits_all: read the context's last row
+    return int(np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),)).argmax())
 def run(n_new):
     llm.reset()
     t0 = time.perf_counter(); llm.eval(ids); t1 = time.perf_counter()
-    tok = int(llm.scores[llm.n_tokens - 1].argmax())
+    tok = last_argmax()
     for _ in range(n_new):
-        llm.eval([tok]); tok = int(llm.scores[llm.n_tokens - 1].argmax())
+        llm.eval([tok]); tok = last_argmax()
     t2 = time.perf_counter()
     return t1 - t0, t2 - t1
 run(4)
