@@ -95,7 +95,7 @@ def _expert_cache(gguf: GGUFFile, cfg: Settings, say) -> ExpertCache | None:
     biases = {il: tuple(expert_biases(src, il, lay.n_embd, lay.n_ff, lay.n_expert)) for il, lay in layouts.items()}
     limit = f"{cfg.expert_cache_limit_mb:g} MB" if cfg.expert_cache_limit_mb else "no limit"
     say(f"streaming experts from the {store.kind} ({limit})")
-    return ExpertCache(store, cfg.expert_cache_limit_mb, cfg.io_depth, biases)
+    return ExpertCache(store, cfg.expert_cache_limit_mb, cfg.io_depth, biases, cfg.demand_reads)
 
 
 class Engine:
