@@ -12,9 +12,11 @@ Rules:
 - `prefetch(layer, ids)` starts reads ahead of use. It only evicts entries that are neither pinned
   nor prefetched-and-unused, so a prediction never pushes out another one that is still to be
   used, and nothing is read twice in one forward pass (`duplicate_reads` counts it if it were).
-- Reads run on an I/O thread with its own asyncio loop (aiofiles, MOE_IO_DEPTH in flight);
-  demand reads jump ahead of queued prefetches. Cache state is guarded by one lock, so a step
-  whose experts are all cached never waits on the I/O thread.
+- Prefetches run on an I/O thread with its own asyncio loop (aiofiles, MOE_IO_DEPTH in flight).
+  A step's misses are read by the compute threads themselves (parallel_read.py: one parallel
+  pread, no hand-off), or with MOE_DEMAND_READS=io on the I/O thread, ahead of queued
+  prefetches. Cache state is guarded by one lock, so a step whose experts are all cached never
+  waits on the I/O thread. Each read is claimed once (`started`), whichever thread gets it.
 - A failed read (StorageError; ModelFileChanged once the file changed on disk) is forgotten, so a
   later request reads again; the fetch that waited on it raises the read's exception itself.
 
@@ -36,6 +38,7 @@ import numpy as np
 
 from ..errors import GGUFError, StorageError
 from .experts import PROJECTIONS, ExpertBatch, ExpertLayout, check_ids
+from .parallel_read import ParallelReader
 from .store import ExpertStore, StoreReader
 
 log = logging.getLogger("moed.cache")
@@ -99,7 +102,9 @@ class ExpertCache:
     """Expert provider backed by an ExpertStore and bounded per layer. Close it when done."""
 
     def __init__(self, store: ExpertStore, limit_mb: float = 0.0, io_depth: int = 8,
-                 biases: dict[int, tuple] | None = None):
+                 biases: dict[int, tuple] | None = None, demand_reads: str = "compute"):
+        if demand_reads not in ("compute", "io"):
+            raise ValueError(f"demand_reads must be 'compute' or 'io', not {demand_reads!r}")
         self.store = store
         self.limit_bytes = int(limit_mb * 2**20)
         n_layers = max(len(store.layouts), 1)
@@ -111,7 +116,9 @@ class ExpertCache:
                                       biases=(biases or {}).get(il, (None, None, None)))
         self._lock = threading.Lock()
         self._seq = itertools.count()
-        self._io = _IOThread(store, io_depth, self._read_done)
+        self._claim_lock = threading.Lock()
+        self._io = _IOThread(store, io_depth, self._read_done, self._claimed)
+        self._here = ParallelReader(store) if demand_reads == "compute" else None
 
     # -- provider interface ---------------------------------------------------------------------
 
@@ -146,7 +153,10 @@ class ExpertCache:
                     wanted.sort(key=lambda e: e not in entries)
                 for e in wanted:
                     held.append(self._demand(lc, layer, e, reads))
-            self._queue(DEMAND, layer, reads)
+            if self._here is not None:
+                self._read_here(layer, reads)
+            else:
+                self._queue(DEMAND, layer, reads)
             for h in held:
                 if not h.ready:  # in flight: wait for its read (shared with whoever started it)
                     h.future.result()  # raises the read's StorageError
@@ -235,6 +245,8 @@ class ExpertCache:
 
     def close(self) -> None:
         self._io.stop()
+        if self._here is not None:
+            self._here.close()
 
     def __enter__(self):
         return self
@@ -284,6 +296,27 @@ class ExpertCache:
             lc.stats.duplicate_reads += 1
         lc.read_this_pass.add(e)
         return ent
+
+    def _claimed(self, entries: list[_Entry]) -> list[_Entry]:
+        """The entries nobody read yet, marked started (a boosted entry sits in two jobs)."""
+        with self._claim_lock:
+            mine = [e for e in entries if not e.started]
+            for e in mine:
+                e.started = True
+        return mine
+
+    def _read_here(self, layer: int, reads: list[_Entry]) -> None:
+        """Read a step's misses on this (the compute) thread's pool; a prefetch the I/O thread
+        already started is left to it (the step waits on its future)."""
+        mine = self._claimed(reads)
+        if not mine:
+            return
+        try:
+            results = self._here.read(layer, [ent.expert for ent in mine], [ent.views for ent in mine])
+        except Exception as e:  # not an expert's fault (a bug): fail the reads, keep the cache
+            results = [(0, StorageError(f"expert read failed: {e!r}"))] * len(mine)
+        for ent, (n, err) in zip(mine, results):
+            self._read_done(layer, ent, n, err)
 
     def _queue(self, priority: int, layer: int, reads: list[_Entry]) -> None:
         """Hand reads to the I/O thread in up to io_depth jobs of >= MIN_JOB_BYTES each."""
@@ -367,11 +400,11 @@ class _IOThread:
     """An asyncio loop on a thread of its own: `depth` tasks take read jobs (lists of entries of
     one layer) from a priority queue and run each as one aiofiles thread-pool job."""
 
-    def __init__(self, store: ExpertStore, depth: int, done):
+    def __init__(self, store: ExpertStore, depth: int, done, claimed):
         self._store = store
         self.depth = max(1, depth)
         self._done = done
-        self._claim = threading.Lock()
+        self._claimed = claimed
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="moed-expert-io", daemon=True)
         self._thread.start()
@@ -402,14 +435,6 @@ class _IOThread:
 
     def submit(self, priority: int, seq: int, layer: int, entries: list[_Entry]) -> None:
         self.loop.call_soon_threadsafe(self._queue.put_nowait, (priority, seq, layer, entries))
-
-    def _claimed(self, entries: list[_Entry]) -> list[_Entry]:
-        """The entries nobody read yet, marked started (a boosted entry sits in two jobs)."""
-        with self._claim:
-            mine = [e for e in entries if not e.started]
-            for e in mine:
-                e.started = True
-        return mine
 
     async def _work(self) -> None:
         while True:

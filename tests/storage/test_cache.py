@@ -18,6 +18,7 @@ from daemon.errors import GGUFError, ModelFileChanged, StorageError
 from daemon.storage.cache import ExpertCache
 from daemon.storage.experts import PROJECTIONS
 from daemon.storage.gguf import GGUFFile
+from daemon.storage.parallel_read import ParallelReader
 from daemon.storage.store import ExpertStore, StoreReader, expert_layouts
 from tests.fixtures.build import fixture_path
 
@@ -62,13 +63,15 @@ def m(tmp_path_factory):
     return Model(fixture_path("qwen3moe", "Q8_0", tmp_path_factory.mktemp("cache-fx")))
 
 
-@pytest.fixture
-def make(m):
+@pytest.fixture(params=["compute", "io"])
+def make(m, request):
+    """Caches reading a step's misses on the compute thread, and on the I/O thread."""
     made = []
 
     def mk(slots: int | None = None, limit_mb: float | None = None, store=None, **kw):
         if limit_mb is None:
             limit_mb = 0.0 if slots is None else m.limit_mb(slots)
+        kw.setdefault("demand_reads", request.param)
         c = ExpertCache(store or m.store, limit_mb, **kw)
         made.append(c)
         return c
@@ -97,17 +100,24 @@ def settled(c, layer):
 
 @pytest.fixture
 def slow_reads(monkeypatch):
-    """Every expert read takes `delay` seconds more, so a read is reliably still in flight."""
-    orig = StoreReader.read_sync
+    """Every expert read takes `delay` seconds more, so a read is reliably still in flight, on
+    the I/O threads (read_sync) and on the compute thread (ParallelReader.read) alike."""
+    orig, orig_parallel = StoreReader.read_sync, ParallelReader.read
     calls = []
 
     def slow(self, fd, layer, expert, dests):
         calls.append((layer, expert))
         time.sleep(slow.delay)
         return orig(self, fd, layer, expert, dests)
+
+    def slow_parallel(self, layer, experts, dests):
+        calls.extend((layer, e) for e in experts)
+        time.sleep(slow.delay)
+        return orig_parallel(self, layer, experts, dests)
     slow.delay = 0.2
     slow.calls = calls
     monkeypatch.setattr(StoreReader, "read_sync", slow)
+    monkeypatch.setattr(ParallelReader, "read", slow_parallel)
     return slow
 
 
@@ -299,6 +309,9 @@ def test_bytes_read_is_misses_plus_prefetches(m, make):
 def test_demand_shares_an_in_flight_prefetch(m, make, slow_reads):
     c = make()
     c.prefetch(0, [2, 5])
+    deadline = time.monotonic() + 5
+    while len(slow_reads.calls) < 2 and time.monotonic() < deadline:  # the I/O thread took both
+        time.sleep(0.001)
     t0 = time.monotonic()
     with c.fetch(0, [5, 2]) as b:
         assert time.monotonic() - t0 > 0.05  # it had to wait for the reads already under way
@@ -441,17 +454,27 @@ def test_duplicate_read_within_a_pass_is_counted(m, make):
 
 @pytest.fixture
 def faulty(monkeypatch):
-    """read_sync fails for the (layer, expert) pairs in `faulty.bad`."""
-    orig = StoreReader.read_sync
+    """Reads fail for the (layer, expert) pairs in `faulty.bad`: read_sync (I/O threads) and
+    the compute thread's parallel reads, each bad expert of a batch alone."""
+    orig, orig_parallel = StoreReader.read_sync, ParallelReader.read
     bad: set[tuple[int, int]] = set()
     hit = threading.Event()
 
+    def injected(store, layer, expert):
+        hit.set()
+        return StorageError(f"{store.path}: layer {layer} expert {expert}: injected I/O error")
+
     def read(self, fd, layer, expert, dests):
         if (layer, expert) in bad:
-            hit.set()
-            raise StorageError(f"{self.store.path}: layer {layer} expert {expert}: injected I/O error")
+            raise injected(self.store, layer, expert)
         return orig(self, fd, layer, expert, dests)
+
+    def read_parallel(self, layer, experts, dests):
+        good = [i for i, e in enumerate(experts) if (layer, e) not in bad]
+        done = iter(orig_parallel(self, layer, [experts[i] for i in good], [dests[i] for i in good]))
+        return [next(done) if (layer, e) not in bad else (0, injected(self.store, layer, e)) for e in experts]
     monkeypatch.setattr(StoreReader, "read_sync", read)
+    monkeypatch.setattr(ParallelReader, "read", read_parallel)
     read.bad, read.hit = bad, hit
     return read
 
