@@ -88,6 +88,25 @@ def _replay(text: str) -> str:
     return text
 
 
+def _setting(text: str) -> tuple[str, list[str]]:
+    """ENV=V1,V2 -> (ENV, [V1, V2]), each value checked by the settings registry."""
+    from daemon.config import Settings
+    from daemon.errors import ConfigError
+
+    env, _, values = text.partition("=")
+    if env not in {e for _, e, _, _ in Settings.describe()}:
+        raise argparse.ArgumentTypeError(f"{env!r} is not a moed setting (see `moed --help` or daemon/config.py)")
+    parts = [v.strip() for v in values.split(",") if v.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"give at least one value for {env}")
+    for v in parts:
+        try:
+            Settings.load({env: v})
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return env, parts
+
+
 def parser() -> argparse.ArgumentParser:
     from daemon.config import ROUTING
 
@@ -101,6 +120,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--replay", type=lambda t: [_replay(v.strip()) for v in t.split(",") if v.strip()],
                     default=["off"], help="off and/or MOE_ROUTING_REPLAY trace files")
     ap.add_argument("--concurrency", type=_list(int, lambda v: v > 0, "a positive integer"), default=[1])
+    ap.add_argument("--set", type=_setting, action="append", default=[], metavar="ENV=V1,V2",
+                    help="another moed setting to vary, by its environment variable (daemon/config.py), "
+                         "e.g. MOE_DEMAND_READS=compute,io; repeatable")
     ap.add_argument("--prompt-tokens", type=_count(1), default=128)
     ap.add_argument("--decode-tokens", type=_count(0), default=32)
     ap.add_argument("--cold", action="store_true", help="drop the model's pages before each timed run")
@@ -128,7 +150,7 @@ def prompt_ids(model: str, n: int) -> list[int]:
 
 
 def run_child(spec: dict) -> dict:
-    env = {**os.environ, "NUMBA_NUM_THREADS": str(spec["threads"]),
+    env = {**os.environ, **spec.get("env", {}), "NUMBA_NUM_THREADS": str(spec["threads"]),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     p = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env, capture_output=True,
                        text=True)
@@ -140,13 +162,16 @@ def run_child(spec: dict) -> dict:
 
 def moed_rows(args, base: dict) -> list[dict]:
     rows = []
-    for threads, mb, routing, replay, conc in itertools.product(
-            args.threads, args.cache_mb, args.routing, args.replay, args.concurrency):
+    names = [env for env, _ in args.set]
+    for threads, mb, routing, replay, conc, *values in itertools.product(
+            args.threads, args.cache_mb, args.routing, args.replay, args.concurrency, *(v for _, v in args.set)):
         spec = base | {"engine": "moed", "threads": threads, "cache_mb": mb, "routing": routing,
-                       "replay": "" if replay == "off" else str(Path(replay).resolve()), "concurrency": conc}
+                       "replay": "" if replay == "off" else str(Path(replay).resolve()), "concurrency": conc,
+                       "env": dict(zip(names, values))}
         row = spec | run_child(spec)
         source = f"replay {Path(replay).stem}" if spec["replay"] else "own router"
-        row["routing_label"] = f"{row.get('routing_used', routing)}, {source}"
+        row["routing_label"] = f"{row.get('routing_used', routing)}, {source}" + "".join(
+            f"; {k}={v}" for k, v in spec["env"].items())
         rows.append(row)
         _progress(row)
     return rows
