@@ -1,0 +1,125 @@
+"""RoPE on the device: NORM and NEOX rotations, linear scaling and YaRN, from positions in device memory.
+
+Legend: T = tokens, H = query heads, Hkv = key/value heads, Dh = head size, P = n_dims/2 rotated
+pairs per head.
+
+Two steps, as the CPU path: `rope_cache` builds the cos/sin table of the step's positions once
+([T, P, 2], shared by q and k of every layer), then `apply_rope_qk` rotates q and k in place in one
+launch per layer. The angle of pair i at position p is p * theta_scale^i / freq_factors[i]
+(theta_scale = base^(-2/n_dims)), taken with powf as llama.cpp's CUDA rope does (the CPU multiplies
+theta_scale in repeatedly: both are float32 roundings of the same angle). YaRN mixes the
+interpolated and extrapolated angles with ggml's ramp over the pair index and scales cos/sin by
+mscale = attn_factor * (1 + 0.1*ln(1/freq_scale)), as ggml's rope_yarn.
+
+NORM rotates adjacent pairs (x[2i], x[2i+1]); NEOX rotates halves (x[i], x[i + P]). Dimensions past
+n_dims are left as they are.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda
+
+_THREADS = 128
+
+
+@cuda.jit
+def _rope_cache(positions, theta_scale, freq_scale, ext_factor, mscale, corr0, corr1, ff, has_ff, cache):
+    """positions: int32 [T]; ff: f32 [P] (freq_factors, read when has_ff); cache: f32 [T, P, 2]."""
+    idx = cuda.grid(1)
+    P = cache.shape[1]
+    if idx >= cache.shape[0] * P:
+        return
+    t = idx // P
+    i = idx - t * P
+    theta_extrap = np.float32(positions[t]) * math.pow(theta_scale, np.float32(i))
+    if has_ff:
+        theta_extrap = theta_extrap / ff[i]
+    theta_interp = freq_scale * theta_extrap
+    theta = theta_interp
+    if ext_factor != np.float32(0.0):
+        y = (np.float32(i) - corr0) / max(np.float32(0.001), corr1 - corr0)
+        ramp_mix = (np.float32(1.0) - min(np.float32(1.0), max(np.float32(0.0), y))) * ext_factor
+        theta = theta_interp * (np.float32(1.0) - ramp_mix) + theta_extrap * ramp_mix
+    cache[t, i, 0] = math.cos(theta) * mscale
+    cache[t, i, 1] = math.sin(theta) * mscale
+
+
+@cuda.jit(device=True, inline=True)
+def _rotate(x, t, h, i, P, neox, c, s):
+    if neox:
+        a = i
+        b = i + P
+    else:
+        a = 2 * i
+        b = 2 * i + 1
+    x0 = x[t, h, a]
+    x1 = x[t, h, b]
+    x[t, h, a] = x0 * c - x1 * s
+    x[t, h, b] = x0 * s + x1 * c
+
+
+@cuda.jit
+def _apply_rope_qk(q, k, cache, neox):
+    """In place. q: f32 [T, H, Dh]; k: f32 [T, Hkv, Dh]; cache: f32 [T, P, 2]. One thread per
+    (token, head of q then of k, pair)."""
+    idx = cuda.grid(1)
+    T, H = q.shape[0], q.shape[1]
+    Hk = k.shape[1]
+    P = cache.shape[1]
+    per_token = (H + Hk) * P
+    if idx >= T * per_token:
+        return
+    t = idx // per_token
+    rem = idx - t * per_token
+    h = rem // P
+    i = rem - h * P
+    c = cache[t, i, 0]
+    s = cache[t, i, 1]
+    if h < H:
+        _rotate(q, t, h, i, P, neox, c, s)
+    else:
+        _rotate(k, t, h - H, i, P, neox, c, s)
+
+
+def rope_mscale(freq_scale: float, ext_factor: float, attn_factor: float) -> np.float32:
+    """ggml rope_yarn's cos/sin scale: attn_factor, times 1 + 0.1*ln(1/freq_scale) under YaRN."""
+    f32 = np.float32
+    if ext_factor == 0.0:
+        return f32(attn_factor)
+    return f32(f32(attn_factor) * (f32(1.0) + f32(0.1) * f32(math.log(f32(1.0) / f32(freq_scale)))))
+
+
+def rope_cache(positions, n_dims: int, freq_base: float, freq_scale: float, ext_factor: float,
+               attn_factor: float, corr_dims: tuple[float, float], cache, freq_factors=None, stream=0) -> None:
+    """cache[t, i] = (cos, sin) * mscale of pair i at positions[t].
+
+    positions: device int32 [T]; cache: device f32 [T, n_dims/2, 2]; freq_factors: device f32
+    [n_dims/2] (`rope_freqs.weight`) or None. The other arguments are hparams.Rope's fields."""
+    T, P = positions.shape[0], n_dims // 2
+    if n_dims % 2 or cache.shape != (T, P, 2):
+        raise ValueError(f"rope_cache: {T} positions, n_dims {n_dims}, cache {cache.shape}")
+    if freq_factors is not None and freq_factors.shape != (P,):
+        raise ValueError(f"rope_cache: freq_factors {freq_factors.shape}, expected ({P},)")
+    if T == 0:
+        return
+    f32 = np.float32
+    theta_scale = f32(f32(freq_base) ** f32(f32(-2.0) / f32(n_dims)))
+    ff = cache.reshape(T * P * 2) if freq_factors is None else freq_factors  # any f32 array when unused
+    n = T * P
+    _rope_cache[(n + _THREADS - 1) // _THREADS, _THREADS, stream](
+        positions, theta_scale, f32(freq_scale), f32(ext_factor), rope_mscale(freq_scale, ext_factor, attn_factor),
+        f32(corr_dims[0]), f32(corr_dims[1]), ff, freq_factors is not None, cache)
+
+
+def apply_rope_qk(q, k, cache, neox: bool, stream=0) -> None:
+    """Rotate q [T, H, Dh] and k [T, Hkv, Dh] (device f32, in place) by the table of rope_cache."""
+    T, H, Dh = q.shape
+    P = cache.shape[1]
+    if k.shape[0] != T or k.shape[2] != Dh or cache.shape[0] != T or 2 * P > Dh:
+        raise ValueError(f"apply_rope_qk: q {q.shape}, k {k.shape}, cache {cache.shape}")
+    n = T * (H + k.shape[1]) * P
+    if n:
+        _apply_rope_qk[(n + _THREADS - 1) // _THREADS, _THREADS, stream](q, k, cache, bool(neox))
