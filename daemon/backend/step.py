@@ -1,0 +1,75 @@
+"""What one forward pass computes: rows of tokens, grouped by sequence.
+
+A decode batch is S sequences of one row each; one sequence's prefill is S = 1; a batched prefill
+is S sequences of several rows. Backends read the grouping to keep every sequence's result
+independent of the others in the step (batch invariance).
+
+Legend: T = rows (tokens) in the step, S = sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from .cache import SequenceCache
+
+
+@dataclass(eq=False)
+class Step:
+    """Rows offsets[s]..offsets[s+1]-1 belong to sequence s and are appended to caches[s] from its
+    n_past on (positions[t] is row t's position). all_logits: logits of every row are wanted,
+    else of each sequence's last row. memo: what a backend derives once per step (its RoPE
+    table, its handles on the step's caches), private to the backend."""
+
+    tokens: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    offsets: np.ndarray  # [S+1] int64, rising strictly from 0 to T
+    caches: Sequence[SequenceCache]  # [S]
+    all_logits: bool = True
+    memo: dict = field(default_factory=dict)
+
+    @classmethod
+    def append(cls, tokens: Sequence[np.ndarray], caches: Sequence[SequenceCache], all_logits: bool) -> Step:
+        """tokens[s] ([T_s] int64, T_s >= 1) appended to caches[s] after its n_past positions."""
+        S = len(tokens)
+        if all(t.size == 1 for t in tokens):  # a decode batch: the hot path
+            flat = np.concatenate(tokens) if S > 1 else tokens[0]
+            positions = np.array([c.n_past for c in caches], dtype=np.int64)
+            return cls(flat, positions, np.arange(S + 1, dtype=np.int64), caches, all_logits)
+        counts = [t.size for t in tokens]
+        offsets = np.zeros(S + 1, np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        positions = np.concatenate([np.arange(c.n_past, c.n_past + n, dtype=np.int64) for c, n in zip(caches, counts)])
+        return cls(np.concatenate(tokens), positions, offsets, caches, all_logits)
+
+    @classmethod
+    def rows(cls, T: int) -> Step:
+        """T rows of one sequence, with no cache (for ops that only need the grouping)."""
+        return cls(np.zeros(T, np.int64), np.arange(T, dtype=np.int64), np.array([0, T], np.int64), ())
+
+    @property
+    def T(self) -> int:
+        return int(self.offsets[-1])
+
+    @property
+    def S(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def one_row_each(self) -> bool:
+        """Every sequence has exactly one row (a decode step)."""
+        return self.T == self.S
+
+    def last_rows(self) -> np.ndarray:
+        """[S] the index of each sequence's last row."""
+        return self.offsets[1:] - 1
+
+    def outputs(self) -> Step:
+        """This step restricted to each sequence's last row: the rows whose logits are wanted
+        when not all_logits (as llama.cpp, the last layer's FFN runs on those rows only)."""
+        last = self.last_rows()
+        return Step(self.tokens[last], self.positions[last], np.arange(self.S + 1, dtype=np.int64), self.caches,
+                    True)
