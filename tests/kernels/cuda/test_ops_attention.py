@@ -1,0 +1,115 @@
+"""Device attention over the f16 KV cache (append, decode rows, prefill rows; GQA, sliding window,
+sinks) against float64 numpy on the f16 values the cache holds."""
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from daemon.errors import UnsupportedError
+from daemon.kernels.cuda.attention import CHUNK, AttentionWork, attention, kv_append, new_kv_cache
+
+S, HKV, G, DH, DV, C = 3, 2, 2, 8, 6, 2 * CHUNK + 40  # three chunks; Dv != Dh
+H = HKV * G
+
+
+def _ref(q, kc, vc, slots, positions, scale, window, sinks):
+    """float64 attention of each row over cells lo..p of its slot. kc: [S, Hkv, C, Dh] values."""
+    R = q.shape[0]
+    out = np.zeros((R, H, DV))
+    for r in range(R):
+        p, s = positions[r], slots[r]
+        lo = max(0, p - window + 1) if window > 0 else 0
+        for h in range(H):
+            k = kc[s, h // G, lo:p + 1].astype(np.float64)
+            v = vc[s, h // G, lo:p + 1].astype(np.float64)
+            z = k @ q[r, h].astype(np.float64) * scale
+            m = z.max() if sinks is None else max(z.max(), sinks[h])
+            e = np.exp(z - m)
+            den = e.sum() + (0.0 if sinks is None else np.exp(sinks[h] - m))
+            out[r, h] = e @ v / den
+    return out
+
+
+def _setup(rng, slots, positions):
+    """A cache full of random f16 values (so a read outside the visible cells changes the result),
+    then the rows' new keys/values appended at their positions. -> host copies and device arrays"""
+    kc = rng.standard_normal((S, HKV, C, DH)).astype(np.float16)
+    vc = rng.standard_normal((S, HKV, C, DV)).astype(np.float16)
+    R = len(slots)
+    k_new = rng.standard_normal((R, HKV, DH)).astype(np.float32)
+    v_new = rng.standard_normal((R, HKV, DV)).astype(np.float32)
+    dk, dv = cuda.to_device(kc), cuda.to_device(vc)
+    ds, dp = cuda.to_device(np.array(slots, np.int32)), cuda.to_device(np.array(positions, np.int32))
+    kv_append(cuda.to_device(k_new), cuda.to_device(v_new), ds, dp, dk, dv)
+    for r, (s, p) in enumerate(zip(slots, positions)):
+        kc[s, :, p] = k_new[r].astype(np.float16)
+        vc[s, :, p] = v_new[r].astype(np.float16)
+    return kc, vc, dk, dv, ds, dp
+
+
+def test_kv_append_writes_only_its_cells():
+    rng = np.random.default_rng(0)
+    slots, positions = [2, 0, 2], [0, CHUNK + 3, 7]
+    kc, vc, dk, dv, _, _ = _setup(rng, slots, positions)
+    assert np.array_equal(dk.copy_to_host(), kc) and np.array_equal(dv.copy_to_host(), vc)
+
+
+# one chunk / three chunks, windows inside one chunk and across a chunk boundary, with and without sinks
+DECODE = [
+    dict(window=0, sinks=False),
+    dict(window=CHUNK + 5, sinks=True),
+    dict(window=3, sinks=True),
+]
+
+
+@pytest.mark.parametrize("case", DECODE, ids=[f"w{c['window']}-{'sinks' if c['sinks'] else 'nosinks'}" for c in DECODE])
+def test_attention_decode_rows(case):
+    rng = np.random.default_rng(case["window"] + case["sinks"])
+    slots, positions = [2, 0, 1], [5, 2 * CHUNK + 3, CHUNK + 1]  # each sequence its own length
+    kc, vc, dk, dv, ds, dp = _setup(rng, slots, positions)
+    q = rng.standard_normal((3, H, DH)).astype(np.float32)
+    sinks = rng.standard_normal(H).astype(np.float32) if case["sinks"] else None
+    scale = 1 / np.sqrt(DH)
+    out = cuda.to_device(np.full((3, H, DV), np.nan, np.float32))
+    work = AttentionWork(4, H, C, DV)
+    attention(cuda.to_device(q), dk, dv, ds, dp, scale, case["window"], None if sinks is None else cuda.to_device(sinks),
+              out, work, max(positions) + 1)
+    ref = _ref(q, kc, vc, slots, positions, scale, case["window"], sinks)
+    # float32 dot products of 8 terms, float32 exps (<= 2 ulp) and sums over <= 260 cells: relative
+    # errors ~1e-6; outputs are averages of unit-scale values, so 2e-5 absolute is tight.
+    np.testing.assert_allclose(out.copy_to_host(), ref, rtol=0, atol=2e-5)
+
+
+def test_attention_prefill_rows_are_causal_and_batch_invariant():
+    rng = np.random.default_rng(9)
+    T = 3
+    positions = list(range(CHUNK - 2, CHUNK - 2 + T))  # a prompt continuing a cached prefix, across a chunk boundary
+    slots = [1] * T
+    kc, vc, dk, dv, ds, dp = _setup(rng, slots, positions)
+    q = rng.standard_normal((T, H, DH)).astype(np.float32)
+    sinks = rng.standard_normal(H).astype(np.float32)
+    scale = 0.3
+    work = AttentionWork(T, H, C, DV)
+    out = cuda.to_device(np.full((T, H, DV), np.nan, np.float32))
+    attention(cuda.to_device(q), dk, dv, ds, dp, scale, 0, cuda.to_device(sinks), out, work, C)
+    got = out.copy_to_host()
+    np.testing.assert_allclose(got, _ref(q, kc, vc, slots, positions, scale, 0, sinks), rtol=0, atol=2e-5)
+    # row 1 alone, with a smaller grid: the same bits (its chunks do not depend on the other rows)
+    alone = cuda.to_device(np.zeros((1, H, DV), np.float32))
+    attention(cuda.to_device(q[1:2]), dk, dv, cuda.to_device(np.array([1], np.int32)),
+              cuda.to_device(np.array(positions[1:2], np.int32)), scale, 0, cuda.to_device(sinks), alone, work,
+              positions[1] + 1)
+    assert np.array_equal(alone.copy_to_host()[0], got[1])
+
+
+def test_attention_checks_shapes_and_limits():
+    k, v = new_kv_cache(1, 1, 16, 8, 8)
+    ones = cuda.to_device(np.zeros(1, np.int32))
+    work = AttentionWork(1, 1, 16, 8)
+    with pytest.raises(ValueError):  # more cells than the work area holds
+        attention(cuda.device_array((1, 1, 8), np.float32), k, v, ones, ones, 1.0, 0, None,
+                  cuda.device_array((1, 1, 8), np.float32), work, 10 * CHUNK)
+    k, v = new_kv_cache(1, 1, 16, 8, 8)
+    with pytest.raises(UnsupportedError):  # 32 query heads per KV head
+        attention(cuda.device_array((1, 32, 8), np.float32), k, v, ones, ones, 1.0, 0, None,
+                  cuda.device_array((1, 32, 8), np.float32), AttentionWork(1, 32, 16, 8), 1)
