@@ -1,0 +1,92 @@
+"""Device router against a float64 numpy reference of each family's routing (moe.route's rules)."""
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from daemon.kernels.cuda.router import route
+
+T, E, A = 3, 40, 4  # E not a power of two and above the simulator's 32 threads per row
+
+
+def _ref(logits, bias, gating, norm_topk, scale):
+    z = logits.astype(np.float64) + (0 if bias is None else bias)
+    if gating == "softmax":
+        p = np.exp(z - z.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        ids = np.argsort(-p, axis=1, kind="stable")[:, :A]
+        w = np.take_along_axis(p, ids, axis=1)
+    else:
+        ids = np.argsort(-z, axis=1, kind="stable")[:, :A]
+        s = np.take_along_axis(z, ids, axis=1)
+        w = np.exp(s - s.max(axis=1, keepdims=True))
+        w /= w.sum(axis=1, keepdims=True)
+    if norm_topk:
+        w = w / np.maximum(w.sum(axis=1, keepdims=True), 2.0 ** -14)
+    if scale:
+        w = w * scale
+    return ids, w
+
+
+def _logits(rng):
+    """Distinct values at least 1e-3 apart (float32 rounding cannot reorder them)."""
+    z = rng.permutation(E * T).reshape(T, E).astype(np.float64) * 4.0 / (E * T)
+    return (z + rng.uniform(0, 1e-4, z.shape)).astype(np.float32)
+
+
+FAMILIES = {  # (gating, norm_topk, scale, bias)
+    "qwen3moe": ("softmax", True, 0.0, False),
+    "qwen2moe": ("softmax", False, 0.0, False),
+    "scaled": ("softmax", True, 2.5, True),
+    "gpt-oss": ("softmax_weight", False, 0.0, True),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_route(family):
+    gating, norm_topk, scale, with_bias = FAMILIES[family]
+    rng = np.random.default_rng(len(family))
+    logits = _logits(rng)
+    bias = (rng.standard_normal(E) * 0.5).astype(np.float32) if with_bias else None
+    ids = cuda.to_device(np.full((T, A), -1, np.int32))
+    w = cuda.to_device(np.full((T, A), np.nan, np.float32))
+    route(cuda.to_device(logits), gating, norm_topk, scale, ids, w, bias=None if bias is None else cuda.to_device(bias))
+    ref_ids, ref_w = _ref(logits, bias, gating, norm_topk, scale)
+    assert np.array_equal(ids.copy_to_host(), ref_ids)
+    # float32 exps (<= 2 ulp) and sums over <= 40 terms: relative error ~1e-6
+    np.testing.assert_allclose(w.copy_to_host(), ref_w, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("gating", ["softmax", "softmax_weight"])
+def test_ties_keep_the_lower_index(gating):
+    logits = np.zeros((1, E), np.float32)
+    logits[0, [33, 7, 21, 2, 38]] = 1.0  # five equal maxima: the four lowest indices, ascending
+    ids = cuda.to_device(np.zeros((1, A), np.int32))
+    w = cuda.device_array((1, A), np.float32)
+    route(cuda.to_device(logits), gating, True, 0.0, ids, w)
+    assert ids.copy_to_host().tolist() == [[2, 7, 21, 33]]
+    np.testing.assert_allclose(w.copy_to_host(), 0.25, rtol=1e-6)
+
+
+def test_given_ids_are_weighed_not_chosen():
+    rng = np.random.default_rng(3)
+    logits = _logits(rng)
+    given = np.array([[0, 5, 9, 39]] * T, np.int32)
+    ids = cuda.to_device(given)
+    w = cuda.device_array((T, A), np.float32)
+    route(cuda.to_device(logits), "softmax", True, 0.0, ids, w, given=True)
+    z = logits.astype(np.float64)
+    p = np.exp(z - z.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    ref = np.take_along_axis(p, given.astype(np.int64), axis=1)
+    ref /= ref.sum(axis=1, keepdims=True)
+    assert np.array_equal(ids.copy_to_host(), given)
+    np.testing.assert_allclose(w.copy_to_host(), ref, rtol=1e-5)
+
+
+def test_route_checks_arguments():
+    lg = cuda.device_array((2, 8), np.float32)
+    with pytest.raises(ValueError):
+        route(lg, "sigmoid", False, 0.0, cuda.device_array((2, 2), np.int32), cuda.device_array((2, 2), np.float32))
+    with pytest.raises(ValueError):  # more used than experts
+        route(lg, "softmax", False, 0.0, cuda.device_array((2, 9), np.int32), cuda.device_array((2, 9), np.float32))
