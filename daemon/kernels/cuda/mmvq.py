@@ -1,0 +1,297 @@
+"""Matrix x few-vectors products on the GPU (1-16 tokens), dense and over selected experts.
+
+llama.cpp's mul_mat_vec_q in shape: a group of `lpr` lanes (a warp, or a part of one for short
+rows) owns one output row; its lanes stride over the row's 16-byte quant chunks (one coalesced
+128-bit load each, layout.py), take int8 dp4a dot products against q8_1 activations
+(quantize.py) or float dots for F32/F16/BF16 (vecdot.py), and reduce by warp shuffles. With T
+columns each chunk is decoded once and dotted with all T activation rows.
+
+The expert variant (`mul_mat_vec_ids`) is one launch for every (token, selected expert) pair of
+a layer: grid.y runs over the T*A pairs and each block reads its expert id from `ids` on the
+device, then the expert's slot in the stack from `slot_of`, so the router's output feeds it with
+no host sync (and the launch can live in a CUDA graph). `mul_mat_vec_glu[_ids]` fuses gate, up,
+optional biases and the GLU (SwiGLU, or gpt-oss's clamped swiglu_oai) in one pass over both
+weights; its output, quantized, feeds the down projection.
+
+Legend: T = tokens (<= 16 for dense), A = experts per token, E = experts in the layer,
+S = slots of an expert stack, N = output rows, K = values per row, stride = repacked row bytes.
+Shapes:
+    w        uint8   [N, stride] (dense) or [S, N, stride] (experts), repacked (layout.repack)
+    act      Q8 (qs int8 [R, K], ds float32 [R, K/32, 2]) for quant weights (quantize.py), or
+             float32 [R, K] for F32/F16/BF16 weights; R = T, or T*A for the down projection
+    ids      int32   [T, A]   expert ids (the router's top-k)
+    slot_of  int32   [E]      expert id -> slot in the stack; < 0: not loaded (its outputs NaN)
+    bias     float32 [N] (dense) or [E, N] (experts, indexed by expert id)
+    out      float32 [T, N] (dense) or [T, A, N] (experts)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+from numba import cuda
+
+from ...errors import UnsupportedError
+from ..quants import block_size, type_name
+from .layout import GPU_TYPES, repacked_stride
+from .ptx import SIMULATOR, device, warp_sum
+from .vecdot import FLOAT_ACT, VALUES, VECDOT
+
+MAX_COLS = 16
+GLU_NONE, GLU_SWIGLU, GLU_SWIGLU_OAI = 0, 1, 2
+_GLU = {None: GLU_NONE, "swiglu": GLU_SWIGLU, "swiglu_oai": GLU_SWIGLU_OAI}
+_F1 = np.float32(1.0)
+_EXP_CAP = np.float32(80.0)
+
+
+class Q8(NamedTuple):
+    """q8_1 activations on the device (quantize.quantize_q8_1)."""
+    qs: object  # int8 [R, K]
+    ds: object  # float32 [R, K/32, 2]
+
+
+def _glu(g, u, kind, alpha, limit):
+    # exp's argument capped at 80 (float32 exp overflows past 88): x / (1 + e^80) is ~1e-33 x,
+    # where the uncapped form gives -0
+    if kind == GLU_SWIGLU:
+        return g / (_F1 + math.exp(min(-g, _EXP_CAP))) * u
+    x = min(g, limit)
+    y = min(max(u, -limit), limit)
+    return x / (_F1 + math.exp(min(alpha * -x, _EXP_CAP))) * (y + _F1)
+
+
+_glu_dev = device(_glu)
+
+
+def _build(qtype: int, ncols: int, lpr: int, warps: int, ids_mode: bool, has_bias: bool,
+           glu: int):
+    """The kernel for one combination (closure constants are compile-time constants)."""
+    load, dot = VECDOT[qtype]
+    per_chunk = VALUES[qtype]
+    qk = block_size(qtype)[0]
+    rows_per_block = warps * 32 // lpr
+    two = glu != GLU_NONE
+    nc = ncols
+
+    @cuda.jit
+    def kernel(W, W2, A0, A1, ids, slot_of, act_t, act_a, bias, bias2, out, n, k, stride,
+               alpha, limit):
+        # W, W2: uint8 [S, N, stride]; A0, A1: activations (see module doc); ids int32 [T, A];
+        # slot_of int32 [E]; bias, bias2 float32 [E or 1, N]; out float32 [T, A, N].
+        # grid: x = groups of rows_per_block rows, y = (token, expert) pair or 0 (dense).
+        tid = cuda.threadIdx.x
+        row = cuda.blockIdx.x * rows_per_block + tid // lpr
+        lane = tid % lpr
+        t = 0
+        a = 0
+        e = 0
+        slot = 0
+        arow = 0
+        if ids_mode:
+            p = cuda.blockIdx.y
+            t = p // ids.shape[1]
+            a = p - t * ids.shape[1]
+            e = ids[t, a]
+            slot = slot_of[e] if 0 <= e < slot_of.shape[0] else -1
+            arow = t * act_t + a * act_a
+        live = row < n and slot >= 0
+        base = (slot * n + row) * stride
+        acc = cuda.local.array(nc, np.float32)
+        acc2 = cuda.local.array(nc, np.float32)
+        for j in range(nc):
+            acc[j] = np.float32(0.0)
+            acc2[j] = np.float32(0.0)
+        if live:
+            nb = k // qk
+            nch = k // per_chunk
+            c = lane
+            while c < nch:
+                w = load(W, base, nb, c)
+                for j in range(nc):
+                    acc[j] += dot(w, A0, A1, arow + j, k, c)
+                if two:
+                    w2 = load(W2, base, nb, c)
+                    for j in range(nc):
+                        acc2[j] += dot(w2, A0, A1, arow + j, k, c)
+                c += lpr
+        for j in range(nc):  # every lane takes part in the shuffles
+            acc[j] = warp_sum(acc[j], lpr)
+            if two:
+                acc2[j] = warp_sum(acc2[j], lpr)
+        if lane == 0 and row < n:
+            for j in range(nc):
+                v = acc[j]
+                if has_bias:
+                    v += bias[e, row]
+                if two:
+                    u = acc2[j]
+                    if has_bias:
+                        u += bias2[e, row]
+                    v = _glu_dev(v, u, glu, alpha, limit)
+                if slot < 0:
+                    v = np.float32(np.nan)
+                out[t + j, a, row] = v
+
+    return kernel
+
+
+_KERNELS: dict[tuple, object] = {}
+_DUMMIES: dict[str, object] = {}
+
+
+def _kernel(*key):
+    k = _KERNELS.get(key)
+    if k is None:
+        k = _KERNELS[key] = _build(*key)
+    return k
+
+
+def _dummy(kind: str):
+    """Placeholders for unused arguments (one small device array each, made once)."""
+    if kind not in _DUMMIES:
+        host = {"ids": np.zeros((1, 1), np.int32), "slot": np.zeros(1, np.int32),
+                "bias": np.zeros((1, 1), np.float32)}[kind]
+        _DUMMIES[kind] = cuda.to_device(host)
+    return _DUMMIES[kind]
+
+
+def choose_lpr(qtype: int, k: int) -> int:
+    """Lanes per row: a whole warp unless the row has fewer than 32 chunks (short rows: several
+    rows per warp, so that lanes are not left idle)."""
+    nch = k // VALUES[qtype]
+    lpr = 32
+    while lpr > 4 and lpr > nch:
+        lpr //= 2
+    return lpr
+
+
+def _check_weight(w, qtype: int, k: int, stack: bool):
+    if qtype not in GPU_TYPES:
+        raise UnsupportedError(f"no GPU matmul for {type_name(qtype)}")
+    if w.ndim != (3 if stack else 2) or w.dtype != np.uint8:
+        raise ValueError(f"weights must be uint8 [{'S, ' if stack else ''}N, stride], got "
+                         f"{w.dtype} {w.shape}")
+    if tuple(w.shape)[-1] != repacked_stride(qtype, k):
+        raise ValueError(f"{type_name(qtype)} rows of {k} values are {repacked_stride(qtype, k)} "
+                         f"bytes repacked, got {tuple(w.shape)[-1]} (weights must go through "
+                         f"layout.repack)")
+
+
+def _check_act(act, qtype: int, k: int):
+    """-> (A0, A1, rows)"""
+    if qtype in FLOAT_ACT:
+        if isinstance(act, Q8) or act.dtype != np.float32 or act.ndim != 2 or act.shape[1] != k:
+            raise ValueError(f"{type_name(qtype)} weights take float32 [R, {k}] activations")
+        return act, act, act.shape[0]
+    if not isinstance(act, Q8) or act.qs.shape[1] != k:
+        raise ValueError(f"{type_name(qtype)} weights take q8_1 activations (Q8) of {k} values")
+    return act.qs, act.ds, act.qs.shape[0]
+
+
+def _bias(b, n: int, stack: bool):
+    if b is None:
+        return None
+    if stack:
+        if b.ndim != 2 or b.shape[1] != n:
+            raise ValueError(f"expert biases must be float32 [E, {n}], got {b.shape}")
+        return b
+    if b.shape != (n,):
+        raise ValueError(f"a dense bias must be float32 [{n}], got {b.shape}")
+    return b.reshape(1, n)
+
+
+def _launch(w, w2, qtype, k, act, ids, slot_of, act_t, act_a, bias, bias2, out, ncols, pairs,
+            glu, alpha, limit, lpr, warps, stream):
+    a0, a1, _ = _check_act(act, qtype, k)
+    n = tuple(w.shape)[-2]
+    lpr = lpr or choose_lpr(qtype, k)
+    if SIMULATOR:  # every simulated thread is a Python thread: keep blocks small
+        warps = 1
+    kern = _kernel(qtype, ncols, lpr, warps, ids is not None, bias is not None, glu)
+    rows_per_block = warps * 32 // lpr
+    grid = ((n + rows_per_block - 1) // rows_per_block, pairs)
+    kern[grid, warps * 32, stream](
+        w, w if w2 is None else w2, a0, a1,
+        _dummy("ids") if ids is None else ids, _dummy("slot") if slot_of is None else slot_of,
+        act_t, act_a,
+        _dummy("bias") if bias is None else bias, _dummy("bias") if bias2 is None else bias2,
+        out, n, k, tuple(w.shape)[-1], np.float32(alpha), np.float32(limit))
+    return out
+
+
+def _dense(w, w2, qtype, k, act, out, bias, bias2, glu, alpha, limit, lpr, warps, stream):
+    _check_weight(w, qtype, k, stack=False)
+    if w2 is not None:
+        _check_weight(w2, qtype, k, stack=False)
+    _, _, t = _check_act(act, qtype, k)
+    if not 1 <= t <= MAX_COLS:
+        raise ValueError(f"mul_mat_vec takes 1..{MAX_COLS} tokens, got {t} (use mmq)")
+    n = w.shape[0]
+    if out is None:
+        out = cuda.device_array((t, n), np.float32, stream=stream)
+    _launch(w, w2, qtype, k, act, None, None, 0, 0, _bias(bias, n, False),
+            _bias(bias2, n, False), out.reshape(t, 1, n), t, 1, glu, alpha, limit, lpr, warps,
+            stream)
+    return out
+
+
+def _experts(w, w2, qtype, k, act, ids, slot_of, out, bias, bias2, act_per_pair, glu, alpha,
+             limit, lpr, warps, stream):
+    _check_weight(w, qtype, k, stack=True)
+    if w2 is not None:
+        _check_weight(w2, qtype, k, stack=True)
+    _, _, rows = _check_act(act, qtype, k)
+    t, a = ids.shape
+    if rows != (t * a if act_per_pair else t):
+        raise ValueError(f"{'T*A' if act_per_pair else 'T'} activation rows expected for ids "
+                         f"{ids.shape}, got {rows}")
+    n = w.shape[1]
+    if out is None:
+        out = cuda.device_array((t, a, n), np.float32, stream=stream)
+    act_t, act_a = (a, 1) if act_per_pair else (1, 0)
+    _launch(w, w2, qtype, k, act, ids, slot_of, act_t, act_a, _bias(bias, n, True),
+            _bias(bias2, n, True), out, 1, t * a, glu, alpha, limit, lpr, warps, stream)
+    return out
+
+
+def mul_mat_vec(w, qtype: int, k: int, act, out=None, bias=None, *, lpr=None, warps=4,
+                stream=0):
+    """out[T, N] = act[T, K] . w[N, K]^T (+ bias[N]), 1 <= T <= 16, in one launch."""
+    return _dense(w, None, qtype, k, act, out, bias, None, GLU_NONE, 0.0, 0.0, lpr, warps,
+                  stream)
+
+
+def mul_mat_vec_glu(w_gate, w_up, qtype: int, k: int, act, glu: str = "swiglu", bias_gate=None,
+                    bias_up=None, *, alpha=1.702, limit=7.0, out=None, lpr=None, warps=4,
+                    stream=0):
+    """out[T, F] = glu(act . gate^T (+ bias_gate), act . up^T (+ bias_up)): gate and up read in
+    one pass, the activation shared. glu: "swiglu" (silu(g) * u) or "swiglu_oai" (gpt-oss:
+    x = min(g, limit), y = clamp(u, -limit, limit), x * sigmoid(alpha x) * (y + 1))."""
+    return _dense(w_gate, w_up, qtype, k, act, out, bias_gate, bias_up, _glu_kind(glu), alpha,
+                  limit, lpr, warps, stream)
+
+
+def mul_mat_vec_ids(w, qtype: int, k: int, act, ids, slot_of, out=None, bias=None,
+                    act_per_pair=False, *, lpr=None, warps=4, stream=0):
+    """out[t, a, N] = act[row] . w[slot_of[ids[t, a]]]^T (+ bias[ids[t, a]]) for every pair, in
+    one launch. row = t (gate/up: the token's activation) or t*A + a with act_per_pair (down:
+    each pair's own GLU output)."""
+    return _experts(w, None, qtype, k, act, ids, slot_of, out, bias, None, act_per_pair,
+                    GLU_NONE, 0.0, 0.0, lpr, warps, stream)
+
+
+def mul_mat_vec_glu_ids(w_gate, w_up, qtype: int, k: int, act, ids, slot_of, glu="swiglu",
+                        bias_gate=None, bias_up=None, *, alpha=1.702, limit=7.0, out=None,
+                        lpr=None, warps=4, stream=0):
+    """out[t, a, F] = glu(gate_e . act[t] (+ bias), up_e . act[t] (+ bias)) with e = ids[t, a],
+    for all pairs in one launch (see mul_mat_vec_glu for glu)."""
+    return _experts(w_gate, w_up, qtype, k, act, ids, slot_of, out, bias_gate, bias_up, False,
+                    _glu_kind(glu), alpha, limit, lpr, warps, stream)
+
+
+def _glu_kind(glu: str) -> int:
+    if glu not in ("swiglu", "swiglu_oai"):
+        raise ValueError(f"unknown glu {glu!r} (swiglu, swiglu_oai)")
+    return _GLU[glu]

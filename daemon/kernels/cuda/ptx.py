@@ -1,0 +1,294 @@
+"""Inline-PTX intrinsics for the CUDA matmul kernels, each with a pure-Python simulator twin.
+
+numba-cuda 0.30 has no dp4a, no 128-bit non-coherent loads and no byte permute, so these are
+`@intrinsic`s emitting PTX through llvmlite's `ir.InlineAsm` (the way numba-cuda's own
+`cache_hints.py` does). Under NUMBA_ENABLE_CUDASIM the simulator runs kernels as Python, where
+inline PTX cannot run: the same names are then plain functions with the same semantics, so the
+kernels run unchanged in CI. Which set is exported is decided once, from the mode numba.cuda was
+imported in (`SIMULATOR`).
+
+Loads take an array and a BYTE offset from its first element (any dtype, any ndim, C-contiguous):
+kernels compute offsets in bytes because the weight planes they read (layout.py) are addressed
+that way. Alignment is the caller's promise (16 for ldg_v4, 4 for ldg_u32, 2 for ldg_u16); the
+twins check it, so a layout bug fails in CI rather than as a misaligned-address fault on a GPU.
+
+    dp4a(a, b, c)        c + sum of the 4 signed-byte products of a and b (int32)   dp4a.s32.s32
+    ldg_v4(arr, off)     4 x uint32 from 16 bytes at off, read-only path             ld.global.nc.v4.u32
+    ldg_u32 / ldg_u16 / ldg_u8(arr, off)   one word, zero-extended to uint32         ld.global.nc.*
+    prmt(a, b, sel)      byte permute of the 8 bytes {b:a} (PTX prmt.b32 default mode)
+    f16_to_f32(bits)     IEEE half (low 16 bits) -> float32                         cvt.f32.f16
+    bits_to_f32(u)       reinterpret the low 32 bits as float32
+    round_f16(x)         float32 rounded to the nearest half (ties to even), as float32
+    device               decorator: a device function, force-inlined on the GPU
+    warp_sum(v, width) / warp_max(v, width)
+                         butterfly reduction over aligned groups of `width` lanes (a power of 2
+                         <= 32); every lane of the group gets the result. All threads of the
+                         block must call it (the twin exchanges through the block).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+from numba import cuda
+
+SIMULATOR = cuda.jit.__module__.startswith("numba.cuda.simulator")
+
+__all__ = ["SIMULATOR", "dp4a", "ldg_v4", "ldg_u32", "ldg_u16", "ldg_u8", "prmt", "f16_to_f32",
+           "bits_to_f32", "round_f16", "device", "warp_sum", "warp_max"]
+
+
+if not SIMULATOR:
+    from llvmlite import ir
+    from numba.cuda import types
+    from numba.cuda.extending import intrinsic
+
+    _I32 = ir.IntType(32)
+
+    def _to_i32(builder, ty, v):
+        """An integer value of any width as i32 (truncated or zero/sign extended)."""
+        if ty.bitwidth > 32:
+            return builder.trunc(v, _I32)
+        if ty.bitwidth < 32:
+            return builder.sext(v, _I32) if ty.signed else builder.zext(v, _I32)
+        return v
+
+    def _address(context, builder, arrty, arr, offty, off):
+        """The generic address of byte `off` of the array's data, as i64."""
+        data = context.make_array(arrty)(context, builder, value=arr).data
+        base = builder.ptrtoint(data, ir.IntType(64))
+        off = builder.sext(off, ir.IntType(64)) if offty.bitwidth < 64 else off
+        return builder.add(base, off)
+
+    def _check_load(arr, off):
+        return isinstance(arr, types.Array) and isinstance(off, types.Integer)
+
+    @intrinsic
+    def dp4a(typingctx, a, b, c):
+        if not all(isinstance(t, types.Integer) for t in (a, b, c)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            vals = [_to_i32(builder, t, v) for t, v in zip(sig.args, args)]
+            asm = ir.InlineAsm(ir.FunctionType(_I32, [_I32] * 3),
+                               "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r")
+            return builder.call(asm, vals)
+
+        return types.int32(a, b, c), codegen
+
+    @intrinsic
+    def ldg_v4(typingctx, arr, off):
+        if not _check_load(arr, off):
+            return None
+        ret = types.UniTuple(types.uint32, 4)
+
+        def codegen(context, builder, sig, args):
+            addr = _address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            st = ir.LiteralStructType([_I32] * 4)
+            asm = ir.InlineAsm(ir.FunctionType(st, [ir.IntType(64)]),
+                               "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
+            res = builder.call(asm, [addr])
+            vals = [builder.extract_value(res, i) for i in range(4)]
+            return context.make_tuple(builder, ret, vals)
+
+        return ret(arr, off), codegen
+
+    def _scalar_load(bits):
+        inst = {32: "ld.global.nc.u32 $0, [$1];", 16: "ld.global.nc.u16 $0, [$1];",
+                8: "ld.global.nc.u8 $0, [$1];"}[bits]
+        reg = ir.IntType(16) if bits == 16 else _I32
+        cons = "=h,l" if bits == 16 else "=r,l"
+
+        @intrinsic
+        def load(typingctx, arr, off):
+            if not _check_load(arr, off):
+                return None
+
+            def codegen(context, builder, sig, args):
+                addr = _address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+                asm = ir.InlineAsm(ir.FunctionType(reg, [ir.IntType(64)]), inst, cons)
+                v = builder.call(asm, [addr])
+                return builder.zext(v, _I32) if bits == 16 else v
+
+            return types.uint32(arr, off), codegen
+
+        return load
+
+    ldg_u32 = _scalar_load(32)
+    ldg_u16 = _scalar_load(16)
+    ldg_u8 = _scalar_load(8)
+
+    @intrinsic
+    def prmt(typingctx, a, b, sel):
+        if not all(isinstance(t, types.Integer) for t in (a, b, sel)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            vals = [_to_i32(builder, t, v) for t, v in zip(sig.args, args)]
+            asm = ir.InlineAsm(ir.FunctionType(_I32, [_I32] * 3),
+                               "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r")
+            return builder.call(asm, vals)
+
+        return types.uint32(a, b, sel), codegen
+
+    @intrinsic
+    def f16_to_f32(typingctx, bits):
+        if not isinstance(bits, types.Integer):
+            return None
+
+        def codegen(context, builder, sig, args):
+            h = builder.trunc(_to_i32(builder, sig.args[0], args[0]), ir.IntType(16))
+            asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [ir.IntType(16)]),
+                               "cvt.f32.f16 $0, $1;", "=f,h")
+            return builder.call(asm, [h])
+
+        return types.float32(bits), codegen
+
+    @intrinsic
+    def bits_to_f32(typingctx, u):
+        if not isinstance(u, types.Integer):
+            return None
+
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(_to_i32(builder, sig.args[0], args[0]), ir.FloatType())
+
+        return types.float32(u), codegen
+
+    @intrinsic
+    def round_f16(typingctx, x):
+        if x != types.float32:
+            return None
+
+        def codegen(context, builder, sig, args):
+            asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [ir.FloatType()]),
+                               "{ .reg .b16 h; cvt.rn.f16.f32 h, $1; cvt.f32.f16 $0, h; }",
+                               "=f,f")
+            return builder.call(asm, args)
+
+        return types.float32(x), codegen
+
+    def device(fn):
+        """A device function, inlined into its callers by NVVM."""
+        return cuda.jit(device=True, forceinline=True)(fn)
+
+    @device
+    def warp_sum(v, width):
+        off = width >> 1
+        while off > 0:
+            v += cuda.shfl_xor_sync(0xFFFFFFFF, v, off)
+            off >>= 1
+        return v
+
+    @device
+    def warp_max(v, width):
+        off = width >> 1
+        while off > 0:
+            v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, off))
+            off >>= 1
+        return v
+
+else:
+    # ---- simulator twins -------------------------------------------------------------------
+
+    def device(fn):
+        """A device function (the simulator's jit takes no inlining options)."""
+        return cuda.jit(device=True)(fn)
+
+    def _flat_bytes(arr) -> np.ndarray:
+        """The bytes of a (simulated) device array, as a flat uint8 view."""
+        a = arr
+        while not isinstance(a, np.ndarray):
+            a = a.__dict__["_item"] if "_item" in a.__dict__ else a._ary
+        if not a.flags.c_contiguous:
+            raise ValueError("ptx loads need a C-contiguous array")
+        return a.reshape(-1).view(np.uint8)
+
+    def _load(arr, off, n):
+        off = int(off)
+        if off % n:
+            raise ValueError(f"misaligned {8 * n}-bit load at byte offset {off}")
+        b = _flat_bytes(arr)
+        if b.ctypes.data % 16:
+            raise ValueError("array data is not 16-byte aligned")
+        if off < 0 or off + n > b.size:
+            raise IndexError(f"{8 * n}-bit load at byte {off} outside {b.size} bytes")
+        return b[off:off + n]
+
+    def ldg_v4(arr, off):
+        w = _load(arr, off, 16).view(np.uint32)
+        return (np.uint32(w[0]), np.uint32(w[1]), np.uint32(w[2]), np.uint32(w[3]))
+
+    def ldg_u32(arr, off):
+        return np.uint32(_load(arr, off, 4).view(np.uint32)[0])
+
+    def ldg_u16(arr, off):
+        return np.uint32(_load(arr, off, 2).view(np.uint16)[0])
+
+    def ldg_u8(arr, off):
+        return np.uint32(_load(arr, off, 1)[0])
+
+    def _i32(x: int) -> np.int32:
+        x = int(x) & 0xFFFFFFFF
+        return np.int32(x - (1 << 32) if x & 0x80000000 else x)
+
+    def dp4a(a, b, c):
+        a, b = int(a) & 0xFFFFFFFF, int(b) & 0xFFFFFFFF
+        s = int(_i32(c))
+        for k in range(4):
+            x = (a >> (8 * k)) & 0xFF
+            y = (b >> (8 * k)) & 0xFF
+            s += (x - 256 if x & 0x80 else x) * (y - 256 if y & 0x80 else y)
+        return _i32(s)
+
+    def prmt(a, b, sel):
+        src = ((int(b) & 0xFFFFFFFF) << 32) | (int(a) & 0xFFFFFFFF)
+        out = 0
+        for n in range(4):
+            s = (int(sel) >> (4 * n)) & 0xF
+            byte = (src >> (8 * (s & 7))) & 0xFF
+            if s & 8:  # sign mode: the selected byte's msb replicated
+                byte = 0xFF if byte & 0x80 else 0
+            out |= byte << (8 * n)
+        return np.uint32(out)
+
+    def f16_to_f32(bits):
+        return np.float32(np.uint16(int(bits) & 0xFFFF).view(np.float16))
+
+    def bits_to_f32(u):
+        return np.uint32(int(u) & 0xFFFFFFFF).view(np.float32)
+
+    def round_f16(x):
+        return np.float32(np.float16(np.float32(x)))
+
+    _xchg_lock = threading.Lock()
+
+    def _exchange(v):
+        """Every thread of the block posts v; -> the values of its warp, indexed by lane."""
+        th = threading.current_thread()
+        mgr = th._manager
+        with _xchg_lock:
+            board = mgr.__dict__.setdefault("_moed_board", {})
+            board[th.thread_id] = v
+        th.syncthreads()
+        first = th.thread_id - th.thread_id % 32
+        lanes = [board.get(first + i) for i in range(32)]
+        th.syncthreads()
+        return lanes, th.thread_id % 32
+
+    def _butterfly(v, width, op):
+        lanes, lane = _exchange(v)
+        width = int(width)
+        g0 = lane - lane % width
+        vals = lanes[g0:g0 + width]
+        off = width >> 1
+        while off > 0:
+            vals = [op(vals[i], vals[i ^ off]) for i in range(width)]
+            off >>= 1
+        return vals[lane - g0]
+
+    def warp_sum(v, width):
+        return _butterfly(v, width, lambda x, y: x + y)
+
+    def warp_max(v, width):
+        return _butterfly(v, width, max)

@@ -1,0 +1,76 @@
+"""Activations -> q8_1 blocks on the GPU, once per layer input (shared by gate and up).
+
+q8_1 as llama.cpp's quantize.cu defines it, per block of 32 values x:
+    amax = max |x|,  d = amax / 127,  q = round(x / d) (half away from zero; 0 when amax == 0),
+    s = sum(x) (of the float values, not of q * d), d and s stored as fp16.
+The int8 dot kernels use d for the q * q sums and s where a weight type adds a per-block offset
+(Q4_0's -8, Q5_0's -16, Q4_1/Q5_1's min).
+
+Stored planar rather than as 36-byte blocks, so that the quants of any 16 values are one aligned
+128-bit load:
+    qs: int8    [R, K]          the quants
+    ds: float32 [R, K/32, 2]    (d, s), each already rounded to fp16 (llama.cpp's half2), kept
+                                as float32 so kernels need no half arithmetic
+
+Legend: R = activation rows (tokens, or token x expert pairs for the down projection),
+K = values per row (a multiple of 32).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+from .ptx import round_f16, warp_max, warp_sum
+
+QK8_1 = 32
+_THREADS = 256  # 8 q8_1 blocks per thread block
+
+
+@cuda.jit
+def _quantize_q8_1(x, qs, ds, n):
+    # x: float32 [R, K] -> qs: int8 [R, K], ds: float32 [R, K/32, 2]; one thread per value,
+    # one warp per q8_1 block. Every thread reaches the warp reductions (none returns early).
+    i = cuda.grid(1)
+    k = x.shape[1]
+    valid = i < n
+    r = i // k if valid else 0
+    c = i - r * k if valid else 0
+    v = x[r, c] if valid else np.float32(0.0)
+    amax = warp_max(abs(v), 32)
+    total = warp_sum(v, 32)
+    if valid:
+        d = amax / np.float32(127.0)
+        q = np.float32(0.0)
+        if amax != np.float32(0.0):
+            y = v / d
+            q = np.float32(int(y))  # toward zero
+            frac = y - q  # exact: |y| <= 127
+            if frac >= np.float32(0.5):
+                q += np.float32(1.0)
+            elif frac <= np.float32(-0.5):
+                q -= np.float32(1.0)
+        qs[r, c] = np.int8(q)
+        if c % QK8_1 == 0:
+            b = c // QK8_1
+            ds[r, b, 0] = round_f16(d)
+            ds[r, b, 1] = round_f16(total)
+
+
+def quantize_q8_1(x, qs=None, ds=None, stream=0):
+    """Quantize activation rows to q8_1 on the device.
+
+    x: float32 device array [R, K], C-contiguous, K a multiple of 32.
+    qs / ds: optional outputs (int8 [R, K], float32 [R, K/32, 2]) to reuse across steps.
+    Returns (qs, ds)."""
+    rows, k = x.shape
+    if k % QK8_1:
+        raise ValueError(f"q8_1 rows need a multiple of 32 values, got {k}")
+    if qs is None:
+        qs = cuda.device_array((rows, k), dtype=np.int8, stream=stream)
+    if ds is None:
+        ds = cuda.device_array((rows, k // QK8_1, 2), dtype=np.float32, stream=stream)
+    n = rows * k
+    if n:
+        _quantize_q8_1[(n + _THREADS - 1) // _THREADS, _THREADS, stream](x, qs, ds, n)
+    return qs, ds

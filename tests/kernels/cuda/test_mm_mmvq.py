@@ -1,0 +1,186 @@
+"""GEMV kernels (mmvq.py): dense, per-expert (ids) and fused gate+up+GLU, for every weight type,
+against float64 references (refs.py) on tiny shapes (CI runs them under the simulator)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from daemon.kernels import quants as Q
+from daemon.kernels.cuda import mmvq
+from daemon.kernels.cuda.layout import repack
+from daemon.kernels.cuda.mmvq import Q8
+from daemon.kernels.cuda.quantize import quantize_q8_1
+from tests.kernels.cuda import refs
+
+# float32 products and sums: each rounding is <= 2**-24 relative, and a dot of K <= 512 terms
+# accumulates at most ~K of them, so |err| <= 512 * 6e-8 * sum|w x| ~ 3e-5 * sum|w x|. A wrong
+# decode of even one value in 512 is ~1e-3 of that scale.
+RTOL = 3e-5
+
+
+def _k(qt: int) -> int:
+    return 512 if qt in refs.QK_K_TYPES else 256
+
+
+def _act(qt: int, x: np.ndarray):
+    """Device activations for weights of type qt, and the reference's view of them."""
+    if qt in refs.FLOAT:
+        return cuda.to_device(x), None
+    q, d, s = refs.q8_1(x)
+    ds = np.stack([d, s], axis=-1).astype(np.float32)
+    return Q8(cuda.to_device(q), cuda.to_device(ds)), (q, d, s)
+
+
+def _close(got, want, scale):
+    assert np.all(np.isfinite(got))
+    err = np.abs(got - want)
+    assert np.all(err <= RTOL * scale + 1e-30), f"max err/scale {np.max(err / scale):.3g}"
+
+
+@pytest.mark.parametrize("qt", refs.ALL, ids=[refs.NAMES[t] for t in refs.ALL])
+def test_dense_matches_reference(qt):
+    rng = np.random.default_rng(10 + qt)
+    k, n, t = _k(qt), 5, 3  # 5 rows: the last row group is partly empty
+    raw = refs.weights(qt, (n,), k, rng)
+    x = rng.standard_normal((t, k)).astype(np.float32)
+    act, ref_act = _act(qt, x)
+    out = cuda.to_device(np.full((t, n), np.nan, np.float32))
+    mmvq.mul_mat_vec(cuda.to_device(repack(raw, qt)), qt, k, act, out=out)
+    _close(out.copy_to_host(), refs.matvec(raw, qt, x, ref_act), refs.magnitude(raw, qt, x))
+
+
+@pytest.mark.parametrize("qt", [Q.Q8_0, Q.Q4_K, Q.MXFP4, Q.F16], ids=lambda t: refs.NAMES[t])
+@pytest.mark.parametrize("lpr", [4, 32])
+def test_dense_lanes_per_row(qt, lpr):
+    """Several chunks per lane (lpr 4) and idle lanes (lpr 32 over fewer chunks); 1 token;
+    a bias."""
+    rng = np.random.default_rng(20 + qt)
+    k, n = _k(qt), 3
+    raw = refs.weights(qt, (n,), k, rng)
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32)
+    act, ref_act = _act(qt, x)
+    got = mmvq.mul_mat_vec(cuda.to_device(repack(raw, qt)), qt, k, act,
+                           bias=cuda.to_device(bias), lpr=lpr).copy_to_host()
+    _close(got, refs.matvec(raw, qt, x, ref_act) + bias, refs.magnitude(raw, qt, x))
+
+
+def test_dense_takes_device_quantized_activations():
+    rng = np.random.default_rng(30)
+    qt, k, n = Q.Q4_K, 512, 4
+    raw = refs.weights(qt, (n,), k, rng)
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    qs, ds = quantize_q8_1(cuda.to_device(x))
+    got = mmvq.mul_mat_vec(cuda.to_device(repack(raw, qt)), qt, k, Q8(qs, ds)).copy_to_host()
+    _close(got, refs.matvec(raw, qt, x), refs.magnitude(raw, qt, x))
+
+
+def _experts(qt, rng, n=3, s=3, e=5):
+    k = _k(qt)
+    raw = refs.weights(qt, (s, n), k, rng)  # [S, N, rb]
+    slot_of = np.array([2, -1, 0, 1, -1], np.int32)[:e]  # experts 0, 2, 3 loaded
+    return k, raw, slot_of
+
+
+@pytest.mark.parametrize("qt", refs.ALL, ids=[refs.NAMES[t] for t in refs.ALL])
+def test_experts_one_launch_per_projection(qt):
+    rng = np.random.default_rng(40 + qt)
+    k, raw, slot_of = _experts(qt, rng)
+    ids = np.array([[3, 0], [2, 3]], np.int32)  # [T, A]; token 1 shares expert 3 with token 0
+    per_pair = qt % 2 == 1  # half the types: down-projection style, one activation per pair
+    x = rng.standard_normal((4 if per_pair else 2, k)).astype(np.float32)
+    bias = rng.standard_normal((5, raw.shape[1])).astype(np.float32)  # [E, N]
+    act, ref_act = _act(qt, x)
+    got = mmvq.mul_mat_vec_ids(cuda.to_device(repack(raw, qt)), qt, k, act, cuda.to_device(ids),
+                               cuda.to_device(slot_of), bias=cuda.to_device(bias),
+                               act_per_pair=per_pair).copy_to_host()
+    assert got.shape == (2, 2, raw.shape[1])
+    for t in range(2):
+        for a in range(2):
+            row = t * 2 + a if per_pair else t
+            w = raw[slot_of[ids[t, a]]]
+            sub = None if ref_act is None else tuple(v[row:row + 1] for v in ref_act)
+            want = refs.matvec(w, qt, x[row:row + 1], sub)[0] + bias[ids[t, a]]
+            _close(got[t, a], want, refs.magnitude(w, qt, x[row:row + 1])[0])
+
+
+def test_experts_not_loaded_give_nan():
+    rng = np.random.default_rng(50)
+    qt = Q.Q8_0
+    k, raw, slot_of = _experts(qt, rng)
+    ids = np.array([[0, 1]], np.int32)  # expert 1 has no slot
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    act, _ = _act(qt, x)
+    got = mmvq.mul_mat_vec_ids(cuda.to_device(repack(raw, qt)), qt, k, act, cuda.to_device(ids),
+                               cuda.to_device(slot_of)).copy_to_host()
+    assert np.all(np.isfinite(got[0, 0])) and np.all(np.isnan(got[0, 1]))
+
+
+def _silu(g):
+    return g / (1 + np.exp(-g))
+
+
+def _oai(g, u, alpha=1.702, limit=7.0):
+    x = np.minimum(g, limit)
+    y = np.clip(u, -limit, limit)
+    return x / (1 + np.exp(-alpha * x)) * (y + 1)
+
+
+@pytest.mark.parametrize("qt", [Q.Q8_0, Q.MXFP4, Q.Q6_K, Q.BF16], ids=lambda t: refs.NAMES[t])
+def test_fused_gate_up_glu(qt):
+    rng = np.random.default_rng(60 + qt)
+    k, gate, slot_of = _experts(qt, rng)
+    up = refs.weights(qt, gate.shape[:2], k, rng)
+    ids = np.array([[0, 2], [3, 0]], np.int32)
+    # scaled so that gate/up values reach the clamp at +-7
+    x = (rng.standard_normal((2, k)) * 4).astype(np.float32)
+    bg, bu = (rng.standard_normal((5, gate.shape[1])).astype(np.float32) for _ in range(2))
+    act, ref_act = _act(qt, x)
+    dev = [cuda.to_device(repack(w, qt)) for w in (gate, up)]
+    clamped = False
+    for glu in ("swiglu", "swiglu_oai"):
+        got = mmvq.mul_mat_vec_glu_ids(*dev, qt, k, act, cuda.to_device(ids),
+                                       cuda.to_device(slot_of), glu, cuda.to_device(bg),
+                                       cuda.to_device(bu)).copy_to_host()
+        for t in range(2):
+            for a in range(2):
+                e = ids[t, a]
+                sub = None if ref_act is None else tuple(v[t:t + 1] for v in ref_act)
+                g = refs.matvec(gate[slot_of[e]], qt, x[t:t + 1], sub)[0] + bg[e]
+                u = refs.matvec(up[slot_of[e]], qt, x[t:t + 1], sub)[0] + bu[e]
+                want = _silu(g) * u if glu == "swiglu" else _oai(g, u)
+                clamped |= bool((g > 7).any() and (np.abs(u) > 7).any())
+                # the inputs carry RTOL-sized errors; the GLU's slope is at most ~|u| + 1
+                scale = (refs.magnitude(gate[slot_of[e]], qt, x[t:t + 1])[0]
+                         + refs.magnitude(up[slot_of[e]], qt, x[t:t + 1])[0]) * (np.abs(u) + 2)
+                _close(got[t, a], want, scale)
+    assert clamped  # the clamps of swiglu_oai were exercised
+
+
+def test_dense_glu_without_experts():
+    rng = np.random.default_rng(70)
+    qt, k, n = Q.Q4_0, 256, 4
+    gate, up = refs.weights(qt, (n,), k, rng), refs.weights(qt, (n,), k, rng)
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    act, ref_act = _act(qt, x)
+    got = mmvq.mul_mat_vec_glu(cuda.to_device(repack(gate, qt)), cuda.to_device(repack(up, qt)),
+                               qt, k, act).copy_to_host()
+    g = refs.matvec(gate, qt, x, ref_act)
+    u = refs.matvec(up, qt, x, ref_act)
+    scale = (refs.magnitude(gate, qt, x) + refs.magnitude(up, qt, x)) * (np.abs(u) + 2)
+    _close(got, _silu(g) * u, scale)
+
+
+def test_bad_inputs_are_errors():
+    qt, k = Q.Q8_0, 256
+    w = cuda.to_device(repack(refs.weights(qt, (2,), k, np.random.default_rng(0)), qt))
+    x = np.zeros((17, k), np.float32)
+    act, _ = _act(qt, x)
+    with pytest.raises(ValueError, match="1..16 tokens"):
+        mmvq.mul_mat_vec(w, qt, k, act)
+    with pytest.raises(ValueError, match="q8_1"):
+        mmvq.mul_mat_vec(w, qt, k, cuda.to_device(x[:1]))
+    with pytest.raises(ValueError, match="bytes repacked"):  # rows of 256 values, not 512
+        mmvq.mul_mat_vec(w, qt, 512, _act(qt, np.zeros((1, 512), np.float32))[0])

@@ -1,0 +1,128 @@
+"""The inline-PTX intrinsics (on a GPU) or their simulator twins (in CI), against numpy."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+from daemon.kernels.cuda.ptx import (bits_to_f32, dp4a, f16_to_f32, ldg_u8, ldg_u16, ldg_u32,
+                                     ldg_v4, prmt, round_f16, warp_max, warp_sum)
+
+
+@cuda.jit
+def _int_ops(a, b, c, sel, out):
+    # one thread per element: a, b, c, sel int32/uint32 [n]; out int64 [n, 2]
+    i = cuda.grid(1)
+    if i < a.shape[0]:
+        out[i, 0] = dp4a(a[i], b[i], c[i])
+        out[i, 1] = prmt(a[i], b[i], sel[i])
+
+
+def _bytes_i8(x):
+    return np.asarray(x, dtype=np.uint32).view(np.uint8).reshape(-1, 4).view(np.int8)
+
+
+def _prmt_ref(a, b, sel):
+    src = np.concatenate([np.array([a], np.uint32).view(np.uint8), np.array([b], np.uint32).view(np.uint8)])
+    out = []
+    for n in range(4):
+        s = (int(sel) >> (4 * n)) & 0xF
+        byte = int(src[s & 7])
+        if s & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        out.append(byte)
+    return int(np.array(out, np.uint8).view(np.uint32)[0])
+
+
+def test_dp4a_and_prmt_match_numpy():
+    rng = np.random.default_rng(1)
+    n = 64
+    a = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+    b = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+    c = rng.integers(-2**20, 2**20, n).astype(np.int32)
+    sel = rng.integers(0, 2**16, n).astype(np.uint32)
+    a[0], b[0] = 0x80808080, 0x80808080  # -128 * -128 four times
+    out = np.zeros((n, 2), np.int64)
+    _int_ops[2, 32](a.view(np.int32), b.view(np.int32), c, sel, out)
+    want_dp = (_bytes_i8(a).astype(np.int64) * _bytes_i8(b)).sum(axis=1) + c
+    np.testing.assert_array_equal(out[:, 0], want_dp)
+    want_perm = [_prmt_ref(x, y, s) for x, y, s in zip(a, b, sel)]
+    np.testing.assert_array_equal(out[:, 1] & 0xFFFFFFFF, want_perm)
+
+
+@cuda.jit
+def _loads(buf, offs, out):
+    # buf: uint8 [bytes]; offs: int64 [n] (multiples of 16); out: uint32 [n, 8]
+    i = cuda.grid(1)
+    if i < offs.shape[0]:
+        o = offs[i]
+        w0, w1, w2, w3 = ldg_v4(buf, o)
+        out[i, 0] = w0
+        out[i, 1] = w1
+        out[i, 2] = w2
+        out[i, 3] = w3
+        out[i, 4] = ldg_u32(buf, o + 4)
+        out[i, 5] = ldg_u16(buf, o + 6)
+        out[i, 6] = ldg_u8(buf, o + 13)
+        out[i, 7] = ldg_v4(buf, o + 16)[3]
+
+
+def test_loads_read_the_bytes_at_byte_offsets():
+    rng = np.random.default_rng(2)
+    buf = rng.integers(0, 256, 512, dtype=np.uint8)
+    offs = np.array([0, 16, 64, 480, 240], np.int64)
+    out = np.zeros((offs.size, 8), np.uint32)
+    _loads[1, 32](cuda.to_device(buf), offs, out)
+    words = buf.view(np.uint32)
+    for i, o in enumerate(offs):
+        np.testing.assert_array_equal(out[i, :4], words[o // 4:o // 4 + 4])
+        assert out[i, 4] == words[o // 4 + 1]
+        assert out[i, 5] == buf[o + 6:o + 8].view(np.uint16)[0]
+        assert out[i, 6] == buf[o + 13]
+        assert out[i, 7] == words[o // 4 + 7]
+
+
+@cuda.jit
+def _floats(h, u, x, out):
+    # h: uint16 [n] half bits; u: uint32 [n] float bits; x: float32 [n]; out: float32 [n, 3]
+    i = cuda.grid(1)
+    if i < h.shape[0]:
+        out[i, 0] = f16_to_f32(h[i])
+        out[i, 1] = bits_to_f32(u[i])
+        out[i, 2] = round_f16(x[i])
+
+
+def test_float_conversions():
+    rng = np.random.default_rng(3)
+    n = 64
+    h = rng.integers(0, 2**16, n, dtype=np.uint16)
+    h[:4] = [0x0001, 0x7BFF, 0x8400, 0x3C00]  # subnormal, max, -2^-14, 1.0
+    h[(h & 0x7C00) == 0x7C00] = 0x3555  # no inf/nan
+    x = (rng.standard_normal(n) * 10.0 ** rng.integers(-6, 4, n)).astype(np.float32)
+    x[0] = np.float32(1 + 2.0**-11)  # a tie: rounds to even (1.0)
+    u = x.view(np.uint32)
+    out = np.zeros((n, 3), np.float32)
+    _floats[2, 32](h, u, x, out)
+    np.testing.assert_array_equal(out[:, 0], h.view(np.float16).astype(np.float32))
+    np.testing.assert_array_equal(out[:, 1], x)
+    np.testing.assert_array_equal(out[:, 2], x.astype(np.float16).astype(np.float32))
+
+
+@cuda.jit
+def _reduce(x, width, out):
+    # x: float32 [n] (n = threads); out: float32 [n, 2] = (group sum, group max)
+    i = cuda.grid(1)
+    v = x[i]
+    out[i, 0] = warp_sum(v, width)
+    out[i, 1] = warp_max(v, width)
+
+
+def test_warp_reductions_over_lane_groups():
+    rng = np.random.default_rng(4)
+    x = rng.integers(-100, 100, 64).astype(np.float32)  # integers: sums exact in any order
+    for width in (32, 8):
+        out = np.zeros((64, 2), np.float32)
+        _reduce[1, 64](x, width, out)
+        g = x.reshape(-1, width)
+        np.testing.assert_array_equal(out[:, 0], np.repeat(g.sum(axis=1), width))
+        np.testing.assert_array_equal(out[:, 1], np.repeat(g.max(axis=1), width))
