@@ -66,7 +66,7 @@ _glu_dev = device(_glu)
 
 
 def _build(qtype: int, ncols: int, lpr: int, warps: int, ids_mode: bool, has_bias: bool,
-           glu: int):
+           glu: int, unroll: int):
     """The kernel for one combination (closure constants are compile-time constants)."""
     load, dot = VECDOT[qtype]
     per_chunk = VALUES[qtype]
@@ -77,18 +77,17 @@ def _build(qtype: int, ncols: int, lpr: int, warps: int, ids_mode: bool, has_bia
 
     @cuda.jit
     def kernel(W, W2, A0, A1, ids, slot_of, act_t, act_a, bias, bias2, out, n, k, stride,
-               alpha, limit):
+               n_tok, alpha, limit):
         # W, W2: uint8 [S, N, stride]; A0, A1: activations (see module doc); ids int32 [T, A];
         # slot_of int32 [E]; bias, bias2 float32 [E or 1, N]; out float32 [T, A, N].
-        # grid: x = groups of rows_per_block rows, y = (token, expert) pair or 0 (dense).
+        # grid: x = groups of rows_per_block rows; y = (token, expert) pair (ids), or the tile
+        # of nc tokens starting at y * nc (dense, n_tok tokens in all).
         tid = cuda.threadIdx.x
         row = cuda.blockIdx.x * rows_per_block + tid // lpr
         lane = tid % lpr
-        t = 0
         a = 0
         e = 0
         slot = 0
-        arow = 0
         if ids_mode:
             p = cuda.blockIdx.y
             t = p // ids.shape[1]
@@ -96,6 +95,11 @@ def _build(qtype: int, ncols: int, lpr: int, warps: int, ids_mode: bool, has_bia
             e = ids[t, a]
             slot = slot_of[e] if 0 <= e < slot_of.shape[0] else -1
             arow = t * act_t + a * act_a
+            ncl = 1
+        else:
+            t = cuda.blockIdx.y * nc
+            arow = t
+            ncl = min(nc, n_tok - t)
         live = row < n and slot >= 0
         base = (slot * n + row) * stride
         acc = cuda.local.array(nc, np.float32)
@@ -107,14 +111,32 @@ def _build(qtype: int, ncols: int, lpr: int, warps: int, ids_mode: bool, has_bia
             nb = k // qk
             nch = k // per_chunk
             c = lane
+            if unroll == 2:  # two chunks' loads in flight per lane
+                while c + lpr < nch:
+                    w = load(W, base, nb, c)
+                    wb = load(W, base, nb, c + lpr)
+                    for j in range(nc):
+                        if j < ncl:
+                            acc[j] += dot(w, A0, A1, arow + j, k, c) + dot(
+                                wb, A0, A1, arow + j, k, c + lpr)
+                    if two:
+                        w2 = load(W2, base, nb, c)
+                        w2b = load(W2, base, nb, c + lpr)
+                        for j in range(nc):
+                            if j < ncl:
+                                acc2[j] += dot(w2, A0, A1, arow + j, k, c) + dot(
+                                    w2b, A0, A1, arow + j, k, c + lpr)
+                    c += 2 * lpr
             while c < nch:
                 w = load(W, base, nb, c)
                 for j in range(nc):
-                    acc[j] += dot(w, A0, A1, arow + j, k, c)
+                    if j < ncl:
+                        acc[j] += dot(w, A0, A1, arow + j, k, c)
                 if two:
                     w2 = load(W2, base, nb, c)
                     for j in range(nc):
-                        acc2[j] += dot(w2, A0, A1, arow + j, k, c)
+                        if j < ncl:
+                            acc2[j] += dot(w2, A0, A1, arow + j, k, c)
                 c += lpr
         for j in range(nc):  # every lane takes part in the shuffles
             acc[j] = warp_sum(acc[j], lpr)
@@ -122,17 +144,18 @@ def _build(qtype: int, ncols: int, lpr: int, warps: int, ids_mode: bool, has_bia
                 acc2[j] = warp_sum(acc2[j], lpr)
         if lane == 0 and row < n:
             for j in range(nc):
-                v = acc[j]
-                if has_bias:
-                    v += bias[e, row]
-                if two:
-                    u = acc2[j]
+                if j < ncl:
+                    v = acc[j]
                     if has_bias:
-                        u += bias2[e, row]
-                    v = _glu_dev(v, u, glu, alpha, limit)
-                if slot < 0:
-                    v = np.float32(np.nan)
-                out[t + j, a, row] = v
+                        v += bias[e, row]
+                    if two:
+                        u = acc2[j]
+                        if has_bias:
+                            u += bias2[e, row]
+                        v = _glu_dev(v, u, glu, alpha, limit)
+                    if slot < 0:
+                        v = np.float32(np.nan)
+                    out[t + j, a, row] = v
 
     return kernel
 
@@ -202,43 +225,55 @@ def _bias(b, n: int, stack: bool):
     return b.reshape(1, n)
 
 
-def _launch(w, w2, qtype, k, act, ids, slot_of, act_t, act_a, bias, bias2, out, ncols, pairs,
-            glu, alpha, limit, lpr, warps, stream):
+class Tuning(NamedTuple):
+    """Launch shape: lanes per output row (None: choose_lpr), warps per block, and how many
+    chunks each lane has in flight (1 or 2)."""
+    lpr: int | None = None
+    warps: int = 4
+    unroll: int = 2
+
+
+DEFAULT = Tuning()
+
+
+def _launch(w, w2, qtype, k, act, ids, slot_of, act_t, act_a, bias, bias2, out, ncols, grid_y,
+            n_tok, glu, alpha, limit, tuning, stream):
     a0, a1, _ = _check_act(act, qtype, k)
     n = tuple(w.shape)[-2]
-    lpr = lpr or choose_lpr(qtype, k)
-    if SIMULATOR:  # every simulated thread is a Python thread: keep blocks small
-        warps = 1
-    kern = _kernel(qtype, ncols, lpr, warps, ids is not None, bias is not None, glu)
+    lpr = tuning.lpr or choose_lpr(qtype, k)
+    warps = 1 if SIMULATOR else tuning.warps  # simulated threads are Python threads
+    kern = _kernel(qtype, ncols, lpr, warps, ids is not None, bias is not None, glu,
+                   tuning.unroll)
     rows_per_block = warps * 32 // lpr
-    grid = ((n + rows_per_block - 1) // rows_per_block, pairs)
+    grid = ((n + rows_per_block - 1) // rows_per_block, grid_y)
     kern[grid, warps * 32, stream](
         w, w if w2 is None else w2, a0, a1,
         _dummy("ids") if ids is None else ids, _dummy("slot") if slot_of is None else slot_of,
         act_t, act_a,
         _dummy("bias") if bias is None else bias, _dummy("bias") if bias2 is None else bias2,
-        out, n, k, tuple(w.shape)[-1], np.float32(alpha), np.float32(limit))
+        out, n, k, tuple(w.shape)[-1], n_tok, np.float32(alpha), np.float32(limit))
     return out
 
 
-def _dense(w, w2, qtype, k, act, out, bias, bias2, glu, alpha, limit, lpr, warps, stream):
+def _dense(w, w2, qtype, k, act, out, bias, bias2, glu, alpha, limit, tuning, stream):
     _check_weight(w, qtype, k, stack=False)
     if w2 is not None:
         _check_weight(w2, qtype, k, stack=False)
     _, _, t = _check_act(act, qtype, k)
-    if not 1 <= t <= MAX_COLS:
-        raise ValueError(f"mul_mat_vec takes 1..{MAX_COLS} tokens, got {t} (use mmq)")
+    if t < 1:
+        raise ValueError("no tokens")
     n = w.shape[0]
     if out is None:
         out = cuda.device_array((t, n), np.float32, stream=stream)
+    ncols = min(t, MAX_COLS)
     _launch(w, w2, qtype, k, act, None, None, 0, 0, _bias(bias, n, False),
-            _bias(bias2, n, False), out.reshape(t, 1, n), t, 1, glu, alpha, limit, lpr, warps,
-            stream)
+            _bias(bias2, n, False), out.reshape(t, 1, n), ncols, -(-t // ncols), t, glu, alpha,
+            limit, tuning, stream)
     return out
 
 
 def _experts(w, w2, qtype, k, act, ids, slot_of, out, bias, bias2, act_per_pair, glu, alpha,
-             limit, lpr, warps, stream):
+             limit, tuning, stream):
     _check_weight(w, qtype, k, stack=True)
     if w2 is not None:
         _check_weight(w2, qtype, k, stack=True)
@@ -252,43 +287,41 @@ def _experts(w, w2, qtype, k, act, ids, slot_of, out, bias, bias2, act_per_pair,
         out = cuda.device_array((t, a, n), np.float32, stream=stream)
     act_t, act_a = (a, 1) if act_per_pair else (1, 0)
     _launch(w, w2, qtype, k, act, ids, slot_of, act_t, act_a, _bias(bias, n, True),
-            _bias(bias2, n, True), out, 1, t * a, glu, alpha, limit, lpr, warps, stream)
+            _bias(bias2, n, True), out, 1, t * a, t, glu, alpha, limit, tuning, stream)
     return out
 
 
-def mul_mat_vec(w, qtype: int, k: int, act, out=None, bias=None, *, lpr=None, warps=4,
-                stream=0):
-    """out[T, N] = act[T, K] . w[N, K]^T (+ bias[N]), 1 <= T <= 16, in one launch."""
-    return _dense(w, None, qtype, k, act, out, bias, None, GLU_NONE, 0.0, 0.0, lpr, warps,
-                  stream)
+def mul_mat_vec(w, qtype: int, k: int, act, out=None, bias=None, *, tuning=DEFAULT, stream=0):
+    """out[T, N] = act[T, K] . w[N, K]^T (+ bias[N]) in one launch. Meant for T <= 16 (one pass
+    over the weights); larger T runs as tiles of 16 tokens (the float-weight prefill path)."""
+    return _dense(w, None, qtype, k, act, out, bias, None, GLU_NONE, 0.0, 0.0, tuning, stream)
 
 
 def mul_mat_vec_glu(w_gate, w_up, qtype: int, k: int, act, glu: str = "swiglu", bias_gate=None,
-                    bias_up=None, *, alpha=1.702, limit=7.0, out=None, lpr=None, warps=4,
-                    stream=0):
+                    bias_up=None, *, alpha=1.702, limit=7.0, out=None, tuning=DEFAULT, stream=0):
     """out[T, F] = glu(act . gate^T (+ bias_gate), act . up^T (+ bias_up)): gate and up read in
     one pass, the activation shared. glu: "swiglu" (silu(g) * u) or "swiglu_oai" (gpt-oss:
     x = min(g, limit), y = clamp(u, -limit, limit), x * sigmoid(alpha x) * (y + 1))."""
     return _dense(w_gate, w_up, qtype, k, act, out, bias_gate, bias_up, _glu_kind(glu), alpha,
-                  limit, lpr, warps, stream)
+                  limit, tuning, stream)
 
 
 def mul_mat_vec_ids(w, qtype: int, k: int, act, ids, slot_of, out=None, bias=None,
-                    act_per_pair=False, *, lpr=None, warps=4, stream=0):
+                    act_per_pair=False, *, tuning=DEFAULT, stream=0):
     """out[t, a, N] = act[row] . w[slot_of[ids[t, a]]]^T (+ bias[ids[t, a]]) for every pair, in
     one launch. row = t (gate/up: the token's activation) or t*A + a with act_per_pair (down:
     each pair's own GLU output)."""
     return _experts(w, None, qtype, k, act, ids, slot_of, out, bias, None, act_per_pair,
-                    GLU_NONE, 0.0, 0.0, lpr, warps, stream)
+                    GLU_NONE, 0.0, 0.0, tuning, stream)
 
 
 def mul_mat_vec_glu_ids(w_gate, w_up, qtype: int, k: int, act, ids, slot_of, glu="swiglu",
                         bias_gate=None, bias_up=None, *, alpha=1.702, limit=7.0, out=None,
-                        lpr=None, warps=4, stream=0):
+                        tuning=DEFAULT, stream=0):
     """out[t, a, F] = glu(gate_e . act[t] (+ bias), up_e . act[t] (+ bias)) with e = ids[t, a],
     for all pairs in one launch (see mul_mat_vec_glu for glu)."""
     return _experts(w_gate, w_up, qtype, k, act, ids, slot_of, out, bias_gate, bias_up, False,
-                    _glu_kind(glu), alpha, limit, lpr, warps, stream)
+                    _glu_kind(glu), alpha, limit, tuning, stream)
 
 
 def _glu_kind(glu: str) -> int:

@@ -52,10 +52,10 @@ def test_dense_matches_reference(qt):
 
 
 @pytest.mark.parametrize("qt", [Q.Q8_0, Q.Q4_K, Q.MXFP4, Q.F16], ids=lambda t: refs.NAMES[t])
-@pytest.mark.parametrize("lpr", [4, 32])
-def test_dense_lanes_per_row(qt, lpr):
-    """Several chunks per lane (lpr 4) and idle lanes (lpr 32 over fewer chunks); 1 token;
-    a bias."""
+@pytest.mark.parametrize("lpr,unroll", [(4, 2), (4, 1), (32, 2)])
+def test_dense_lanes_per_row(qt, lpr, unroll):
+    """Several chunks per lane (lpr 4, each unroll path) and idle lanes (lpr 32 over fewer
+    chunks); 1 token; a bias."""
     rng = np.random.default_rng(20 + qt)
     k, n = _k(qt), 3
     raw = refs.weights(qt, (n,), k, rng)
@@ -63,8 +63,20 @@ def test_dense_lanes_per_row(qt, lpr):
     bias = rng.standard_normal(n).astype(np.float32)
     act, ref_act = _act(qt, x)
     got = mmvq.mul_mat_vec(cuda.to_device(repack(raw, qt)), qt, k, act,
-                           bias=cuda.to_device(bias), lpr=lpr).copy_to_host()
+                           bias=cuda.to_device(bias),
+                           tuning=mmvq.Tuning(lpr=lpr, unroll=unroll)).copy_to_host()
     _close(got, refs.matvec(raw, qt, x, ref_act) + bias, refs.magnitude(raw, qt, x))
+
+
+@pytest.mark.parametrize("qt", [Q.Q5_1, Q.BF16], ids=lambda t: refs.NAMES[t])
+def test_dense_more_than_16_tokens_runs_in_tiles(qt):
+    rng = np.random.default_rng(80 + qt)
+    k, n, t = 256, 2, 19  # a tile of 16 and a tile of 3
+    raw = refs.weights(qt, (n,), k, rng)
+    x = rng.standard_normal((t, k)).astype(np.float32)
+    act, ref_act = _act(qt, x)
+    got = mmvq.mul_mat_vec(cuda.to_device(repack(raw, qt)), qt, k, act).copy_to_host()
+    _close(got, refs.matvec(raw, qt, x, ref_act), refs.magnitude(raw, qt, x))
 
 
 def test_dense_takes_device_quantized_activations():
@@ -176,10 +188,7 @@ def test_dense_glu_without_experts():
 def test_bad_inputs_are_errors():
     qt, k = Q.Q8_0, 256
     w = cuda.to_device(repack(refs.weights(qt, (2,), k, np.random.default_rng(0)), qt))
-    x = np.zeros((17, k), np.float32)
-    act, _ = _act(qt, x)
-    with pytest.raises(ValueError, match="1..16 tokens"):
-        mmvq.mul_mat_vec(w, qt, k, act)
+    x = np.zeros((1, k), np.float32)
     with pytest.raises(ValueError, match="q8_1"):
         mmvq.mul_mat_vec(w, qt, k, cuda.to_device(x[:1]))
     with pytest.raises(ValueError, match="bytes repacked"):  # rows of 256 values, not 512
