@@ -64,10 +64,11 @@ def block_offsets(raw: np.ndarray, qt: int) -> np.ndarray | None:
     return _f16_field(blocks, 2)
 
 
-def matvec(raw: np.ndarray, qt: int, x: np.ndarray, act=None) -> np.ndarray:
+def matvec(raw: np.ndarray, qt: int, x: np.ndarray, act=None, exact_sums=False) -> np.ndarray:
     """Expected out[R, N] = x[R, K] . W[N, K]^T as the kernels define it, in float64.
-    Float weights take x as is; quantized ones its q8_1 form `act` = q8_1(x) (the offset terms
-    dotted with the stored block sums s, as llama.cpp does)."""
+    Float weights take x as is; quantized ones its q8_1 form `act` = q8_1(x), the offset terms
+    of the 32-value types dotted with the stored block sums s as llama.cpp's GEMV does, or with
+    the quantized activations themselves (exact_sums: the tiled kernel)."""
     w = dequant(raw, qt)
     if qt in FLOAT:
         return x.astype(np.float64) @ w.T
@@ -76,7 +77,7 @@ def matvec(raw: np.ndarray, qt: int, x: np.ndarray, act=None) -> np.ndarray:
     qb = q.reshape(r, k // 32, 32).astype(np.float64)
     xq = (qb * d[..., None].astype(np.float64)).reshape(r, k)
     out = xq @ w.T
-    off = block_offsets(raw, qt)
+    off = None if exact_sums else block_offsets(raw, qt)
     if off is not None:  # [N, B]: s instead of sum(q) d for the offsets
         out += (s.astype(np.float64) - qb.sum(axis=2) * d) @ off.T
     return out

@@ -65,7 +65,7 @@ def test_dense_lanes_per_row(qt, lpr, unroll):
     got = mmvq.mul_mat_vec(cuda.to_device(repack(raw, qt)), qt, k, act,
                            bias=cuda.to_device(bias),
                            tuning=mmvq.Tuning(lpr=lpr, unroll=unroll)).copy_to_host()
-    _close(got, refs.matvec(raw, qt, x, ref_act) + bias, refs.magnitude(raw, qt, x))
+    _close(got, refs.matvec(raw, qt, x, ref_act) + bias, refs.magnitude(raw, qt, x) + np.abs(bias))
 
 
 @pytest.mark.parametrize("qt", [Q.Q5_1, Q.BF16], ids=lambda t: refs.NAMES[t])
@@ -115,7 +115,7 @@ def test_experts_one_launch_per_projection(qt):
             w = raw[slot_of[ids[t, a]]]
             sub = None if ref_act is None else tuple(v[row:row + 1] for v in ref_act)
             want = refs.matvec(w, qt, x[row:row + 1], sub)[0] + bias[ids[t, a]]
-            _close(got[t, a], want, refs.magnitude(w, qt, x[row:row + 1])[0])
+            _close(got[t, a], want, refs.magnitude(w, qt, x[row:row + 1])[0] + np.abs(bias[ids[t, a]]))
 
 
 def test_experts_not_loaded_give_nan():
@@ -165,8 +165,9 @@ def test_fused_gate_up_glu(qt):
                 want = _silu(g) * u if glu == "swiglu" else _oai(g, u)
                 clamped |= bool((g > 7).any() and (np.abs(u) > 7).any())
                 # the inputs carry RTOL-sized errors; the GLU's slope is at most ~|u| + 1
-                scale = (refs.magnitude(gate[slot_of[e]], qt, x[t:t + 1])[0]
-                         + refs.magnitude(up[slot_of[e]], qt, x[t:t + 1])[0]) * (np.abs(u) + 2)
+                scale = (refs.magnitude(gate[slot_of[e]], qt, x[t:t + 1])[0] + np.abs(bg[e])
+                         + refs.magnitude(up[slot_of[e]], qt, x[t:t + 1])[0] + np.abs(bu[e])
+                         ) * (np.abs(u) + 2)
                 _close(got[t, a], want, scale)
     assert clamped  # the clamps of swiglu_oai were exercised
 

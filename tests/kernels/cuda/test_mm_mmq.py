@@ -1,0 +1,88 @@
+"""Tiled prefill matmul (mmq.py): dense and grouped by expert, every quantized weight type,
+against float64 references (refs.py); the device grouping of pairs by expert."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from daemon.kernels import quants as Q
+from daemon.kernels.cuda import mmq
+from daemon.kernels.cuda.layout import repack
+from tests.kernels.cuda import refs
+from tests.kernels.cuda.test_mm_mmvq import RTOL, _act, _close
+
+
+@pytest.mark.parametrize("qt", refs.QUANT, ids=[refs.NAMES[t] for t in refs.QUANT])
+def test_dense_tiles_match_reference(qt):
+    rng = np.random.default_rng(100 + qt)
+    k, n, t = 256, 18, 20  # two K steps; partial row and token tiles
+    raw = refs.weights(qt, (n,), k, rng)
+    x = rng.standard_normal((t, k)).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32)
+    act, ref_act = _act(qt, x)
+    out = cuda.to_device(np.full((t, n), np.nan, np.float32))
+    mmq.mul_mat_q(cuda.to_device(repack(raw, qt)), qt, k, act, out=out, bias=cuda.to_device(bias))
+    want = refs.matvec(raw, qt, x, ref_act, exact_sums=True) + bias
+    _close(out.copy_to_host(), want, refs.magnitude(raw, qt, x) + np.abs(bias))  # bias: rounded too
+
+
+def test_float_weights_take_the_gemv_tiles():
+    rng = np.random.default_rng(110)
+    qt, k, n, t = Q.F16, 128, 5, 18
+    raw = refs.weights(qt, (n,), k, rng)
+    x = rng.standard_normal((t, k)).astype(np.float32)
+    got = mmq.mul_mat_q(cuda.to_device(repack(raw, qt)), qt, k, cuda.to_device(x)).copy_to_host()
+    _close(got, refs.matvec(raw, qt, x), refs.magnitude(raw, qt, x))
+
+
+def test_group_by_expert_lists_pairs_in_order():
+    rng = np.random.default_rng(120)
+    ids = np.stack([rng.choice(7, 3, replace=False) for _ in range(11)]).astype(np.int32)
+    g = mmq.group_by_expert(cuda.to_device(ids), 8)  # expert 7 is never chosen
+    flat = ids.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    np.testing.assert_array_equal(g.pairs.copy_to_host(), order)
+    np.testing.assert_array_equal(g.starts.copy_to_host(),
+                                  np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=8))]))
+
+
+@pytest.mark.parametrize("qt", [Q.Q8_0, Q.Q4_K, Q.MXFP4, Q.Q6_K, Q.Q5_0],
+                         ids=lambda t: refs.NAMES[t])
+def test_experts_grouped_tiles(qt):
+    rng = np.random.default_rng(130 + qt)
+    k, n, s, e, t, a = 128 if qt not in refs.QK_K_TYPES else 256, 6, 3, 5, 18, 2
+    raw = refs.weights(qt, (s, n), k, rng)
+    slot_of = np.array([2, -1, 0, 1, 2], np.int32)  # expert 1 not loaded; 0 and 4 share a slot
+    ids = np.stack([rng.choice([0, 2, 3, 4], a, replace=False) for _ in range(t)]).astype(np.int32)
+    per_pair = qt in (Q.Q4_K, Q.Q5_0)
+    x = rng.standard_normal((t * a if per_pair else t, k)).astype(np.float32)
+    bias = rng.standard_normal((e, n)).astype(np.float32)
+    act, ref_act = _act(qt, x)
+    d_ids = cuda.to_device(ids)
+    groups = mmq.group_by_expert(d_ids, e)
+    got = mmq.mul_mat_q_ids(cuda.to_device(repack(raw, qt)), qt, k, act, d_ids,
+                            cuda.to_device(slot_of), groups, bias=cuda.to_device(bias),
+                            act_per_pair=per_pair).copy_to_host()
+    for ti in range(t):
+        for ai in range(a):
+            row = ti * a + ai if per_pair else ti
+            w = raw[slot_of[ids[ti, ai]]]
+            sub = tuple(v[row:row + 1] for v in ref_act)
+            want = refs.matvec(w, qt, x[row:row + 1], sub, exact_sums=True)[0] + bias[ids[ti, ai]]
+            _close(got[ti, ai], want, refs.magnitude(w, qt, x[row:row + 1])[0] + np.abs(bias[ids[ti, ai]]))
+
+
+def test_experts_not_loaded_give_nan():
+    rng = np.random.default_rng(140)
+    qt, k = Q.Q8_0, 128
+    raw = refs.weights(qt, (2, 4), k, rng)
+    ids = np.array([[0, 1], [1, 0]], np.int32)
+    slot_of = np.array([1, -1], np.int32)
+    act, _ = _act(qt, rng.standard_normal((2, k)).astype(np.float32))
+    d_ids = cuda.to_device(ids)
+    got = mmq.mul_mat_q_ids(cuda.to_device(repack(raw, qt)), qt, k, act, d_ids,
+                            cuda.to_device(slot_of), mmq.group_by_expert(d_ids, 2)).copy_to_host()
+    assert np.isfinite(got[0, 0]).all() and np.isfinite(got[1, 1]).all()
+    assert np.isnan(got[0, 1]).all() and np.isnan(got[1, 0]).all()
