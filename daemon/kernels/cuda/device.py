@@ -15,7 +15,11 @@ import math
 
 import numpy as np
 from numba import cuda
-from numba.cuda.core import config as _cuda_config
+
+try:  # numba-cuda 0.30 keeps its own config; without it, numba's
+    from numba.cuda.core import config as _cuda_config
+except ImportError:  # pragma: no cover
+    from numba.core import config as _cuda_config
 
 SIM = bool(_cuda_config.ENABLE_CUDASIM)
 
