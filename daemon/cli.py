@@ -171,6 +171,10 @@ def _add_synth(sub) -> None:
     sy.add_argument("--hidden", type=int, default=None, help="hidden size (small test files)")
     sy.add_argument("--ff", type=int, default=None, help="expert FFN width (small test files)")
     sy.add_argument("--heads", type=int, default=None, help="attention heads (kv heads keep the model's ratio)")
+    sy.add_argument("--routing", choices=["uniform"], default="uniform",
+                    help="how the random routers choose: uniform = spread over all experts, the worst case "
+                         "for an expert cache (the only mode; for realistic routing in benchmarks, replay a "
+                         "trace: MOE_ROUTING_REPLAY)")
     sy.add_argument("--seed", type=int, default=0)
     sy.add_argument("--force", action="store_true", help="overwrite OUT")
 
