@@ -29,6 +29,7 @@ import numpy as np
 
 from ipc.protocol import Chat, Done, Generate, Message, SamplingOptions
 
+from .backend import CPUBackend
 from .config import Settings
 from .errors import RequestError
 from .model.transformer import Transformer
@@ -141,7 +142,7 @@ class Engine:
         try:
             cache = _expert_cache(gguf, cfg, say)
             say(f"building {gguf.architecture} model")
-            model = Transformer(gguf, numerics=cfg.numerics, experts=cache)
+            model = Transformer(gguf, experts=cache, backend=CPUBackend(cfg.numerics))
             say("building tokenizer")
             tokenizer = Tokenizer.from_metadata(gguf.metadata)
         except BaseException:

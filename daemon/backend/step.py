@@ -30,6 +30,14 @@ class Step:
     caches: Sequence[SequenceCache]  # [S]
     all_logits: bool = True
     memo: dict = field(default_factory=dict)
+    T: int = field(init=False)  # rows
+    S: int = field(init=False)  # sequences
+    one_row_each: bool = field(init=False)  # every sequence has exactly one row (a decode step)
+
+    def __post_init__(self):  # plain attributes: read by every op of the step
+        self.T = int(self.offsets[-1])
+        self.S = len(self.offsets) - 1
+        self.one_row_each = self.T == self.S
 
     @classmethod
     def append(cls, tokens: Sequence[np.ndarray], caches: Sequence[SequenceCache], all_logits: bool) -> Step:
@@ -49,19 +57,6 @@ class Step:
     def rows(cls, T: int) -> Step:
         """T rows of one sequence, with no cache (for ops that only need the grouping)."""
         return cls(np.zeros(T, np.int64), np.arange(T, dtype=np.int64), np.array([0, T], np.int64), ())
-
-    @property
-    def T(self) -> int:
-        return int(self.offsets[-1])
-
-    @property
-    def S(self) -> int:
-        return len(self.offsets) - 1
-
-    @property
-    def one_row_each(self) -> bool:
-        """Every sequence has exactly one row (a decode step)."""
-        return self.T == self.S
 
     def last_rows(self) -> np.ndarray:
         """[S] the index of each sequence's last row."""

@@ -54,7 +54,7 @@ class Sequence:
         self.ids = ids  # the prompt, checked by prompt_ids
         self.history: list[int] = []
         self.token: int | None = None  # sampled, not yet fed to the model
-        self.cache = None  # KVCache, freed (None) when the sequence leaves the batch
+        self.cache = None  # the model's SequenceCache, freed (None) when the sequence leaves the batch
         self.eval_count = 0
         self.prompt_eval_duration = 0
         self.eval_started = 0

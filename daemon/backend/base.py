@@ -1,0 +1,129 @@
+"""The execution-backend seam: the operations model code runs, and nothing else.
+
+Model code (daemon/model) says what to compute; a Backend says where and how: the CPU backend
+(cpu.py) runs numba CPU kernels with llama.cpp's CPU numerics, a GPU backend would run device
+kernels. As llama.cpp's graph code never names a device, model code never imports a kernel.
+
+Arrays passed in and out are the backend's own (numpy arrays on the CPU, device arrays on a
+GPU); `to_host` brings one back. Weights pass through `upload` once, at load. Every op that
+depends on how rows group into sequences takes the step's `Step`, and computes each sequence's
+rows as a step holding that sequence alone would (batch invariance).
+
+Legend: T = rows of the step, S = sequences, D = hidden size, K = a linear's input length,
+N = its output length, H = query heads, Hkv = key/value heads, Dh = key head size, Dv = value
+head size, E = experts, A = experts used per row, P = T*A (row, expert) pairs, F = expert FFN size.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from .cache import SequenceCache
+from .step import Step
+
+if TYPE_CHECKING:  # the model package imports the backend
+    from ..model.hparams import HParams, Rope
+    from ..model.weights import QWeight
+
+Array = Any  # a backend's array type (np.ndarray on the CPU)
+
+
+class Backend(Protocol):
+    name: str  # "cpu", "cuda:0", ...
+
+    # -- weights and state ---------------------------------------------------------------------
+
+    def upload(self, weight: QWeight | np.ndarray) -> Any:
+        """A weight (quantized matrix or f32 vector) made resident where this backend computes."""
+        ...
+
+    def new_cache(self, hp: HParams, n_ctx: int) -> SequenceCache:
+        """An empty sequence: one layer cache per layer, for up to n_ctx positions."""
+        ...
+
+    def to_host(self, x: Array) -> np.ndarray:
+        ...
+
+    # -- dense ---------------------------------------------------------------------------------
+
+    def embed(self, table: QWeight, tokens: np.ndarray) -> Array:
+        """Rows of the token embedding table: tokens [T] -> [T, D] f32."""
+        ...
+
+    def prepare(self, x: Array) -> Any:
+        """Activations x [T, K] made ready for linear/expert_linear, converted once per weight
+        encoding however many weights read them (q, k and v; gate and up)."""
+        ...
+
+    def linear(self, x: Any, w: QWeight, step: Step | None = None, bias: Array | None = None) -> Array:
+        """x [T, K] (array or prepared) @ w.T (+ bias [N]) -> [T, N]. step: the rows' grouping
+        (None: one sequence)."""
+        ...
+
+    # -- experts -------------------------------------------------------------------------------
+
+    def expert_plan(self, ids: np.ndarray, slots: dict[int, int], layout: Any, step: Step | None) -> Any:
+        """How the (row, expert) pairs of one MoE layer are computed: ids [T, A] expert ids in
+        top-k order; slots[e]: expert e's index in the layer's weight stacks; layout: the
+        experts' ExpertLayout."""
+        ...
+
+    def expert_linear(self, x: Any, stack: Array, ggml_type: int, k: int, plan: Any, bias: Array | None = None,
+                      per_token: bool = True) -> Array:
+        """Each pair's expert applied to its row: stack [slots, N, row bytes] of one projection;
+        x: [T, K] (per_token, one row per token) or [P, K] (a previous expert_linear's rows).
+        bias: [E, N] by expert id. -> [P, N] in the plan's pair order."""
+        ...
+
+    def moe_mix(self, y: Array, plan: Any, weights: Array) -> Array:
+        """The weighted sum of each row's expert outputs in top-k order: y [P, D], weights [T, A]
+        -> [T, D]."""
+        ...
+
+    def router(self, logits: Array, n_used: int, gating: str, norm_topk: bool, scale: float,
+               chosen: np.ndarray | None = None) -> tuple[np.ndarray, Array]:
+        """Top-k routing of logits [T, E] -> (ids [T, A] int64 largest first, weights [T, A] f32).
+        gating "softmax": softmax over E, then top-k; "softmax_weight": top-k of the logits, then
+        softmax over the k. norm_topk: weights divided by their sum; scale: multiplied by it
+        (0 = not). chosen: ids [T, A] to weigh instead of the top-k (routing replay)."""
+        ...
+
+    # -- elementwise and attention -------------------------------------------------------------
+
+    def rms_norm(self, x: Array, weight: Array, eps: float) -> Array:
+        """x [T, N] normalized per row, times weight [N]."""
+        ...
+
+    def rms_norm_heads(self, x: Array, weight: Array, eps: float) -> Array:
+        """x [T, H, Dh] normalized per head, times weight [Dh]."""
+        ...
+
+    def rope(self, x: Array, step: Step, rope: Rope) -> Array:
+        """x [T, H, Dh] rotated by the positions of the step's rows (NORM or NEOX, YaRN)."""
+        ...
+
+    def attention(self, layer: int, q: Array, k: Array, v: Array, step: Step, scale: float, window: int,
+                  sinks: Array | None) -> Array:
+        """Store k [T, Hkv, Dh] and v [T, Hkv, Dv] in layer `layer` of each sequence's cache, then
+        attend each query row q [T, H, Dh] causally to its own sequence's cells (GQA: head h reads
+        KV head h // (H / Hkv)). window: sliding window (0 = full); sinks: [H] extra logit per
+        head or None. -> [T, H, Dv]"""
+        ...
+
+    def glu(self, gate: Array, up: Array, kind: str, alpha: float = 0.0, limit: float = 0.0) -> Array:
+        """kind "silu": silu(gate) * up; "oai": gpt-oss's clamped SwiGLU (alpha, limit). [T, F]."""
+        ...
+
+    def sigmoid_gate(self, y: Array, z: Array) -> Array:
+        """y [T, N] * sigmoid(z [T, 1]) (a shared expert's gate)."""
+        ...
+
+    def add(self, a: Array, b: Array) -> Array:
+        """a + b, same shapes (the residual stream)."""
+        ...
+
+    def take_rows(self, x: Array, rows: np.ndarray) -> Array:
+        """x [T, N] -> x[rows] [R, N], contiguous."""
+        ...

@@ -1,0 +1,203 @@
+"""The CPU backend: numba CPU kernels (daemon/kernels), numpy arrays, f32 KV caches.
+
+numerics "ggml" follows llama.cpp's CPU backend bit for bit: the matmuls quantize activations as
+it does, and the KV cache, the queries and the attention weights are rounded to f16 as its f16 KV
+cache and f16 mul_mats do. "float32" rounds nothing beyond float32.
+
+A Step maps onto the kernels' row flags: `solo` when every sequence has one row (a decode batch:
+each row computed as a one-row call), `groups` (the step's offsets) when several sequences have
+several rows (a batched prefill: each computed as a call on its rows alone).
+
+Legend: T = rows, S = sequences, D = hidden size, K = input length, N = output length, H = query
+heads, Hkv = key/value heads, Dh = key head size, Dv = value head size, A = experts per row,
+P = T*A pairs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba.typed import List
+
+from ..kernels import ops
+from ..kernels.matmul import Prepared, linear_prepared, prepare
+from ..kernels.quants import dequantize
+from . import cpu_experts
+from .cpu_cache import KVCache
+from .step import Step
+
+NUMERICS = ("ggml", "float32")
+
+
+class Activations:
+    """x [T, K] with its conversions for each weight type, made on first use."""
+
+    def __init__(self, x: np.ndarray, numerics: str):
+        self.x = x
+        self.numerics = numerics
+        self._prepared: dict = {}  # ggml type (or (type, plan)) -> Prepared
+
+    def get(self, ggml_type: int) -> Prepared:
+        xp = self._prepared.get(ggml_type)
+        if xp is None:
+            xp = self._prepared[ggml_type] = prepare(self.x, ggml_type, self.numerics)
+        return xp
+
+    def gathered(self, ggml_type: int, plan) -> Prepared:
+        """get(ggml_type) gathered by plan.tokens (converted once per row, then gathered once)."""
+        key = (ggml_type, id(plan))
+        xp = self._prepared.get(key)
+        if xp is None:
+            xp = self._prepared[key] = self.get(ggml_type).rows(plan.tokens)
+        return xp
+
+
+_ONE_SEQUENCE = {"solo": False, "groups": None}
+
+
+def _row_flags(step: Step | None) -> dict:
+    """The kernels' solo/groups flags for a step's rows (once per step)."""
+    if step is None or step.S == 1:
+        return _ONE_SEQUENCE
+    flags = step.memo.get("rows")
+    if flags is None:
+        flags = step.memo["rows"] = ({"solo": True, "groups": None} if step.one_row_each
+                                     else {"solo": False, "groups": step.offsets})
+    return flags
+
+
+class CPUBackend:
+    name = "cpu"
+
+    def __init__(self, numerics: str = "ggml"):
+        if numerics not in NUMERICS:
+            raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
+        self.numerics = numerics
+
+    def __repr__(self) -> str:
+        return f"CPUBackend({self.numerics!r})"
+
+    # -- weights and state ---------------------------------------------------------------------
+
+    def upload(self, weight):
+        return weight  # already in host memory
+
+    def new_cache(self, hp, n_ctx: int) -> KVCache:
+        return KVCache(hp.n_layer, hp.n_head_kv, hp.head_dim, hp.head_dim_v, n_ctx)
+
+    def to_host(self, x: np.ndarray) -> np.ndarray:
+        return x
+
+    # -- dense ---------------------------------------------------------------------------------
+
+    def embed(self, table, tokens: np.ndarray) -> np.ndarray:
+        return dequantize(table.raw[tokens], table.ggml_type, table.n_in)  # [T, D]
+
+    def prepare(self, x: np.ndarray) -> Activations:
+        return Activations(x, self.numerics)
+
+    def linear(self, x, w, step: Step | None = None, bias: np.ndarray | None = None) -> np.ndarray:
+        acts = x if isinstance(x, Activations) else Activations(x, self.numerics)
+        y = linear_prepared(acts.get(w.ggml_type), w.raw, w.ggml_type, w.n_in, **_row_flags(step))  # [T, N]
+        if bias is not None:
+            y += bias
+        return y
+
+    # -- experts -------------------------------------------------------------------------------
+
+    def expert_plan(self, ids, slots, layout, step):
+        return cpu_experts.plan(ids, slots, layout, step)
+
+    def expert_linear(self, x, stack, ggml_type, k, plan, bias=None, per_token=True) -> np.ndarray:
+        acts = x if isinstance(x, Activations) else Activations(x, self.numerics)
+        gather = per_token and isinstance(plan, cpu_experts.GroupedPlan)
+        xp = acts.gathered(ggml_type, plan) if gather else acts.get(ggml_type)
+        y = cpu_experts.expert_linear(xp, stack, ggml_type, k, plan, per_token)  # [P, N]
+        if bias is not None:
+            y += bias[plan.experts]
+        return y
+
+    def moe_mix(self, y, plan, weights) -> np.ndarray:
+        return ops.moe_mix(y, plan.slot_rows, np.ascontiguousarray(weights, dtype=np.float32))
+
+    def router(self, logits, n_used, gating, norm_topk, scale, chosen=None):
+        if gating == "softmax_weight":
+            ids = _top_k(logits, n_used) if chosen is None else chosen
+            weights = ops.softmax_rows(np.take_along_axis(logits, ids, axis=1))
+        else:
+            probs = ops.softmax_rows(logits)
+            ids = _top_k(probs, n_used) if chosen is None else chosen
+            weights = np.take_along_axis(probs, ids, axis=1)
+        if norm_topk:
+            total = weights.astype(np.float64).sum(axis=1, keepdims=True).astype(np.float32)
+            weights = weights / np.maximum(total, np.float32(6.103515625e-5))
+        if scale:
+            weights = weights * np.float32(scale)
+        return ids, weights.astype(np.float32)
+
+    # -- elementwise and attention -------------------------------------------------------------
+
+    def rms_norm(self, x, weight, eps) -> np.ndarray:
+        return ops.rms_norm(x, weight, np.float32(eps))
+
+    def rms_norm_heads(self, x, weight, eps) -> np.ndarray:
+        return ops.rms_norm_heads(x, weight, np.float32(eps))
+
+    def rope(self, x, step: Step, rope) -> np.ndarray:
+        table = step.memo.get("rope")
+        if table is None:  # [T, n_dims/2, 2], once per step
+            table = step.memo["rope"] = ops.rope_cache(step.positions, rope.n_dims, rope.freq_base, rope.freq_scale,
+                                                       rope.ext_factor, rope.attn_factor, rope.corr_dims)
+        return ops.apply_rope(x, table, rope.n_dims, rope.neox)
+
+    def attention(self, layer, q, k, v, step: Step, scale, window, sinks) -> np.ndarray:
+        ggml = self.numerics == "ggml"
+        if ggml:  # f16 KV cache; q converted to f16 for the K·q product
+            q, k, v = (np.ascontiguousarray(t) for t in (q, k, v))
+            for t in (q, k, v):
+                ops.to_f16_values(t)
+        sinks = sinks if sinks is not None else np.empty(0, np.float32)
+        scale = np.float32(scale)
+        if step.one_row_each and step.S > 1:  # one new cell per sequence, all sequences in one call
+            k_all, v_all = self._step_stores(step)
+            return ops.attention_decode(q, k, v, k_all, v_all, step.caches[0].layers[layer].slot, step.positions,
+                                        scale, window, sinks, ggml)
+        T, H, Dv = q.shape[0], q.shape[1], v.shape[2]
+        out = np.empty((T, H, Dv), np.float32)
+        for s, cache in enumerate(step.caches):  # each sequence's rows against its own cells
+            r0, r1 = int(step.offsets[s]), int(step.offsets[s + 1])
+            lc = cache.layers[layer]
+            start, end = cache.n_past, cache.n_past + r1 - r0
+            lc.write(start, k[r0:r1], v[r0:r1])
+            out[r0:r1] = ops.attention(q[r0:r1], lc.keys(end), lc.values(end), step.positions[r0:r1], scale,
+                                       window, sinks, ggml)
+        return out
+
+    @staticmethod
+    def _step_stores(step: Step) -> tuple[List, List]:
+        """The KV stores of the step's sequences ([L, C, Hkv, Dh|Dv] each) as numba Lists, built
+        once per step: the decode kernel writes and reads layer `slot` of each."""
+        stores = step.memo.get("kv")
+        if stores is None:
+            caches = [c.store for c in step.caches]
+            stores = step.memo["kv"] = (List([c.k for c in caches]), List([c.v for c in caches]))
+        return stores
+
+    def glu(self, gate, up, kind, alpha=0.0, limit=0.0) -> np.ndarray:
+        if kind == "oai":
+            return ops.swiglu_oai(gate, up, np.float32(alpha), np.float32(limit))
+        return ops.swiglu(gate, up)
+
+    def sigmoid_gate(self, y, z) -> np.ndarray:
+        with np.errstate(invalid="ignore", divide="ignore"):  # llama.cpp: silu(z) / z = sigmoid(z)
+            return y * (ops.silu(np.ascontiguousarray(z)) / z)
+
+    def add(self, a, b) -> np.ndarray:
+        return a + b
+
+    def take_rows(self, x, rows) -> np.ndarray:
+        return np.ascontiguousarray(x[rows])
+
+
+def _top_k(scores: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest per row, largest first; ties keep the lower index first."""
+    return np.argsort(-scores, axis=1, kind="stable")[:, :k]

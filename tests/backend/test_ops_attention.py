@@ -1,0 +1,69 @@
+"""Attention of every backend against numpy: prefill, decode batches and batched prefills, with
+GQA, sinks and a sliding window; each sequence sees only its own cells."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from daemon.backend import Step
+
+from . import reference as R
+
+CASES = {  # H, Hkv, Dh, Dv, window, sinks
+    "mha": (4, 4, 16, 16, 0, False),
+    "gqa": (8, 2, 32, 32, 0, False),
+    "gqa-sinks-window": (4, 2, 16, 16, 5, True),
+    "dv-differs": (2, 1, 8, 12, 0, False),
+}
+
+
+def _rows(rng, T, H, Hkv, Dh, Dv):
+    return (rng.standard_normal((T, H, Dh)).astype(np.float32), rng.standard_normal((T, Hkv, Dh)).astype(np.float32),
+            rng.standard_normal((T, Hkv, Dv)).astype(np.float32))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_prefill_then_decode_batches(backend, case):
+    """Three sequences: a batched prefill (rows 7, 1, 12), two decode steps of all three, then
+    a prefill of 4 more rows of the first alone; every step against numpy over all cells."""
+    H, Hkv, Dh, Dv, window, has_sinks = CASES[case]
+    hp = R.small_hparams(n_layer=2, n_head=H, n_head_kv=Hkv, head_dim=Dh, head_dim_v=Dv)
+    rng = np.random.default_rng(len(case))
+    sinks = rng.standard_normal(H).astype(np.float32) if has_sinks else None
+    scale = 1 / np.sqrt(Dh)
+    layer = 1
+    caches = [backend.new_cache(hp, 64) for _ in range(3)]
+    cells = [([], []) for _ in caches]  # what each sequence stored: k, v per step
+    for counts, which in (((7, 1, 12), (0, 1, 2)), ((1, 1, 1), (0, 1, 2)), ((1, 1, 1), (2, 0, 1)), ((4,), (0,))):
+        seqs = [caches[i] for i in which]
+        for c, n in zip(seqs, counts):
+            c.reserve(c.n_past + n)
+        step = Step.append([np.zeros(n, np.int64) for n in counts], seqs, True)
+        q, k, v = _rows(rng, step.T, H, Hkv, Dh, Dv)
+        got = backend.to_host(backend.attention(layer, q, k, v, step, scale, window, sinks))
+        assert got.shape == (step.T, H, Dv)
+        for s, i in enumerate(which):
+            r0, r1 = step.offsets[s], step.offsets[s + 1]
+            cells[i][0].append(k[r0:r1])
+            cells[i][1].append(v[r0:r1])
+            want = R.attention(q[r0:r1], np.concatenate(cells[i][0]), np.concatenate(cells[i][1]),
+                               step.positions[r0:r1], scale, window, sinks)
+            assert R.rel_err(got[r0:r1], want) < R.tolerance(backend), (counts, s)
+        for c, n in zip(seqs, counts):
+            c.n_past += n
+
+
+def test_sliding_window_hides_old_cells(backend):
+    """With window 2 the query at position 3 ignores cells 0 and 1 entirely: changing them
+    changes nothing."""
+    hp = R.small_hparams(n_layer=1, n_head=2, n_head_kv=1, head_dim=8, head_dim_v=8)
+    rng = np.random.default_rng(9)
+    q, k, v = _rows(rng, 4, 2, 1, 8, 8)
+    outs = []
+    for k0 in (k, np.concatenate([k[:2] * 5, k[2:]])):
+        cache = backend.new_cache(hp, 8)
+        cache.reserve(4)
+        step = Step.append([np.zeros(4, np.int64)], [cache], True)
+        outs.append(backend.to_host(backend.attention(0, q, k0, v, step, 0.3, 2, None))[3])
+    assert np.array_equal(outs[0], outs[1])

@@ -1,0 +1,131 @@
+"""Dense ops of every backend against numpy: embed, linear (+bias, grouped rows), norms, RoPE,
+GLUs, the shared-expert gate, add, take_rows, upload."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from daemon.backend import Step
+from daemon.backend.cpu_cache import KVCache
+from daemon.kernels import quants as Q
+from daemon.model.hparams import Rope
+
+from . import reference as R
+
+TYPES = [Q.F32, Q.F16, Q.Q8_0, Q.MXFP4, Q.Q4_K, Q.Q6_K]
+K, N = 256, 24
+
+
+@pytest.mark.parametrize("qt", [Q.Q8_0, Q.F16, Q.Q4_K])
+def test_embed(backend, qt):
+    rng = np.random.default_rng(qt)
+    table = backend.upload(R.qweight(qt, 10, K, rng))
+    tokens = np.array([3, 0, 9, 3], np.int64)
+    got = backend.to_host(backend.embed(table, tokens))
+    assert got.shape == (4, K) and got.dtype == np.float32
+    assert np.allclose(got, R.dequant(table.raw, qt)[tokens], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("qt", TYPES, ids=[Q.type_name(t) for t in TYPES])
+@pytest.mark.parametrize("T", [1, 3, 9])
+def test_linear(backend, qt, T):
+    rng = np.random.default_rng(10 * qt + T)
+    w = backend.upload(R.qweight(qt, N, K, rng))
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    bias = rng.standard_normal(N).astype(np.float32)
+    want = x.astype(np.float64) @ R.dequant(w.raw, qt).T
+    got = backend.to_host(backend.linear(x, w))
+    assert got.shape == (T, N) and got.dtype == np.float32
+    assert R.rel_err(got, want) < R.tolerance(backend, qt)
+    with_bias = backend.to_host(backend.linear(backend.prepare(x), w, None, bias))
+    assert R.rel_err(with_bias, want + bias) < R.tolerance(backend, qt)
+
+
+@pytest.mark.parametrize("qt", [Q.F16, Q.Q4_K, Q.Q8_0], ids=["F16", "Q4_K", "Q8_0"])
+def test_linear_computes_each_sequence_as_alone(backend, qt):
+    """Batch invariance: in a batched prefill (rows of 9, 1 and 3) and in a decode step (one row
+    each), every sequence's rows come out bit-identical to a step holding that sequence only."""
+    rng = np.random.default_rng(7)
+    w = backend.upload(R.qweight(qt, N, K, rng))
+    caches = [KVCache(1, 1, 4, 4, 32) for _ in range(3)]
+    for counts in ((9, 1, 3), (1, 1, 1)):
+        x = rng.standard_normal((sum(counts), K)).astype(np.float32)
+        step = Step.append([np.zeros(n, np.int64) for n in counts], caches, True)
+        together = backend.to_host(backend.linear(x, w, step))
+        for s in range(3):
+            r0, r1 = step.offsets[s], step.offsets[s + 1]
+            alone = backend.to_host(backend.linear(x[r0:r1], w, Step.append([np.zeros(r1 - r0, np.int64)],
+                                                                           caches[s:s + 1], True)))
+            assert np.array_equal(together[r0:r1], alone), (counts, s)
+
+
+def test_prepared_activations_serve_weights_of_several_types(backend):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, K)).astype(np.float32)
+    xa = backend.prepare(x)
+    for qt in (Q.Q8_0, Q.Q4_K, Q.F16, Q.Q8_0):
+        w = R.qweight(qt, N, K, rng)
+        assert np.array_equal(backend.to_host(backend.linear(xa, w)), backend.to_host(backend.linear(x, w)))
+
+
+def test_rms_norm(backend):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((5, 64)).astype(np.float32)
+    w = rng.standard_normal(64).astype(np.float32)
+    got = backend.to_host(backend.rms_norm(x, w, 1e-5))
+    assert R.rel_err(got, R.rms_norm(x, w, 1e-5)) < 1e-6
+    xh = rng.standard_normal((5, 3, 16)).astype(np.float32)
+    wh = rng.standard_normal(16).astype(np.float32)
+    got = backend.to_host(backend.rms_norm_heads(xh, wh, 1e-6))
+    assert R.rel_err(got, R.rms_norm(xh, wh, 1e-6)) < 1e-6
+
+
+ROPES = {
+    "norm": Rope(n_dims=16, freq_base=10000.0, neox=False),
+    "neox-partial": Rope(n_dims=8, freq_base=500000.0, neox=True),
+    "yarn": Rope(n_dims=16, freq_base=150000.0, neox=True, freq_scale=0.25, ext_factor=1.0, attn_factor=1.0,
+                 corr_dims=(3.0, 6.0)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROPES))
+def test_rope(backend, name):
+    r = ROPES[name]
+    rng = np.random.default_rng(2)
+    caches = [KVCache(1, 1, 4, 4, 64) for _ in range(2)]
+    caches[1].n_past = 40
+    step = Step.append([np.zeros(3, np.int64), np.zeros(2, np.int64)], caches, True)  # positions 0-2, 40-41
+    x = rng.standard_normal((5, 3, 16)).astype(np.float32)
+    got = backend.to_host(backend.rope(x, step, r))
+    assert R.rel_err(got, R.rope(x, step.positions, r)) < 1e-5
+    assert np.array_equal(got[..., r.n_dims:], x[..., r.n_dims:])  # dimensions past n_dims pass through
+
+
+def test_glu(backend):
+    rng = np.random.default_rng(3)
+    g, u = (rng.standard_normal((4, 40)).astype(np.float32) * 4 for _ in range(2))
+    got = backend.to_host(backend.glu(g, u, "silu"))
+    assert R.rel_err(got, R.silu(g.astype(np.float64)) * u) < 1e-6
+    got = backend.to_host(backend.glu(g, u, "oai", 1.702, 7.0))
+    assert R.rel_err(got, R.swiglu_oai(g.astype(np.float64), u, 1.702, 7.0)) < 1e-6
+
+
+def test_sigmoid_gate_add_take_rows(backend):
+    rng = np.random.default_rng(4)
+    y = rng.standard_normal((4, 12)).astype(np.float32)
+    z = rng.standard_normal((4, 1)).astype(np.float32) * 3
+    got = backend.to_host(backend.sigmoid_gate(y, z))
+    assert R.rel_err(got, y / (1 + np.exp(-z.astype(np.float64)))) < 1e-6
+    b = rng.standard_normal((4, 12)).astype(np.float32)
+    assert np.array_equal(backend.to_host(backend.add(y, b)), y + b)
+    rows = backend.to_host(backend.take_rows(y, np.array([3, 1])))
+    assert np.array_equal(rows, y[[3, 1]]) and rows.flags.c_contiguous
+
+
+def test_upload_keeps_what_a_weight_computes(backend):
+    rng = np.random.default_rng(6)
+    w = R.qweight(Q.Q8_0, N, K, rng)
+    x = rng.standard_normal((2, K)).astype(np.float32)
+    assert np.array_equal(backend.to_host(backend.linear(x, backend.upload(w))),
+                          backend.to_host(backend.linear(x, w)))
