@@ -18,7 +18,8 @@ h // G. Attention sinks (gpt-oss) add exp(sink[h] - max) to the softmax denomina
 Split-K ("flash decoding") with fixed chunks of K cells aligned on absolute positions: block
 (chunk c, KV head, row) computes, for the G query heads of its KV head, the chunk's max score, sum
 of exps and exp-weighted sum of values; a second kernel combines the row's chunks in ascending
-order. The chunking depends only on the row's own position and window, so a row's result does not
+order. A prefill (all rows in one slot) gives a block a tile of rows instead of one, so each key
+and value is read once per tile; a row's arithmetic is the same either way. The chunking depends only on the row's own position and window, so a row's result does not
 depend on the other rows of the call (batch invariance), there are no atomics, and the same inputs
 give the same bits on every run. Scores and sums are float32; keys and values are read from f16.
 """
@@ -31,15 +32,15 @@ import numpy as np
 from numba import cuda
 
 from ...errors import UnsupportedError
-from .device import SIM
+from .device import SIM, placeholder
 
 # cells per block, = threads per block: one thread per cell for the scores. The simulator runs each
 # thread in Python, so there the same code runs with chunks of 32 (the tests use CHUNK, so they
 # cross chunk boundaries either way).
 CHUNK = 32 if SIM else 128
-MAX_GROUP = 16  # query heads per KV head
-MAX_QD = 4096  # G * Dh held in shared memory
-_SCORES = MAX_GROUP * CHUNK  # shared [G, CHUNK] buffers (a plain global: shared sizes must be constants)
+MAX_PAIRS = 32  # (query row, head) pairs of one KV head per block: G * rows per tile
+MAX_QD = 4096  # pairs * Dh queries held in shared memory (>= MAX_PAIRS * CHUNK: reused for reductions)
+_SCORES = MAX_PAIRS * CHUNK  # shared [pairs, CHUNK] scores (a plain global: shared sizes must be constants)
 _NEG_INF = np.float32(-np.inf)
 
 
@@ -49,81 +50,130 @@ def _visible(p, window):
     return max(0, p - window + 1) if window > 0 else 0
 
 
+@cuda.jit(device=True, inline=True)
+def _sees(p, lo, j0):
+    """A row with visible cells lo..p has one in the chunk starting at cell j0."""
+    return j0 <= p and j0 + CHUNK > lo
+
+
 @cuda.jit(device=True)
-def _rows_reduce(buf, G, tid, take_max):
-    """In place over G rows of CHUNK values in buf: row g's max (take_max) or sum ends in
-    buf[g*CHUNK]. Fixed tree order; every thread must call it."""
+def _rows_reduce(buf, n_rows, tid, take_max):
+    """In place over n_rows rows of CHUNK values in buf: row i's max (take_max) or sum ends in
+    buf[i*CHUNK]. Fixed tree order; every thread must call it."""
     cuda.syncthreads()
     stride = CHUNK // 2
     while stride > 0:
         if tid < stride:
-            for g in range(G):
-                a = buf[g * CHUNK + tid]
-                b = buf[g * CHUNK + tid + stride]
-                buf[g * CHUNK + tid] = max(a, b) if take_max else a + b
+            for i in range(n_rows):
+                a = buf[i * CHUNK + tid]
+                b = buf[i * CHUNK + tid + stride]
+                buf[i * CHUNK + tid] = max(a, b) if take_max else a + b
         cuda.syncthreads()
         stride //= 2
 
 
-@cuda.jit
-def _attn_partial(q, k_cache, v_cache, slots, positions, scale, window, part_m, part_l, part_o):
-    """One chunk of one row against one KV head. Grid (NCH, Hkv, R), CHUNK threads.
+def _make_partial(G: int, RT: int):
+    """The chunk kernel for G query heads per KV head and tiles of RT query rows of one slot,
+    compiled with both as constants so the NP = G*RT accumulators of a thread stay in registers
+    and each key and value element is read once per block."""
+    NP = G * RT
 
-    q: f32 [R, H, Dh]; caches as the module doc; slots, positions: int32 [R];
-    part_m, part_l: f32 [R, H, NCH] (chunk max score, sum of exp); part_o: f32 [R, H, NCH, Dv]."""
-    c = cuda.blockIdx.x
-    kh = cuda.blockIdx.y
-    r = cuda.blockIdx.z
-    tid = cuda.threadIdx.x
-    p = positions[r]
-    lo = _visible(p, window)
-    j0 = c * CHUNK
-    if j0 > p or j0 + CHUNK <= lo:  # the whole block: no visible cell in this chunk
-        return
-    slot = slots[r]
-    H, Dh = q.shape[1], q.shape[2]
-    Dv = v_cache.shape[3]
-    G = H // k_cache.shape[1]
-    q_sh = cuda.shared.array(MAX_QD, np.float32)  # [G, Dh] scaled queries
-    s_sh = cuda.shared.array(_SCORES, np.float32)  # [G, CHUNK] scores, then exps
-    red = cuda.shared.array(_SCORES, np.float32)
-    for e in range(tid, G * Dh, CHUNK):
-        g = e // Dh
-        q_sh[e] = q[r, kh * G + g, e - g * Dh] * scale
-    cuda.syncthreads()
-    j = j0 + tid
-    valid = j >= lo and j <= p
-    for g in range(G):
-        s = _NEG_INF
-        if valid:
-            s = np.float32(0.0)
+    @cuda.jit
+    def partial(q, k_cache, v_cache, slots, positions, scale, window, part_m, part_l, part_o):
+        """One chunk of a tile of rows against one KV head. Grid (NCH, Hkv, ceil(R/RT)), CHUNK
+        threads. q: f32 [R, H, Dh]; caches as the module doc; slots, positions: int32 [R] (the
+        rows of a tile share slots[first row]); part_m, part_l: f32 [R, H, NCH] (chunk max score,
+        sum of exps); part_o: f32 [R, H, NCH, Dv]. Pair i of the tile is row i // G, head
+        kh*G + i % G."""
+        c = cuda.blockIdx.x
+        kh = cuda.blockIdx.y
+        r0 = cuda.blockIdx.z * RT
+        tid = cuda.threadIdx.x
+        R, Dh = q.shape[0], q.shape[2]
+        Dv = v_cache.shape[3]
+        j0 = c * CHUNK
+        pos = cuda.local.array(RT, np.int32)  # per row: last and first visible cell
+        los = cuda.local.array(RT, np.int32)
+        a = CHUNK  # cells a..b of the chunk are visible to some row
+        b = -1
+        for i in range(RT):
+            p = np.int32(-1)
+            lo = np.int32(0)
+            if r0 + i < R:
+                p = positions[r0 + i]
+                lo = _visible(p, window)
+            pos[i] = p
+            los[i] = lo
+            if _sees(p, lo, j0):
+                a = min(a, max(lo, j0) - j0)
+                b = max(b, min(p, j0 + CHUNK - 1) - j0)
+        if b < 0:  # the whole block: no visible cell in this chunk
+            return
+        slot = slots[r0]
+        q_sh = cuda.shared.array(MAX_QD, np.float32)  # [NP, Dh] scaled queries, then reductions
+        s_sh = cuda.shared.array(_SCORES, np.float32)  # [NP, CHUNK] scores, then exps
+        for e in range(tid, NP * Dh, CHUNK):
+            i = e // Dh
+            row = i // G
+            x = np.float32(0.0)
+            if r0 + row < R:
+                x = q[r0 + row, kh * G + i - row * G, e - i * Dh] * scale
+            q_sh[e] = x
+        cuda.syncthreads()
+        j = j0 + tid
+        acc = cuda.local.array(NP, np.float32)
+        for i in range(NP):
+            acc[i] = np.float32(0.0)
+        if tid >= a and tid <= b:
             for d in range(Dh):
-                s += q_sh[g * Dh + d] * np.float32(k_cache[slot, kh, j, d])
-        s_sh[g * CHUNK + tid] = s
-        red[g * CHUNK + tid] = s
-    _rows_reduce(red, G, tid, True)
-    for g in range(G):
-        e = np.float32(0.0)
-        if valid:
-            e = math.exp(s_sh[g * CHUNK + tid] - red[g * CHUNK])
-        s_sh[g * CHUNK + tid] = e
-    cuda.syncthreads()
-    if tid < G:
-        part_m[r, kh * G + tid, c] = red[tid * CHUNK]
-    cuda.syncthreads()
-    for g in range(G):
-        red[g * CHUNK + tid] = s_sh[g * CHUNK + tid]
-    _rows_reduce(red, G, tid, False)
-    if tid < G:
-        part_l[r, kh * G + tid, c] = red[tid * CHUNK]
-    a = max(lo, j0) - j0  # visible cells of the chunk: a..b
-    b = min(p, j0 + CHUNK - 1) - j0
-    for d in range(tid, Dv, CHUNK):
-        for g in range(G):
-            acc = np.float32(0.0)
-            for jj in range(a, b + 1):
-                acc += s_sh[g * CHUNK + jj] * np.float32(v_cache[slot, kh, j0 + jj, d])
-            part_o[r, kh * G + g, c, d] = acc
+                kv = np.float32(k_cache[slot, kh, j, d])
+                for i in range(NP):
+                    acc[i] += q_sh[i * Dh + d] * kv
+        for i in range(NP):
+            row = i // G
+            s_sh[i * CHUNK + tid] = acc[i] if j >= los[row] and j <= pos[row] else _NEG_INF
+        cuda.syncthreads()  # q_sh is free from here on
+        red = q_sh
+        for i in range(NP):
+            red[i * CHUNK + tid] = s_sh[i * CHUNK + tid]
+        _rows_reduce(red, NP, tid, True)
+        for i in range(NP):
+            row = i // G
+            e = np.float32(0.0)
+            if j >= los[row] and j <= pos[row]:
+                e = math.exp(s_sh[i * CHUNK + tid] - red[i * CHUNK])
+            s_sh[i * CHUNK + tid] = e
+        cuda.syncthreads()
+        if tid < NP and _sees(pos[tid // G], los[tid // G], j0):
+            part_m[r0 + tid // G, kh * G + tid % G, c] = red[tid * CHUNK]
+        cuda.syncthreads()
+        for i in range(NP):
+            red[i * CHUNK + tid] = s_sh[i * CHUNK + tid]
+        _rows_reduce(red, NP, tid, False)
+        if tid < NP and _sees(pos[tid // G], los[tid // G], j0):
+            part_l[r0 + tid // G, kh * G + tid % G, c] = red[tid * CHUNK]
+        for d in range(tid, Dv, CHUNK):
+            for i in range(NP):
+                acc[i] = np.float32(0.0)
+            for jj in range(a, b + 1):  # a row's invisible cells add exact zeros
+                v = np.float32(v_cache[slot, kh, j0 + jj, d])
+                for i in range(NP):
+                    acc[i] += s_sh[i * CHUNK + jj] * v
+            for i in range(NP):
+                if _sees(pos[i // G], los[i // G], j0):
+                    part_o[r0 + i // G, kh * G + i % G, c, d] = acc[i]
+
+    return partial
+
+
+_PARTIAL = {}
+
+
+def _partial_kernel(G: int, RT: int):
+    kern = _PARTIAL.get((G, RT))
+    if kern is None:
+        kern = _PARTIAL[(G, RT)] = _make_partial(G, RT)
+    return kern
 
 
 @cuda.jit
@@ -211,33 +261,44 @@ def kv_append(k_new, v_new, slots, positions, k_cache, v_cache, stream=0) -> Non
 
 
 def attention(q, k_cache, v_cache, slots, positions, scale: float, window: int, sinks, out, work: AttentionWork,
-              max_cells: int, stream=0) -> None:
+              max_cells: int, one_slot: bool = False, tile_rows: int | None = None, stream=0) -> None:
     """Causal attention of R query rows against their slots' cells (see the module doc).
 
     q: device f32 [R, H, Dh]; slots, positions: device int32 [R]; sinks: device f32 [H] or None;
     out: device f32 [R, H, Dv]; max_cells: an upper bound of positions[r] + 1 over the rows (the
     grid's chunk count; blocks past a row's cells exit at once, so a capacity works too, e.g. for a
-    captured graph). The rows' cells must have been appended first (kv_append)."""
+    captured graph). The rows' cells must have been appended first (kv_append).
+
+    one_slot: every row belongs to slots[0] (a prefill of one sequence): blocks then take tiles of
+    rows (tile_rows, default as many as fit MAX_PAIRS and MAX_QD) and read each key and value once
+    per tile. Each row's arithmetic is the same as in a one-row tile, so its result does not depend
+    on the tiling."""
     R, H, Dh = q.shape
     Hkv = k_cache.shape[1]
     Dv = v_cache.shape[3]
     if H % Hkv or k_cache.shape[3] != Dh or out.shape != (R, H, Dv) or slots.shape != (R,):
         raise ValueError(f"attention: q {q.shape}, caches {k_cache.shape} {v_cache.shape}, out {out.shape}")
     G = H // Hkv
-    if G > MAX_GROUP or G * Dh > MAX_QD:
+    if G > MAX_PAIRS or G * Dh > MAX_QD:
         raise UnsupportedError(f"attention: {G} query heads of {Dh} per KV head exceed the kernel's "
-                               f"{MAX_GROUP} heads / {MAX_QD} values")
+                               f"{MAX_PAIRS} heads / {MAX_QD} values")
+    rt = 1
+    if one_slot:
+        rt = max(1, min(MAX_PAIRS // G, MAX_QD // (G * Dh), R))
+        if tile_rows is not None:
+            rt = max(1, min(rt, tile_rows))
     nch = -(-max_cells // CHUNK)
     if R > work.max_rows or nch > work.max_chunks or work.part_o.shape[1:] != (H, work.max_chunks, Dv):
         raise ValueError(f"attention: {R} rows x {nch} chunks exceed the work area {work.part_o.shape}")
     if R == 0:
         return
     has_sinks = sinks is not None
-    _attn_partial[(nch, Hkv, R), CHUNK, stream](q, k_cache, v_cache, slots, positions, np.float32(scale),
-                                                np.int32(window), work.part_m, work.part_l, work.part_o)
+    _partial_kernel(G, rt)[(nch, Hkv, -(-R // rt)), CHUNK, stream](
+        q, k_cache, v_cache, slots, positions, np.float32(scale), np.int32(window), work.part_m, work.part_l,
+        work.part_o)
     threads = 32
     while threads < min(Dv, 128):
         threads *= 2
     _attn_combine[(H, R), threads, stream](work.part_m, work.part_l, work.part_o, positions, np.int32(window),
-                                       sinks if has_sinks else work.part_l.reshape(work.part_l.size),
+                                       sinks if has_sinks else placeholder(np.float32),
                                        has_sinks, out)

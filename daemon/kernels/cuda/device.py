@@ -89,3 +89,17 @@ def block_max(buf, tid, n):
     m = buf[0]
     cuda.syncthreads()
     return m
+
+
+_PLACEHOLDERS: dict = {}
+
+
+def placeholder(dtype, ndim: int = 1):
+    """A one-element device array passed for an absent optional argument (kernels read it only
+    behind a flag). Allocated once per (dtype, ndim): slicing or reshaping a device array on every
+    launch costs tens of microseconds of host time."""
+    key = (np.dtype(dtype).str, ndim)
+    a = _PLACEHOLDERS.get(key)
+    if a is None:
+        a = _PLACEHOLDERS[key] = cuda.to_device(np.zeros((1,) * ndim, dtype))
+    return a

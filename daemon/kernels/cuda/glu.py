@@ -22,7 +22,7 @@ import math
 import numpy as np
 from numba import cuda
 
-from .device import sigmoid
+from .device import placeholder, sigmoid
 
 _THREADS = 128
 
@@ -92,9 +92,12 @@ def _sigmoid_gate(y, z, accumulate, out):
 
 @cuda.jit
 def _add(a, b, out):
-    i = cuda.grid(1)
-    if i < out.size:
-        out[i] = a[i] + b[i]
+    """f32 [T, N] each."""
+    idx = cuda.grid(1)
+    T, N = out.shape
+    if idx < T * N:
+        t = idx // N
+        out[t, idx - t * N] = a[t, idx - t * N] + b[t, idx - t * N]
 
 
 def glu(gate, up, out, kind: str = "silu", alpha: float = 0.0, limit: float = 0.0, gate_bias=None, up_bias=None,
@@ -111,7 +114,7 @@ def glu(gate, up, out, kind: str = "silu", alpha: float = 0.0, limit: float = 0.
     if P * F:
         _glu[_grid(P * F), _THREADS, stream](gate, up, kind == "oai", np.float32(alpha), np.float32(limit),
                                              gate_bias if has_bias else gate, up_bias if has_bias else up, has_bias,
-                                             ids if has_bias else _no_ids(), out)
+                                             ids if has_bias else placeholder(np.int32), out)
 
 
 def moe_mix(y, weights, out, rows=None, down_bias=None, ids=None, stream=0) -> None:
@@ -125,7 +128,7 @@ def moe_mix(y, weights, out, rows=None, down_bias=None, ids=None, stream=0) -> N
             or (has_bias and (ids is None or ids.shape != weights.shape)):
         raise ValueError(f"moe_mix: y {y.shape}, weights {weights.shape}, out {out.shape}")
     if T * D:
-        dummy = _no_ids().reshape(1, 1)
+        dummy = placeholder(np.int32, 2)
         _moe_mix[_grid(T * D), _THREADS, stream](y, weights, dummy if rows is None else rows, rows is not None,
                                                  down_bias if has_bias else y, dummy if ids is None else ids,
                                                  has_bias, out)
@@ -142,19 +145,9 @@ def sigmoid_gate(y, z, out, accumulate: bool = False, stream=0) -> None:
 
 
 def add(a, b, out, stream=0) -> None:
-    """out = a + b elementwise (device f32 arrays of one shape; out may be a or b)."""
-    if a.shape != b.shape or out.shape != a.shape:
+    """out = a + b elementwise (device f32 [T, N] arrays; out may be a or b)."""
+    if a.shape != b.shape or out.shape != a.shape or a.ndim != 2:
         raise ValueError(f"add: {a.shape} + {b.shape} -> {out.shape}")
     n = out.size
     if n:
-        _add[_grid(n), _THREADS, stream](a.reshape(n), b.reshape(n), out.reshape(n))
-
-
-_NO_IDS = []
-
-
-def _no_ids():
-    """A one-element int32 device array standing in for absent ids (allocated once)."""
-    if not _NO_IDS:
-        _NO_IDS.append(cuda.to_device(np.zeros(1, np.int32)))
-    return _NO_IDS[0]
+        _add[_grid(n), _THREADS, stream](a, b, out)

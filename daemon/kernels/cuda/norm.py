@@ -21,26 +21,37 @@ _MAX_THREADS = 256
 
 
 @cuda.jit(device=True, inline=True)
-def _normalise_row(x, w, eps, out, r, buf):
+def _normalise_row(x, w, eps, out, buf):
+    """x, out: one row f32 [N]."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
-    N = x.shape[1]
+    N = x.shape[0]
     acc = np.float32(0.0)
     for i in range(tid, N, nt):
-        v = x[r, i]
+        v = x[i]
         acc += v * v
     buf[tid] = acc
     total = block_sum(buf, tid, nt)
     scale = np.float32(1.0) / math.sqrt(total / np.float32(N) + eps)
     for i in range(tid, N, nt):
-        out[r, i] = (x[r, i] * scale) * w[i]
+        out[i] = (x[i] * scale) * w[i]
 
 
 @cuda.jit
 def _rms_norm(x, w, eps, out):
-    """x, out: f32 [R, N]; w: f32 [N]. Grid R blocks."""
+    """x, out: f32 [T, N]; w: f32 [N]. Grid T blocks."""
     buf = cuda.shared.array(_MAX_THREADS, np.float32)
-    _normalise_row(x, w, eps, out, cuda.blockIdx.x, buf)
+    t = cuda.blockIdx.x
+    _normalise_row(x[t], w, eps, out[t], buf)
+
+
+@cuda.jit
+def _rms_norm_heads(x, w, eps, out):
+    """x, out: f32 [T, H, Dh]; w: f32 [Dh]. Grid (H, T) blocks."""
+    buf = cuda.shared.array(_MAX_THREADS, np.float32)
+    h = cuda.blockIdx.x
+    t = cuda.blockIdx.y
+    _normalise_row(x[t, h], w, eps, out[t, h], buf)
 
 
 @cuda.jit
@@ -54,7 +65,7 @@ def _add_rms_norm(x, delta, bias, has_bias, w, eps, out):
             d += bias[i]
         x[r, i] += d
     cuda.syncthreads()
-    _normalise_row(x, w, eps, out, r, buf)
+    _normalise_row(x[r], w, eps, out[r], buf)
 
 
 def _threads(n: int) -> int:
@@ -65,22 +76,20 @@ def _threads(n: int) -> int:
     return t
 
 
-def _rows(a, n: int):
-    """A C-contiguous device array viewed as [R, n]."""
-    return a.reshape(a.size // n, n)
-
-
 def rms_norm(x, weight, eps: float, out, stream=0) -> None:
     """out = rms_norm(x) * weight over the last axis of length N = weight.shape[0].
 
     x, out: device f32 [T, D] with weight [D], or [T, H, Dh] with weight [Dh] (q/k norm per head);
     out may be x."""
     N = weight.shape[0]
-    if x.size % N or tuple(x.shape)[-1] != N or out.shape != x.shape:
+    if x.ndim not in (2, 3) or x.shape[x.ndim - 1] != N or out.shape != x.shape:
         raise ValueError(f"rms_norm: x {x.shape}, out {out.shape}, weight {weight.shape}")
-    xr = _rows(x, N)
-    if xr.shape[0]:
-        _rms_norm[xr.shape[0], _threads(N), stream](xr, weight, np.float32(eps), _rows(out, N))
+    if x.size == 0:
+        return
+    if x.ndim == 2:
+        _rms_norm[x.shape[0], _threads(N), stream](x, weight, np.float32(eps), out)
+    else:
+        _rms_norm_heads[(x.shape[1], x.shape[0]), _threads(N), stream](x, weight, np.float32(eps), out)
 
 
 def add_rms_norm(x, delta, weight, eps: float, out, bias=None, stream=0) -> None:

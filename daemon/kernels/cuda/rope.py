@@ -22,6 +22,8 @@ import math
 import numpy as np
 from numba import cuda
 
+from .device import placeholder
+
 _THREADS = 128
 
 
@@ -107,7 +109,7 @@ def rope_cache(positions, n_dims: int, freq_base: float, freq_scale: float, ext_
         return
     f32 = np.float32
     theta_scale = f32(f32(freq_base) ** f32(f32(-2.0) / f32(n_dims)))
-    ff = cache.reshape(T * P * 2) if freq_factors is None else freq_factors  # any f32 array when unused
+    ff = placeholder(np.float32) if freq_factors is None else freq_factors
     n = T * P
     _rope_cache[(n + _THREADS - 1) // _THREADS, _THREADS, stream](
         positions, theta_scale, f32(freq_scale), f32(ext_factor), rope_mscale(freq_scale, ext_factor, attn_factor),

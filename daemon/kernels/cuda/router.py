@@ -23,7 +23,7 @@ import math
 import numpy as np
 from numba import cuda
 
-from .device import SIM, block_max, block_sum
+from .device import SIM, block_max, block_sum, placeholder
 
 MAX_EXPERTS = 1024
 MAX_USED = 64
@@ -142,5 +142,5 @@ def route(logits, gating: str, norm_topk: bool, scale: float, ids, weights, bias
         raise ValueError(f"route: logits {logits.shape}, ids {ids.shape}, weights {weights.shape} "
                          f"(at most {MAX_EXPERTS} experts, {MAX_USED} used)")
     if T:
-        _route[T, _THREADS, stream](logits, logits[0] if bias is None else bias, bias is not None,
+        _route[T, _THREADS, stream](logits, placeholder(np.float32) if bias is None else bias, bias is not None,
                                     gating == "softmax", bool(norm_topk), np.float32(scale), bool(given), ids, weights)

@@ -80,7 +80,8 @@ def test_attention_decode_rows(case):
     np.testing.assert_allclose(out.copy_to_host(), ref, rtol=0, atol=2e-5)
 
 
-def test_attention_prefill_rows_are_causal_and_batch_invariant():
+@pytest.mark.parametrize("tiled", [False, True], ids=["rows", "tiles"])
+def test_attention_prefill_rows_are_causal_and_batch_invariant(tiled):
     rng = np.random.default_rng(9)
     T = 3
     positions = list(range(CHUNK - 2, CHUNK - 2 + T))  # a prompt continuing a cached prefix, across a chunk boundary
@@ -91,10 +92,13 @@ def test_attention_prefill_rows_are_causal_and_batch_invariant():
     scale = 0.3
     work = AttentionWork(T, H, C, DV)
     out = cuda.to_device(np.full((T, H, DV), np.nan, np.float32))
-    attention(cuda.to_device(q), dk, dv, ds, dp, scale, 0, cuda.to_device(sinks), out, work, C)
+    # tiles of 2 rows: one full tile and one with a padding row
+    attention(cuda.to_device(q), dk, dv, ds, dp, scale, 0, cuda.to_device(sinks), out, work, C, one_slot=tiled,
+              tile_rows=2)
     got = out.copy_to_host()
     np.testing.assert_allclose(got, _ref(q, kc, vc, slots, positions, scale, 0, sinks), rtol=0, atol=2e-5)
-    # row 1 alone, with a smaller grid: the same bits (its chunks do not depend on the other rows)
+    # row 1 alone, in a one-row call with a smaller grid: the same bits (a row's chunks and their
+    # arithmetic do not depend on the other rows or on the tiling)
     alone = cuda.to_device(np.zeros((1, H, DV), np.float32))
     attention(cuda.to_device(q[1:2]), dk, dv, cuda.to_device(np.array([1], np.int32)),
               cuda.to_device(np.array(positions[1:2], np.int32)), scale, 0, cuda.to_device(sinks), alone, work,
@@ -110,6 +114,6 @@ def test_attention_checks_shapes_and_limits():
         attention(cuda.device_array((1, 1, 8), np.float32), k, v, ones, ones, 1.0, 0, None,
                   cuda.device_array((1, 1, 8), np.float32), work, 10 * CHUNK)
     k, v = new_kv_cache(1, 1, 16, 8, 8)
-    with pytest.raises(UnsupportedError):  # 32 query heads per KV head
-        attention(cuda.device_array((1, 32, 8), np.float32), k, v, ones, ones, 1.0, 0, None,
-                  cuda.device_array((1, 32, 8), np.float32), AttentionWork(1, 32, 16, 8), 1)
+    with pytest.raises(UnsupportedError):  # 64 query heads per KV head
+        attention(cuda.device_array((1, 64, 8), np.float32), k, v, ones, ones, 1.0, 0, None,
+                  cuda.device_array((1, 64, 8), np.float32), AttentionWork(1, 64, 16, 8), 1)
