@@ -275,13 +275,18 @@ class Groups(NamedTuple):
     n_expert: int
 
 
-def group_by_expert(ids, n_expert: int, stream=0) -> Groups:
-    """Group the (token, slot) pairs of ids int32 [T, A] by expert, on the device."""
+def group_by_expert(ids, n_expert: int, out: Groups | None = None, stream=0) -> Groups:
+    """Group the (token, slot) pairs of ids int32 [T, A] by expert, on the device. `out`:
+    buffers from an earlier call to reuse (pairs of at least T*A, starts of n_expert + 1)."""
     t, a = ids.shape
-    pairs = cuda.device_array(max(t * a, 1), np.int32, stream=stream)
-    starts = cuda.device_array(n_expert + 1, np.int32, stream=stream)
-    _group_kernel[1, 32 if SIMULATOR else 256, stream](ids, n_expert, pairs, starts)
-    return Groups(pairs, starts, n_expert)
+    if out is None:
+        out = Groups(cuda.device_array(max(t * a, 1), np.int32, stream=stream),
+                     cuda.device_array(n_expert + 1, np.int32, stream=stream), n_expert)
+    elif out.n_expert != n_expert or out.pairs.shape[0] < t * a:
+        raise ValueError(f"group buffers for {out.n_expert} experts and {out.pairs.shape[0]} "
+                         f"pairs cannot hold {n_expert} experts and {t * a} pairs")
+    _group_kernel[1, 32 if SIMULATOR else 256, stream](ids, n_expert, out.pairs, out.starts)
+    return out
 
 
 _KERNELS: dict[tuple, tuple] = {}

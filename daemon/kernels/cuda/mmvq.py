@@ -13,7 +13,8 @@ no host sync (and the launch can live in a CUDA graph). `mul_mat_vec_glu[_ids]` 
 optional biases and the GLU (SwiGLU, or gpt-oss's clamped swiglu_oai) in one pass over both
 weights; its output, quantized, feeds the down projection.
 
-Legend: T = tokens (<= 16 for dense), A = experts per token, E = experts in the layer,
+Legend: T = tokens (dense: up to 16 per pass over the weights, more run as tiles of 16; mmq.py
+is the prefill path for quantized weights), A = experts per token, E = experts in the layer,
 S = slots of an expert stack, N = output rows, K = values per row, stride = repacked row bytes.
 Shapes:
     w        uint8   [N, stride] (dense) or [S, N, stride] (experts), repacked (layout.repack)
@@ -41,7 +42,7 @@ from .vecdot import FLOAT_ACT, VALUES, VECDOT
 
 MAX_COLS = 16
 GLU_NONE, GLU_SWIGLU, GLU_SWIGLU_OAI = 0, 1, 2
-_GLU = {None: GLU_NONE, "swiglu": GLU_SWIGLU, "swiglu_oai": GLU_SWIGLU_OAI}
+_GLU = {"swiglu": GLU_SWIGLU, "swiglu_oai": GLU_SWIGLU_OAI}
 _F1 = np.float32(1.0)
 _EXP_CAP = np.float32(80.0)
 
@@ -325,6 +326,6 @@ def mul_mat_vec_glu_ids(w_gate, w_up, qtype: int, k: int, act, ids, slot_of, glu
 
 
 def _glu_kind(glu: str) -> int:
-    if glu not in ("swiglu", "swiglu_oai"):
+    if glu not in _GLU:
         raise ValueError(f"unknown glu {glu!r} (swiglu, swiglu_oai)")
     return _GLU[glu]

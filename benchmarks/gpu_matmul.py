@@ -1,0 +1,343 @@
+"""GPU matmul kernels (daemon/kernels/cuda): achieved bandwidth and per-launch latency.
+
+    python benchmarks/gpu_matmul.py [--quick] [--json PATH] [--budget SECONDS] [--smoke]
+
+Prints, on the GPU it finds:
+  * the device-to-device copy bandwidth (bytes read + written / time), the ceiling to compare with;
+  * GEMV (mmvq) GB/s of weight bytes read per launch, per weight type, on
+      - expert slices of a Qwen3-30B-A3B-shaped layer (D 2048, F 768, 128 experts, 8 selected):
+        gate (one launch over all token x expert pairs), fused gate+up+SwiGLU, down;
+      - a dense 4096 x 4096 matrix;
+    at 1 token, and at 4 and 16 tokens for Q8_0, Q4_K, Q6_K and MXFP4 (expert GB/s count each
+    distinct expert's bytes once);
+  * per launch: device time (launches queued behind a sleeping kernel so that they run back to
+    back: kernel time plus the gap between kernels) and host time of the Python launch call;
+  * a few launch shapes (lanes per row, unroll, warps) for Q8_0 and Q4_K;
+  * the tiled prefill kernel (mmq) at 512 tokens: TOPS (2 T N K / time), dense and experts.
+Every result is checked against a float64 product on the host first (relative error printed).
+Weights are rotated over more than 200 MB so that L2 (50 MB) does not serve them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from numba import cuda  # noqa: E402
+
+from daemon.kernels import quants as Q  # noqa: E402
+from daemon.kernels.cuda import mmq, mmvq  # noqa: E402
+from daemon.kernels.cuda.layout import repack  # noqa: E402
+from daemon.kernels.cuda.mmvq import Q8, Tuning  # noqa: E402
+from daemon.kernels.cuda.quantize import quantize_q8_1  # noqa: E402
+
+MAIN = [Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.MXFP4]
+OTHER = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q5_K]
+FLOATS = [Q.F16, Q.BF16, Q.F32]
+F16_FIELDS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q5_0: (0,), Q.Q4_1: (0, 2), Q.Q5_1: (0, 2),
+              Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+ROTATE_BYTES = 200 << 20
+N_LAUNCH = 100
+SIMULATED = cuda.jit.__module__.startswith("numba.cuda.simulator")
+
+
+def random_rows(qt: int, shape: tuple[int, ...], k: int, rng) -> np.ndarray:
+    """Raw ggml rows uint8 [*shape, row_bytes]: random codes, small finite scales."""
+    if qt in FLOATS:
+        x = rng.standard_normal(shape + (k,), dtype=np.float32) * np.float32(0.05)
+        if qt == Q.F32:
+            return x.view(np.uint8)
+        if qt == Q.F16:
+            return x.astype(np.float16).view(np.uint8)
+        return (x.view(np.uint32) >> np.uint32(16)).astype(np.uint16).view(np.uint8)
+    qk, bb = Q.block_size(qt)
+    raw = rng.integers(0, 256, size=shape + (k // qk, bb), dtype=np.uint8)
+    for o in F16_FIELDS.get(qt, ()):
+        v = rng.uniform(1e-3, 1e-2, raw.shape[:-1]).astype(np.float16)
+        raw[..., o:o + 2] = v.view(np.uint8).reshape(raw.shape[:-1] + (2,))
+    if qt == Q.MXFP4:
+        raw[..., 0] = rng.integers(118, 124, raw.shape[:-1], dtype=np.uint8)
+    return raw.reshape(shape + (k // qk * bb,))
+
+
+@cuda.jit
+def _sleep(n):
+    if cuda.threadIdx.x == 0:
+        for _ in range(n):
+            cuda.nanosleep(1000)
+
+
+def timed(launch, n=N_LAUNCH):
+    """(device µs per launch, host µs per launch call): n launches queued behind a sleeping
+    kernel run back to back; events around them time the device."""
+    launch(0)
+    cuda.synchronize()
+    if SIMULATED:
+        n = 1
+    e0, e1 = cuda.event(), cuda.event()
+    if not SIMULATED:
+        _sleep[1, 32](20000)  # ~20+ ms: longer than queueing n launches from Python
+    e0.record()
+    h0 = time.perf_counter()
+    for i in range(n):
+        launch(i)
+    h1 = time.perf_counter()
+    e1.record()
+    e1.synchronize()
+    return e0.elapsed_time(e1) * 1e3 / n, (h1 - h0) * 1e6 / n
+
+
+def copy_bandwidth() -> float:
+    n = 1 << 20 if SIMULATED else 1 << 30
+    a = cuda.device_array(n, np.uint8)
+    b = cuda.device_array(n, np.uint8)
+    b.copy_to_device(a)
+    times = []
+    for _ in range(5):
+        e0, e1 = cuda.event(), cuda.event()
+        e0.record()
+        b.copy_to_device(a)
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1) * 1e-3)
+    return 2 * n / np.median(times) / 1e9
+
+
+def dequant(raw: np.ndarray, qt: int) -> np.ndarray:
+    return Q.dequantize(raw, qt).astype(np.float64)
+
+
+def activation(qt: int, x: np.ndarray):
+    """-> (the device activations for weights of type qt, their values as float64 [R, K]: x, or
+    its q8_1 quantization for quantized weights, so that err measures the kernel alone)."""
+    d = cuda.to_device(x)
+    if qt in FLOATS:
+        return d, x.astype(np.float64)
+    qs, ds = quantize_q8_1(d)
+    q = qs.copy_to_host().astype(np.float64)
+    scale = ds.copy_to_host()[..., 0].astype(np.float64)
+    return Q8(qs, ds), (q.reshape(q.shape[0], -1, 32) * scale[..., None]).reshape(q.shape)
+
+
+def rel_err(got: np.ndarray, want: np.ndarray) -> float:
+    if not np.all(np.isfinite(got)):
+        return float("nan")
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def bench_dense(qt: int, n: int, k: int, t: int, rng, tuning=mmvq.DEFAULT) -> dict:
+    raw = random_rows(qt, (n,), k, rng)
+    packed = repack(raw, qt)
+    copies = max(1, min(32, -(-ROTATE_BYTES // packed.nbytes)))
+    ws = [cuda.to_device(packed) for _ in range(copies)]
+    x = rng.standard_normal((t, k), dtype=np.float32)
+    act, xv = activation(qt, x)
+    out = cuda.to_device(np.full((t, n), np.nan, np.float32))
+    mmvq.mul_mat_vec(ws[0], qt, k, act, out=out, tuning=tuning)
+    err = rel_err(out.copy_to_host(), xv @ dequant(raw, qt).T)
+    dev_us, host_us = timed(lambda i: mmvq.mul_mat_vec(ws[i % copies], qt, k, act, out=out,
+                                                        tuning=tuning))
+    return dict(kind="dense", type=Q.type_name(qt), n=n, k=k, tokens=t, err=err, us=dev_us,
+                host_us=host_us, gbs=packed.nbytes / dev_us / 1e3, tuning=list(tuning))
+
+
+class ExpertLayer:
+    """One MoE layer's stacks on the device: gate/up [E, F, stride(D)], down [E, D, stride(F)]."""
+
+    def __init__(self, qt: int, d: int, f: int, e: int, rng):
+        self.qt, self.d, self.f, self.e = qt, d, f, e
+        self.raw = {"gate": random_rows(qt, (e, f), d, rng), "up": random_rows(qt, (e, f), d, rng),
+                    "down": random_rows(qt, (e, d), f, rng)}
+        self.dev = {p: cuda.to_device(repack(r, qt)) for p, r in self.raw.items()}
+        self.slot_of = cuda.to_device(np.arange(e, dtype=np.int32))
+
+    def slice_bytes(self, p: str) -> int:
+        return self.dev[p].nbytes // self.e
+
+
+def bench_experts(layer: ExpertLayer, proj: str, t: int, a: int, rng, tuning=mmvq.DEFAULT):
+    qt, d, f = layer.qt, layer.d, layer.f
+    id_sets = [np.stack([rng.choice(layer.e, a, replace=False) for _ in range(t)]).astype(np.int32)
+               for _ in range(32)]
+    ids = [cuda.to_device(s) for s in id_sets]
+    k = f if proj == "down" else d
+    rows = t * a if proj == "down" else t
+    act, x = activation(qt, rng.standard_normal((rows, k), dtype=np.float32))
+    n = d if proj == "down" else f
+    out = cuda.to_device(np.full((t, a, n), np.nan, np.float32))
+    per_pair = proj == "down"
+
+    def launch(i):
+        if proj == "glu":
+            mmvq.mul_mat_vec_glu_ids(layer.dev["gate"], layer.dev["up"], qt, k, act,
+                                     ids[i % 32], layer.slot_of, out=out, tuning=tuning)
+        else:
+            mmvq.mul_mat_vec_ids(layer.dev[proj], qt, k, act, ids[i % 32], layer.slot_of,
+                                 out=out, act_per_pair=per_pair, tuning=tuning)
+
+    launch(0)
+    got = out.copy_to_host()
+    s = id_sets[0]
+    if proj == "glu":
+        g = np.stack([x[ti] @ dequant(layer.raw["gate"][s[ti, ai]], qt).T
+                      for ti in range(t) for ai in range(a)])
+        u = np.stack([x[ti] @ dequant(layer.raw["up"][s[ti, ai]], qt).T
+                      for ti in range(t) for ai in range(a)])
+        want = (g / (1 + np.exp(-g)) * u).reshape(t, a, n)
+    else:
+        want = np.stack([x[ti * a + ai if per_pair else ti]
+                         @ dequant(layer.raw[proj][s[ti, ai]], qt).T
+                         for ti in range(t) for ai in range(a)]).reshape(t, a, n)
+    err = rel_err(got, want)
+    dev_us, host_us = timed(launch)
+    distinct = np.mean([len(np.unique(z)) for z in id_sets])
+    nbytes = distinct * layer.slice_bytes("gate" if proj == "glu" else proj) * (
+        2 if proj == "glu" else 1)
+    return dict(kind=f"experts/{proj}", type=Q.type_name(qt), n=n, k=k, tokens=t, experts=a,
+                err=err, us=dev_us, host_us=host_us, gbs=nbytes / dev_us / 1e3,
+                tuning=list(tuning))
+
+
+def bench_mmq_dense(qt: int, n: int, k: int, t: int, rng) -> dict:
+    raw = random_rows(qt, (n,), k, rng)
+    w = cuda.to_device(repack(raw, qt))
+    act, x = activation(qt, rng.standard_normal((t, k), dtype=np.float32))
+    out = cuda.to_device(np.full((t, n), np.nan, np.float32))
+    mmq.mul_mat_q(w, qt, k, act, out=out)
+    got = out.copy_to_host()
+    err = rel_err(got[:8], x[:8] @ dequant(raw, qt).T) if np.isfinite(got).all() else np.nan
+    dev_us, host_us = timed(lambda i: mmq.mul_mat_q(w, qt, k, act, out=out), n=20)
+    return dict(kind="mmq/dense", type=Q.type_name(qt), n=n, k=k, tokens=t, err=err, us=dev_us,
+                host_us=host_us, tops=2 * t * n * k / dev_us / 1e6)
+
+
+def bench_mmq_experts(layer: ExpertLayer, t: int, a: int, rng) -> dict:
+    qt, d, f = layer.qt, layer.d, layer.f
+    s = np.stack([rng.choice(layer.e, a, replace=False) for _ in range(t)]).astype(np.int32)
+    ids = cuda.to_device(s)
+    act, x = activation(qt, rng.standard_normal((t, d), dtype=np.float32))
+    out = cuda.to_device(np.full((t, a, f), np.nan, np.float32))
+    groups = mmq.group_by_expert(ids, layer.e)
+    mmq.mul_mat_q_ids(layer.dev["gate"], qt, d, act, ids, layer.slot_of, groups, out=out)
+    got = out.copy_to_host()
+    want = np.stack([x[ti] @ dequant(layer.raw["gate"][s[ti, ai]], qt).T
+                     for ti in range(4) for ai in range(a)]).reshape(4, a, f)
+    err = rel_err(got[:4], want) if np.isfinite(got).all() else np.nan
+    g_us, _ = timed(lambda i: mmq.group_by_expert(ids, layer.e, out=groups), n=20)
+    dev_us, host_us = timed(lambda i: mmq.mul_mat_q_ids(layer.dev["gate"], qt, d, act, ids,
+                                                        layer.slot_of, groups, out=out), n=20)
+    return dict(kind="mmq/experts/gate", type=Q.type_name(qt), n=f, k=d, tokens=t, experts=a,
+                err=err, us=dev_us, host_us=host_us, group_us=g_us,
+                tops=2 * t * a * f * d / dev_us / 1e6)
+
+
+def fmt(r: dict) -> str:
+    extra = f"{r['gbs']:8.0f} GB/s" if "gbs" in r else f"{r['tops']:7.2f} TOPS"
+    if "group_us" in r:
+        extra += f"  (grouping {r['group_us']:.1f} µs)"
+    tun = f"  {tuple(r['tuning'])}" if r.get("tuning") and r["tuning"] != list(mmvq.DEFAULT) else ""
+    return (f"{r['kind']:18s} {r['type']:6s} N={r['n']:5d} K={r['k']:5d} T={r['tokens']:3d}"
+            f"{' A=' + str(r['experts']) if 'experts' in r else '    '}  {r['us']:8.1f} µs/launch"
+            f"  host {r['host_us']:5.1f} µs  {extra}  err {r['err']:.1e}{tun}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="Q8_0 and Q4_K only")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--budget", type=float, default=0,
+                    help="seconds: skip the sections not started by then (0: no limit)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny shapes, to check the script (e.g. under NUMBA_ENABLE_CUDASIM=1)")
+    args = ap.parse_args()
+    if not SIMULATED:
+        dev = cuda.get_current_device()
+        name = dev.name.decode() if isinstance(dev.name, bytes) else dev.name
+        print(f"device: {name}, cc {dev.compute_capability}", flush=True)
+    rng = np.random.default_rng(0)
+    results: list[dict] = []
+    copy = copy_bandwidth()
+    print(f"device copy: {copy:.0f} GB/s (read + write)", flush=True)
+
+    def run(fn, *a, **kw):
+        t0 = time.perf_counter()
+        try:
+            r = fn(*a, **kw)
+        except Exception as e:  # keep measuring the rest; the failure is printed
+            print(f"FAILED {fn.__name__} {Q.type_name(getattr(a[0], 'qt', a[0]))} "
+                  f"{a[1:3]}: {type(e).__name__}: {e}", flush=True)
+            return None
+        r["first_call_s"] = round(time.perf_counter() - t0, 2)
+        r["of_copy"] = r["gbs"] * 1e3 / (copy * 1e3) if "gbs" in r else None
+        results.append(r)
+        if args.json:  # after every result: a killed run keeps what it measured
+            args.json.write_text(json.dumps(dict(copy_gbs=copy, results=results), indent=1))
+        print(fmt(r) + (f"  {100 * r['of_copy']:.0f}% of copy" if r["of_copy"] else ""),
+              flush=True)
+        return r
+
+    main_types = [Q.Q8_0] if args.smoke else [Q.Q8_0, Q.Q4_K] if args.quick else MAIN
+    other_types = [] if args.quick or args.smoke else OTHER + FLOATS
+    # smoke: the smallest shapes the types allow (the simulator runs threads in Python)
+    d, f, e, a = (256, 256, 2, 1) if args.smoke else (2048, 768, 128, 8)
+    counts = [1] if args.smoke else [1, 4, 16]
+    dn = 256 if args.smoke else 4096
+    pt = 4 if args.smoke else 512
+    start = time.perf_counter()
+
+    def over_budget(section: str) -> bool:
+        if args.budget and time.perf_counter() - start > args.budget:
+            print(f"(time budget spent: skipped {section})", flush=True)
+            return True
+        return False
+
+    # the kernels that decode needs, for the main types, first
+    for qt in main_types:
+        if over_budget(f"{Q.type_name(qt)} experts"):
+            break
+        layer = ExpertLayer(qt, d, f, e, rng)
+        for t in counts:
+            run(bench_experts, layer, "gate", t, a, rng)
+        run(bench_experts, layer, "glu", 1, a, rng)
+        run(bench_experts, layer, "down", 1, a, rng)
+        run(bench_mmq_experts, layer, pt, a, rng)
+        del layer
+    for qt in main_types:
+        if over_budget(f"{Q.type_name(qt)} dense"):
+            break
+        for t in counts:
+            run(bench_dense, qt, dn, dn, t, rng)
+        run(bench_mmq_dense, qt, dn, dn, pt, rng)
+    for qt in other_types:
+        if over_budget(f"{Q.type_name(qt)}"):
+            break
+        if qt not in FLOATS:
+            layer = ExpertLayer(qt, d, f, e, rng)
+            run(bench_experts, layer, "gate", 1, a, rng)
+            run(bench_experts, layer, "down", 1, a, rng)
+            del layer
+        run(bench_dense, qt, dn, dn, 1, rng)
+    print("launch shapes (lanes per row, warps, unroll):", flush=True)
+    for qt in main_types[:2]:
+        if over_budget(f"{Q.type_name(qt)} launch shapes"):
+            break
+        layer = ExpertLayer(qt, d, f, e, rng)
+        for tun in (Tuning(unroll=1), Tuning(warps=8), Tuning(lpr=16), Tuning(lpr=8))[
+                :1 if args.smoke else 4]:
+            run(bench_experts, layer, "gate", 1, a, rng, tuning=tun)
+            run(bench_experts, layer, "down", 1, a, rng, tuning=tun)
+        del layer
+        for tun in (Tuning(unroll=1), Tuning(warps=8), Tuning(lpr=16))[:1 if args.smoke else 3]:
+            run(bench_dense, qt, dn, dn, 1, rng, tuning=tun)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
