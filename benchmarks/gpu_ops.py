@@ -192,10 +192,13 @@ def cases(quick: bool, dims: dict = QWEN3):
 
     lgts = _dev(rng, (16, V))
     pinned = cuda.pinned_array((16, V), np.float32)
+    reader = logits.RowReader(16, V)
     for rows in ([15], list(range(16)), [0, 5, 9, 15]):
         buf = pinned[:len(rows)]
         out.append(("logits rows_to_host", f"{len(rows)} of 16 rows, V={V}",
                     lambda rows=rows, buf=buf: logits.rows_to_host(lgts, rows, out=buf), 4 * len(rows) * V))
+        out.append(("logits RowReader", f"{len(rows)} of 16 rows, V={V}",
+                    lambda rows=rows: reader.read(lgts, rows), 4 * len(rows) * V))
     return out
 
 
