@@ -19,7 +19,12 @@ Split-K ("flash decoding") with fixed chunks of K cells aligned on absolute posi
 (chunk c, KV head, row) computes, for the G query heads of its KV head, the chunk's max score, sum
 of exps and exp-weighted sum of values; a second kernel combines the row's chunks in ascending
 order. A prefill (all rows in one slot) gives a block a tile of rows instead of one, so each key
-and value is read once per tile; a row's arithmetic is the same either way. The chunking depends only on the row's own position and window, so a row's result does not
+and value is read once per tile; a row's arithmetic is the same either way.
+
+Measured on the H100 (benchmarks/gpu_ops.py, qwen3-30b-a3b heads: 32 q, 4 kv, Dh 128): decode over
+1024 cells 45 us at B=1 and 101 us at B=16; a 512-row prefill after 512 cells 1.35 ms. Decode is
+latency-bound (32 blocks at B=1, each thread a serial loop over Dh and the chunk): smaller chunks
+or splitting Dh across a warp are the next steps. The chunking depends only on the row's own position and window, so a row's result does not
 depend on the other rows of the call (batch invariance), there are no atomics, and the same inputs
 give the same bits on every run. Scores and sums are float32; keys and values are read from f16.
 """
