@@ -241,29 +241,58 @@ def _build(qtype: int, bm: int, bn: int, ids_mode: bool, has_bias: bool):
     return kernel, nthreads
 
 
+_GROUP_THREADS = 1024
+_STAGED_IDS = 16384  # ids staged in shared memory as int16 (32 KB); more stay in global memory
+
+
 @cuda.jit
-def _group_kernel(ids, n_expert, pairs, starts):
-    # ids int32 [T, A] -> pairs int32 [P] (pair indices t*A + a, grouped by expert, increasing
-    # within a group), starts int32 [E+1]. One block; thread e counts and writes expert e's pairs.
+def _group_kernel(ids, n_pairs, n_expert, pairs, starts):
+    # ids int32 [P] (the [T, A] ids, flat) -> pairs int32 [P]: the pair indices grouped by
+    # expert, increasing within a group; starts int32 [E+1]. One block. Thread (e, s) owns
+    # expert e in segment s of the pairs: it counts them, and after a prefix over (e, s) in
+    # pair order writes them, so the order never depends on timing (no atomics).
+    staged = cuda.shared.array(_STAGED_IDS, np.int16)
+    counts = cuda.shared.array(_GROUP_THREADS, np.int32)  # [segment, expert]
+    totals = cuda.shared.array(_GROUP_THREADS, np.int32)  # [expert]
     tid = cuda.threadIdx.x
-    n_pairs = ids.shape[0] * ids.shape[1]
-    na = ids.shape[1]
-    for e in range(tid, n_expert, cuda.blockDim.x):
+    nthreads = cuda.blockDim.x
+    n_seg = max(1, nthreads // n_expert)
+    seg_len = (n_pairs + n_seg - 1) // n_seg
+    small = n_pairs <= _STAGED_IDS
+    if small:
+        for p in range(tid, n_pairs, nthreads):
+            staged[p] = np.int16(ids[p])  # expert ids < 1024
+    cuda.syncthreads()
+    for ts in range(tid, n_seg * n_expert, nthreads):
+        s = ts // n_expert
+        e = ts - s * n_expert
         c = 0
-        for p in range(n_pairs):
-            if ids[p // na, p - (p // na) * na] == e:
+        for p in range(s * seg_len, min(n_pairs, (s + 1) * seg_len)):
+            if (staged[p] if small else ids[p]) == e:
                 c += 1
-        starts[e + 1] = c
+        counts[ts] = c
+    cuda.syncthreads()
+    for e in range(tid, n_expert, nthreads):  # where each segment of e starts, relative to e
+        total = 0
+        for s in range(n_seg):
+            c = counts[s * n_expert + e]
+            counts[s * n_expert + e] = total
+            total += c
+        totals[e] = total
     cuda.syncthreads()
     if tid == 0:
-        starts[0] = 0
+        total = 0
         for e in range(n_expert):
-            starts[e + 1] += starts[e]
+            starts[e] = total
+            total += totals[e]
+        starts[n_expert] = total
     cuda.syncthreads()
-    for e in range(tid, n_expert, cuda.blockDim.x):
-        o = starts[e]
-        for p in range(n_pairs):
-            if ids[p // na, p - (p // na) * na] == e:
+    for ts in range(tid, n_seg * n_expert, nthreads):
+        s = ts // n_expert
+        e = ts - s * n_expert
+        o = starts[e] + counts[ts]
+        for p in range(s * seg_len, min(n_pairs, (s + 1) * seg_len)):
+            if (staged[p] if small else ids[p]) == e:
                 pairs[o] = p
                 o += 1
 
@@ -285,7 +314,10 @@ def group_by_expert(ids, n_expert: int, out: Groups | None = None, stream=0) -> 
     elif out.n_expert != n_expert or out.pairs.shape[0] < t * a:
         raise ValueError(f"group buffers for {out.n_expert} experts and {out.pairs.shape[0]} "
                          f"pairs cannot hold {n_expert} experts and {t * a} pairs")
-    _group_kernel[1, 32 if SIMULATOR else 256, stream](ids, n_expert, out.pairs, out.starts)
+    if not 0 < n_expert <= _GROUP_THREADS:
+        raise UnsupportedError(f"grouping supports up to {_GROUP_THREADS} experts, got {n_expert}")
+    _group_kernel[1, 32 if SIMULATOR else _GROUP_THREADS, stream](
+        ids.reshape(t * a), t * a, n_expert, out.pairs, out.starts)
     return out
 
 

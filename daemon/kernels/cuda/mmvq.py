@@ -237,8 +237,10 @@ class Tuning(NamedTuple):
 DEFAULT = Tuning()
 
 
-def _launch(w, w2, qtype, k, act, ids, slot_of, act_t, act_a, bias, bias2, out, ncols, grid_y,
-            n_tok, glu, alpha, limit, tuning, stream):
+def _prepare(w, w2, qtype, k, act, ids, slot_of, act_t, act_a, bias, bias2, out, ncols, grid_y,
+             n_tok, glu, alpha, limit, tuning):
+    """-> (kernel, grid, block, args): everything a launch needs, so that a backend can launch
+    the compiled kernel itself (e.g. through cuda.core, or into a CUDA graph)."""
     a0, a1, _ = _check_act(act, qtype, k)
     n = tuple(w.shape)[-2]
     lpr = tuning.lpr or choose_lpr(qtype, k)
@@ -247,16 +249,24 @@ def _launch(w, w2, qtype, k, act, ids, slot_of, act_t, act_a, bias, bias2, out, 
                    tuning.unroll)
     rows_per_block = warps * 32 // lpr
     grid = ((n + rows_per_block - 1) // rows_per_block, grid_y)
-    kern[grid, warps * 32, stream](
-        w, w if w2 is None else w2, a0, a1,
-        _dummy("ids") if ids is None else ids, _dummy("slot") if slot_of is None else slot_of,
-        act_t, act_a,
-        _dummy("bias") if bias is None else bias, _dummy("bias") if bias2 is None else bias2,
-        out, n, k, tuple(w.shape)[-1], n_tok, np.float32(alpha), np.float32(limit))
-    return out
+    args = (w, w if w2 is None else w2, a0, a1,
+            _dummy("ids") if ids is None else ids, _dummy("slot") if slot_of is None else slot_of,
+            act_t, act_a,
+            _dummy("bias") if bias is None else bias, _dummy("bias") if bias2 is None else bias2,
+            out, n, k, tuple(w.shape)[-1], n_tok, np.float32(alpha), np.float32(limit))
+    return kern, grid, warps * 32, args
 
 
-def _dense(w, w2, qtype, k, act, out, bias, bias2, glu, alpha, limit, tuning, stream):
+def _launch(*spec, stream=0, prepare_only=False):
+    kern, grid, block, args = _prepare(*spec)
+    if prepare_only:
+        return kern, grid, block, args
+    kern[grid, block, stream](*args)
+    return None
+
+
+def _dense(w, w2, qtype, k, act, out, bias, bias2, glu, alpha, limit, tuning, stream,
+           prepare_only=False):
     _check_weight(w, qtype, k, stack=False)
     if w2 is not None:
         _check_weight(w2, qtype, k, stack=False)
@@ -267,14 +277,14 @@ def _dense(w, w2, qtype, k, act, out, bias, bias2, glu, alpha, limit, tuning, st
     if out is None:
         out = cuda.device_array((t, n), np.float32, stream=stream)
     ncols = min(t, MAX_COLS)
-    _launch(w, w2, qtype, k, act, None, None, 0, 0, _bias(bias, n, False),
-            _bias(bias2, n, False), out.reshape(t, 1, n), ncols, -(-t // ncols), t, glu, alpha,
-            limit, tuning, stream)
-    return out
+    prep = _launch(w, w2, qtype, k, act, None, None, 0, 0, _bias(bias, n, False),
+                   _bias(bias2, n, False), out.reshape(t, 1, n), ncols, -(-t // ncols), t, glu,
+                   alpha, limit, tuning, stream=stream, prepare_only=prepare_only)
+    return prep or out
 
 
 def _experts(w, w2, qtype, k, act, ids, slot_of, out, bias, bias2, act_per_pair, glu, alpha,
-             limit, tuning, stream):
+             limit, tuning, stream, prepare_only=False):
     _check_weight(w, qtype, k, stack=True)
     if w2 is not None:
         _check_weight(w2, qtype, k, stack=True)
@@ -287,42 +297,48 @@ def _experts(w, w2, qtype, k, act, ids, slot_of, out, bias, bias2, act_per_pair,
     if out is None:
         out = cuda.device_array((t, a, n), np.float32, stream=stream)
     act_t, act_a = (a, 1) if act_per_pair else (1, 0)
-    _launch(w, w2, qtype, k, act, ids, slot_of, act_t, act_a, _bias(bias, n, True),
-            _bias(bias2, n, True), out, 1, t * a, t, glu, alpha, limit, tuning, stream)
-    return out
+    prep = _launch(w, w2, qtype, k, act, ids, slot_of, act_t, act_a, _bias(bias, n, True),
+                   _bias(bias2, n, True), out, 1, t * a, t, glu, alpha, limit, tuning,
+                   stream=stream, prepare_only=prepare_only)
+    return prep or out
 
 
-def mul_mat_vec(w, qtype: int, k: int, act, out=None, bias=None, *, tuning=DEFAULT, stream=0):
+def mul_mat_vec(w, qtype: int, k: int, act, out=None, bias=None, *, tuning=DEFAULT, stream=0,
+                prepare_only=False):
     """out[T, N] = act[T, K] . w[N, K]^T (+ bias[N]) in one launch. Meant for T <= 16 (one pass
-    over the weights); larger T runs as tiles of 16 tokens (the float-weight prefill path)."""
-    return _dense(w, None, qtype, k, act, out, bias, None, GLU_NONE, 0.0, 0.0, tuning, stream)
+    over the weights); larger T runs as tiles of 16 tokens (the float-weight prefill path).
+    Every launcher here takes prepare_only=True: then it launches nothing and returns
+    (kernel, grid, block, args) for a launch of the caller's own (graph capture, cuda.core)."""
+    return _dense(w, None, qtype, k, act, out, bias, None, GLU_NONE, 0.0, 0.0, tuning, stream,
+                  prepare_only)
 
 
 def mul_mat_vec_glu(w_gate, w_up, qtype: int, k: int, act, glu: str = "swiglu", bias_gate=None,
-                    bias_up=None, *, alpha=1.702, limit=7.0, out=None, tuning=DEFAULT, stream=0):
+                    bias_up=None, *, alpha=1.702, limit=7.0, out=None, tuning=DEFAULT, stream=0,
+                    prepare_only=False):
     """out[T, F] = glu(act . gate^T (+ bias_gate), act . up^T (+ bias_up)): gate and up read in
     one pass, the activation shared. glu: "swiglu" (silu(g) * u) or "swiglu_oai" (gpt-oss:
     x = min(g, limit), y = clamp(u, -limit, limit), x * sigmoid(alpha x) * (y + 1))."""
     return _dense(w_gate, w_up, qtype, k, act, out, bias_gate, bias_up, _glu_kind(glu), alpha,
-                  limit, tuning, stream)
+                  limit, tuning, stream, prepare_only)
 
 
 def mul_mat_vec_ids(w, qtype: int, k: int, act, ids, slot_of, out=None, bias=None,
-                    act_per_pair=False, *, tuning=DEFAULT, stream=0):
+                    act_per_pair=False, *, tuning=DEFAULT, stream=0, prepare_only=False):
     """out[t, a, N] = act[row] . w[slot_of[ids[t, a]]]^T (+ bias[ids[t, a]]) for every pair, in
     one launch. row = t (gate/up: the token's activation) or t*A + a with act_per_pair (down:
     each pair's own GLU output)."""
     return _experts(w, None, qtype, k, act, ids, slot_of, out, bias, None, act_per_pair,
-                    GLU_NONE, 0.0, 0.0, tuning, stream)
+                    GLU_NONE, 0.0, 0.0, tuning, stream, prepare_only)
 
 
 def mul_mat_vec_glu_ids(w_gate, w_up, qtype: int, k: int, act, ids, slot_of, glu="swiglu",
                         bias_gate=None, bias_up=None, *, alpha=1.702, limit=7.0, out=None,
-                        tuning=DEFAULT, stream=0):
+                        tuning=DEFAULT, stream=0, prepare_only=False):
     """out[t, a, F] = glu(gate_e . act[t] (+ bias), up_e . act[t] (+ bias)) with e = ids[t, a],
     for all pairs in one launch (see mul_mat_vec_glu for glu)."""
     return _experts(w_gate, w_up, qtype, k, act, ids, slot_of, out, bias_gate, bias_up, False,
-                    _glu_kind(glu), alpha, limit, tuning, stream)
+                    _glu_kind(glu), alpha, limit, tuning, stream, prepare_only)
 
 
 def _glu_kind(glu: str) -> int:

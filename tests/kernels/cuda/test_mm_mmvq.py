@@ -194,3 +194,20 @@ def test_bad_inputs_are_errors():
         mmvq.mul_mat_vec(w, qt, k, cuda.to_device(x[:1]))
     with pytest.raises(ValueError, match="bytes repacked"):  # rows of 256 values, not 512
         mmvq.mul_mat_vec(w, qt, 512, _act(qt, np.zeros((1, 512), np.float32))[0])
+
+
+def test_prepare_only_returns_the_launch():
+    """prepare_only: the launch a backend makes itself gives what the launcher gives."""
+    rng = np.random.default_rng(90)
+    qt = Q.Q6_K
+    k, raw, slot_of = _experts(qt, rng)
+    ids = cuda.to_device(np.array([[0, 3]], np.int32))
+    act, _ = _act(qt, rng.standard_normal((1, k)).astype(np.float32))
+    w, slots = cuda.to_device(repack(raw, qt)), cuda.to_device(slot_of)
+    want = mmvq.mul_mat_vec_ids(w, qt, k, act, ids, slots).copy_to_host()
+    out = cuda.to_device(np.full(want.shape, np.nan, np.float32))
+    kern, grid, block, args = mmvq.mul_mat_vec_ids(w, qt, k, act, ids, slots, out=out,
+                                                   prepare_only=True)
+    assert np.isnan(out.copy_to_host()).all()  # nothing launched yet
+    kern[grid, block](*args)
+    np.testing.assert_array_equal(out.copy_to_host(), want)
