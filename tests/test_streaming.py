@@ -325,3 +325,32 @@ def test_routing_quiet_by_default(refs, caplog):
     with caplog.at_level(logging.INFO, logger="moed.routing"), load(ref.path, routing="all") as engine:
         generate(engine, n=2)
     assert not [r for r in caplog.records if r.name == "moed.routing"]
+
+
+@pytest.mark.parametrize("wtype", ["Q4_K", "Q8_0"])  # K-quants group pairs per (expert, sequence)
+def test_waves_when_a_step_needs_more_experts_than_slots(tmp_path, wtype):
+    """A prompt whose rows route to more experts than a layer has slots runs them in waves of
+    at most that many (no overflow buffers), with the logits of the whole file in memory, bit for
+    bit, for one prompt and for two prompts prefilled together."""
+    path = fixture_path("qwen3moe", wtype, tmp_path)
+    with GGUFFile(path) as g:
+        ref = Transformer(g)
+        prompts = [[5, 17, 200, 3, 96, 411, 7, 60], [9, 300, 41, 2, 77]]
+        want_one = ref.forward(prompts[0], ref.new_cache(16), all_logits=True)
+        want_many = ref.forward_many(prompts, [ref.new_cache(16) for _ in prompts])
+        n_layers = sum(1 for n in g.tensors if n.endswith("ffn_gate_exps.weight"))
+        bytes_per_expert = max(sum(g.tensor_info(f"blk.{il}.ffn_{p}_exps.weight").nbytes // 8
+                                   for p in ("gate", "up", "down"))
+                               for il in range(n_layers))
+    limit = 2.5 * bytes_per_expert * n_layers / 2**20  # two slots per layer
+    with load(path, expert_cache_limit_mb=limit) as engine:
+        cache = engine.model.experts
+        fetched = []
+        inner = cache.fetch
+        cache.fetch = lambda layer, ids: (fetched.append(len(ids)), inner(layer, ids))[1]
+        got_one = engine.model.forward(prompts[0], engine.model.new_cache(16), all_logits=True)
+        got_many = engine.model.forward_many(prompts, [engine.model.new_cache(16) for _ in prompts])
+        st = engine.stats()["cache"]
+    assert {s["capacity"] for s in st["layers"].values()} == {2}
+    assert max(fetched) <= 2 and len(fetched) > 2 * n_layers  # waves of at most two experts ran
+    assert np.array_equal(got_one, want_one) and np.array_equal(got_many, want_many)

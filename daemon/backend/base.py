@@ -64,10 +64,13 @@ class Backend(Protocol):
 
     # -- experts -------------------------------------------------------------------------------
 
-    def expert_plan(self, ids: np.ndarray, slots: dict[int, int], layout: Any, step: Step | None) -> Any:
+    def expert_plan(self, ids: np.ndarray, slots: dict[int, int], layout: Any, step: Step | None,
+                    only: np.ndarray | None = None) -> Any:
         """How the (row, expert) pairs of one MoE layer are computed: ids [T, A] expert ids in
         top-k order; slots[e]: expert e's index in the layer's weight stacks; layout: the
-        experts' ExpertLayout."""
+        experts' ExpertLayout. only: just the pairs of these experts (one wave of a
+        layer whose experts do not fit the cache at once); `join_parts` puts the waves' outputs
+        in the whole plan's order, for `moe_mix` with the whole plan."""
         ...
 
     def expert_linear(self, x: Any, stack: Array, ggml_type: int, k: int, plan: Any, bias: Array | None = None,
@@ -122,6 +125,11 @@ class Backend(Protocol):
 
     def add(self, a: Array, b: Array) -> Array:
         """a + b, same shapes (the residual stream)."""
+        ...
+
+    def join_parts(self, parts: list[Array], plans: list[Any]) -> Array:
+        """The outputs [P_i, N] of waves planned with `only` -> [P, N] in the whole plan's order
+        (the waves cover every pair once)."""
         ...
 
     def take_rows(self, x: Array, rows: np.ndarray) -> Array:

@@ -34,7 +34,8 @@ class Activations:
     def __init__(self, x: np.ndarray, numerics: str):
         self.x = x
         self.numerics = numerics
-        self._prepared: dict = {}  # ggml type (or (type, plan)) -> Prepared
+        self._prepared: dict = {}  # ggml type -> Prepared
+        self._gathered: dict = {}  # ggml type -> (the plan, Prepared rows in its order)
 
     def get(self, ggml_type: int) -> Prepared:
         xp = self._prepared.get(ggml_type)
@@ -44,10 +45,11 @@ class Activations:
 
     def gathered(self, ggml_type: int, plan) -> Prepared:
         """get(ggml_type) gathered by plan.tokens (converted once per row, then gathered once)."""
-        key = (ggml_type, id(plan))
-        xp = self._prepared.get(key)
-        if xp is None:
-            xp = self._prepared[key] = self.get(ggml_type).rows(plan.tokens)
+        hit = self._gathered.get(ggml_type)
+        if hit is not None and hit[0] is plan:  # the plan itself, not its id: ids are reused
+            return hit[1]
+        xp = self.get(ggml_type).rows(plan.tokens)
+        self._gathered[ggml_type] = (plan, xp)
         return xp
 
 
@@ -104,8 +106,8 @@ class CPUBackend:
 
     # -- experts -------------------------------------------------------------------------------
 
-    def expert_plan(self, ids, slots, layout, step):
-        return cpu_experts.plan(ids, slots, layout, step)
+    def expert_plan(self, ids, slots, layout, step, only=None):
+        return cpu_experts.plan(ids, slots, layout, step, only)
 
     def expert_linear(self, x, stack, ggml_type, k, plan, bias=None, per_token=True) -> np.ndarray:
         acts = x if isinstance(x, Activations) else Activations(x, self.numerics)
@@ -193,6 +195,12 @@ class CPUBackend:
 
     def add(self, a, b) -> np.ndarray:
         return a + b
+
+    def join_parts(self, parts, plans) -> np.ndarray:
+        y = np.empty((sum(p.shape[0] for p in parts), parts[0].shape[1]), np.float32)  # [P, N]
+        for part, plan in zip(parts, plans):
+            y[plan.pairs] = part
+        return y
 
     def take_rows(self, x, rows) -> np.ndarray:
         return np.ascontiguousarray(x[rows])

@@ -27,6 +27,7 @@ class PerTokenPlan:
     slots: np.ndarray  # [P] its index in the stacks
     tokens: np.ndarray  # [P] its row of x
     slot_rows: np.ndarray  # [T, A] the pair (output row) of each (row, slot)
+    pairs: np.ndarray | None = None  # a wave's part (plan(only=)): its rows in the whole plan's order
 
 
 @dataclass(frozen=True, eq=False)
@@ -38,12 +39,18 @@ class GroupedPlan:
     tokens: np.ndarray  # [P] the row of x each output row reads
     slot_rows: np.ndarray  # [T, A] the output row of each (row, slot)
     solo: bool  # every row is its own one-token sequence
+    pairs: np.ndarray | None = None  # a wave's part (plan(only=)): its rows in the whole plan's order
 
 
-def plan(ids: np.ndarray, slots: dict[int, int], layout, step: Step | None) -> PerTokenPlan | GroupedPlan:
-    """ids [T, A] expert ids in top-k order; slots[e]: expert e's stack index."""
+def plan(ids: np.ndarray, slots: dict[int, int], layout, step: Step | None,
+         only: np.ndarray | None = None) -> PerTokenPlan | GroupedPlan:
+    """ids [T, A] expert ids in top-k order; slots[e]: expert e's stack index. only: the pairs of
+    these experts alone, each computed as in the whole plan (a wave of a step whose experts do
+    not fit the cache at once); `pairs` says where its outputs go in the whole plan's."""
     (T, A) = ids.shape
     flat = ids.reshape(-1)  # [P] pairs (token, slot), token-major
+    if only is not None:
+        return _part(plan(ids, {int(e): 0 for e in np.unique(flat)}, layout, step), slots, only)
     if T == 1:
         pairs = np.arange(T * A, dtype=np.int64)
         return PerTokenPlan(flat, np.array([slots[int(e)] for e in flat], dtype=np.int64),
@@ -63,6 +70,22 @@ def plan(ids: np.ndarray, slots: dict[int, int], layout, step: Step | None) -> P
     slot_rows = np.empty(T * A, dtype=np.int64)
     slot_rows[order] = np.arange(T * A)
     return GroupedPlan(by_expert, group_slots, offs, order // A, slot_rows.reshape(T, A), solo)
+
+
+def _part(whole: PerTokenPlan | GroupedPlan, slots: dict[int, int], only: np.ndarray
+          ) -> PerTokenPlan | GroupedPlan:
+    """The pairs of `whole` whose expert is in `only`, with the wave's stack indices."""
+    if isinstance(whole, PerTokenPlan):
+        sel = np.flatnonzero(np.isin(whole.experts, only))  # [P_w]
+        return PerTokenPlan(whole.experts[sel], np.array([slots[int(e)] for e in whole.experts[sel]], dtype=np.int64),
+                            whole.tokens[sel], whole.slot_rows, sel)
+    group_experts = whole.experts[whole.offs[:-1]]  # [J]
+    groups = np.flatnonzero(np.isin(group_experts, only))  # [J_w] whole groups, in order
+    sizes = whole.offs[groups + 1] - whole.offs[groups]
+    sel = np.concatenate([np.arange(whole.offs[j], whole.offs[j + 1]) for j in groups])  # [P_w]
+    return GroupedPlan(whole.experts[sel], np.array([slots[int(e)] for e in group_experts[groups]], dtype=np.int64),
+                       np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64), whole.tokens[sel],
+                       whole.slot_rows, whole.solo, sel)
 
 
 def _path_depends_on_rows(layout) -> bool:

@@ -55,18 +55,33 @@ def moe_forward(moe: MoE, family: Family, experts: ExpertProvider, x, backend: B
     if trace is not None:
         trace(moe.layer, ids)
     layout = experts.layout(moe.layer)
-    with experts.fetch(moe.layer, np.unique(ids).tolist()) as batch:
-        plan = backend.expert_plan(ids, batch.rows, layout, step)
-        xa = backend.prepare(x)  # converted once per weight type, shared by gate and up
-        g = backend.expert_linear(xa, batch.gate, layout.gate_type, layout.n_embd, plan, batch.gate_bias)  # [P, F]
-        u = backend.expert_linear(xa, batch.up, layout.up_type, layout.n_embd, plan, batch.up_bias)
-        h = backend.glu(g, u, family.glu, family.glu_alpha, family.glu_limit)
-        y = backend.expert_linear(h, batch.down, layout.down_type, layout.n_ff, plan, batch.down_bias,
-                                  per_token=False)  # [P, D]
+    waves = experts.waves(moe.layer, np.unique(ids).tolist())
+    xa = backend.prepare(x)  # converted once per weight type, shared by gate and up (and waves)
+    if len(waves) == 1:
+        with experts.fetch(moe.layer, waves[0]) as batch:
+            plan = backend.expert_plan(ids, batch.rows, layout, step)
+            y = _apply_experts(family, backend, layout, batch, plan, xa)  # [P, D]
+    else:  # more experts than the cache holds at once: each wave read into slots, used, released
+        plan = backend.expert_plan(ids, {e: 0 for e in np.unique(ids).tolist()}, layout, step)  # the mix's order
+        parts, part_plans = [], []
+        for wave in waves:
+            with experts.fetch(moe.layer, wave) as batch:
+                part_plans.append(backend.expert_plan(ids, batch.rows, layout, step, only=np.array(wave)))
+                parts.append(_apply_experts(family, backend, layout, batch, part_plans[-1], xa))
+        y = backend.join_parts(parts, part_plans)
     out = backend.moe_mix(y, plan, weights)
     if moe.shared is not None:
         out = backend.add(out, shared_expert(moe.shared, x, backend, step))
     return out
+
+
+def _apply_experts(family: Family, backend: Backend, layout, batch, plan, xa):
+    """Each planned (row, expert) pair: down(glu(gate·x, up·x)). xa: x [T, D] prepared -> [P, D]."""
+    g = backend.expert_linear(xa, batch.gate, layout.gate_type, layout.n_embd, plan, batch.gate_bias)  # [P, F]
+    u = backend.expert_linear(xa, batch.up, layout.up_type, layout.n_embd, plan, batch.up_bias)
+    h = backend.glu(g, u, family.glu, family.glu_alpha, family.glu_limit)
+    return backend.expert_linear(h, batch.down, layout.down_type, layout.n_ff, plan, batch.down_bias,
+                                 per_token=False)
 
 
 def dense_ffn(gate: QWeight, up: QWeight, down: QWeight, x, backend: Backend, step: Step | None = None,

@@ -191,6 +191,19 @@ class ExpertCache:
                 if h.slot < 0:  # overflow buffer: used, now dropped
                     lc.stats.evictions += 1
 
+    def waves(self, layer: int, ids: Sequence[int]) -> list[list[int]]:
+        """More experts than the layer's slots: the cached ones first (used before any miss can
+        evict them), then the misses, in waves of at most the slots (one at least: with no
+        slots each expert gets a buffer of its own)."""
+        lc = self._layer(layer)
+        ids = [int(e) for e in ids]
+        if lc.capacity >= len(ids):
+            return [ids]
+        with self._lock:
+            order = sorted(ids, key=lambda e: e not in lc.entries)
+        room = max(lc.capacity, 1)
+        return [order[i:i + room] for i in range(0, len(order), room)]
+
     def prefetch(self, layer: int, ids: Sequence[int]) -> None:
         """Start reading experts predicted for `layer`; never waits."""
         lc = self._layers.get(layer)

@@ -72,6 +72,11 @@ class ExpertProvider(Protocol):
         """The experts `ids` of `layer`, held (never evicted or overwritten) until the block exits."""
         ...
 
+    def waves(self, layer: int, ids: Sequence[int]) -> list[list[int]]:
+        """The fetches a step needing experts `ids` of `layer` makes, in order: [ids] when they fit
+        at once, else waves that each fit, none evicting an expert a later wave needs."""
+        ...
+
 
 class ResidentExperts:
     """Serves the stacked tensors, copied into memory at load: every expert is always 'loaded'.
@@ -97,6 +102,9 @@ class ResidentExperts:
     def fetch(self, layer: int, ids: Sequence[int]) -> ContextManager[ExpertBatch]:
         check_ids(layer, ids, self.layout(layer).n_expert)
         return nullcontext(self._batches[layer])
+
+    def waves(self, layer: int, ids: Sequence[int]) -> list[list[int]]:
+        return [list(ids)]
 
 
 def expert_biases(source, layer: int, n_embd: int, n_ff: int, n_expert: int) -> list[np.ndarray | None]:

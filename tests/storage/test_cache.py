@@ -638,3 +638,15 @@ def test_unlimited_layer_holding_every_expert_keeps_counting_and_serving(m, make
     assert st["hits"] == asked - (E - 1) and st["misses"] == E - 1
     assert st["prefetch_used"] == int(used_prefetch) and st["unique_requested"] == E - 1 + int(used_prefetch)
     assert st["bytes_read"] == E * m.expert_bytes[il]
+
+
+def test_waves_put_cached_experts_first_and_fit_the_slots(m, make):
+    c = make(2)
+    assert c.waves(0, [1, 4]) == [[1, 4]]  # fits: one fetch
+    with c.fetch(0, [5, 6]):
+        pass
+    waves = c.waves(0, [1, 2, 5, 6, 7])
+    assert waves[0] == [5, 6]  # cached: used before a miss can evict them
+    assert sorted(sum(waves, [])) == [1, 2, 5, 6, 7] and all(len(w) <= 2 for w in waves)
+    assert make(0).waves(0, [3, 1]) == [[3], [1]]  # no slots: one expert per fetch
+    assert make().waves(0, list(range(m.n_expert))) == [list(range(m.n_expert))]
