@@ -237,7 +237,7 @@ def bench_experts(layer: ExpertLayer, proj: str, t: int, a: int, rng, tuning=mmv
                       for ti in range(t) for ai in range(a)])
         u = np.stack([x[ti] @ dequant(layer.raw["up"][s[ti, ai]], qt).T
                       for ti in range(t) for ai in range(a)])
-        want = (g / (1 + np.exp(-g)) * u).reshape(t, a, n)
+        want = (g * 0.5 * (1 + np.tanh(g / 2)) * u).reshape(t, a, n)  # silu(g) u, no overflow
     else:
         want = np.stack([x[ti * a + ai if per_pair else ti]
                          @ dequant(layer.raw[proj][s[ti, ai]], qt).T

@@ -31,7 +31,6 @@ from numba import cuda
 from ...errors import UnsupportedError
 from ..quants import MXFP4, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, block_size, type_name
 from . import mmvq
-from .mmvq import Q8
 from .ptx import SIMULATOR, bits_to_f32, device, dp4a, ldg_u32, ldg_v4
 from .vecdot import FLOAT_ACT, VALUES, VECDOT
 

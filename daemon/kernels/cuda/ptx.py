@@ -13,7 +13,7 @@ that way. Alignment is the caller's promise (16 for ldg_v4, 4 for ldg_u32, 2 for
 twins check it, so a layout bug fails in CI rather than as a misaligned-address fault on a GPU.
 
     dp4a(a, b, c)        c + sum of the 4 signed-byte products of a and b (int32)   dp4a.s32.s32
-    ldg_v4(arr, off)     4 x uint32 from 16 bytes at off, read-only path             ld.global.nc.v4.u32
+    ldg_v4(arr, off)     4 x uint32 from 16 bytes at off, read-only path   ld.global.nc.v4.u32
     ldg_u32 / ldg_u16 / ldg_u8(arr, off)   one word, zero-extended to uint32         ld.global.nc.*
     prmt(a, b, sel)      byte permute of the 8 bytes {b:a} (PTX prmt.b32 default mode)
     f16_to_f32(bits)     IEEE half (low 16 bits) -> float32                         cvt.f32.f16

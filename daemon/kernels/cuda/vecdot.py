@@ -209,7 +209,10 @@ def load_mxfp4(W, base, nb, c):
     l3, h3 = _lut16(q3)
     e = ldg_u8(W, base + (nb << 4) + c)
     # e8m0 / 2 = 2**(e - 128); e < 2 are the float32 denormals 2**-128, 2**-127
-    bits = (np.uint32(0x00200000) << e) if e < np.uint32(2) else ((e - np.uint32(1)) << np.uint32(23))
+    if e < np.uint32(2):
+        bits = np.uint32(0x00200000) << e
+    else:
+        bits = (e - np.uint32(1)) << np.uint32(23)
     return l0, l1, l2, l3, h0, h1, h2, h3, bits_to_f32(bits)
 
 

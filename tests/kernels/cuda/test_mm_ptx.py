@@ -23,7 +23,7 @@ def _bytes_i8(x):
 
 
 def _prmt_ref(a, b, sel):
-    src = np.concatenate([np.array([a], np.uint32).view(np.uint8), np.array([b], np.uint32).view(np.uint8)])
+    src = np.array([a, b], np.uint32).view(np.uint8)  # bytes 0-3 of a, then 4-7 of b
     out = []
     for n in range(4):
         s = (int(sel) >> (4 * n)) & 0xF
