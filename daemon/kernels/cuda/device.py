@@ -1,8 +1,7 @@
 """Device functions shared by the op kernels: float bit conversions and block reductions.
 
-The bit conversions go through libdevice on the GPU. libdevice does not exist under numba's CUDA
-simulator, so each has a numpy twin there, chosen once at import (the simulator is fixed when
-numba.cuda is first imported).
+The bit conversions are ptx.py's (inline PTX on the GPU, Python twins under numba's CUDA
+simulator, chosen once at import: the simulator is fixed when numba.cuda is first imported).
 
 The reductions work on a shared-memory buffer with one slot per thread of a block whose size is a
 power of two, in a fixed tree order: the same inputs give the same bits on every run (no atomics),
@@ -16,37 +15,9 @@ import math
 import numpy as np
 from numba import cuda
 
-try:  # numba-cuda 0.30 keeps its own config; without it, numba's
-    from numba.cuda.core import config as _cuda_config
-except ImportError:  # pragma: no cover
-    from numba.core import config as _cuda_config
-
-SIM = bool(_cuda_config.ENABLE_CUDASIM)
-
-if SIM:
-
-    @cuda.jit(device=True)
-    def half_bits_to_f32(h):
-        """IEEE half bits (low 16 bits of an int) -> float32, exact."""
-        return np.float32(np.array(int(h) & 0xFFFF, dtype=np.uint16).view(np.float16)[()])
-
-    @cuda.jit(device=True)
-    def bits_to_f32(u):
-        """The low 32 bits of an int reinterpreted as float32."""
-        return np.array(int(u) & 0xFFFFFFFF, dtype=np.uint32).view(np.float32)[()]
-
-else:
-    from numba.cuda import libdevice
-
-    @cuda.jit(device=True, inline=True)
-    def half_bits_to_f32(h):
-        """IEEE half bits (low 16 bits of an int) -> float32, exact."""
-        return libdevice.half2float(np.int16(h))
-
-    @cuda.jit(device=True, inline=True)
-    def bits_to_f32(u):
-        """The low 32 bits of an int reinterpreted as float32."""
-        return libdevice.int_as_float(np.int32(u))
+# one simulator flag and one set of bit conversions for every CUDA kernel: ptx.py's
+from .ptx import SIMULATOR as SIM  # noqa: E402
+from .ptx import bits_to_f32, f16_to_f32 as half_bits_to_f32  # noqa: E402,F401
 
 
 @cuda.jit(device=True, inline=True)
