@@ -117,6 +117,7 @@ class ExpertCache:
         self._lock = threading.Lock()
         self._seq = itertools.count()
         self._claim_lock = threading.Lock()
+        self._closed = False
         self._io = _IOThread(store, io_depth, self._read_done, self._claimed)
         self._here = ParallelReader(store) if demand_reads == "compute" else None
 
@@ -137,6 +138,8 @@ class ExpertCache:
         `with cache.fetch(layer, ids) as batch: ...`. Raises StorageError if a read fails, and
         ModelFileChanged (the read's own exception) if the file changed since it was loaded."""
         lc = self._layer(layer)
+        if self._closed:
+            raise StorageError(f"{self.store.path}: the expert cache is closed (the model was unloaded)")
         wanted = list(dict.fromkeys(int(e) for e in ids))
         check_ids(layer, wanted, lc.layout.n_expert)
         if lc.resident is not None:  # unlimited and every expert read: nothing can move any more
@@ -207,7 +210,7 @@ class ExpertCache:
     def prefetch(self, layer: int, ids: Sequence[int]) -> None:
         """Start reading experts predicted for `layer`; never waits."""
         lc = self._layers.get(layer)
-        if lc is None:
+        if lc is None or self._closed:
             return
         reads: list[_Entry] = []
         with self._lock:
@@ -257,9 +260,17 @@ class ExpertCache:
                 lc.seen.clear()
 
     def close(self) -> None:
+        """Stop reading and free the cached experts now (not when the last reference goes: a
+        closed engine still referenced somewhere must not hold its budget while a new one loads)."""
         self._io.stop()
         if self._here is not None:
             self._here.close()
+        with self._lock:
+            self._closed = True
+            for lc in self._layers.values():
+                lc.arena, lc.resident = None, None
+                lc.entries.clear()
+                lc.free = list(range(lc.capacity - 1, -1, -1))
 
     def __enter__(self):
         return self

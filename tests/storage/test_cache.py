@@ -650,3 +650,14 @@ def test_waves_put_cached_experts_first_and_fit_the_slots(m, make):
     assert sorted(sum(waves, [])) == [1, 2, 5, 6, 7] and all(len(w) <= 2 for w in waves)
     assert make(0).waves(0, [3, 1]) == [[3], [1]]  # no slots: one expert per fetch
     assert make().waves(0, list(range(m.n_expert))) == [list(range(m.n_expert))]
+
+
+def test_close_frees_the_experts_and_later_fetches_fail_cleanly(m, make):
+    c = make(3)
+    with c.fetch(0, [1, 2]) as b:
+        m.check(b, 0, [1, 2])
+    c.close()
+    assert L(c, 0)["cached"] == 0 and all(lc.arena is None for lc in c._layers.values())
+    with pytest.raises(StorageError, match="closed"):
+        c.fetch(0, [1])
+    c.prefetch(0, [4])  # ignored, no error
