@@ -24,7 +24,7 @@ from numba import njit, prange, types
 
 from ..errors import ModelFileChanged, StorageError
 from .gguf import open_regular
-from .store import ExpertStore, StoreReader
+from .store import ExpertStore, StoreReader, no_readahead
 
 CHUNK = 1 << 19  # bytes: small enough that a few experts spread over 16 threads
 
@@ -71,6 +71,7 @@ class ParallelReader:
                 if what:
                     raise ModelFileChanged(store.identity.changed_message(what, why)) from None
                 raise StorageError(why) from None
+            no_readahead(fd)
             self._fd = fd
         return self._fd
 

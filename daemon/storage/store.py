@@ -173,6 +173,15 @@ class StoreReader:
         return loc.nbytes
 
 
+def no_readahead(fd: int) -> None:
+    """Expert reads are exact byte ranges at random places: readahead past them only reads
+    bytes nobody asked for (cold, with uniform routing, it more than doubled the disk reads)."""
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    except (AttributeError, OSError):  # not on this platform / filesystem: only a hint
+        pass
+
+
 @aiofiles.os.wrap
 def _open_store(store: ExpertStore) -> int:
     try:
@@ -188,6 +197,7 @@ def _open_store(store: ExpertStore) -> int:
         os.close(fd)
         ident, what = changed
         raise ModelFileChanged(ident.changed_message(what))
+    no_readahead(fd)
     return fd
 
 
