@@ -5,8 +5,9 @@
     ├── ModelError             the model cannot be used
     │   ├── GGUFError          the file is not a well-formed GGUF (names what is wrong)
     │   ├── UnsupportedError   well-formed, but an architecture / quant type / feature moed lacks
-    │   └── StorageError       expert bytes could not be read (file truncated, I/O error)
-    │       └── ModelFileChanged   the model file changed on disk while loaded (the model unloads)
+    │   ├── StorageError       expert bytes could not be read (file truncated, I/O error)
+    │   │   └── ModelFileChanged   the model file changed on disk while loaded (the model unloads)
+    │   └── DeviceError        the GPU failed: no usable device, out of memory, a CUDA error
     ├── RequestError           a bad request: prompt, token ids or sampling options
     ├── SynthError             `moed synth` cannot write the model (bad option, no space, bad path)
     └── SchedulerError         the daemon cannot serve a request now; `.code` says why (busy,
@@ -47,6 +48,12 @@ class ModelFileChanged(StorageError):
     """The model file was truncated, replaced or rewritten while it was loaded (its size, mtime or
     inode differ from what was loaded). The request fails and the model is unloaded: its weights
     can no longer be trusted to match what was validated."""
+
+
+class DeviceError(ModelError):
+    """The GPU cannot be used or failed: MOE_DEVICE names a device that is not usable, the model
+    does not fit in its memory, or a CUDA call failed during a request (that request fails; the
+    engine stays usable unless the error poisoned the device context)."""
 
 
 class RequestError(MoedError):

@@ -1,0 +1,424 @@
+"""The CUDA backend: numba-CUDA kernels (daemon/kernels/cuda), device arrays, a device KV pool.
+
+Every weight lives in VRAM, repacked at upload (cuda_weights.py); every expert too
+(cuda_experts.DeviceExperts, built by the engine); each sequence owns a slot of the model's KV
+pool (cuda_cache.py). Arrays passed between ops are device arrays; host numpy arrays are accepted
+too and copied to the device (tests, tools), and host QWeights or expert stacks are uploaded on
+each call (correct, slow: the engine uploads everything at load).
+
+Kernel choice per matmul: the GEMV (mmvq, one pass over the weights for up to 16 rows) for up
+to MAX_COLS rows of a sequence, the tiled matmul (mmq) for more rows of quantized weights whose
+K is a multiple of 128. The choice depends only on each sequence's own row count, and every
+kernel computes a row independently of the others, so a sequence's results are the same bits
+whatever shares its step (batch invariance); a decode step is always the GEMV.
+
+Host synchronisation per step: the step's token ids, positions and KV slots go to the device
+once (memo), the router's expert ids come back to the host once per MoE layer (the expert
+provider and the routing trace take host ids; the expert kernels read the device copy), and the
+sampled logits rows come back at the end. Everything runs in order on the default stream.
+
+A CUDA error (driver, launch, out of memory) surfaces as DeviceError (a ModelError): the request
+fails, the engine goes on. An error that poisons the context (an illegal address) leaves every
+later launch failing the same way; only a restart recovers from that.
+
+Legend: T = rows, S = sequences, D = hidden size, K = input length, N = output length, H = query
+heads, Hkv = key/value heads, Dh = key head size, Dv = value head size, E = experts, A = experts
+per row, P = T*A pairs, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import numpy as np
+from numba import cuda
+
+from ..errors import DeviceError
+from ..kernels.cuda import attention as attn
+from ..kernels.cuda import embed as embed_k
+from ..kernels.cuda import glu as glu_k
+from ..kernels.cuda import mmq, mmvq, norm, rope as rope_k, router as router_k
+from ..kernels.cuda.device import SIM
+from ..kernels.cuda.mmvq import MAX_COLS, Q8
+from ..kernels.cuda.quantize import quantize_q8_1
+from ..kernels.cuda.vecdot import FLOAT_ACT
+from ..model.weights import QWeight
+from . import cuda_experts as cx
+from .cuda_cache import DeviceKVCache, KVPool
+from .cuda_weights import DeviceWeight, byte_map, embedding_rows, put_rows, take_rows, upload_matrix
+from .step import Step
+
+_F32 = np.float32
+
+
+def _cuda_errors() -> tuple[type[BaseException], ...]:
+    """numba-cuda's driver-side exception classes (the simulator has a few of them)."""
+    import importlib
+
+    found = []
+    for mod, names in (("numba.cuda.cudadrv.driver", ("CudaAPIError", "LinkerError", "DeadMemoryError")),
+                       ("numba.cuda.cudadrv.error", ("CudaDriverError", "CudaRuntimeError", "CudaSupportError",
+                                                     "NvvmError", "NvrtcError"))):
+        try:
+            m = importlib.import_module(mod)
+        except ImportError:
+            continue
+        found += [getattr(m, n) for n in names if isinstance(getattr(m, n, None), type)]
+    return tuple(found)
+
+
+CUDA_ERRORS = _cuda_errors()
+_bound = threading.local()  # the device this thread's numba context is on
+
+
+def _guarded(fn):
+    """An op: on this backend's device in any calling thread; CUDA errors become DeviceError."""
+
+    @functools.wraps(fn)
+    def op(self, *args, **kw):
+        if getattr(_bound, "index", None) != self.index:
+            self.bind()
+        try:
+            return fn(self, *args, **kw)
+        except CUDA_ERRORS as e:
+            raise DeviceError(f"{self.name}: {fn.__name__} failed: {e} ({self.memory_note()})") from e
+
+    return op
+
+
+class Activations:
+    """x [T, K] (device f32) with its q8_1 blocks made on first use, shared by every quantized
+    weight that reads x (q, k and v; gate and up)."""
+
+    __slots__ = ("x", "_q8")
+
+    def __init__(self, x):
+        self.x = x
+        self._q8 = None
+
+    @property
+    def rows(self) -> int:
+        return self.x.shape[0]
+
+    def get(self, ggml_type: int, r0: int = 0, r1: int | None = None):
+        """What weights of ggml_type read: f32 rows (float weights) or Q8 (quantized), rows r0..r1-1."""
+        whole = r0 == 0 and (r1 is None or r1 == self.rows)
+        if ggml_type in FLOAT_ACT:
+            return self.x if whole else self.x[r0:r1]
+        if self._q8 is None:
+            self._q8 = Q8(*quantize_q8_1(self.x))
+        return self._q8 if whole else Q8(self._q8.qs[r0:r1], self._q8.ds[r0:r1])
+
+
+class CUDABackend:
+    """Ops on GPU `device_index` (numba's numbering). max_slots: sequences the KV pool starts with."""
+
+    def __init__(self, device_index: int = 0, max_slots: int = 4):
+        self.index = device_index
+        self.name = f"cuda:{device_index}"
+        self.max_slots = max_slots
+        self.simulator = SIM
+        self.bind()
+        self._pools: dict[tuple, KVPool] = {}
+        self._work: attn.AttentionWork | None = None
+        self._byte_maps: dict[int, object] = {}
+        self._iota = cuda.to_device(np.arange(1, dtype=np.int32))
+        self._routed = None  # (host ids, device ids) of the last router call
+        self.bytes = {"weights": 0, "experts": 0, "kv": 0, "scratch": 0}  # VRAM held, by use
+        self.estimate = None  # select.VRAMEstimate of the model, when select_backend made this
+
+    def __repr__(self) -> str:
+        return f"CUDABackend({self.index})"
+
+    def bind(self) -> None:
+        """Make this thread's numba context the one of this backend's device."""
+        cuda.select_device(self.index)
+        _bound.index = self.index
+
+    def vram_bytes(self) -> int:
+        """VRAM this backend holds (weights, experts, KV pools, scratch), by its own count."""
+        return sum(self.bytes.values())
+
+    def memory_note(self) -> str:
+        """What this backend holds in VRAM, and what the load estimated (for error messages)."""
+        held = ", ".join(f"{k} {v / 2**20:,.0f} MiB" for k, v in self.bytes.items())
+        est = f"; estimated at load: {self.estimate.describe()}" if self.estimate is not None else ""
+        return f"VRAM held: {held}{est}"
+
+    # -- weights and state ---------------------------------------------------------------------
+
+    @_guarded
+    def upload(self, weight):
+        if isinstance(weight, QWeight):
+            w = DeviceWeight(upload_matrix(weight.raw, weight.ggml_type), weight.ggml_type, weight.n_in, weight.n_out)
+            self.bytes["weights"] += w.nbytes
+            return w
+        a = cuda.to_device(np.ascontiguousarray(weight, dtype=_F32))
+        self.bytes["weights"] += int(a.nbytes)
+        return a
+
+    @_guarded
+    def resident_experts(self, gguf) -> cx.DeviceExperts:
+        """Every expert of the model in VRAM (the expert provider the engine hands the model)."""
+
+        def note(_name, nbytes):
+            self.bytes["experts"] += int(nbytes)
+
+        return cx.DeviceExperts.from_gguf(gguf, note)
+
+    @_guarded
+    def new_cache(self, hp, n_ctx: int) -> DeviceKVCache:
+        key = (hp.n_layer, hp.n_head_kv, hp.head_dim, hp.head_dim_v)
+        pool = self._pools.get(key)
+        if pool is None:
+            pool = self._pools[key] = KVPool(*key, slots=self.max_slots, on_grow=self._kv_grew)
+        return DeviceKVCache(pool, n_ctx)
+
+    def _kv_grew(self, delta: int) -> None:
+        self.bytes["kv"] += delta
+
+    @_guarded
+    def to_host(self, x) -> np.ndarray:
+        return x if isinstance(x, np.ndarray) else x.copy_to_host()
+
+    # -- dense ---------------------------------------------------------------------------------
+
+    @_guarded
+    def embed(self, table, tokens: np.ndarray):
+        table = self._weight(table)
+        qt = table.ggml_type
+        bmap = self._byte_maps.get(qt)
+        if bmap is None:
+            bmap = self._byte_maps[qt] = cuda.to_device(byte_map(qt))
+        toks = self._memo_ints(None, "tokens", tokens)
+        T = toks.shape[0]
+        raw = embedding_rows(table, toks, bmap)  # [T, RB]
+        out = cuda.device_array((T, table.n_in), _F32)  # [T, D]
+        embed_k.embed(raw, qt, self._arange(T), out)
+        return out
+
+    @_guarded
+    def prepare(self, x) -> Activations:
+        return Activations(self._dev(x))
+
+    @_guarded
+    def linear(self, x, w, step: Step | None = None, bias=None):
+        acts = x if isinstance(x, Activations) else Activations(self._dev(x))
+        w = self._weight(w)
+        bias = None if bias is None else self._dev(bias)
+        qt, K = w.ggml_type, w.n_in
+        T = acts.rows
+        out = cuda.device_array((T, w.n_out), _F32)  # [T, N]
+        for seg in cx.segments(step, T, lambda n: self._tiled(qt, K, n)):
+            a = acts.get(qt, seg.r0, seg.r1)
+            o = out if (seg.r0, seg.r1) == (0, T) else out[seg.r0:seg.r1]
+            if seg.tiled:
+                mmq.mul_mat_q(w.packed, qt, K, a, out=o, bias=bias)
+            else:
+                mmvq.mul_mat_vec(w.packed, qt, K, a, out=o, bias=bias)
+        return out
+
+    @staticmethod
+    def _tiled(qt: int, k: int, rows: int) -> bool:
+        """A sequence of `rows` rows takes the tiled matmul (else the GEMV)."""
+        return rows > MAX_COLS and qt in mmq.MMQ_TYPES and k % mmq.BK == 0
+
+    # -- experts -------------------------------------------------------------------------------
+
+    @_guarded
+    def expert_plan(self, ids, slots, layout, step, only=None) -> cx.DevicePlan:
+        routed = self._routed
+        if routed is not None and ids is routed[0]:
+            ids_dev = routed[1]  # the router's own device copy: nothing to upload
+        else:
+            ids_dev = cuda.to_device(np.ascontiguousarray(ids, dtype=np.int32))
+        slot_of = getattr(slots, "device", None)
+        if slot_of is None:
+            slot_of = cx.SlotMap(slots, layout.n_expert).device
+        T = ids_dev.shape[0]
+        qts = (layout.gate_type, layout.up_type, layout.down_type)
+        ks = (layout.n_embd, layout.n_embd, layout.n_ff)
+
+        def tiled(n):  # one kernel for a sequence's three projections
+            return all(self._tiled(qt, k, n) for qt, k in zip(qts, ks))
+
+        pairs = None
+        if only is not None:  # a wave: its pairs, for join_parts
+            pairs = cuda.to_device(np.flatnonzero(np.isin(np.asarray(ids).reshape(-1), only)).astype(np.int32))
+        return cx.DevicePlan(ids_dev, slot_of, layout.n_expert, cx.segments(step, T, tiled), pairs)
+
+    @_guarded
+    def join_parts(self, parts, plans):
+        out = cuda.device_array(parts[0].shape, _F32)  # [P, N]
+        for part, plan in zip(parts, plans):
+            put_rows(part, plan.pairs, out)
+        return out
+
+    @_guarded
+    def expert_linear(self, x, stack, ggml_type, k, plan: cx.DevicePlan, bias=None, per_token=True):
+        acts = x if isinstance(x, Activations) else Activations(self._dev(x))
+        if isinstance(stack, np.ndarray):  # a host provider's stack: uploaded for this call
+            stack = upload_matrix(stack, ggml_type)
+        bias = None if bias is None else self._dev(bias)
+        T, A = plan.T, plan.A
+        n = stack.shape[1]
+        out = cuda.device_array((T, A, n), _F32)  # [T, A, N]
+        for seg in plan.segments:
+            whole = (seg.r0, seg.r1) == (0, T)
+            r0, r1 = (seg.r0, seg.r1) if per_token else (seg.r0 * A, seg.r1 * A)
+            a = acts.get(ggml_type, r0, r1)
+            ids = plan.ids if whole else plan.ids[seg.r0:seg.r1]
+            o = out if whole else out[seg.r0:seg.r1]
+            if seg.tiled:
+                mmq.mul_mat_q_ids(stack, ggml_type, k, a, ids, plan.slot_of, cx.groups_of(plan, seg), out=o,
+                                  bias=bias, act_per_pair=not per_token)
+            else:
+                mmvq.mul_mat_vec_ids(stack, ggml_type, k, a, ids, plan.slot_of, out=o, bias=bias,
+                                     act_per_pair=not per_token)
+        return out.reshape(T * A, n)  # [P, N]
+
+    @_guarded
+    def moe_mix(self, y, plan: cx.DevicePlan, weights):
+        out = cuda.device_array((plan.T, y.shape[1]), _F32)  # [T, D]
+        glu_k.moe_mix(self._dev(y), self._dev(weights), out)
+        return out
+
+    @_guarded
+    def router(self, logits, n_used, gating, norm_topk, scale, chosen=None):
+        logits = self._dev(logits)
+        T = logits.shape[0]
+        if chosen is None:
+            ids = cuda.device_array((T, n_used), np.int32)
+        else:
+            ids = cuda.to_device(np.ascontiguousarray(chosen, dtype=np.int32))
+        weights = cuda.device_array((T, n_used), _F32)
+        router_k.route(logits, gating, norm_topk, scale, ids, weights, given=chosen is not None)
+        host = ids.copy_to_host().astype(np.int64)  # the one host sync of a MoE layer
+        self._routed = (host, ids)
+        return host, weights
+
+    # -- elementwise and attention -------------------------------------------------------------
+
+    @_guarded
+    def rms_norm(self, x, weight, eps):
+        x = self._dev(x)
+        out = cuda.device_array(x.shape, _F32)
+        norm.rms_norm(x, self._dev(weight), eps, out)
+        return out
+
+    @_guarded
+    def rms_norm_heads(self, x, weight, eps):
+        return self.rms_norm(x, weight, eps)  # rms_norm takes [T, H, Dh] with a [Dh] weight
+
+    @_guarded
+    def rope(self, x, step: Step, rope):
+        """Rotates a device x in place (the model hands over q and k it made) and returns it."""
+        x = self._dev(x)
+        T, _, Dh = x.shape
+        key = ("rope", rope)
+        table = step.memo.get(key)
+        if table is None:  # [T, n_dims/2, 2], once per step
+            table = step.memo[key] = cuda.device_array((T, rope.n_dims // 2, 2), _F32)
+            rope_k.rope_cache(self._memo_ints(step, "positions", step.positions), rope.n_dims, rope.freq_base,
+                              rope.freq_scale, rope.ext_factor, rope.attn_factor, rope.corr_dims, table)
+        # apply_rope_qk rotates q and k in one launch; a one-head scratch stands in for k
+        spare_key = ("rope_spare", Dh)
+        spare = step.memo.get(spare_key)
+        if spare is None:
+            spare = step.memo[spare_key] = cuda.device_array((T, 1, Dh), _F32)
+        rope_k.apply_rope_qk(x, spare, table, rope.neox)
+        return x
+
+    @_guarded
+    def attention(self, layer, q, k, v, step: Step, scale, window, sinks):
+        q, k, v = self._dev(q), self._dev(k), self._dev(v)
+        pool: KVPool = step.caches[0].pool
+        slots = step.memo.get("slots")
+        if slots is None:
+            slots = step.memo["slots"] = cuda.to_device(
+                np.repeat(np.array([c.slot for c in step.caches], np.int32), np.diff(step.offsets)))
+        positions = self._memo_ints(step, "positions", step.positions)
+        max_cells = step.memo.get("max_cells")
+        if max_cells is None:
+            max_cells = step.memo["max_cells"] = int(step.positions.max()) + 1
+        kc, vc = pool.k[layer], pool.v[layer]
+        attn.kv_append(k, v, slots, positions, kc, vc)
+        T, H, _ = q.shape
+        Dv = vc.shape[3]
+        out = cuda.device_array((T, H, Dv), _F32)
+        attn.attention(q, kc, vc, slots, positions, scale, window, None if sinks is None else self._dev(sinks), out,
+                       self._work_for(T, H, pool.cells, Dv), max_cells, one_slot=step.S == 1)
+        return out
+
+    def _work_for(self, rows: int, n_head: int, cells: int, dv: int) -> attn.AttentionWork:
+        """The attention scratch, grown to hold `rows` rows over `cells` cells."""
+        w = self._work
+        chunks = -(-cells // attn.CHUNK)
+        if w is None or w.max_rows < rows or w.max_chunks < chunks or w.part_o.shape[1] != n_head \
+                or w.part_o.shape[3] != dv:
+            old = 0 if w is None else int(w.part_m.nbytes + w.part_l.nbytes + w.part_o.nbytes)
+            keep = w is not None and w.part_o.shape[1] == n_head and w.part_o.shape[3] == dv
+            rows = max(rows, w.max_rows) if keep else rows
+            chunks = max(chunks, w.max_chunks) if keep else chunks
+            self._work = w = None  # the old scratch is freed before the new one is made
+            w = self._work = attn.AttentionWork(rows, n_head, chunks * attn.CHUNK, dv)
+            self.bytes["scratch"] += int(w.part_m.nbytes + w.part_l.nbytes + w.part_o.nbytes) - old
+        return w
+
+    @_guarded
+    def glu(self, gate, up, kind, alpha=0.0, limit=0.0):
+        gate, up = self._dev(gate), self._dev(up)
+        out = cuda.device_array(gate.shape, _F32)
+        glu_k.glu(gate, up, out, kind, alpha, limit)
+        return out
+
+    @_guarded
+    def sigmoid_gate(self, y, z):
+        y = self._dev(y)
+        out = cuda.device_array(y.shape, _F32)
+        glu_k.sigmoid_gate(y, self._dev(z), out)
+        return out
+
+    @_guarded
+    def add(self, a, b):
+        a = self._dev(a)
+        out = cuda.device_array(a.shape, _F32)
+        glu_k.add(a, self._dev(b), out)
+        return out
+
+    @_guarded
+    def take_rows(self, x, rows):
+        return take_rows(self._dev(x), cuda.to_device(np.ascontiguousarray(rows, dtype=np.int32)))
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _dev(x):
+        """x as a device f32 array (a host array is copied over)."""
+        if isinstance(x, np.ndarray):
+            return cuda.to_device(np.ascontiguousarray(x, dtype=_F32))
+        return x
+
+    def _weight(self, w) -> DeviceWeight:
+        if isinstance(w, QWeight):  # not uploaded (tests, tools): uploaded for this call
+            return DeviceWeight(upload_matrix(w.raw, w.ggml_type), w.ggml_type, w.n_in, w.n_out)
+        return w
+
+    @staticmethod
+    def _memo_ints(step: Step | None, key: str, values: np.ndarray):
+        """values [T] as device int32, once per step (step None: every call)."""
+        if step is not None:
+            dev = step.memo.get(key)
+            if dev is not None:
+                return dev
+        dev = cuda.to_device(np.ascontiguousarray(values, dtype=np.int32))
+        if step is not None:
+            step.memo[key] = dev
+        return dev
+
+    def _arange(self, n: int):
+        """Device int32 [0, 1, .., n-1] (a slice of one kept array)."""
+        if self._iota.shape[0] < n:
+            self._iota = cuda.to_device(np.arange(max(n, 2 * self._iota.shape[0]), dtype=np.int32))
+        return self._iota if self._iota.shape[0] == n else self._iota[:n]

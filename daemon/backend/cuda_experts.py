@@ -1,0 +1,152 @@
+"""The CUDA backend's experts: the expert provider on the device, and the plan of a layer's pairs.
+
+`DeviceExperts` holds every expert of every MoE layer in VRAM, uploaded (repacked) at load, one
+stacked tensor at a time (the host holds one projection of one layer at most). Its fetch maps
+expert ids to slots, and its batches carry that map as a device array too (`SlotMap.device`), so
+the expert kernels read slots on the device. Streaming experts that do not fit is part 2.
+
+A plan lists each sequence run's kernel: the GEMV over (token, expert) pairs (mmvq) for up to
+MAX_COLS rows of one sequence, the tiled prefill matmul (mmq) for more. Every pair's result
+depends only on its own row and its kernel, and the kernel only on its sequence's row count, so
+a sequence's rows come out as in a step of that sequence alone (batch invariance).
+
+Legend: T = rows, A = experts used per row, P = T*A pairs (token-major: pair t*A + a is row t's
+a-th expert in top-k order), E = experts, S = slots, N = output rows, K = input length,
+D = hidden size, F = expert FFN size, RB = raw row bytes, stride = repacked row bytes.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import ContextManager, Sequence
+
+import numpy as np
+from numba import cuda
+
+from ..kernels.cuda import mmq
+from ..storage.experts import PROJECTIONS, ExpertBatch, ExpertLayout, check_ids, expert_biases
+from .cuda_weights import upload_matrix
+
+
+class SlotMap(dict):
+    """expert id -> slot (a batch's `rows`), with the same map on the device: int32 [E], -1 for
+    an expert not held."""
+
+    def __init__(self, rows: dict[int, int], n_expert: int):
+        super().__init__(rows)
+        host = np.full(n_expert, -1, np.int32)
+        for e, s in rows.items():
+            host[e] = s
+        self.device = cuda.to_device(host)
+
+
+@dataclass(eq=False)
+class Segment:
+    """Rows r0..r1-1 of a step (whole sequences), computed by one kernel: tiled (mmq) or not."""
+    r0: int
+    r1: int
+    tiled: bool
+    groups: object = None  # mmq.Groups of the segment's pairs, made on first tiled use
+
+
+@dataclass(eq=False)
+class DevicePlan:
+    """Every pair of the step, in token-major order. A wave's plan (expert_plan(only=)) computes
+    every pair too, those of experts outside the wave as NaN (slot -1); `pairs` lists its own,
+    which join_parts takes from its output."""
+    ids: object  # device int32 [T, A]
+    slot_of: object  # device int32 [E]
+    n_expert: int
+    segments: list[Segment]
+    pairs: object = None  # a wave's plan: device int32 [P_w], its pairs
+    T: int = field(init=False)
+    A: int = field(init=False)
+
+    def __post_init__(self):
+        self.T, self.A = self.ids.shape
+
+
+class DeviceExperts:
+    """Every expert of the given layers in VRAM (an ExpertProvider). batches[il]: gate, up:
+    device uint8 [E, F, stride]; down: [E, D, stride]; biases device f32 [E, F|D] or None."""
+
+    def __init__(self, layouts: dict[int, ExpertLayout], batches: dict[int, ExpertBatch]):
+        self._layouts = layouts
+        self._batches = batches
+
+    @classmethod
+    def from_gguf(cls, gguf, on_upload=None) -> DeviceExperts:
+        """Read, repack and upload each layer's stacked expert tensors. on_upload(name, nbytes)
+        is told of each tensor placed (the backend's VRAM tally)."""
+        from ..model.weights import TensorSource
+        from ..storage.store import expert_layouts
+
+        note = on_upload or (lambda _name, _nbytes: None)
+        src = TensorSource(gguf)
+        layouts = expert_layouts(gguf)
+        batches = {}
+        for il, lay in layouts.items():
+            stacks = []
+            for p in PROJECTIONS:
+                name = f"blk.{il}.ffn_{p}_exps.weight"
+                k, n = (lay.n_ff, lay.n_embd) if p == "down" else (lay.n_embd, lay.n_ff)
+                raw, qt = src.stacked(name, k, n, lay.n_expert)
+                stacks.append(upload_matrix(raw, qt))  # [E, N, stride]
+                del raw
+                note(name, stacks[-1].nbytes)
+            biases = []
+            for b in expert_biases(src, il, lay.n_embd, lay.n_ff, lay.n_expert):
+                biases.append(None if b is None else cuda.to_device(b))
+                if b is not None:
+                    note(f"blk.{il} expert bias", b.nbytes)
+            batches[il] = ExpertBatch(*stacks, SlotMap({e: e for e in range(lay.n_expert)}, lay.n_expert), *biases)
+        return cls(layouts, batches)
+
+    @property
+    def nbytes(self) -> int:
+        total = 0
+        for b in self._batches.values():
+            for a in (b.gate, b.up, b.down, b.gate_bias, b.up_bias, b.down_bias):
+                total += 0 if a is None else int(a.nbytes)
+        return total
+
+    def layout(self, layer: int) -> ExpertLayout:
+        if layer not in self._layouts:
+            from ..errors import GGUFError
+
+            raise GGUFError(f"layer {layer} has no expert tensors")
+        return self._layouts[layer]
+
+    def fetch(self, layer: int, ids: Sequence[int]) -> ContextManager[ExpertBatch]:
+        check_ids(layer, ids, self.layout(layer).n_expert)
+        return nullcontext(self._batches[layer])
+
+    def waves(self, layer: int, ids: Sequence[int]) -> list[list[int]]:
+        return [list(ids)]  # every expert is held
+
+
+def segments(step, T: int, tiled_rows) -> list[Segment]:
+    """The step's rows as runs of whole sequences sharing a kernel. tiled_rows(n): whether a
+    sequence of n rows takes the tiled kernel."""
+    if step is None or step.S == 1:
+        return [Segment(0, T, tiled_rows(T))]
+    if step.one_row_each:
+        return [Segment(0, T, tiled_rows(1))]
+    out: list[Segment] = []
+    offs = step.offsets
+    for s in range(step.S):
+        r0, r1 = int(offs[s]), int(offs[s + 1])
+        tiled = tiled_rows(r1 - r0)
+        if out and out[-1].tiled == tiled:
+            out[-1].r1 = r1
+        else:
+            out.append(Segment(r0, r1, tiled))
+    return out
+
+
+def groups_of(plan: DevicePlan, seg: Segment):
+    """The pairs of a tiled segment grouped by expert (once per plan: gate, up and down share it)."""
+    if seg.groups is None:
+        seg.groups = mmq.group_by_expert(plan.ids[seg.r0:seg.r1], plan.n_expert)
+    return seg.groups

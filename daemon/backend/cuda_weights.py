@@ -1,0 +1,123 @@
+"""The CUDA backend's weights and its few kernels of its own: weights in VRAM, repacked once at
+upload (daemon/kernels/cuda/layout.py), the embedding rows read back out of the repacked table,
+and a row gather.
+
+One copy of each matrix lives on the device, in the matmuls' repacked layout. The embedding
+kernel (kernels/cuda/embed.py) reads raw GGUF rows, so `embedding_rows` first gathers the T rows a
+step needs out of the repacked table, undoing the repack byte for byte (a repack only moves
+bytes): a tied output (output = token_embd) then needs no second copy of the table.
+
+Legend: V = rows of the table (vocabulary), N = output rows, K = values per row, RB = raw ggml row
+bytes, stride = repacked row bytes, T = tokens (rows gathered), E = experts, S = stack slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda
+
+from ..kernels.cuda.layout import FIELDS, FLOAT_TYPES, repack
+from ..kernels.quants import block_size, row_bytes
+
+_THREADS = 256
+
+
+@dataclass(frozen=True, eq=False)
+class DeviceWeight:
+    """A matrix in VRAM: packed uint8 [N, stride], the repacked rows of a QWeight."""
+    packed: object  # device uint8 [N, stride]
+    ggml_type: int
+    n_in: int  # K
+    n_out: int  # N
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.packed.nbytes)
+
+
+def upload_matrix(raw: np.ndarray, ggml_type: int) -> object:
+    """Raw ggml rows uint8 [..., RB] -> device uint8 [..., stride], repacked on the host."""
+    return cuda.to_device(repack(np.ascontiguousarray(raw), ggml_type))
+
+
+def byte_map(ggml_type: int) -> np.ndarray:
+    """int32 [3, bb]: for each byte q of a raw block, (plane start in blocks, field size, index
+    in the field), so that byte q of block b sits at plane*nb + b*size + index of the repacked
+    row (layout.py's plane order). Float types: one plane of the row's own bytes."""
+    _, bb = block_size(ggml_type)
+    out = np.zeros((3, bb), np.int32)
+    if ggml_type in FLOAT_TYPES:
+        out[1] = bb
+        out[2] = np.arange(bb)
+        return out
+    at = 0
+    for off, n in FIELDS[ggml_type]:
+        out[0, off:off + n] = at
+        out[1, off:off + n] = n
+        out[2, off:off + n] = np.arange(n)
+        at += n
+    return out
+
+
+@cuda.jit
+def _gather_unpacked(packed, tokens, bmap, nb, bb, raw):
+    """raw[t] = the raw ggml row tokens[t] of the repacked table. packed: uint8 [V, stride];
+    tokens: int32 [T]; bmap: int32 [3, bb] (byte_map); raw: uint8 [T, RB]. One thread per byte."""
+    i = cuda.grid(1)
+    rb = raw.shape[1]
+    if i < raw.shape[0] * rb:
+        t = i // rb
+        p = i - t * rb
+        b = p // bb
+        q = p - b * bb
+        raw[t, p] = packed[tokens[t], bmap[0, q] * nb + b * bmap[1, q] + bmap[2, q]]
+
+
+def embedding_rows(table: DeviceWeight, tokens, bmap) -> object:
+    """The raw rows of `tokens` (device int32 [T]) of a repacked table -> device uint8 [T, RB]."""
+    qk, bb = block_size(table.ggml_type)
+    rb = row_bytes(table.ggml_type, table.n_in)
+    T = tokens.shape[0]
+    raw = cuda.device_array((T, rb), np.uint8)
+    n = T * rb
+    if n:
+        _gather_unpacked[(n + _THREADS - 1) // _THREADS, _THREADS](table.packed, tokens, bmap, rb // bb, bb, raw)
+    return raw
+
+
+@cuda.jit
+def _take_rows(x, rows, out):
+    """out[r] = x[rows[r]]. x: f32 [T, N]; rows: int32 [R]; out: f32 [R, N]."""
+    i = cuda.grid(1)
+    R, N = out.shape
+    if i < R * N:
+        r = i // N
+        out[r, i - r * N] = x[rows[r], i - r * N]
+
+
+def take_rows(x, rows) -> object:
+    """x [T, N] (device f32) -> x[rows] [R, N]; rows: device int32 [R]."""
+    R, N = rows.shape[0], x.shape[1]
+    out = cuda.device_array((R, N), np.float32)
+    if R * N:
+        _take_rows[(R * N + _THREADS - 1) // _THREADS, _THREADS](x, rows, out)
+    return out
+
+
+@cuda.jit
+def _put_rows(src, rows, out):
+    """out[rows[r]] = src[rows[r]]. src, out: f32 [T, N]; rows: int32 [R]."""
+    i = cuda.grid(1)
+    R, N = rows.shape[0], out.shape[1]
+    if i < R * N:
+        r = rows[i // N]
+        out[r, i % N] = src[r, i % N]
+
+
+def put_rows(src, rows, out) -> None:
+    """out[rows] = src[rows] (device f32 [T, N] each; rows device int32 [R])."""
+    n = rows.shape[0] * out.shape[1]
+    if n:
+        _put_rows[(n + _THREADS - 1) // _THREADS, _THREADS](src, rows, out)
