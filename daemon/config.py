@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -21,10 +22,11 @@ ROUTING = ("auto", "exact", "approx", "speculative", "all")
 
 
 def _meta(env: str, doc: str, choices: tuple[str, ...] | None = None, *, path: bool = False,
-          daemon: bool = False) -> dict[str, Any]:
+          daemon: bool = False, pattern: str | None = None) -> dict[str, Any]:
     """path: the value names a file the daemon writes or reads (a client of another user may not
-    set it); daemon: a setting of the daemon itself, never of one model."""
-    return {"env": env, "doc": doc, "choices": choices, "path": path, "daemon": daemon}
+    set it); daemon: a setting of the daemon itself, never of one model; pattern: a regular
+    expression a string value must match whole (choices with a parameter, e.g. cuda:N)."""
+    return {"env": env, "doc": doc, "choices": choices, "path": path, "daemon": daemon, "pattern": pattern}
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,10 @@ class Settings:
         "float32: dequantize and compute in float32 (reference mode)", NUMERICS))
     n_ctx: int = field(default=4096, metadata=_meta(
         "MOE_N_CTX", "context length (KV cache size) per sequence; capped by the model's own"))
+    device: str = field(default="auto", metadata=_meta(
+        "MOE_DEVICE", "where the model computes: cpu, cuda (GPU 0), cuda:N, or auto = a CUDA GPU when "
+        "numba-cuda finds one and the model fits in its free memory, else the CPU (the log says which "
+        "and why)", pattern=r"auto|cpu|cuda(:[0-9]+)?"))
     n_threads: int = field(default=0, metadata=_meta(
         "MOE_N_THREADS", "numba threads for the CPU kernels; 0 = all cores"))
     expert_cache_limit_mb: float = field(default=0.0, metadata=_meta(
@@ -151,6 +157,9 @@ def _coerce(f, value: Any, source: str) -> Any:
     choices = f.metadata["choices"]
     if choices and out not in choices:
         raise ConfigError(f"{source}: {out!r} is not one of {', '.join(choices)}")
+    pattern = f.metadata["pattern"]
+    if pattern and not re.fullmatch(pattern, out):
+        raise ConfigError(f"{source}: {out!r} does not match {pattern}")
     if isinstance(out, (int, float)) and not isinstance(out, bool) and out < 0:
         raise ConfigError(f"{source}: must be >= 0, got {out!r}")
     return out

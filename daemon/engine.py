@@ -30,6 +30,7 @@ import numpy as np
 from ipc.protocol import Chat, Done, Generate, Message, SamplingOptions
 
 from .backend import CPUBackend
+from .backend.select import select_backend
 from .config import Settings
 from .errors import RequestError
 from .model.transformer import Transformer
@@ -140,9 +141,14 @@ class Engine:
         gguf = GGUFFile(path)
         cache = None
         try:
-            cache = _expert_cache(gguf, cfg, say)
+            backend = select_backend(cfg, gguf)  # MOE_DEVICE; logs which and why
+            if isinstance(backend, CPUBackend):
+                experts = cache = _expert_cache(gguf, cfg, say)
+            else:  # all experts in VRAM (streaming them to the GPU is not built yet)
+                say(f"uploading experts to {backend.name}")
+                experts = backend.resident_experts(gguf)
             say(f"building {gguf.architecture} model")
-            model = Transformer(gguf, experts=cache, backend=CPUBackend(cfg.numerics))
+            model = Transformer(gguf, experts=experts, backend=backend)
             say("building tokenizer")
             tokenizer = Tokenizer.from_metadata(gguf.metadata)
         except BaseException:
@@ -163,9 +169,12 @@ class Engine:
         self.gguf.close()
 
     def stats(self) -> dict:
-        """Expert cache and routing statistics, per layer and in total (JSON-serialisable);
-        None parts for a model without experts."""
+        """The device and its VRAM held (0 on the CPU), expert cache and routing statistics, per
+        layer and in total (JSON-serialisable); None parts for a model without experts."""
+        backend = self.model.backend
         return {"model": str(self.gguf.path),
+                "device": backend.name,
+                "vram_bytes": backend.vram_bytes() if hasattr(backend, "vram_bytes") else 0,
                 "cache": self.cache.stats() if self.cache is not None else None,
                 "routing": self.prefetcher.stats() if self.prefetcher is not None else None}
 

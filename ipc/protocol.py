@@ -141,6 +141,8 @@ class ModelInfo(msgspec.Struct, **_REP):
     expert_cache_limit_bytes: int = 0  # its bound; 0 = unlimited
     expires_at: float | None = None  # unix seconds of keep-alive unload; None = never
     active: int = 0  # sequences decoding now
+    device: str = ""  # where it computes: "cpu", "cuda:0", ...
+    vram_bytes: int = 0  # GPU memory it holds (weights, experts, KV caches, scratch)
 
 
 # -- requests (client -> daemon) ----------------------------------------------------------------

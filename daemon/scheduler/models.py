@@ -111,7 +111,7 @@ class LoadedModel:
         kv = 0
         for seq in list(self.batcher._active):
             c = seq.cache
-            if c is not None:
+            if c is not None and hasattr(c, "k"):  # host KV (a GPU's is in vram_bytes)
                 kv += sum(a.nbytes for a in c.k) + sum(a.nbytes for a in c.v)
         cached = limit = 0
         if cache is not None:
@@ -119,7 +119,15 @@ class LoadedModel:
             limit = cache.limit_bytes
         return {"name": self.name, "path": self.path, "arch": self.arch, "size_bytes": self.weights_bytes + kv,
                 "expert_cache_bytes": cached, "expert_cache_limit_bytes": limit,
-                "expires_at": self.expires_at, "active": self.batcher.active}
+                "expires_at": self.expires_at, "active": self.batcher.active, **_device(engine)}
+
+
+def _device(engine) -> dict[str, Any]:
+    """ModelInfo's device and vram_bytes of an engine (none while it loads)."""
+    backend = getattr(getattr(engine, "model", None), "backend", None)
+    if backend is None:
+        return {}
+    return {"device": backend.name, "vram_bytes": backend.vram_bytes() if hasattr(backend, "vram_bytes") else 0}
 
 
 class ModelRegistry:
