@@ -54,10 +54,11 @@ class Settings:
         "MOE_ROUTING_VERBOSE", "log each token's experts per layer and per-layer cache stats lines"))
     io_depth: int = field(default=8, metadata=_meta(
         "MOE_IO_DEPTH", "expert reads in flight at once"))
-    demand_reads: str = field(default="compute", metadata=_meta(
+    demand_reads: str = field(default="auto", metadata=_meta(
         "MOE_DEMAND_READS", "who reads the experts a step misses: compute = the compute threads, in "
-        "one parallel pread while the step waits anyway; io = the I/O thread pool (see "
-        "docs/benchmarks.md, issue 11)", ("compute", "io")))
+        "one parallel pread while the step waits anyway; io = the I/O thread pool; auto = compute "
+        "when the compute threads are at least MOE_IO_DEPTH, else io (docs/benchmarks.md, issue 11)",
+        ("auto", "compute", "io")))
     expert_pack: bool = field(default=True, metadata=_meta(
         "MOE_EXPERT_PACK", "read experts from the expert pack beside the model when it is present and "
         "valid (moed pack)"))
