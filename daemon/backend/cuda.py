@@ -46,29 +46,13 @@ from ..kernels.cuda.vecdot import FLOAT_ACT
 from ..model.weights import QWeight
 from . import cuda_experts as cx
 from .cuda_cache import DeviceKVCache, KVPool
+from .cuda_errors import CUDA_ERRORS
 from .cuda_weights import DeviceWeight, byte_map, embedding_rows, put_rows, take_rows, upload_matrix
 from .step import Step
 
 _F32 = np.float32
 
 
-def _cuda_errors() -> tuple[type[BaseException], ...]:
-    """numba-cuda's driver-side exception classes (the simulator has a few of them)."""
-    import importlib
-
-    found = []
-    for mod, names in (("numba.cuda.cudadrv.driver", ("CudaAPIError", "LinkerError", "DeadMemoryError")),
-                       ("numba.cuda.cudadrv.error", ("CudaDriverError", "CudaRuntimeError", "CudaSupportError",
-                                                     "NvvmError", "NvrtcError"))):
-        try:
-            m = importlib.import_module(mod)
-        except ImportError:
-            continue
-        found += [getattr(m, n) for n in names if isinstance(getattr(m, n, None), type)]
-    return tuple(found)
-
-
-CUDA_ERRORS = _cuda_errors()
 _bound = threading.local()  # the device this thread's numba context is on
 
 
@@ -389,7 +373,11 @@ class CUDABackend:
 
     @_guarded
     def take_rows(self, x, rows):
-        return take_rows(self._dev(x), cuda.to_device(np.ascontiguousarray(rows, dtype=np.int32)))
+        x = self._dev(x)
+        rows = np.asarray(rows)
+        if rows.shape[0] == x.shape[0] and np.array_equal(rows, np.arange(rows.shape[0])):
+            return x  # every row, in order (a decode step's last rows): nothing to gather
+        return take_rows(x, cuda.to_device(np.ascontiguousarray(rows, dtype=np.int32)))
 
     # -- helpers -------------------------------------------------------------------------------
 

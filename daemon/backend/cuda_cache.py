@@ -24,8 +24,10 @@ import weakref
 import numpy as np
 from numba import cuda
 
+from ..errors import DeviceError
 from ..kernels.cuda.device import SIM
 from .cache import SequenceCache
+from .cuda_errors import CUDA_ERRORS
 
 # cells allocated up front (fewer if n_ctx is smaller): the CPU cache's 256; under the simulator,
 # which runs every device thread in Python, 16 so that tests cross a growth on few rows
@@ -95,8 +97,14 @@ class KVPool:
         L, Hkv, Dh, Dv = self.shape
         before = self.nbytes
         old_k, old_v = self.k, self.v
-        self.k = [_grown(old_k[il] if old_k else None, (slots, Hkv, cells, Dh)) for il in range(L)]
-        self.v = [_grown(old_v[il] if old_v else None, (slots, Hkv, cells, Dv)) for il in range(L)]
+        try:
+            k = [_grown(old_k[il] if old_k else None, (slots, Hkv, cells, Dh)) for il in range(L)]
+            v = [_grown(old_v[il] if old_v else None, (slots, Hkv, cells, Dv)) for il in range(L)]
+        except CUDA_ERRORS as e:  # the pool stays as it was
+            need = 2 * L * slots * Hkv * cells * (Dh + Dv)
+            raise DeviceError(f"the KV cache cannot grow to {slots} sequences x {cells} positions "
+                              f"({need / 2**20:,.0f} MiB, from {before / 2**20:,.0f} MiB): {e}") from e
+        self.k, self.v = k, v
         with self._lock:
             self._free.extend(range(slots - 1, self.slots - 1, -1))  # new slots, lowest first out
         self.slots, self.cells = slots, cells

@@ -12,6 +12,7 @@ from daemon.kernels import quants as Q
 from daemon.storage.experts import ExpertLayout
 
 from . import reference as R
+from .conftest import simulated
 
 E, A, D, F = 6, 3, 256, 256
 
@@ -35,9 +36,12 @@ def test_router(backend, gating, norm, scale):
 
 
 class _Experts:
-    """E experts' gate/up/down stacks, held at shuffled slots (as a cache would hold them)."""
+    """E experts' gate/up/down stacks, held at shuffled slots (as a cache would hold them).
+    dim: D = F (256; 64 for the CUDA backend under the simulator, which runs a device thread in
+    about a millisecond)."""
 
-    def __init__(self, gate_type, down_type, rng, biases):
+    def __init__(self, gate_type, down_type, rng, biases, dim=D):
+        self.D = self.F = D = F = dim
         self.layout = ExpertLayout(E, D, F, gate_type, gate_type, down_type)
         self.gate = R.raw_weights(gate_type, (E, F), D, rng)  # [E, F, rb]
         self.up = R.raw_weights(gate_type, (E, F), D, rng)
@@ -52,7 +56,7 @@ class _Experts:
         """The MoE block's ops as model code calls them -> [T, D]."""
         plan = backend.expert_plan(ids, self.slots, self.layout, step)
         xa = backend.prepare(x)
-        lay = self.layout
+        lay, D, F = self.layout, self.D, self.F
         g = backend.expert_linear(xa, self.stacks[0], lay.gate_type, D, plan, self.bias[0])
         u = backend.expert_linear(xa, self.stacks[1], lay.up_type, D, plan, self.bias[1])
         h = backend.glu(g, u, glu, 1.702, 7.0)
@@ -60,6 +64,7 @@ class _Experts:
         return backend.to_host(backend.moe_mix(y, plan, weights))
 
     def reference(self, x, ids, weights, glu="silu"):
+        D, F = self.D, self.F
         g_w, u_w, d_w = (R.dequant(a, t) for a, t in ((self.gate, self.layout.gate_type),
                                                       (self.up, self.layout.up_type),
                                                       (self.down, self.layout.down_type)))
@@ -81,13 +86,15 @@ TYPES = [(Q.Q8_0, Q.Q8_0), (Q.Q4_K, Q.Q6_K), (Q.MXFP4, Q.MXFP4), (Q.F16, Q.F16)]
 
 
 @pytest.mark.parametrize("gate_type,down_type", TYPES, ids=[f"{Q.type_name(a)}-{Q.type_name(b)}" for a, b in TYPES])
-@pytest.mark.parametrize("counts", [(1,), (5,), (1, 1, 1, 1), (3, 9)], ids=["one", "prefill", "decode", "batched"])
+@pytest.mark.parametrize("counts", [(1,), (5,), (1, 1, 1, 1), (3, 9), (2, 17)],
+                         ids=["one", "prefill", "decode", "batched", "mixed"])
 def test_experts_and_mix(backend, gate_type, down_type, counts):
+    """mixed: a batched prefill whose sequences take different kernels on a GPU (17 rows tiled)."""
     rng = np.random.default_rng(sum(counts) + gate_type)
-    ex = _Experts(gate_type, down_type, rng, biases=gate_type == Q.MXFP4)
+    ex = _Experts(gate_type, down_type, rng, biases=gate_type == Q.MXFP4, dim=64 if simulated(backend) else D)
     glu = "oai" if gate_type == Q.MXFP4 else "silu"
     T = sum(counts)
-    x = rng.standard_normal((T, D)).astype(np.float32)
+    x = rng.standard_normal((T, ex.D)).astype(np.float32)
     if gate_type not in R.QUANTIZABLE:  # random blocks hold large weights: keep the GLU in range
         x *= np.float32(0.02)
     ids = _ids(rng, T)

@@ -1,0 +1,196 @@
+"""The whole model on the CUDA backend against the CPU backend, on tiny fixture models: logits
+within tolerance, greedy tokens equal (except at near-ties), a sequence's results the same bits
+whatever shares its step, and a CUDA error failing one request only.
+
+Tolerances (relative L2 error of a logits row against the CPU's default "ggml" numerics): the
+issue's 1e-2 for float weights and 5e-2 for quantized ones. The two backends round differently:
+the GPU quantizes activations to q8_1 blocks (llama.cpp's CUDA backend) where the CPU uses q8_0
+or q8_K, sums in another order, keeps q in float32 where the CPU rounds it to f16; float weights
+keep float32 activations on the GPU and f16/bf16-rounded ones on the CPU. Measured here: ~7e-3
+for Q8_0, ~1e-3 for F16.
+
+Under numba's simulator (CI) every device thread runs in Python, about a millisecond each, so
+only one small case runs there (about a minute); the GPU machine runs every case.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from daemon.backend import CPUBackend
+from daemon.errors import DeviceError
+from daemon.model.transformer import Transformer
+from daemon.storage.gguf import GGUFFile
+from tests.fixtures.build import fixture_path
+
+from .conftest import CUDA_SKIP_REASON
+
+pytestmark = pytest.mark.skipif(CUDA_SKIP_REASON is not None, reason=str(CUDA_SKIP_REASON))
+
+SMALL = dict(n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_ff=64, n_ff_exp=64, n_ff_shexp=64, n_expert=4,
+             n_expert_used=2)
+KQUANT = dict(SMALL, n_embd=256, head_dim=64, n_ff=256, n_ff_exp=256, n_ff_shexp=256)  # K-quants: rows of 256
+FLOAT_TOL, QUANT_TOL = 1e-2, 5e-2
+
+GPU_CASES = [  # (fixture arch, weight type, overrides): every family, every weight type once at least
+    ("qwen3moe", "F16", SMALL), ("qwen3moe", "Q8_0", SMALL), ("qwen3moe", "Q5_K", KQUANT),
+    ("llama", "Q4_K", dict(KQUANT, n_expert=0, n_expert_used=0, n_head_kv=4)), ("llama", "F32", dict(SMALL, n_expert=0, n_expert_used=0, n_head_kv=4)),
+    ("llama-moe", "Q6_K", KQUANT), ("llama-moe", "Q4_1", dict(SMALL, tie_embeddings=True)),
+    ("qwen2moe", "Q8_0", SMALL), ("olmoe", "Q4_0", dict(SMALL, n_head_kv=4)),
+    ("gpt-oss", "MXFP4", dict(SMALL, head_dim=8, n_head=8)), ("gpt-oss", "Q8_0", dict(SMALL, head_dim=8, n_head=8)),
+]
+SIM_CASES = [("qwen3moe", "Q8_0", dict(SMALL, n_layer=1))]
+
+
+def _simulated() -> bool:
+    if CUDA_SKIP_REASON is not None:
+        return False
+    from daemon.kernels.cuda.device import SIM
+
+    return SIM
+
+
+CASES = SIM_CASES if _simulated() else GPU_CASES
+IDS = [f"{a}-{w}" for a, w, _ in CASES]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=IDS)
+def models(request, fixture_dir):
+    """(cpu model, cuda model, tolerance) of one fixture."""
+    from daemon.backend.cuda import CUDABackend
+
+    arch, wtype, overrides = request.param
+    gguf = GGUFFile(fixture_path(arch, wtype, fixture_dir, **overrides))
+    cuda_backend = CUDABackend(0)
+    gpu = Transformer(gguf, experts=cuda_backend.resident_experts(gguf), backend=cuda_backend)
+    cpu = Transformer(gguf, backend=CPUBackend("ggml"))
+    yield cpu, gpu, FLOAT_TOL if wtype in ("F32", "F16", "BF16") else QUANT_TOL
+    gguf.close()
+
+
+def _rel(got, want) -> np.ndarray:
+    return np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
+
+
+def _same_pick(gpu_row, cpu_row, tol) -> bool:
+    """The GPU's greedy token is the CPU's, or the CPU ranks them within the tolerance (a near-tie)."""
+    a, b = int(np.argmax(cpu_row)), int(np.argmax(gpu_row))
+    return a == b or cpu_row[a] - cpu_row[b] <= tol * np.abs(cpu_row).max()
+
+
+@dataclass
+class Run:
+    """One scenario per fixture, shared by the tests below (each pass costs seconds under the
+    simulator): a batched prefill of the prompts and decode steps teacher-forced with the CPU's
+    greedy tokens, on both backends; a request that hits a CUDA error; then the sequences in
+    `alone` run again by themselves on the GPU."""
+    tol: float
+    cpu_steps: list = field(default_factory=list)  # logits [S, V] per step
+    gpu_steps: list = field(default_factory=list)
+    error: tuple | None = None  # (type, message) of the failed request's exception
+    slot_freed: bool = False
+    alone: dict = field(default_factory=dict)  # sequence -> its logits per step, run alone
+
+
+@pytest.fixture(scope="module")
+def run(models) -> Run:
+    from numba.cuda.cudadrv.driver import CudaAPIError
+
+    from daemon.backend import cuda as cuda_backend
+
+    cpu, gpu, tol = models
+    # a 17-row prompt takes the tiled matmul, the others the GEMV, in the same steps
+    prompts, steps, alone = [np.arange(3, 20), np.array([7]), np.array([9, 1, 4])], 3, (0, 1, 2)
+    if _simulated():  # two short prompts, one decode step, the second sequence alone
+        prompts, steps, alone = [np.array([1, 5, 9]), np.array([4, 2])], 2, (1,)
+    out = Run(tol)
+    cc, gc = [cpu.new_cache(32) for _ in prompts], [gpu.new_cache(32) for _ in prompts]
+    out.cpu_steps.append(cpu.forward_many(prompts, cc))
+    out.gpu_steps.append(gpu.forward_many(prompts, gc))
+    tokens = []
+    for _ in range(steps - 1):
+        tokens.append(out.cpu_steps[-1].argmax(axis=1))
+        out.cpu_steps.append(cpu.forward_batch(tokens[-1], cc))
+        out.gpu_steps.append(gpu.forward_batch(tokens[-1], gc))
+
+    def boom(*args, **kw):
+        raise CudaAPIError(700, "an illegal memory access was encountered")
+
+    with pytest.MonkeyPatch.context() as m:  # a request that fails on the device
+        m.setattr(cuda_backend.embed_k, "embed", boom)
+        cache = gpu.new_cache(8)
+        pool, free = cache.pool, len(cache.pool._free)
+        try:
+            gpu.forward([3], cache)
+        except BaseException as e:  # noqa: BLE001  (the test checks what it is)
+            out.error = (type(e), str(e))  # not e: its frames would keep the sequence alive
+        del cache
+        out.slot_freed = len(pool._free) == free + 1
+
+    for s in alone:  # the model goes on: the same sequences, each by itself
+        c = gpu.new_cache(32)
+        out.alone[s] = [gpu.forward(prompts[s], c)[-1]]
+        for t in tokens:
+            out.alone[s].append(gpu.forward([int(t[s])], c)[-1])
+    return out
+
+
+def test_logits_and_greedy_tokens_match_the_cpu(run):
+    """A batched prefill and decode steps: every row within tolerance of the CPU's, the same
+    greedy token (or a near-tie)."""
+    for step, (got, want) in enumerate(zip(run.gpu_steps, run.cpu_steps)):
+        assert got.shape == want.shape and got.dtype == np.float32
+        assert np.all(_rel(got, want) < run.tol), (step, _rel(got, want))
+        assert all(_same_pick(g, w, run.tol) for g, w in zip(got, want)), step
+
+
+def test_a_sequence_gets_the_same_bits_whatever_shares_its_step(run):
+    """Each sequence run alone gives, bit for bit, its rows of the batched prefill (prompts of
+    different lengths: different kernels in one step) and of the decode steps."""
+    assert run.alone
+    for s, rows in run.alone.items():
+        for step, row in enumerate(rows):
+            assert np.array_equal(row, run.gpu_steps[step][s]), (s, step)
+
+
+def test_a_cuda_error_fails_the_request_and_the_model_goes_on(run):
+    """A CUDA error in a launch is a DeviceError (a ModelError: the daemon fails that request,
+    saying what the device holds); its sequence's KV slot is freed; the next requests run (the
+    sequences run alone after it)."""
+    kind, message = run.error
+    assert issubclass(kind, DeviceError), run.error
+    assert re.search(r"cuda:0: embed failed: .*illegal memory access.*VRAM held: weights", message)
+    assert run.slot_freed
+    assert run.alone and all(np.all(np.isfinite(r)) for rows in run.alone.values() for r in rows)
+
+
+SMOLLM2_PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ",
+                   "Once upon a time, in a small village by the sea,"]
+
+
+@pytest.mark.skipif(_simulated(), reason="a 135M model: GPU only (the simulator would take hours)")
+def test_smollm2_greedy_text_matches_the_cpu(smollm2):
+    """The real SmolLM2-135M-Instruct (Q4_1, dense llama): 32 greedy tokens per prompt on the GPU
+    and on the CPU; equal, or the first difference is a near-tie of the CPU's logits."""
+    from daemon.backend.cuda import CUDABackend
+    from daemon.text.tokenizer import Tokenizer
+
+    with GGUFFile(smollm2) as gguf:
+        tok = Tokenizer.from_metadata(gguf.metadata)
+        gpu = Transformer(gguf, backend=CUDABackend(0))
+        cpu = Transformer(gguf, backend=CPUBackend("ggml"))
+        for prompt in SMOLLM2_PROMPTS:
+            ids = tok.encode(prompt, add_special=True, parse_special=True)
+            gc, cc = gpu.new_cache(len(ids) + 33), cpu.new_cache(len(ids) + 33)
+            g, c = gpu.forward(ids, gc)[-1], cpu.forward(ids, cc)[-1]
+            for i in range(32):
+                assert _rel(g, c) < QUANT_TOL, (prompt, i)
+                if int(g.argmax()) != int(c.argmax()):
+                    assert _same_pick(g, c, QUANT_TOL), (prompt, i)
+                    break  # a near-tie: the continuations may part from here
+                nxt = [int(c.argmax())]
+                g, c = gpu.forward(nxt, gc)[-1], cpu.forward(nxt, cc)[-1]
