@@ -23,6 +23,7 @@ import weakref
 
 import numpy as np
 from numba import cuda
+from numba.cuda.cudadrv import driver
 
 from ..errors import DeviceError
 from ..kernels.cuda.device import SIM
@@ -112,8 +113,10 @@ class KVPool:
 
 
 def _grown(old, shape):
-    """A zeroed f16 array of `shape` holding `old` (a smaller one, or None) at its low indices."""
-    new = cuda.to_device(np.zeros(shape, np.float16))
+    """A zeroed f16 array of `shape` holding `old` (a smaller one, or None) at its low indices.
+    Zeroed on the device (a host array of zeros would be as large as the pool)."""
+    new = cuda.device_array(shape, np.float16)
+    driver.device_memset(new, 0, new.nbytes)
     if old is not None and old.size:
         n = old.size
         _copy_cells[(n + _THREADS - 1) // _THREADS, _THREADS](old, new)
