@@ -17,15 +17,13 @@ D = hidden size, F = expert FFN size, RB = raw row bytes, stride = repacked row 
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import ContextManager, Sequence
 
 import numpy as np
 from numba import cuda
 
 from ..kernels.cuda import mmq
-from ..storage.experts import PROJECTIONS, ExpertBatch, ExpertLayout, check_ids, expert_biases
+from ..storage.experts import PROJECTIONS, ExpertBatch, ExpertLayout, ResidentExperts, expert_biases
 from .cuda_weights import upload_matrix
 
 
@@ -111,19 +109,10 @@ class DeviceExperts:
                 total += 0 if a is None else int(a.nbytes)
         return total
 
-    def layout(self, layer: int) -> ExpertLayout:
-        if layer not in self._layouts:
-            from ..errors import GGUFError
-
-            raise GGUFError(f"layer {layer} has no expert tensors")
-        return self._layouts[layer]
-
-    def fetch(self, layer: int, ids: Sequence[int]) -> ContextManager[ExpertBatch]:
-        check_ids(layer, ids, self.layout(layer).n_expert)
-        return nullcontext(self._batches[layer])
-
-    def waves(self, layer: int, ids: Sequence[int]) -> list[list[int]]:
-        return [list(ids)]  # every expert is held
+    # every expert is held: serving them is ResidentExperts', over device batches
+    layout = ResidentExperts.layout
+    fetch = ResidentExperts.fetch
+    waves = ResidentExperts.waves
 
 
 def segments(step, T: int, tiled_rows) -> list[Segment]:
