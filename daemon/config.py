@@ -40,6 +40,9 @@ class Settings:
         "MOE_DEVICE", "where the model computes: cpu, cuda (GPU 0), cuda:N, or auto = a CUDA GPU when "
         "numba-cuda finds one and the model fits in its free memory, else the CPU (the log says which "
         "and why)", pattern=r"auto|cpu|cuda(:[0-9]+)?"))
+    cuda_graphs: bool = field(default=True, metadata=_meta(
+        "MOE_CUDA_GRAPHS", "on a GPU, replay decode steps as CUDA graphs (one launch a step instead of "
+        "one per kernel; the same results); 0 = launch every kernel from Python"))
     n_threads: int = field(default=0, metadata=_meta(
         "MOE_N_THREADS", "numba threads for the CPU kernels; 0 = all cores"))
     expert_cache_limit_mb: float = field(default=0.0, metadata=_meta(

@@ -16,7 +16,7 @@ head size, E = experts, A = experts used per row, P = T*A (row, expert) pairs, F
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import numpy as np
 
@@ -46,10 +46,17 @@ class Backend(Protocol):
     def to_host(self, x: Array) -> np.ndarray:
         ...
 
+    def run_step(self, step: Step, compute: Callable[[], Array], static: bool = False) -> Array:
+        """compute() -> its output: the model's layers over `step`, run on this backend. static:
+        compute needs nothing back on the host (no routing read, hooks or traces), so a backend
+        may record the step once and replay it for steps of the same shape (the CUDA backend's
+        graphs); the results are the same bits either way."""
+        ...
+
     # -- dense ---------------------------------------------------------------------------------
 
-    def embed(self, table: QWeight, tokens: np.ndarray) -> Array:
-        """Rows of the token embedding table: tokens [T] -> [T, D] f32."""
+    def embed(self, table: QWeight, tokens: np.ndarray, step: Step | None = None) -> Array:
+        """Rows of the token embedding table: tokens [T] (the step's, when given) -> [T, D] f32."""
         ...
 
     def prepare(self, x: Array) -> Any:

@@ -91,7 +91,10 @@ class CPUBackend:
 
     # -- dense ---------------------------------------------------------------------------------
 
-    def embed(self, table, tokens: np.ndarray) -> np.ndarray:
+    def run_step(self, step: Step, compute, static: bool = False):
+        return compute()
+
+    def embed(self, table, tokens: np.ndarray, step: Step | None = None) -> np.ndarray:
         return dequantize(table.raw[tokens], table.ggml_type, table.n_in)  # [T, D]
 
     def prepare(self, x: np.ndarray) -> Activations:

@@ -29,6 +29,7 @@ per row, P = T*A pairs, V = vocabulary.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 
 import numpy as np
@@ -47,10 +48,19 @@ from ..model.weights import QWeight
 from . import cuda_experts as cx
 from .cuda_cache import DeviceKVCache, KVPool
 from .cuda_errors import CUDA_ERRORS
+from .cuda_graphs import GraphCache, nonblocking_stream
 from .cuda_weights import DeviceWeight, byte_map, embedding_rows, put_rows, take_rows, upload_matrix
 from .step import Step
 
 _F32 = np.float32
+log = logging.getLogger("moed.device")
+
+try:  # a decode step's grids are small by nature: numba would warn at every such launch
+    from numba.cuda.core import config as _numba_cuda_config
+
+    _numba_cuda_config.CUDA_LOW_OCCUPANCY_WARNINGS = 0
+except ImportError:  # other numba-cuda versions
+    pass
 
 
 _bound = threading.local()  # the device this thread's numba context is on
@@ -75,11 +85,12 @@ class Activations:
     """x [T, K] (device f32) with its q8_1 blocks made on first use, shared by every quantized
     weight that reads x (q, k and v; gate and up)."""
 
-    __slots__ = ("x", "_q8")
+    __slots__ = ("x", "_q8", "_stream")
 
-    def __init__(self, x):
+    def __init__(self, x, stream=0):
         self.x = x
         self._q8 = None
+        self._stream = stream
 
     @property
     def rows(self) -> int:
@@ -91,24 +102,30 @@ class Activations:
         if ggml_type in FLOAT_ACT:
             return self.x if whole else self.x[r0:r1]
         if self._q8 is None:
-            self._q8 = Q8(*quantize_q8_1(self.x))
+            self._q8 = Q8(*quantize_q8_1(self.x, stream=self._stream))
         return self._q8 if whole else Q8(self._q8.qs[r0:r1], self._q8.ds[r0:r1])
 
 
 class CUDABackend:
     """Ops on GPU `device_index` (numba's numbering). max_slots: sequences the KV pool starts with."""
 
-    def __init__(self, device_index: int = 0, max_slots: int = 4):
+    def __init__(self, device_index: int = 0, max_slots: int = 4, graphs: bool = True):
         self.index = device_index
         self.name = f"cuda:{device_index}"
         self.max_slots = max_slots
         self.simulator = SIM
         self.bind()
+        # every op runs in order on one non-blocking stream (captured as graphs: cuda_graphs.py)
+        self.stream = cuda.stream() if SIM else nonblocking_stream()
+        self.graphs = GraphCache()
+        self.use_graphs = graphs and not SIM  # the simulator has no graphs
+        self._capturing = False
         self._pools: dict[tuple, KVPool] = {}
         self._work: attn.AttentionWork | None = None
         self._byte_maps: dict[int, object] = {}
         self._iota = cuda.to_device(np.arange(1, dtype=np.int32))
         self._routed = None  # (host ids, device ids) of the last router call
+        self._inputs: dict[int, dict] = {}  # decode-step input buffers by sequence count (graphs)
         self.bytes = {"weights": 0, "experts": 0, "kv": 0, "scratch": 0}  # VRAM held, by use
         self.estimate = None  # select.VRAMEstimate of the model, when select_backend made this
 
@@ -161,34 +178,94 @@ class CUDABackend:
 
     def _kv_grew(self, delta: int) -> None:
         self.bytes["kv"] += delta
+        self.graphs.clear()  # they hold the old pool's addresses
 
     @_guarded
     def to_host(self, x) -> np.ndarray:
-        return x if isinstance(x, np.ndarray) else x.copy_to_host()
+        if isinstance(x, np.ndarray):
+            return x
+        out = x.copy_to_host(stream=self.stream)
+        self.stream.synchronize()
+        return out
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    @_guarded
+    def run_step(self, step: Step, compute, static: bool = False):
+        """compute() (the model's layers over `step`, launching on this backend) -> its output.
+        static: compute reads nothing back to the host and every expert is resident, so a decode
+        step may be captured once and replayed as a CUDA graph (bit-identical: the same kernels
+        on the same inputs)."""
+        key = self._graph_key(step) if static and self.use_graphs else None
+        if key is None or key in self.graphs.failed:
+            return compute()
+        self._graph_inputs(step, key)
+        g = self.graphs.get(key)
+        if g is None:
+            if self.graphs.first_sighting(key):  # eager once: kernels compile, buffers are made
+                return compute()
+            self._capturing = True
+            try:
+                g = self.graphs.capture(key, self.stream, compute)
+            except CUDA_ERRORS as e:  # graphs are an optimisation: this shape stays eager
+                self.graphs.failed.add(key)
+                log.warning("%s: capturing a decode step of %d sequences failed (%s); it runs eagerly",
+                            self.name, step.S, e)
+                self.stream.synchronize()
+                return compute()
+            finally:
+                self._capturing = False
+        g.launch(self.stream)
+        self.graphs.replays += 1
+        return g.out
+
+    def _graph_key(self, step: Step):
+        """The shape a decode step's graph is made for, or None (not a decode step)."""
+        if not step.one_row_each or not step.caches:
+            return None
+        pool = getattr(step.caches[0], "pool", None)
+        if pool is None:
+            return None
+        # attention's grid covers a power of two of cells (blocks past a row's cells exit at
+        # once), so one graph serves many steps of a growing context
+        cells = 1 << int(step.positions.max()).bit_length()
+        return step.S, step.all_logits, min(max(cells, attn.CHUNK), pool.cells), id(pool)
+
+    def _graph_inputs(self, step: Step, key) -> None:
+        """The step's token ids, positions and KV slots copied into the buffers of its graph's
+        shape, which the step's ops read (step.memo)."""
+        bufs = self._inputs.get(key[0])
+        if bufs is None:
+            bufs = self._inputs[key[0]] = {k: cuda.device_array(key[0], np.int32)
+                                           for k in ("tokens", "positions", "slots")}
+        for name, values in (("tokens", step.tokens), ("positions", step.positions), ("slots", self._row_slots(step))):
+            bufs[name].copy_to_device(np.ascontiguousarray(values, dtype=np.int32), stream=self.stream)
+            step.memo[name] = bufs[name]
+        step.memo["max_cells"] = key[2]
 
     # -- dense ---------------------------------------------------------------------------------
 
     @_guarded
-    def embed(self, table, tokens: np.ndarray):
+    def embed(self, table, tokens: np.ndarray, step: Step | None = None):
         table = self._weight(table)
         qt = table.ggml_type
         bmap = self._byte_maps.get(qt)
         if bmap is None:
             bmap = self._byte_maps[qt] = cuda.to_device(byte_map(qt))
-        toks = self._memo_ints(None, "tokens", tokens)
+        toks = self._memo_ints(step, "tokens", tokens)
         T = toks.shape[0]
-        raw = embedding_rows(table, toks, bmap)  # [T, RB]
+        raw = embedding_rows(table, toks, bmap, self.stream)  # [T, RB]
         out = cuda.device_array((T, table.n_in), _F32)  # [T, D]
-        embed_k.embed(raw, qt, self._arange(T), out)
+        embed_k.embed(raw, qt, self._arange(T), out, stream=self.stream)
         return out
 
     @_guarded
     def prepare(self, x) -> Activations:
-        return Activations(self._dev(x))
+        return Activations(self._dev(x), self.stream)
 
     @_guarded
     def linear(self, x, w, step: Step | None = None, bias=None):
-        acts = x if isinstance(x, Activations) else Activations(self._dev(x))
+        acts = x if isinstance(x, Activations) else Activations(self._dev(x), self.stream)
         w = self._weight(w)
         bias = None if bias is None else self._dev(bias)
         qt, K = w.ggml_type, w.n_in
@@ -198,9 +275,9 @@ class CUDABackend:
             a = acts.get(qt, seg.r0, seg.r1)
             o = out if (seg.r0, seg.r1) == (0, T) else out[seg.r0:seg.r1]
             if seg.tiled:
-                mmq.mul_mat_q(w.packed, qt, K, a, out=o, bias=bias)
+                mmq.mul_mat_q(w.packed, qt, K, a, out=o, bias=bias, stream=self.stream)
             else:
-                mmvq.mul_mat_vec(w.packed, qt, K, a, out=o, bias=bias)
+                mmvq.mul_mat_vec(w.packed, qt, K, a, out=o, bias=bias, stream=self.stream)
         return out
 
     @staticmethod
@@ -216,7 +293,7 @@ class CUDABackend:
         if routed is not None and ids is routed[0]:
             ids_dev = routed[1]  # the router's own device copy: nothing to upload
         else:
-            ids_dev = cuda.to_device(np.ascontiguousarray(ids, dtype=np.int32))
+            ids_dev = cuda.to_device(np.ascontiguousarray(ids, dtype=np.int32), stream=self.stream)
         slot_of = getattr(slots, "device", None)
         if slot_of is None:
             slot_of = cx.SlotMap(slots, layout.n_expert).device
@@ -229,19 +306,20 @@ class CUDABackend:
 
         pairs = None
         if only is not None:  # a wave: its pairs, for join_parts
-            pairs = cuda.to_device(np.flatnonzero(np.isin(np.asarray(ids).reshape(-1), only)).astype(np.int32))
+            pairs = cuda.to_device(np.flatnonzero(np.isin(np.asarray(ids).reshape(-1), only)).astype(np.int32),
+                                   stream=self.stream)
         return cx.DevicePlan(ids_dev, slot_of, layout.n_expert, cx.segments(step, T, tiled), pairs)
 
     @_guarded
     def join_parts(self, parts, plans):
         out = cuda.device_array(parts[0].shape, _F32)  # [P, N]
         for part, plan in zip(parts, plans):
-            put_rows(part, plan.pairs, out)
+            put_rows(part, plan.pairs, out, self.stream)
         return out
 
     @_guarded
     def expert_linear(self, x, stack, ggml_type, k, plan: cx.DevicePlan, bias=None, per_token=True):
-        acts = x if isinstance(x, Activations) else Activations(self._dev(x))
+        acts = x if isinstance(x, Activations) else Activations(self._dev(x), self.stream)
         if isinstance(stack, np.ndarray):  # a host provider's stack: uploaded for this call
             stack = upload_matrix(stack, ggml_type)
         bias = None if bias is None else self._dev(bias)
@@ -255,17 +333,17 @@ class CUDABackend:
             ids = plan.ids if whole else plan.ids[seg.r0:seg.r1]
             o = out if whole else out[seg.r0:seg.r1]
             if seg.tiled:
-                mmq.mul_mat_q_ids(stack, ggml_type, k, a, ids, plan.slot_of, cx.groups_of(plan, seg), out=o,
-                                  bias=bias, act_per_pair=not per_token)
+                mmq.mul_mat_q_ids(stack, ggml_type, k, a, ids, plan.slot_of, cx.groups_of(plan, seg, self.stream),
+                                  out=o, bias=bias, act_per_pair=not per_token, stream=self.stream)
             else:
                 mmvq.mul_mat_vec_ids(stack, ggml_type, k, a, ids, plan.slot_of, out=o, bias=bias,
-                                     act_per_pair=not per_token)
+                                     act_per_pair=not per_token, stream=self.stream)
         return out.reshape(T * A, n)  # [P, N]
 
     @_guarded
     def moe_mix(self, y, plan: cx.DevicePlan, weights):
         out = cuda.device_array((plan.T, y.shape[1]), _F32)  # [T, D]
-        glu_k.moe_mix(self._dev(y), self._dev(weights), out)
+        glu_k.moe_mix(self._dev(y), self._dev(weights), out, stream=self.stream)
         return out
 
     @_guarded
@@ -275,10 +353,13 @@ class CUDABackend:
         if chosen is None:
             ids = cuda.device_array((T, n_used), np.int32)
         else:
-            ids = cuda.to_device(np.ascontiguousarray(chosen, dtype=np.int32))
+            ids = cuda.to_device(np.ascontiguousarray(chosen, dtype=np.int32), stream=self.stream)
         weights = cuda.device_array((T, n_used), _F32)
-        router_k.route(logits, gating, norm_topk, scale, ids, weights, given=chosen is not None)
-        host = ids.copy_to_host().astype(np.int64)  # the one host sync of a MoE layer
+        router_k.route(logits, gating, norm_topk, scale, ids, weights, given=chosen is not None, stream=self.stream)
+        if self._capturing:  # nothing has run: no ids to read (the model asked for a graph: it needs none)
+            host = np.zeros((T, n_used), np.int64)
+        else:
+            host = self.to_host(ids).astype(np.int64)  # the one host sync of a MoE layer
         self._routed = (host, ids)
         return host, weights
 
@@ -288,7 +369,7 @@ class CUDABackend:
     def rms_norm(self, x, weight, eps):
         x = self._dev(x)
         out = cuda.device_array(x.shape, _F32)
-        norm.rms_norm(x, self._dev(weight), eps, out)
+        norm.rms_norm(x, self._dev(weight), eps, out, stream=self.stream)
         return out
 
     @_guarded
@@ -305,34 +386,32 @@ class CUDABackend:
         if table is None:  # [T, n_dims/2, 2], once per step
             table = step.memo[key] = cuda.device_array((T, rope.n_dims // 2, 2), _F32)
             rope_k.rope_cache(self._memo_ints(step, "positions", step.positions), rope.n_dims, rope.freq_base,
-                              rope.freq_scale, rope.ext_factor, rope.attn_factor, rope.corr_dims, table)
+                              rope.freq_scale, rope.ext_factor, rope.attn_factor, rope.corr_dims, table,
+                              stream=self.stream)
         # apply_rope_qk rotates q and k in one launch; a one-head scratch stands in for k
         spare_key = ("rope_spare", Dh)
         spare = step.memo.get(spare_key)
         if spare is None:
             spare = step.memo[spare_key] = cuda.device_array((T, 1, Dh), _F32)
-        rope_k.apply_rope_qk(x, spare, table, rope.neox)
+        rope_k.apply_rope_qk(x, spare, table, rope.neox, stream=self.stream)
         return x
 
     @_guarded
     def attention(self, layer, q, k, v, step: Step, scale, window, sinks):
         q, k, v = self._dev(q), self._dev(k), self._dev(v)
         pool: KVPool = step.caches[0].pool
-        slots = step.memo.get("slots")
-        if slots is None:
-            slots = step.memo["slots"] = cuda.to_device(
-                np.repeat(np.array([c.slot for c in step.caches], np.int32), np.diff(step.offsets)))
+        slots = self._memo_ints(step, "slots", self._row_slots(step))
         positions = self._memo_ints(step, "positions", step.positions)
         max_cells = step.memo.get("max_cells")
         if max_cells is None:
             max_cells = step.memo["max_cells"] = int(step.positions.max()) + 1
         kc, vc = pool.k[layer], pool.v[layer]
-        attn.kv_append(k, v, slots, positions, kc, vc)
+        attn.kv_append(k, v, slots, positions, kc, vc, stream=self.stream)
         T, H, _ = q.shape
         Dv = vc.shape[3]
         out = cuda.device_array((T, H, Dv), _F32)
         attn.attention(q, kc, vc, slots, positions, scale, window, None if sinks is None else self._dev(sinks), out,
-                       self._work_for(T, H, pool.cells, Dv), max_cells, one_slot=step.S == 1)
+                       self._work_for(T, H, pool.cells, Dv), max_cells, one_slot=step.S == 1, stream=self.stream)
         return out
 
     def _work_for(self, rows: int, n_head: int, cells: int, dv: int) -> attn.AttentionWork:
@@ -346,6 +425,7 @@ class CUDABackend:
             rows = max(rows, w.max_rows) if keep else rows
             chunks = max(chunks, w.max_chunks) if keep else chunks
             self._work = w = None  # the old scratch is freed before the new one is made
+            self.graphs.clear()  # they hold its addresses
             w = self._work = attn.AttentionWork(rows, n_head, chunks * attn.CHUNK, dv)
             self.bytes["scratch"] += int(w.part_m.nbytes + w.part_l.nbytes + w.part_o.nbytes) - old
         return w
@@ -354,21 +434,21 @@ class CUDABackend:
     def glu(self, gate, up, kind, alpha=0.0, limit=0.0):
         gate, up = self._dev(gate), self._dev(up)
         out = cuda.device_array(gate.shape, _F32)
-        glu_k.glu(gate, up, out, kind, alpha, limit)
+        glu_k.glu(gate, up, out, kind, alpha, limit, stream=self.stream)
         return out
 
     @_guarded
     def sigmoid_gate(self, y, z):
         y = self._dev(y)
         out = cuda.device_array(y.shape, _F32)
-        glu_k.sigmoid_gate(y, self._dev(z), out)
+        glu_k.sigmoid_gate(y, self._dev(z), out, stream=self.stream)
         return out
 
     @_guarded
     def add(self, a, b):
         a = self._dev(a)
         out = cuda.device_array(a.shape, _F32)
-        glu_k.add(a, self._dev(b), out)
+        glu_k.add(a, self._dev(b), out, stream=self.stream)
         return out
 
     @_guarded
@@ -377,15 +457,14 @@ class CUDABackend:
         rows = np.asarray(rows)
         if rows.shape[0] == x.shape[0] and np.array_equal(rows, np.arange(rows.shape[0])):
             return x  # every row, in order (a decode step's last rows): nothing to gather
-        return take_rows(x, cuda.to_device(np.ascontiguousarray(rows, dtype=np.int32)))
+        return take_rows(x, cuda.to_device(np.ascontiguousarray(rows, dtype=np.int32), stream=self.stream), self.stream)
 
     # -- helpers -------------------------------------------------------------------------------
 
-    @staticmethod
-    def _dev(x):
+    def _dev(self, x):
         """x as a device f32 array (a host array is copied over)."""
         if isinstance(x, np.ndarray):
-            return cuda.to_device(np.ascontiguousarray(x, dtype=_F32))
+            return cuda.to_device(np.ascontiguousarray(x, dtype=_F32), stream=self.stream)
         return x
 
     def _weight(self, w) -> DeviceWeight:
@@ -393,17 +472,22 @@ class CUDABackend:
             return DeviceWeight(upload_matrix(w.raw, w.ggml_type), w.ggml_type, w.n_in, w.n_out)
         return w
 
-    @staticmethod
-    def _memo_ints(step: Step | None, key: str, values: np.ndarray):
-        """values [T] as device int32, once per step (step None: every call)."""
+    def _memo_ints(self, step: Step | None, key: str, values: np.ndarray):
+        """values [T] as device int32, once per step (step None: every call). A step run as a
+        graph has them in the graph's input buffers already (run_step)."""
         if step is not None:
             dev = step.memo.get(key)
             if dev is not None:
                 return dev
-        dev = cuda.to_device(np.ascontiguousarray(values, dtype=np.int32))
+        dev = cuda.to_device(np.ascontiguousarray(values, dtype=np.int32), stream=self.stream)
         if step is not None:
             step.memo[key] = dev
         return dev
+
+    @staticmethod
+    def _row_slots(step: Step) -> np.ndarray:
+        """The KV slot of each row of the step [T]."""
+        return np.repeat(np.array([c.slot for c in step.caches], np.int32), np.diff(step.offsets))
 
     def _arange(self, n: int):
         """Device int32 [0, 1, .., n-1] (a slice of one kept array)."""

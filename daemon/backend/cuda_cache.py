@@ -109,6 +109,7 @@ class KVPool:
         with self._lock:
             self._free.extend(range(slots - 1, self.slots - 1, -1))  # new slots, lowest first out
         self.slots, self.cells = slots, cells
+        cuda.synchronize()  # grown on the legacy stream: done before the backend's stream reads it
         self.on_grow(self.nbytes - before)
 
 

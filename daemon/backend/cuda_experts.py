@@ -69,6 +69,10 @@ class DeviceExperts:
     """Every expert of the given layers in VRAM (an ExpertProvider). batches[il]: gate, up:
     device uint8 [E, F, stride]; down: [E, D, stride]; biases device f32 [E, F|D] or None."""
 
+    # a layer's batch does not depend on which experts a step routes to (the kernels read the
+    # routing on the device), so a step needs no routing on the host (CUDA graphs)
+    routing_free = True
+
     def __init__(self, layouts: dict[int, ExpertLayout], batches: dict[int, ExpertBatch]):
         self._layouts = layouts
         self._batches = batches
@@ -134,8 +138,8 @@ def segments(step, T: int, tiled_rows) -> list[Segment]:
     return out
 
 
-def groups_of(plan: DevicePlan, seg: Segment):
+def groups_of(plan: DevicePlan, seg: Segment, stream=0):
     """The pairs of a tiled segment grouped by expert (once per plan: gate, up and down share it)."""
     if seg.groups is None:
-        seg.groups = mmq.group_by_expert(plan.ids[seg.r0:seg.r1], plan.n_expert)
+        seg.groups = mmq.group_by_expert(plan.ids[seg.r0:seg.r1], plan.n_expert, stream=stream)
     return seg.groups

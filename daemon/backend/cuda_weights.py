@@ -75,7 +75,7 @@ def _gather_unpacked(packed, tokens, bmap, nb, bb, raw):
         raw[t, p] = packed[tokens[t], bmap[0, q] * nb + b * bmap[1, q] + bmap[2, q]]
 
 
-def embedding_rows(table: DeviceWeight, tokens, bmap) -> object:
+def embedding_rows(table: DeviceWeight, tokens, bmap, stream=0) -> object:
     """The raw rows of `tokens` (device int32 [T]) of a repacked table -> device uint8 [T, RB]."""
     qk, bb = block_size(table.ggml_type)
     rb = row_bytes(table.ggml_type, table.n_in)
@@ -83,7 +83,7 @@ def embedding_rows(table: DeviceWeight, tokens, bmap) -> object:
     raw = cuda.device_array((T, rb), np.uint8)
     n = T * rb
     if n:
-        _gather_unpacked[(n + _THREADS - 1) // _THREADS, _THREADS](table.packed, tokens, bmap, rb // bb, bb, raw)
+        _gather_unpacked[(n + _THREADS - 1) // _THREADS, _THREADS, stream](table.packed, tokens, bmap, rb // bb, bb, raw)
     return raw
 
 
@@ -97,12 +97,12 @@ def _take_rows(x, rows, out):
         out[r, i - r * N] = x[rows[r], i - r * N]
 
 
-def take_rows(x, rows) -> object:
+def take_rows(x, rows, stream=0) -> object:
     """x [T, N] (device f32) -> x[rows] [R, N]; rows: device int32 [R]."""
     R, N = rows.shape[0], x.shape[1]
     out = cuda.device_array((R, N), np.float32)
     if R * N:
-        _take_rows[(R * N + _THREADS - 1) // _THREADS, _THREADS](x, rows, out)
+        _take_rows[(R * N + _THREADS - 1) // _THREADS, _THREADS, stream](x, rows, out)
     return out
 
 
@@ -116,8 +116,8 @@ def _put_rows(src, rows, out):
         out[r, i % N] = src[r, i % N]
 
 
-def put_rows(src, rows, out) -> None:
+def put_rows(src, rows, out, stream=0) -> None:
     """out[rows] = src[rows] (device f32 [T, N] each; rows device int32 [R])."""
     n = rows.shape[0] * out.shape[1]
     if n:
-        _put_rows[(n + _THREADS - 1) // _THREADS, _THREADS](src, rows, out)
+        _put_rows[(n + _THREADS - 1) // _THREADS, _THREADS, stream](src, rows, out)

@@ -182,6 +182,6 @@ def select_backend(settings, gguf):
         line = (f"device: cuda:{idx} ({name}); VRAM needed about {need.describe()}; {_mb(free)} free of "
                 f"{_mb(total)}, room for about {room} full-length sequences")
     log.info("%s", line)
-    backend = CUDABackend(idx, max_slots=max(1, min(settings.max_batch, room)))
+    backend = CUDABackend(idx, max_slots=max(1, min(settings.max_batch, room)), graphs=settings.cuda_graphs)
     backend.estimate = need
     return backend

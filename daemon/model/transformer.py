@@ -205,12 +205,25 @@ class Transformer:
 
     def _run(self, step: Step) -> np.ndarray:
         """The layers over the step's rows. -> logits [T, V], or of each sequence's last row."""
+        B = self.backend
+        return B.to_host(B.run_step(step, lambda: self._layers(step), static=self._static()))
+
+    def _static(self) -> bool:
+        """Whether a step needs nothing back on the host while it runs (backend.run_step): no hook,
+        trace or routing override, and experts that do not depend on the routing."""
+        return (self.step_hooks is None and self.trace is None and self.route_override is None
+                and self.ffn_observer is None
+                and (not self.moe_layers or getattr(self.experts, "routing_free", False)))
+
+    def _layers(self, step: Step):
+        """The layers over the step's rows. -> logits [T, V] (the backend's array), or of each
+        sequence's last row."""
         B, hp = self.backend, self.hp
         eps = hp.rms_eps
         hooks = self.step_hooks
         if hooks is not None:
             hooks.begin(step.tokens)
-        x = B.embed(self.tok_embd, step.tokens)  # [T, D]
+        x = B.embed(self.tok_embd, step.tokens, step)  # [T, D]
         for il, layer in enumerate(self.layers):
             if hooks is not None:
                 hooks.layer_input(il, x)
@@ -229,7 +242,7 @@ class Transformer:
                 x = B.add(x, dense_ffn(f.gate, f.up, f.down, h, B, step,
                                        observe=None if obs is None else (lambda a, b, il=il: obs(il, a, b))))
         x = B.rms_norm(x, self.output_norm, eps)
-        return B.to_host(B.linear(x, self.output, step))  # [T, V]
+        return B.linear(x, self.output, step)  # [T, V]
 
     def _attention(self, il: int, a: Attention, x, step: Step):
         """x: [T, D] (normed) -> the attention block's output [T, D]."""

@@ -172,16 +172,16 @@ SMOLLM2_PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ",
                    "Once upon a time, in a small village by the sea,"]
 
 
-@pytest.mark.skipif(_simulated(), reason="a 135M model: GPU only (the simulator would take hours)")
-def test_smollm2_greedy_text_matches_the_cpu(smollm2):
-    """The real SmolLM2-135M-Instruct (Q4_1, dense llama): 32 greedy tokens per prompt on the GPU
-    and on the CPU; equal, or the first difference is a near-tie of the CPU's logits."""
+def _greedy_text_matches_the_cpu(path) -> None:
+    """32 greedy tokens per prompt on the GPU and on the CPU: equal, or the first difference is a
+    near-tie of the CPU's logits."""
     from daemon.backend.cuda import CUDABackend
     from daemon.text.tokenizer import Tokenizer
 
-    with GGUFFile(smollm2) as gguf:
+    with GGUFFile(path) as gguf:
         tok = Tokenizer.from_metadata(gguf.metadata)
-        gpu = Transformer(gguf, backend=CUDABackend(0))
+        backend = CUDABackend(0)
+        gpu = Transformer(gguf, experts=backend.resident_experts(gguf), backend=backend)
         cpu = Transformer(gguf, backend=CPUBackend("ggml"))
         for prompt in SMOLLM2_PROMPTS:
             ids = tok.encode(prompt, add_special=True, parse_special=True)
@@ -194,3 +194,22 @@ def test_smollm2_greedy_text_matches_the_cpu(smollm2):
                     break  # a near-tie: the continuations may part from here
                 nxt = [int(c.argmax())]
                 g, c = gpu.forward(nxt, gc)[-1], cpu.forward(nxt, cc)[-1]
+        assert backend.graphs.replays > 0 or not backend.use_graphs  # the decode steps ran as graphs
+
+
+@pytest.mark.skipif(_simulated(), reason="a 135M model: GPU only (the simulator would take hours)")
+def test_smollm2_greedy_text_matches_the_cpu(smollm2):
+    """The real SmolLM2-135M-Instruct (Q4_1, dense llama)."""
+    _greedy_text_matches_the_cpu(smollm2)
+
+
+@pytest.mark.skipif(_simulated(), reason="a 135M model: GPU only (the simulator would take hours)")
+def test_demo_moe_greedy_text_matches_the_cpu():
+    """The demo MoE (SmolLM2 made into 16 experts, 12 used), when it has been built
+    (`moed demo-model`; tests never build it: it takes minutes)."""
+    from daemon.demo import cache_dir
+
+    path = cache_dir() / "smollm2-135m-moe-e16k12.gguf"
+    if not path.exists():
+        pytest.skip(f"no demo model at {path} (build it with `moed demo-model`)")
+    _greedy_text_matches_the_cpu(path)

@@ -96,22 +96,24 @@ def _experts(qt, rng, n=3, s=3, e=5):
     return k, raw, slot_of
 
 
+@pytest.mark.parametrize("per_pair", [False, True], ids=["per_token", "per_pair"])
 @pytest.mark.parametrize("qt", refs.ALL, ids=[refs.NAMES[t] for t in refs.ALL])
-def test_experts_one_launch_per_projection(qt):
+def test_experts_one_launch_per_projection(qt, per_pair):
+    """per_pair: down-projection style, one activation row per (token, expert) pair."""
     rng = np.random.default_rng(40 + qt)
     k, raw, slot_of = _experts(qt, rng)
-    ids = np.array([[3, 0], [2, 3]], np.int32)  # [T, A]; token 1 shares expert 3 with token 0
-    per_pair = qt % 2 == 1  # half the types: down-projection style, one activation per pair
-    x = rng.standard_normal((4 if per_pair else 2, k)).astype(np.float32)
+    ids = np.array([[3, 0], [2, 3], [0, 2]], np.int32)  # [T, A]; tokens share experts
+    T, A = ids.shape
+    x = rng.standard_normal((T * A if per_pair else T, k)).astype(np.float32)
     bias = rng.standard_normal((5, raw.shape[1])).astype(np.float32)  # [E, N]
     act, ref_act = _act(qt, x)
     got = mmvq.mul_mat_vec_ids(cuda.to_device(repack(raw, qt)), qt, k, act, cuda.to_device(ids),
                                cuda.to_device(slot_of), bias=cuda.to_device(bias),
                                act_per_pair=per_pair).copy_to_host()
-    assert got.shape == (2, 2, raw.shape[1])
-    for t in range(2):
-        for a in range(2):
-            row = t * 2 + a if per_pair else t
+    assert got.shape == (T, A, raw.shape[1])
+    for t in range(T):
+        for a in range(A):
+            row = t * A + a if per_pair else t
             w = raw[slot_of[ids[t, a]]]
             sub = None if ref_act is None else tuple(v[row:row + 1] for v in ref_act)
             want = refs.matvec(w, qt, x[row:row + 1], sub)[0] + bias[ids[t, a]]

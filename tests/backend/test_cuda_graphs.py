@@ -1,0 +1,83 @@
+"""Decode steps replayed as CUDA graphs (daemon/backend/cuda_graphs.py) give the same bits as the
+same steps run eagerly: one sequence and a batch, across a KV pool growth (the graphs are made
+again), on fixture models of a few families and weight types. GPU only: the simulator has no
+graphs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from daemon.model.transformer import Transformer
+from daemon.storage.gguf import GGUFFile
+from tests.fixtures.build import fixture_path
+
+from .conftest import CUDA_SKIP_REASON
+from .test_cuda_model import KQUANT, SMALL
+
+pytestmark = pytest.mark.skipif(CUDA_SKIP_REASON is not None, reason=str(CUDA_SKIP_REASON))
+
+CASES = [("qwen3moe", "Q8_0", SMALL), ("gpt-oss", "MXFP4", SMALL), ("llama-moe", "Q6_K", KQUANT),
+         ("llama", "Q4_K", KQUANT)]
+
+
+def _gpu_only():
+    from daemon.kernels.cuda.device import SIM
+
+    if SIM:
+        pytest.skip("numba's CUDA simulator has no graphs")
+
+
+def _decode(model, prompts, steps: int, n_ctx: int):
+    """Prefill each prompt (alone), then `steps` greedy decode steps of them all together and of
+    the first alone. -> every logits array, in order."""
+    caches = [model.new_cache(n_ctx) for _ in prompts]
+    out = [model.forward(p, c) for p, c in zip(prompts, caches)]
+    solo = model.new_cache(n_ctx)
+    out.append(model.forward(prompts[0], solo))
+    tokens = np.array([int(np.argmax(o[-1])) for o in out[:len(prompts)]])
+    one = np.array([int(np.argmax(out[-1][-1]))])
+    for _ in range(steps):
+        out.append(model.forward_batch(tokens, caches))
+        out.append(model.forward(one, solo))
+        tokens = out[-2].argmax(axis=1)
+        one = np.array([int(np.argmax(out[-1][-1]))])
+    return out
+
+
+@pytest.mark.parametrize("arch,wtype,over", CASES, ids=[f"{a}-{w}" for a, w, _ in CASES])
+def test_graph_replay_is_bit_identical_to_eager(arch, wtype, over, fixture_dir):
+    _gpu_only()
+    from daemon.backend.cuda import CUDABackend
+
+    path = fixture_path(arch, wtype, fixture_dir, **over)
+    runs = {}
+    for graphs in (False, True):
+        with GGUFFile(path) as g:
+            b = CUDABackend(0, max_slots=4, graphs=graphs)
+            model = Transformer(g, experts=b.resident_experts(g), backend=b)
+            # 300 positions: past the pool's first 256 cells, so it grows mid-decode
+            runs[graphs] = _decode(model, [np.arange(3, 20), np.array([7]), np.array([9, 1, 4])], 290, 320)
+            if graphs:
+                assert b.graphs.captures >= 4 and b.graphs.replays > 500, (b.graphs.captures, b.graphs.replays)
+    assert len(runs[False]) == len(runs[True])
+    for i, (a, b) in enumerate(zip(runs[False], runs[True])):
+        assert np.array_equal(a, b), f"logits {i} differ: max {np.max(np.abs(a - b))}"
+
+
+def test_hooks_keep_steps_eager(fixture_dir):
+    """A routing trace needs the router's ids on the host each layer: no graph is made."""
+    _gpu_only()
+    from daemon.backend.cuda import CUDABackend
+
+    with GGUFFile(fixture_path("qwen3moe", "Q8_0", fixture_dir, **SMALL)) as g:
+        b = CUDABackend(0)
+        model = Transformer(g, experts=b.resident_experts(g), backend=b)
+        seen = []
+        model.trace = lambda layer, ids: seen.append(np.array(ids))
+        c = model.new_cache(16)
+        model.forward([1, 2], c)
+        for t in range(4):
+            model.forward([t], c)
+        assert b.graphs.captures == 0 and len(seen) == 5 * len(model.moe_layers)
+        assert all(s.min() >= 0 and s.max() < model.hp.n_expert for s in seen)
