@@ -106,7 +106,7 @@ def calibration_activations(source: Path, n_prompts: int, n_new: int, progress=N
     x [T, D] and activation h [T, F] over it."""
     from .engine import Engine
 
-    engine = Engine.load(source)
+    engine = Engine.load(source, device="cpu")  # the demo is the same file on every machine
     try:
         texts = []
         for i, prompt in enumerate(CALIBRATION_PROMPTS[:n_prompts]):

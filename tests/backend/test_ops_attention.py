@@ -15,6 +15,7 @@ CASES = {  # H, Hkv, Dh, Dv, window, sinks
     "gqa": (8, 2, 32, 32, 0, False),
     "gqa-sinks-window": (4, 2, 16, 16, 5, True),
     "dv-differs": (2, 1, 8, 12, 0, False),
+    "gqa-3-per-kv-head": (9, 3, 64, 64, 0, False),  # SmolLM2's heads
 }
 
 
