@@ -207,7 +207,7 @@ class CUDABackend:
             self._capturing = True
             try:
                 g = self.graphs.capture(key, self.stream, compute)
-            except CUDA_ERRORS as e:  # graphs are an optimisation: this shape stays eager
+            except (DeviceError, *CUDA_ERRORS) as e:  # graphs are an optimisation: this shape stays eager
                 self.graphs.failed.add(key)
                 log.warning("%s: capturing a decode step of %d sequences failed (%s); it runs eagerly",
                             self.name, step.S, e)

@@ -31,8 +31,9 @@ def dequant(raw: np.ndarray, qt: int) -> np.ndarray:
 
 
 def q8_1(x: np.ndarray):
-    """llama.cpp quantize_q8_1 of float32 rows [R, K] -> (q int8 [R, K], d [R, K/32], s [R, K/32])
-    with d and s rounded to fp16 (as stored), float32."""
+    """q8_1 of float32 rows [R, K] -> (q int8 [R, K], d [R, K/32], s [R, K/32]) with d and s
+    rounded to fp16 (as stored), float32. s = d * sum(q), as ggml's CPU q8_1 (quantize.py says why
+    not llama.cpp CUDA's sum(x))."""
     r, k = x.shape
     b = x.reshape(r, k // 32, 32)
     amax = np.abs(b).max(axis=2)
@@ -41,7 +42,7 @@ def q8_1(x: np.ndarray):
         y = (b / d[..., None]).astype(np.float32)
     q = np.sign(y) * np.floor(np.abs(y.astype(np.float64)) + 0.5)  # roundf: half away from 0
     q = np.where(amax[..., None] == 0, 0, q).astype(np.int8).reshape(r, k)
-    s = b.astype(np.float64).sum(axis=2)
+    s = d.astype(np.float64) * q.reshape(r, k // 32, 32).astype(np.float64).sum(axis=2)
     return q, d.astype(np.float16).astype(np.float32), s.astype(np.float16).astype(np.float32)
 
 
