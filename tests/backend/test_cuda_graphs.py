@@ -1,7 +1,7 @@
 """Decode steps replayed as CUDA graphs (daemon/backend/cuda_graphs.py) give the same bits as the
 same steps run eagerly: one sequence and a batch, across a KV pool growth (the graphs are made
-again), on fixture models of a few families and weight types. GPU only: the simulator has no
-graphs."""
+again), on fixture models of a few families and weight types. Captures need a GPU (the simulator
+has no graphs); which steps get a graph, and which share one, is tested under the simulator too."""
 
 from __future__ import annotations
 
@@ -81,3 +81,34 @@ def test_hooks_keep_steps_eager(fixture_dir):
             model.forward([t], c)
         assert b.graphs.captures == 0 and len(seen) == 5 * len(model.moe_layers)
         assert all(s.min() >= 0 and s.max() < model.hp.n_expert for s in seen)
+
+
+def test_graph_keys_cover_decode_steps_only(fixture_dir):
+    """Which steps may be replayed, and which share a graph (runs under the simulator too: no
+    capture is made). A decode step's key rounds its attention cells up to a power of two (at least
+    one chunk, at most the pool's cells); a prefill has no key; a new sighting runs eagerly."""
+    from daemon.backend import Step
+    from daemon.backend.cuda import CUDABackend
+    from daemon.kernels.cuda.attention import CHUNK
+
+    b = CUDABackend(0, max_slots=2)
+    with GGUFFile(fixture_path("qwen3moe", "Q8_0", fixture_dir, **SMALL)) as g:
+        model = Transformer(g, experts=b.resident_experts(g), backend=b)
+        c1, c2 = model.new_cache(4 * CHUNK), model.new_cache(4 * CHUNK)
+        c1.reserve(3 * CHUNK)
+        c2.reserve(3 * CHUNK)
+        pool = c1.pool
+
+        def decode(*past):
+            for c, n in zip((c1, c2), past):
+                c.n_past = n
+            return Step.append([np.array([1])] * len(past), [c1, c2][:len(past)], True)
+
+        assert b._graph_key(Step.append([np.array([1, 2])], [c1], True)) is None  # a prefill
+        k5, k9 = b._graph_key(decode(5)), b._graph_key(decode(9))
+        assert k5 == (1, True, CHUNK, id(pool)) and k9 == k5  # both inside the first chunk
+        assert b._graph_key(decode(CHUNK + 3))[2] == min(2 * CHUNK, pool.cells)
+        assert b._graph_key(decode(5, 7))[0] == 2  # two sequences: another graph
+        assert b.graphs.first_sighting(k5) and not b.graphs.first_sighting(k5)
+        b.graphs.clear()  # e.g. the KV pool grew: every shape is new again
+        assert b.graphs.first_sighting(k5) and b.graphs.get(k5) is None
