@@ -178,12 +178,17 @@ class Engine:
         self.gguf.close()
 
     def stats(self) -> dict:
-        """The device and its VRAM held (0 on the CPU), expert cache and routing statistics, per
-        layer and in total (JSON-serialisable); None parts for a model without experts."""
+        """The device and its VRAM held (0 on the CPU), its CUDA graphs (captured, replayed; None on
+        the CPU), expert cache and routing statistics, per layer and in total (JSON-serialisable);
+        None parts for a model without experts."""
         backend = self.model.backend
+        graphs = getattr(backend, "graphs", None)
         return {"model": str(self.gguf.path),
                 "device": backend.name,
                 "vram_bytes": backend.vram_bytes() if hasattr(backend, "vram_bytes") else 0,
+                "graphs": None if graphs is None else {"held": len(graphs), "captures": graphs.captures,
+                                                       "replays": graphs.replays,
+                                                       "eager_shapes": len(graphs.failed)},
                 "cache": self.cache.stats() if self.cache is not None else None,
                 "routing": self.prefetcher.stats() if self.prefetcher is not None else None}
 
