@@ -138,12 +138,12 @@ class CUDABackend:
         _bound.index = self.index
 
     def vram_bytes(self) -> int:
-        """VRAM this backend holds (weights, experts, KV pools, scratch), by its own count."""
-        return sum(self.bytes.values())
+        """VRAM this backend holds (weights, experts, KV pools, scratch, graphs), by its own count."""
+        return sum(self.bytes.values()) + self.graphs.nbytes
 
     def memory_note(self) -> str:
         """What this backend holds in VRAM, and what the load estimated (for error messages)."""
-        held = ", ".join(f"{k} {v / 2**20:,.0f} MiB" for k, v in self.bytes.items())
+        held = ", ".join(f"{k} {v / 2**20:,.0f} MiB" for k, v in {**self.bytes, "graphs": self.graphs.nbytes}.items())
         est = f"; estimated at load: {self.estimate.describe()}" if self.estimate is not None else ""
         return f"VRAM held: {held}{est}"
 

@@ -74,6 +74,7 @@ class Graph:
         self._graph, self._exe = graph, exe
         self.keep = keep  # every allocation made while capturing
         self.out = out  # the step's output array (rewritten by each launch)
+        self.nbytes = sum(int(getattr(m, "size", 0)) for m in keep)  # the VRAM they hold
 
     def launch(self, stream) -> None:
         _check(_drv().cuGraphLaunch(self._exe, stream.handle))
@@ -101,6 +102,11 @@ class GraphCache:
 
     def __len__(self) -> int:
         return len(self._graphs)
+
+    @property
+    def nbytes(self) -> int:
+        """VRAM held by the graphs' own arrays (activations and scratch of their steps)."""
+        return sum(g.nbytes for g in self._graphs.values())
 
     def get(self, key) -> Graph | None:
         g = self._graphs.get(key)

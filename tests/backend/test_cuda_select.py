@@ -117,7 +117,7 @@ def test_engine_on_cuda_reports_device_and_vram(small_moe, caplog):
         backend = engine.model.backend
         assert stats["device"] == "cuda:0" and stats["cache"] is None  # every expert in VRAM
         assert stats["vram_bytes"] == backend.vram_bytes() > 0
-        assert stats["graphs"] == {"held": 0, "captures": 0, "replays": 0, "eager_shapes": 0}  # nothing run yet
+        assert stats["graphs"] == {"held": 0, "bytes": 0, "captures": 0, "replays": 0, "eager_shapes": 0}  # nothing run yet
         est = backend.estimate
         assert backend.bytes["experts"] == est.experts and backend.bytes["weights"] <= est.weights
 
