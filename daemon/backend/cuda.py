@@ -15,7 +15,8 @@ whatever shares its step (batch invariance); a decode step is always the GEMV.
 Host synchronisation per step: the step's token ids, positions and KV slots go to the device
 once (memo), the router's expert ids come back to the host once per MoE layer (the expert
 provider and the routing trace take host ids; the expert kernels read the device copy), and the
-sampled logits rows come back at the end. Everything runs in order on the default stream.
+sampled logits rows come back at the end. Everything runs in order on one non-blocking stream.
+A decode step replayed as a CUDA graph (run_step, cuda_graphs.py) syncs only for the logits.
 
 A CUDA error (driver, launch, out of memory) surfaces as DeviceError (a ModelError): the request
 fails, the engine goes on. An error that poisons the context (an illegal address) leaves every
@@ -400,7 +401,9 @@ class CUDABackend:
     def attention(self, layer, q, k, v, step: Step, scale, window, sinks):
         q, k, v = self._dev(q), self._dev(k), self._dev(v)
         pool: KVPool = step.caches[0].pool
-        slots = self._memo_ints(step, "slots", self._row_slots(step))
+        slots = step.memo.get("slots")  # once per step, not per layer
+        if slots is None:
+            slots = self._memo_ints(step, "slots", self._row_slots(step))
         positions = self._memo_ints(step, "positions", step.positions)
         max_cells = step.memo.get("max_cells")
         if max_cells is None:
