@@ -1,6 +1,7 @@
 """Decode and prefill on the CUDA backend, with where a decode step's time goes.
 
     python benchmarks/gpu_decode.py MODEL.gguf [--prompt 64] [--steps 32] [--batch 8] [--profile 4] [--graphs 0,1]
+                                    [--kernels 8]
 
 Loads MODEL on cuda:0 as the engine does (weights and every expert in VRAM), then times:
 prefill of --prompt tokens; greedy-free decode steps of one sequence (median ms, tok/s); one step of
@@ -9,6 +10,9 @@ what the host spends a step on (kernel launches are numba's dispatcher `__call__
 With --graphs 0,1 the same in one process with decode steps launched kernel by kernel and replayed
 as CUDA graphs: a graph's step is the GPU's time (kernels, ~1 us each between them), the eager
 step minus that is the host's (Python, launches).
+--kernels N (needs PyTorch, whose profiler reads CUPTI): the GPU time of each kernel over N
+graph-replayed decode steps, by kernel, per step, against the step's wall time (the rest is gaps
+between kernels and the graph launch).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import cProfile
 import io
 import json
 import pstats
+import re
 import statistics
 import sys
 import time
@@ -47,6 +52,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--profile", type=int, default=4)
     ap.add_argument("--graphs", default="1", help="1: decode steps replayed as CUDA graphs, 0: eager, 0,1: both")
+    ap.add_argument("--kernels", type=int, default=0, help="profile N graph-replayed decode steps by kernel")
     ap.add_argument("--json")
     args = ap.parse_args()
     from numba import cuda
@@ -65,8 +71,64 @@ def main() -> None:
         rows.append(res)
         print(json.dumps(res, indent=1))
         print(prof, flush=True)
+    if args.kernels:
+        backend.use_graphs = True
+        rows.append(kernel_split(args, model, cuda))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+def kernel_name(mangled: str) -> str:
+    """numba's mangled kernel name -> module.function (e.g. mmvq.mul_mat_vec_q8)."""
+    if not mangled.startswith("_ZN"):
+        return mangled
+    parts, i = [], 3
+    while i < len(mangled) and mangled[i].isdigit():
+        m = re.match(r"\d+", mangled[i:])
+        n = int(m.group())
+        i += len(m.group())
+        parts.append(mangled[i:i + n])
+        i += n
+    keep = [p for p in parts if p not in ("daemon", "kernels", "cuda", "cudapy")]
+    return ".".join(keep[-2:]) if keep else mangled[:60]
+
+
+def kernel_split(args, model, cuda) -> dict:
+    """GPU time by kernel of graph-replayed decode steps of one sequence (torch.profiler/CUPTI)."""
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        print("--kernels needs PyTorch (its profiler reads CUPTI); skipped")
+        return {}
+    torch.cuda.init()
+    rng = np.random.default_rng(1)
+    V = model.hp.n_vocab
+    seq = model.new_cache(args.prompt + args.kernels + 8)
+    model.forward(rng.integers(0, V, args.prompt).tolist(), seq)
+    for _ in range(3):  # eager once, captured, replayed
+        model.forward([1], seq)
+    cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.kernels):
+            model.forward([1], seq)
+        cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) * 1e3 / args.kernels
+    by: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA" and ev.device_time > 0:
+            by.setdefault(kernel_name(ev.name), []).append(ev.device_time)  # us
+    n = args.kernels
+    table = sorted(((k, len(v) / n, sum(v) / n) for k, v in by.items()), key=lambda r: -r[2])
+    busy = sum(r[2] for r in table) / 1e3
+    print(f"\nkernels of one decode step ({n} graph replays): GPU busy {busy:.2f} ms of {wall_ms:.2f} ms wall "
+          f"({100 * busy / wall_ms:.0f}%), {sum(r[1] for r in table):.0f} kernels")
+    print(f"{'kernel':44s} {'per step':>9s} {'us/step':>9s} {'us each':>8s} {'share':>6s}")
+    for k, cnt, us in table:
+        print(f"{k[:44]:44s} {cnt:9.0f} {us:9.1f} {us / max(cnt, 1):8.2f} {100 * us / 1e3 / busy:5.1f}%")
+    return {"kernels": [{"name": k, "per_step": c, "us_per_step": u} for k, c, u in table],
+            "busy_ms": busy, "wall_ms": wall_ms}
 
 
 def measure(args, model, cuda) -> tuple[dict, str]:
