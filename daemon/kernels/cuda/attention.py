@@ -38,6 +38,7 @@ from numba import cuda
 
 from ...errors import UnsupportedError
 from .device import SIM, placeholder
+from .ptx import f16_to_f32, ldg_u16, ldg_v4
 
 # cells per block, = threads per block: one thread per cell for the scores. The simulator runs each
 # thread in Python, so there the same code runs with chunks of 32 (the tests use CHUNK, so they
@@ -46,6 +47,8 @@ CHUNK = 32 if SIM else 128
 MAX_PAIRS = 32  # (query row, head) pairs of one KV head per block: G * rows per tile
 MAX_QD = 4096  # pairs * Dh queries held in shared memory (>= MAX_PAIRS * CHUNK: reused for reductions)
 _SCORES = MAX_PAIRS * CHUNK  # shared [pairs, CHUNK] scores (a plain global: shared sizes must be constants)
+_FEW_BLOCKS = 256  # a grid below this spreads a KV head's query heads over blocks
+_VB = 8  # value cells a thread loads at once
 _NEG_INF = np.float32(-np.inf)
 
 
@@ -77,24 +80,29 @@ def _rows_reduce(buf, n_rows, tid, take_max):
         stride //= 2
 
 
-def _make_partial(G: int, RT: int):
-    """The chunk kernel for G query heads per KV head and tiles of RT query rows of one slot,
-    compiled with both as constants so the NP = G*RT accumulators of a thread stay in registers
-    and each key and value element is read once per block."""
-    NP = G * RT
+def _make_partial(G: int, HB: int, RT: int, DH: int):
+    """The chunk kernel for G query heads per KV head, HB of them per block (HB divides G), tiles
+    of RT query rows of one slot and head size DH, compiled with all as constants: the NP = HB*RT
+    accumulators and a cell's DH keys stay in registers, and the loads are unrolled so they are in
+    flight together. Each pair's arithmetic does not depend on HB or RT (sums over d and over
+    cells in ascending order), so a row's result is the same however the call groups it."""
+    NP = HB * RT
+    KW = DH // 2  # uint32 words of one cell's keys (two halves each)
 
     @cuda.jit
     def partial(q, k_cache, v_cache, slots, positions, scale, window, part_m, part_l, part_o):
-        """One chunk of a tile of rows against one KV head. Grid (NCH, Hkv, ceil(R/RT)), CHUNK
-        threads. q: f32 [R, H, Dh]; caches as the module doc; slots, positions: int32 [R] (the
-        rows of a tile share slots[first row]); part_m, part_l: f32 [R, H, NCH] (chunk max score,
-        sum of exps); part_o: f32 [R, H, NCH, Dv]. Pair i of the tile is row i // G, head
-        kh*G + i % G."""
+        """One chunk of a tile of rows against HB heads of one KV head. Grid (NCH, H/HB,
+        ceil(R/RT)), CHUNK threads. q: f32 [R, H, DH]; caches as the module doc; slots, positions:
+        int32 [R] (the rows of a tile share slots[first row]); part_m, part_l: f32 [R, H, NCH]
+        (chunk max score, sum of exps); part_o: f32 [R, H, NCH, Dv]. Pair i of the tile is row
+        i // HB, head h0 + i % HB, h0 = blockIdx.y * HB."""
         c = cuda.blockIdx.x
-        kh = cuda.blockIdx.y
+        h0 = cuda.blockIdx.y * HB
+        kh = h0 // G
         r0 = cuda.blockIdx.z * RT
         tid = cuda.threadIdx.x
-        R, Dh = q.shape[0], q.shape[2]
+        R = q.shape[0]
+        Hkv, C = k_cache.shape[1], k_cache.shape[2]
         Dv = v_cache.shape[3]
         j0 = c * CHUNK
         pos = cuda.local.array(RT, np.int32)  # per row: last and first visible cell
@@ -115,27 +123,39 @@ def _make_partial(G: int, RT: int):
         if b < 0:  # the whole block: no visible cell in this chunk
             return
         slot = slots[r0]
-        q_sh = cuda.shared.array(MAX_QD, np.float32)  # [NP, Dh] scaled queries, then reductions
+        j = j0 + tid
+        # this thread's cell's keys, loaded together before any use (16 bytes a load)
+        kw = cuda.local.array(KW, np.uint32)
+        if tid >= a and tid <= b:
+            base = ((slot * Hkv + kh) * C + j) * (2 * DH)
+            for w in range(0, KW, 4):
+                w0, w1, w2, w3 = ldg_v4(k_cache, base + 2 * w)
+                kw[w] = w0
+                kw[w + 1] = w1
+                kw[w + 2] = w2
+                kw[w + 3] = w3
+        q_sh = cuda.shared.array(MAX_QD, np.float32)  # [NP, DH] scaled queries, then reductions
         s_sh = cuda.shared.array(_SCORES, np.float32)  # [NP, CHUNK] scores, then exps
-        for e in range(tid, NP * Dh, CHUNK):
-            i = e // Dh
-            row = i // G
+        for e in range(tid, NP * DH, CHUNK):
+            i = e // DH
+            row = i // HB
             x = np.float32(0.0)
             if r0 + row < R:
-                x = q[r0 + row, kh * G + i - row * G, e - i * Dh] * scale
+                x = q[r0 + row, h0 + i - row * HB, e - i * DH] * scale
             q_sh[e] = x
         cuda.syncthreads()
-        j = j0 + tid
         acc = cuda.local.array(NP, np.float32)
         for i in range(NP):
             acc[i] = np.float32(0.0)
         if tid >= a and tid <= b:
-            for d in range(Dh):
-                kv = np.float32(k_cache[slot, kh, j, d])
+            for w in range(KW):
+                lo_k = f16_to_f32(kw[w] & 0xFFFF)
+                hi_k = f16_to_f32(kw[w] >> 16)
                 for i in range(NP):
-                    acc[i] += q_sh[i * Dh + d] * kv
+                    acc[i] += q_sh[i * DH + 2 * w] * lo_k
+                    acc[i] += q_sh[i * DH + 2 * w + 1] * hi_k
         for i in range(NP):
-            row = i // G
+            row = i // HB
             s_sh[i * CHUNK + tid] = acc[i] if j >= los[row] and j <= pos[row] else _NEG_INF
         cuda.syncthreads()  # q_sh is free from here on
         red = q_sh
@@ -143,30 +163,39 @@ def _make_partial(G: int, RT: int):
             red[i * CHUNK + tid] = s_sh[i * CHUNK + tid]
         _rows_reduce(red, NP, tid, True)
         for i in range(NP):
-            row = i // G
+            row = i // HB
             e = np.float32(0.0)
             if j >= los[row] and j <= pos[row]:
                 e = math.exp(s_sh[i * CHUNK + tid] - red[i * CHUNK])
             s_sh[i * CHUNK + tid] = e
         cuda.syncthreads()
-        if tid < NP and _sees(pos[tid // G], los[tid // G], j0):
-            part_m[r0 + tid // G, kh * G + tid % G, c] = red[tid * CHUNK]
+        if tid < NP and _sees(pos[tid // HB], los[tid // HB], j0):
+            part_m[r0 + tid // HB, h0 + tid % HB, c] = red[tid * CHUNK]
         cuda.syncthreads()
         for i in range(NP):
             red[i * CHUNK + tid] = s_sh[i * CHUNK + tid]
         _rows_reduce(red, NP, tid, False)
-        if tid < NP and _sees(pos[tid // G], los[tid // G], j0):
-            part_l[r0 + tid // G, kh * G + tid % G, c] = red[tid * CHUNK]
+        if tid < NP and _sees(pos[tid // HB], los[tid // HB], j0):
+            part_l[r0 + tid // HB, h0 + tid % HB, c] = red[tid * CHUNK]
+        vbase = (slot * Hkv + kh) * C + j0  # the chunk's first cell of this head, in rows of Dv
+        vals = cuda.local.array(_VB, np.float32)
         for d in range(tid, Dv, CHUNK):
             for i in range(NP):
                 acc[i] = np.float32(0.0)
-            for jj in range(a, b + 1):  # a row's invisible cells add exact zeros
-                v = np.float32(v_cache[slot, kh, j0 + jj, d])
-                for i in range(NP):
-                    acc[i] += s_sh[i * CHUNK + jj] * v
+            jj = a  # a row's invisible cells add exact zeros; _VB cells' values loaded together
+            while jj <= b:
+                n = min(_VB, b + 1 - jj)
+                for u in range(_VB):
+                    if u < n:
+                        vals[u] = f16_to_f32(ldg_u16(v_cache, 2 * ((vbase + jj + u) * Dv + d)))
+                for u in range(_VB):
+                    if u < n:
+                        for i in range(NP):
+                            acc[i] += s_sh[i * CHUNK + jj + u] * vals[u]
+                jj += _VB
             for i in range(NP):
-                if _sees(pos[i // G], los[i // G], j0):
-                    part_o[r0 + i // G, kh * G + i % G, c, d] = acc[i]
+                if _sees(pos[i // HB], los[i // HB], j0):
+                    part_o[r0 + i // HB, h0 + i % HB, c, d] = acc[i]
 
     return partial
 
@@ -174,10 +203,10 @@ def _make_partial(G: int, RT: int):
 _PARTIAL = {}
 
 
-def _partial_kernel(G: int, RT: int):
-    kern = _PARTIAL.get((G, RT))
+def _partial_kernel(G: int, HB: int, RT: int, DH: int):
+    kern = _PARTIAL.get((G, HB, RT, DH))
     if kern is None:
-        kern = _PARTIAL[(G, RT)] = _make_partial(G, RT)
+        kern = _PARTIAL[(G, HB, RT, DH)] = _make_partial(G, HB, RT, DH)
     return kern
 
 
@@ -284,9 +313,9 @@ def attention(q, k_cache, v_cache, slots, positions, scale: float, window: int, 
     if H % Hkv or k_cache.shape[3] != Dh or out.shape != (R, H, Dv) or slots.shape != (R,):
         raise ValueError(f"attention: q {q.shape}, caches {k_cache.shape} {v_cache.shape}, out {out.shape}")
     G = H // Hkv
-    if G > MAX_PAIRS or G * Dh > MAX_QD:
+    if G > MAX_PAIRS or G * Dh > MAX_QD or Dh % 8:
         raise UnsupportedError(f"attention: {G} query heads of {Dh} per KV head exceed the kernel's "
-                               f"{MAX_PAIRS} heads / {MAX_QD} values")
+                               f"{MAX_PAIRS} heads / {MAX_QD} values, or {Dh} is not a multiple of 8")
     rt = 1
     if one_slot:
         rt = max(1, min(MAX_PAIRS // G, MAX_QD // (G * Dh), R))
@@ -298,7 +327,11 @@ def attention(q, k_cache, v_cache, slots, positions, scale: float, window: int, 
     if R == 0:
         return
     has_sinks = sinks is not None
-    _partial_kernel(G, rt)[(nch, Hkv, -(-R // rt)), CHUNK, stream](
+    tiles = -(-R // rt)
+    hb = G  # heads per block: fewer while the grid is small (a decode step), so more SMs work
+    while hb % 2 == 0 and nch * (H // hb) * tiles < _FEW_BLOCKS:
+        hb //= 2
+    _partial_kernel(G, hb, rt, Dh)[(nch, H // hb, tiles), CHUNK, stream](
         q, k_cache, v_cache, slots, positions, np.float32(scale), np.int32(window), work.part_m, work.part_l,
         work.part_o)
     threads = 32

@@ -121,3 +121,26 @@ def test_attention_checks_shapes_and_limits():
     with pytest.raises(UnsupportedError):  # 64 query heads per KV head
         attention(cuda.device_array((1, 64, 8), np.float32), k, v, ones, ones, 1.0, 0, None,
                   cuda.device_array((1, 64, 8), np.float32), AttentionWork(1, 64, 16, 8), 1)
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["rows", "tiles"])
+def test_heads_per_block_do_not_change_the_bits(tiled, monkeypatch):
+    """A block takes one query head of a KV head (small grids: decode) or all G of them: each
+    (row, head)'s sums run in the same order either way."""
+    import daemon.kernels.cuda.attention as attn_mod
+
+    rng = np.random.default_rng(4)
+    slots, positions = ([1, 1], [CHUNK + 1, CHUNK + 2]) if tiled else ([2, 0], [CHUNK + 9, 4])
+    kc, vc, dk, dv, ds, dp = _setup(rng, slots, positions)
+    q = cuda.to_device(rng.standard_normal((2, H, DH)).astype(np.float32))
+    sinks = cuda.to_device(rng.standard_normal(H).astype(np.float32))
+    work = AttentionWork(2, H, C, DV)
+    outs = []
+    for few in (10**6, 0):  # one head per block, then all G
+        monkeypatch.setattr(attn_mod, "_FEW_BLOCKS", few)
+        out = cuda.to_device(np.full((2, H, DV), np.nan, np.float32))
+        attention(q, dk, dv, ds, dp, 0.5, 0, sinks, out, work, max(positions) + 1, one_slot=tiled)
+        outs.append(out.copy_to_host())
+    assert np.array_equal(outs[0], outs[1])
+    np.testing.assert_allclose(outs[0], _ref(q.copy_to_host(), kc, vc, slots, positions, 0.5, 0, sinks.copy_to_host()),
+                               rtol=0, atol=2e-5)
