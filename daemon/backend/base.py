@@ -87,6 +87,14 @@ class Backend(Protocol):
         bias: [E, N] by expert id. -> [P, N] in the plan's pair order."""
         ...
 
+    def expert_glu(self, x: Any, batch: Any, layout: Any, plan: Any, kind: str, alpha: float = 0.0,
+                   limit: float = 0.0) -> Array:
+        """glu(gate·x (+ bias), up·x (+ bias)) of each pair: x [T, K] prepared; batch: the
+        layer's ExpertBatch (gate, up stacks and biases); layout: its ExpertLayout; kind, alpha,
+        limit: as glu. -> [P, F]. The same as expert_linear twice and glu (compose_expert_glu);
+        a backend may fuse them."""
+        ...
+
     def moe_mix(self, y: Array, plan: Any, weights: Array) -> Array:
         """The weighted sum of each row's expert outputs in top-k order: y [P, D], weights [T, A]
         -> [T, D]."""
@@ -134,6 +142,11 @@ class Backend(Protocol):
         """a + b, same shapes (the residual stream)."""
         ...
 
+    def add_rms_norm(self, x: Array, delta: Array, weight: Array, eps: float) -> tuple[Array, Array]:
+        """The residual add and the next norm: -> (x + delta, rms_norm(x + delta) * weight), both
+        [T, D]. x itself is left as it was. The same as add then rms_norm; a backend may fuse them."""
+        ...
+
     def join_parts(self, parts: list[Array], plans: list[Any]) -> Array:
         """The outputs [P_i, N] of waves planned with `only` -> [P, N] in the whole plan's order
         (the waves cover every pair once)."""
@@ -142,3 +155,10 @@ class Backend(Protocol):
     def take_rows(self, x: Array, rows: np.ndarray) -> Array:
         """x [T, N] -> x[rows] [R, N], contiguous."""
         ...
+
+
+def compose_expert_glu(backend: Backend, x, batch, layout, plan, kind: str, alpha: float = 0.0, limit: float = 0.0):
+    """expert_glu as its parts: expert_linear for gate and for up, then glu. -> [P, F]"""
+    g = backend.expert_linear(x, batch.gate, layout.gate_type, layout.n_embd, plan, batch.gate_bias)  # [P, F]
+    u = backend.expert_linear(x, batch.up, layout.up_type, layout.n_embd, plan, batch.up_bias)
+    return backend.glu(g, u, kind, alpha, limit)

@@ -22,6 +22,7 @@ from ..kernels import ops
 from ..kernels.matmul import Prepared, linear_prepared, prepare
 from ..kernels.quants import dequantize
 from . import cpu_experts
+from .base import compose_expert_glu
 from .cpu_cache import KVCache
 from .step import Step
 
@@ -121,6 +122,9 @@ class CPUBackend:
             y += bias[plan.experts]
         return y
 
+    def expert_glu(self, x, batch, layout, plan, kind, alpha=0.0, limit=0.0) -> np.ndarray:
+        return compose_expert_glu(self, x, batch, layout, plan, kind, alpha, limit)
+
     def moe_mix(self, y, plan, weights) -> np.ndarray:
         return ops.moe_mix(y, plan.slot_rows, np.ascontiguousarray(weights, dtype=np.float32))
 
@@ -198,6 +202,10 @@ class CPUBackend:
 
     def add(self, a, b) -> np.ndarray:
         return a + b
+
+    def add_rms_norm(self, x, delta, weight, eps) -> tuple[np.ndarray, np.ndarray]:
+        x = x + delta
+        return x, self.rms_norm(x, weight, eps)
 
     def join_parts(self, parts, plans) -> np.ndarray:
         y = np.empty((sum(p.shape[0] for p in parts), parts[0].shape[1]), np.float32)  # [P, N]

@@ -47,6 +47,7 @@ from ..kernels.cuda.quantize import quantize_q8_1
 from ..kernels.cuda.vecdot import FLOAT_ACT
 from ..model.weights import QWeight
 from . import cuda_experts as cx
+from .base import compose_expert_glu
 from .cuda_cache import DeviceKVCache, KVPool
 from .cuda_errors import CUDA_ERRORS
 from .cuda_graphs import GraphCache, nonblocking_stream
@@ -342,6 +343,38 @@ class CUDABackend:
         return out.reshape(T * A, n)  # [P, N]
 
     @_guarded
+    def expert_glu(self, x, batch, layout, plan: cx.DevicePlan, kind, alpha=0.0, limit=0.0):
+        """The GEMV segments fused (gate, up and glu in one launch, x read once); tiled segments
+        as expert_linear twice and glu. Which applies depends only on a sequence's own rows."""
+        qt = layout.gate_type
+        if layout.up_type != qt or isinstance(batch.gate, np.ndarray) or all(seg.tiled for seg in plan.segments):
+            return compose_expert_glu(self, x, batch, layout, plan, kind, alpha, limit)
+        acts = x if isinstance(x, Activations) else Activations(self._dev(x), self.stream)
+        T, A, K = plan.T, plan.A, layout.n_embd
+        F = batch.gate.shape[1]
+        out = cuda.device_array((T, A, F), _F32)  # [T, A, F]
+        for seg in plan.segments:
+            r0, r1 = seg.r0, seg.r1
+            whole = (r0, r1) == (0, T)
+            ids = plan.ids if whole else plan.ids[r0:r1]
+            o = out if whole else out[r0:r1]
+            if seg.tiled:  # as expert_linear twice and glu, on these rows
+                n = (r1 - r0) * A
+                a = acts.get(qt, r0, r1)
+                groups = cx.groups_of(plan, seg, self.stream)
+                g = cuda.device_array((r1 - r0, A, F), _F32)
+                u = cuda.device_array((r1 - r0, A, F), _F32)
+                for stack, bias, dst in ((batch.gate, batch.gate_bias, g), (batch.up, batch.up_bias, u)):
+                    mmq.mul_mat_q_ids(stack, qt, K, a, ids, plan.slot_of, groups, out=dst, bias=bias,
+                                      stream=self.stream)
+                glu_k.glu(g.reshape(n, F), u.reshape(n, F), o.reshape(n, F), kind, alpha, limit, stream=self.stream)
+            else:
+                mmvq.mul_mat_vec_glu_ids(batch.gate, batch.up, qt, K, acts.get(qt, r0, r1), ids, plan.slot_of,
+                                         glu="swiglu_oai" if kind == "oai" else "swiglu", bias_gate=batch.gate_bias,
+                                         bias_up=batch.up_bias, alpha=alpha, limit=limit, out=o, stream=self.stream)
+        return out.reshape(T * A, F)  # [P, F]
+
+    @_guarded
     def moe_mix(self, y, plan: cx.DevicePlan, weights):
         out = cuda.device_array((plan.T, y.shape[1]), _F32)  # [T, D]
         glu_k.moe_mix(self._dev(y), self._dev(weights), out, stream=self.stream)
@@ -453,6 +486,14 @@ class CUDABackend:
         out = cuda.device_array(a.shape, _F32)
         glu_k.add(a, self._dev(b), out, stream=self.stream)
         return out
+
+    @_guarded
+    def add_rms_norm(self, x, delta, weight, eps):
+        x = self._dev(x)
+        x_out = cuda.device_array(x.shape, _F32)  # [T, D]
+        out = cuda.device_array(x.shape, _F32)
+        norm.add_rms_norm(x, self._dev(delta), self._dev(weight), eps, out, x_out=x_out, stream=self.stream)
+        return x_out, out
 
     @_guarded
     def take_rows(self, x, rows):

@@ -77,9 +77,7 @@ def moe_forward(moe: MoE, family: Family, experts: ExpertProvider, x, backend: B
 
 def _apply_experts(family: Family, backend: Backend, layout, batch, plan, xa):
     """Each planned (row, expert) pair: down(glu(gate·x, up·x)). xa: x [T, D] prepared -> [P, D]."""
-    g = backend.expert_linear(xa, batch.gate, layout.gate_type, layout.n_embd, plan, batch.gate_bias)  # [P, F]
-    u = backend.expert_linear(xa, batch.up, layout.up_type, layout.n_embd, plan, batch.up_bias)
-    h = backend.glu(g, u, family.glu, family.glu_alpha, family.glu_limit)
+    h = backend.expert_glu(xa, batch, layout, plan, family.glu, family.glu_alpha, family.glu_limit)  # [P, F]
     return backend.expert_linear(h, batch.down, layout.down_type, layout.n_ff, plan, batch.down_bias,
                                  per_token=False)
 

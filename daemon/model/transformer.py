@@ -224,25 +224,29 @@ class Transformer:
         if hooks is not None:
             hooks.begin(step.tokens)
         x = B.embed(self.tok_embd, step.tokens, step)  # [T, D]
+        h = B.rms_norm(x, self.layers[0].attn.norm, eps)  # each layer's input normed: [T, D]
         for il, layer in enumerate(self.layers):
             if hooks is not None:
                 hooks.layer_input(il, x)
-            h = B.rms_norm(x, layer.attn.norm, eps)
-            x = B.add(x, self._attention(il, layer.attn, h, step))
+            a = self._attention(il, layer.attn, h, step)
             if il == hp.n_layer - 1 and not step.all_logits:
                 # as llama.cpp: the last FFN runs on output rows only, one per sequence
-                x, step = B.take_rows(x, step.last_rows()), step.outputs()
-            h = B.rms_norm(x, layer.ffn_norm, eps)
+                x, step = B.take_rows(B.add(x, a), step.last_rows()), step.outputs()
+                h = B.rms_norm(x, layer.ffn_norm, eps)
+            else:
+                x, h = B.add_rms_norm(x, a, layer.ffn_norm, eps)
             if isinstance(layer.ffn, MoE):
                 chosen = None if self.route_override is None else self.route_override(il, step.positions)
-                x = B.add(x, moe_forward(layer.ffn, self.family, self.experts, h, B, step, self.trace, chosen))
+                f = moe_forward(layer.ffn, self.family, self.experts, h, B, step, self.trace, chosen)
             else:
-                f = layer.ffn
+                d = layer.ffn
                 obs = self.ffn_observer
-                x = B.add(x, dense_ffn(f.gate, f.up, f.down, h, B, step,
-                                       observe=None if obs is None else (lambda a, b, il=il: obs(il, a, b))))
-        x = B.rms_norm(x, self.output_norm, eps)
-        return B.linear(x, self.output, step)  # [T, V]
+                f = dense_ffn(d.gate, d.up, d.down, h, B, step,
+                              observe=None if obs is None else (lambda a, b, il=il: obs(il, a, b)))
+            # the residual add and the next layer's norm (the output norm after the last)
+            nxt = self.layers[il + 1].attn.norm if il + 1 < hp.n_layer else self.output_norm
+            x, h = B.add_rms_norm(x, f, nxt, eps)
+        return B.linear(h, self.output, step)  # [T, V]
 
     def _attention(self, il: int, a: Attention, x, step: Step):
         """x: [T, D] (normed) -> the attention block's output [T, D]."""

@@ -129,7 +129,7 @@ def _make_partial(G: int, HB: int, RT: int, DH: int):
         if tid >= a and tid <= b:
             base = ((slot * Hkv + kh) * C + j) * (2 * DH)
             for w in range(0, KW, 4):
-                w0, w1, w2, w3 = ldg_v4(k_cache, base + 2 * w)
+                w0, w1, w2, w3 = ldg_v4(k_cache, base + 4 * w)
                 kw[w] = w0
                 kw[w + 1] = w1
                 kw[w + 2] = w2

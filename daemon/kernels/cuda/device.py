@@ -3,9 +3,8 @@
 The bit conversions are ptx.py's (inline PTX on the GPU, Python twins under numba's CUDA
 simulator, chosen once at import: the simulator is fixed when numba.cuda is first imported).
 
-The reductions work on a shared-memory buffer with one slot per thread of a block whose size is a
-power of two, in a fixed tree order: the same inputs give the same bits on every run (no atomics),
-and they need no warp shuffles (which the simulator lacks).
+The block reduction is warp butterflies (ptx.warp_sum, which has a simulator twin) in a fixed
+order: the same inputs give the same bits on every run (no atomics).
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from numba import cuda
 # one simulator flag and one set of bit conversions for every CUDA kernel: ptx.py's
 from .ptx import SIMULATOR as SIM  # noqa: E402
 from .ptx import bits_to_f32, f16_to_f32 as half_bits_to_f32  # noqa: E402,F401
+from .ptx import warp_sum  # noqa: E402
 
 
 @cuda.jit(device=True, inline=True)
@@ -32,34 +32,19 @@ def sigmoid(x):
 
 
 @cuda.jit(device=True)
-def block_sum(buf, tid, n):
-    """Sum of buf[0:n] (n = threads of the block, a power of two; each thread has written its own
-    slot) -> the sum, read by every thread. Fixed tree order. Leaves the buffer free for reuse."""
+def block_sum(v, buf, tid, n):
+    """Sum of every thread's v over a block of n threads (a multiple of 32) -> the sum, read by
+    every thread. buf: shared f32 [>= n/32]. Warp butterflies, then one over the warps' sums: a
+    fixed order, so the same inputs give the same bits on every run. Leaves buf free for reuse."""
+    v = warp_sum(v, 32)
+    if tid % 32 == 0:
+        buf[tid // 32] = v
     cuda.syncthreads()
-    stride = n // 2
-    while stride > 0:
-        if tid < stride:
-            buf[tid] += buf[tid + stride]
-        cuda.syncthreads()
-        stride //= 2
-    total = buf[0]
+    lane = tid % 32
+    x = buf[lane] if lane < n // 32 else np.float32(0.0)
+    total = warp_sum(x, 32)
     cuda.syncthreads()
     return total
-
-
-@cuda.jit(device=True)
-def block_max(buf, tid, n):
-    """Maximum of buf[0:n], as block_sum."""
-    cuda.syncthreads()
-    stride = n // 2
-    while stride > 0:
-        if tid < stride:
-            buf[tid] = max(buf[tid], buf[tid + stride])
-        cuda.syncthreads()
-        stride //= 2
-    m = buf[0]
-    cuda.syncthreads()
-    return m
 
 
 _PLACEHOLDERS: dict = {}

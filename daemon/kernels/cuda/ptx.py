@@ -24,6 +24,9 @@ twins check it, so a layout bug fails in CI rather than as a misaligned-address 
                          butterfly reduction over aligned groups of `width` lanes (a power of 2
                          <= 32); every lane of the group gets the result. All threads of the
                          block must call it (the twin exchanges through the block).
+    warp_argmax(v, i, none)
+                         (value, index) of the warp's largest value, the lowest index among
+                         equals; index `none` marks a lane with no candidate. Every lane gets it.
 """
 
 from __future__ import annotations
@@ -35,8 +38,15 @@ from numba import cuda
 
 SIMULATOR = cuda.jit.__module__.startswith("numba.cuda.simulator")
 
+
+@cuda.jit(device=True, inline=True)
+def _beats(ov, oi, v, i, none):
+    """Candidate (ov, oi) ranks above (v, i): a larger value, or an equal one of a lower index;
+    index `none` is no candidate."""
+    return oi != none and (i == none or ov > v or (ov == v and oi < i))
+
 __all__ = ["SIMULATOR", "dp4a", "ldg_v4", "ldg_u32", "ldg_u16", "ldg_u8", "prmt", "f16_to_f32",
-           "bits_to_f32", "round_f16", "device", "warp_sum", "warp_max"]
+           "bits_to_f32", "round_f16", "device", "warp_sum", "warp_max", "warp_argmax"]
 
 
 if not SIMULATOR:
@@ -188,6 +198,18 @@ if not SIMULATOR:
             off >>= 1
         return v
 
+    @device
+    def warp_argmax(v, i, none):
+        off = 16
+        while off > 0:
+            ov = cuda.shfl_xor_sync(0xFFFFFFFF, v, off)
+            oi = cuda.shfl_xor_sync(0xFFFFFFFF, i, off)
+            if _beats(ov, oi, v, i, none):
+                v = ov
+                i = oi
+            off >>= 1
+        return v, i
+
 else:
     # ---- simulator twins -------------------------------------------------------------------
 
@@ -292,3 +314,9 @@ else:
 
     def warp_max(v, width):
         return _butterfly(v, width, max)
+
+    def warp_argmax(v, i, none):
+        def pick(x, y):
+            return y if _beats(y[0], y[1], x[0], x[1], none) else x
+
+        return _butterfly((v, i), 32, pick)

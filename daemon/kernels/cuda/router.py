@@ -12,8 +12,9 @@ weights * scale. Top-k order is largest first and ties keep the lower expert ind
 stable argsort); a NaN score ranks below every number. With `given` ids (routing replay) the ids
 are read from `ids` and only weighed.
 
-One block per row. The top-k is A rounds of a block argmax over (value, index) pairs in a fixed
-tree order, so the result is the same on every run and independent of the other rows.
+One warp per row. The top-k is A rounds of a warp argmax over (value, index) pairs (a total
+order: larger value, then lower index), so the result is the same on every run and independent
+of the other rows; the softmax's max and sum are warp butterflies in a fixed order.
 """
 
 from __future__ import annotations
@@ -23,84 +24,71 @@ import math
 import numpy as np
 from numba import cuda
 
-from .device import SIM, block_max, block_sum, placeholder
+from .device import placeholder
+from .ptx import warp_argmax, warp_max, warp_sum
 
-MAX_EXPERTS = 1024
+MAX_EXPERTS = 1024  # 32 per lane: a lane's taken flags fit one register
 MAX_USED = 64
-_BLOCK = 128  # shared per-thread slots (the most threads a launch uses)
-_THREADS = 32 if SIM else 128  # threads per row (the simulator runs each in Python)
+_WARP = 32
 _NEG_INF = np.float32(-np.inf)
 
 
 @cuda.jit
 def _route(logits, bias, has_bias, softmax_first, norm_topk, scale, given, ids, weights):
     """logits: f32 [T, E]; bias: f32 [E] (read when has_bias); ids: int32 [T, A] (out, or in when
-    given); weights: f32 [T, A] out. Grid T blocks."""
+    given); weights: f32 [T, A] out. Grid T blocks of one warp; lane l owns experts l, l+32, ..
+    (whose taken flags are the bits of one register)."""
     t = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
+    lane = cuda.threadIdx.x
     E = logits.shape[1]
     A = ids.shape[1]
     vals = cuda.shared.array(MAX_EXPERTS, np.float32)
-    taken = cuda.shared.array(MAX_EXPERTS, np.int32)
-    best_v = cuda.shared.array(_BLOCK, np.float32)
-    best_i = cuda.shared.array(_BLOCK, np.int32)
     sel = cuda.shared.array(MAX_USED, np.float32)
     m = _NEG_INF
-    for e in range(tid, E, nt):
+    for e in range(lane, E, _WARP):
         v = logits[t, e]
         if has_bias:
             v += bias[e]
         vals[e] = v
-        taken[e] = 0
         m = max(m, v)
     if softmax_first:  # probs over all experts
-        best_v[tid] = m
-        m = block_max(best_v, tid, nt)
+        m = warp_max(m, _WARP)
         s = np.float32(0.0)
-        for e in range(tid, E, nt):
+        for e in range(lane, E, _WARP):
             x = math.exp(vals[e] - m)
             vals[e] = x
             s += x
-        best_v[tid] = s
-        inv = np.float32(1.0) / block_sum(best_v, tid, nt)
-        for e in range(tid, E, nt):
+        inv = np.float32(1.0) / warp_sum(s, _WARP)
+        for e in range(lane, E, _WARP):
             vals[e] *= inv
     cuda.syncthreads()
+    taken = np.uint32(0)
     for a in range(A):
         if given:
             win = ids[t, a]
         else:
             bv = _NEG_INF
             bi = E  # none yet
-            for e in range(tid, E, nt):  # ascending: a tie keeps the lower index
+            k = 0
+            for e in range(lane, E, _WARP):  # ascending: a tie keeps the lower index
                 v = vals[e]
-                if taken[e] == 0 and (bi == E or v > bv):
-                    if v == v or bi == E:  # NaN only while nothing else is found
-                        bv = v if v == v else _NEG_INF
+                if (taken >> k) & 1 == 0:
+                    if v != v:
+                        v = _NEG_INF  # NaN ranks with -inf, chosen only when nothing else is left
+                    if bi == E or v > bv:
+                        bv = v
                         bi = e
-            best_v[tid] = bv
-            best_i[tid] = bi
-            cuda.syncthreads()
-            stride = nt // 2
-            while stride > 0:
-                if tid < stride:
-                    ov = best_v[tid + stride]
-                    oi = best_i[tid + stride]
-                    mi = best_i[tid]
-                    if oi < E and (mi == E or ov > best_v[tid] or (ov == best_v[tid] and oi < mi)):
-                        best_v[tid] = ov
-                        best_i[tid] = oi
-                cuda.syncthreads()
-                stride //= 2
-            win = best_i[0]
-        if tid == 0:
+                k += 1
+            bv, bi = warp_argmax(bv, bi, E)
+            win = bi
+        if win % _WARP == lane:
+            taken |= np.uint32(1) << np.uint32(win // _WARP)
+        if lane == 0:
             if not given:
                 ids[t, a] = win
-            taken[win] = 1
             sel[a] = vals[win]
-        cuda.syncthreads()
-    if tid == 0:
+    cuda.syncthreads()
+    if lane == 0:
         if not softmax_first:  # softmax over the selected logits
             mx = _NEG_INF
             for a in range(A):
@@ -142,5 +130,5 @@ def route(logits, gating: str, norm_topk: bool, scale: float, ids, weights, bias
         raise ValueError(f"route: logits {logits.shape}, ids {ids.shape}, weights {weights.shape} "
                          f"(at most {MAX_EXPERTS} experts, {MAX_USED} used)")
     if T:
-        _route[T, _THREADS, stream](logits, placeholder(np.float32) if bias is None else bias, bias is not None,
+        _route[T, _WARP, stream](logits, placeholder(np.float32) if bias is None else bias, bias is not None,
                                     gating == "softmax", bool(norm_topk), np.float32(scale), bool(given), ids, weights)

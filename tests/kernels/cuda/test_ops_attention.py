@@ -8,7 +8,7 @@ from numba import cuda
 from daemon.errors import UnsupportedError
 from daemon.kernels.cuda.attention import CHUNK, AttentionWork, attention, kv_append, new_kv_cache
 
-S, HKV, G, DH, DV, C = 3, 2, 2, 8, 6, 2 * CHUNK + 40  # three chunks; Dv != Dh
+S, HKV, G, DH, DV, C = 3, 2, 2, 16, 6, 2 * CHUNK + 40  # three chunks; Dv != Dh; two 16-byte key loads a cell
 H = HKV * G
 
 
@@ -79,7 +79,7 @@ def test_attention_decode_rows(case):
               out, work, max(positions) + 1)
     assert np.array_equal(out.copy_to_host(), got)  # the same bits on a second run (no atomics)
     ref = _ref(q, kc, vc, slots, positions, scale, case["window"], sinks)
-    # float32 dot products of 8 terms, float32 exps (<= 2 ulp) and sums over <= 260 cells: relative
+    # float32 dot products of 16 terms, float32 exps (<= 2 ulp) and sums over <= 260 cells: relative
     # errors ~1e-6; outputs are averages of unit-scale values, so 2e-5 absolute is tight.
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5)
 
