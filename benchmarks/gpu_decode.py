@@ -78,19 +78,11 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
-def kernel_name(mangled: str) -> str:
-    """numba's mangled kernel name -> module.function (e.g. mmvq.mul_mat_vec_q8)."""
-    if not mangled.startswith("_ZN"):
-        return mangled
-    parts, i = [], 3
-    while i < len(mangled) and mangled[i].isdigit():
-        m = re.match(r"\d+", mangled[i:])
-        n = int(m.group())
-        i += len(m.group())
-        parts.append(mangled[i:i + n])
-        i += n
-    keep = [p for p in parts if p not in ("daemon", "kernels", "cuda", "cudapy")]
-    return ".".join(keep[-2:]) if keep else mangled[:60]
+def kernel_name(name: str) -> str:
+    """A profiler's kernel name (numba's, demangled) -> module::function, e.g. mmvq::_build::kernel."""
+    name = re.sub(r"\[abi:[^\]]*\]", "", name).split("(")[0]
+    parts = [p for p in name.split("::") if p not in ("daemon", "kernels", "cuda", "backend")]
+    return "::".join(parts).replace("_3clocals_3e", "<locals>")
 
 
 def kernel_split(args, model, cuda) -> dict:
@@ -124,9 +116,9 @@ def kernel_split(args, model, cuda) -> dict:
     busy = sum(r[2] for r in table) / 1e3
     print(f"\nkernels of one decode step ({n} graph replays): GPU busy {busy:.2f} ms of {wall_ms:.2f} ms wall "
           f"({100 * busy / wall_ms:.0f}%), {sum(r[1] for r in table):.0f} kernels")
-    print(f"{'kernel':44s} {'per step':>9s} {'us/step':>9s} {'us each':>8s} {'share':>6s}")
+    print(f"{'kernel':56s} {'per step':>9s} {'us/step':>9s} {'us each':>8s} {'share':>6s}")
     for k, cnt, us in table:
-        print(f"{k[:44]:44s} {cnt:9.0f} {us:9.1f} {us / max(cnt, 1):8.2f} {100 * us / 1e3 / busy:5.1f}%")
+        print(f"{k[:56]:56s} {cnt:9.0f} {us:9.1f} {us / max(cnt, 1):8.2f} {100 * us / 1e3 / busy:5.1f}%")
     return {"kernels": [{"name": k, "per_step": c, "us_per_step": u} for k, c, u in table],
             "busy_ms": busy, "wall_ms": wall_ms}
 
