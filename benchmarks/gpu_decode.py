@@ -112,14 +112,16 @@ def kernel_split(args, model, cuda) -> dict:
         if ev.device_type.name == "CUDA" and ev.device_time > 0:
             by.setdefault(kernel_name(ev.name), []).append(ev.device_time)  # us
     n = args.kernels
-    table = sorted(((k, len(v) / n, sum(v) / n) for k, v in by.items()), key=lambda r: -r[2])
-    busy = sum(r[2] for r in table) / 1e3
+    table = sorted(((k, len(v) / n, sum(v) / n, min(v), max(v)) for k, v in by.items()), key=lambda r: -r[2])
+    busy = sum(r[2] for r in table) / 1e3  # ms
     print(f"\nkernels of one decode step ({n} graph replays): GPU busy {busy:.2f} ms of {wall_ms:.2f} ms wall "
           f"({100 * busy / wall_ms:.0f}%), {sum(r[1] for r in table):.0f} kernels")
-    print(f"{'kernel':56s} {'per step':>9s} {'us/step':>9s} {'us each':>8s} {'share':>6s}")
-    for k, cnt, us in table:
-        print(f"{k[:56]:56s} {cnt:9.0f} {us:9.1f} {us / max(cnt, 1):8.2f} {100 * us / 1e3 / busy:5.1f}%")
-    return {"kernels": [{"name": k, "per_step": c, "us_per_step": u} for k, c, u in table],
+    print(f"{'kernel':56s} {'per step':>9s} {'us/step':>9s} {'us each':>8s} {'min':>7s} {'max':>7s} {'share':>6s}")
+    for k, cnt, us, lo, hi in table:
+        print(f"{k[:56]:56s} {cnt:9.0f} {us:9.1f} {us / max(cnt, 1):8.2f} {lo:7.2f} {hi:7.2f} "
+              f"{100 * us / 1e3 / busy:5.1f}%")
+    return {"kernels": [{"name": k, "per_step": c, "us_per_step": u, "min_us": lo, "max_us": hi}
+                        for k, c, u, lo, hi in table],
             "busy_ms": busy, "wall_ms": wall_ms}
 
 

@@ -76,7 +76,6 @@ def _build(qtype: int, ncols: int, lpr: int, warps: int, ids_mode: bool, has_bia
     two = glu != GLU_NONE
     nc = ncols
 
-    @cuda.jit
     def kernel(W, W2, A0, A1, ids, slot_of, act_t, act_a, bias, bias2, out, n, k, stride,
                n_tok, alpha, limit):
         # W, W2: uint8 [S, N, stride]; A0, A1: activations (see module doc); ids int32 [T, A];
@@ -158,7 +157,10 @@ def _build(qtype: int, ncols: int, lpr: int, warps: int, ids_mode: bool, has_bia
                         v = np.float32(np.nan)
                     out[t + j, a, row] = v
 
-    return kernel
+    # named for profilers: mmvq_<type>_<ids|dense>[_glu]_c<cols>_l<lanes per row>
+    kernel.__name__ = kernel.__qualname__ = (f"mmvq_{type_name(qtype)}_{'ids' if ids_mode else 'dense'}"
+                                             f"{'_glu' if two else ''}_c{ncols}_l{lpr}")
+    return cuda.jit(kernel)
 
 
 _KERNELS: dict[tuple, object] = {}

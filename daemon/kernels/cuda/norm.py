@@ -33,12 +33,16 @@ def _normalise_held(xs, n_held, w, eps, out, buf):
     for u in range(_HELD):
         if u < n_held and tid + u * nt < N:
             acc += xs[u] * xs[u]
+    ws = cuda.local.array(_HELD, np.float32)  # loaded before any store: out may alias w for all numba knows
+    for u in range(_HELD):
+        i = tid + u * nt
+        ws[u] = w[i] if u < n_held and i < N else np.float32(0.0)
     total = block_sum(acc, buf, tid, nt)
     scale = np.float32(1.0) / math.sqrt(total / np.float32(N) + eps)
     for u in range(_HELD):
         i = tid + u * nt
         if u < n_held and i < N:
-            out[i] = (xs[u] * scale) * w[i]
+            out[i] = (xs[u] * scale) * ws[u]
 
 
 @cuda.jit(device=True, inline=True)
@@ -81,7 +85,7 @@ def _add_rms_norm(x, delta, bias, has_bias, w, eps, x_out, out):
     nt = cuda.blockDim.x
     N = x.shape[1]
     xs = cuda.local.array(_HELD, np.float32)
-    for u in range(_HELD):
+    for u in range(_HELD):  # every load before the first store, so they are in flight together
         i = tid + u * nt
         v = np.float32(0.0)
         if i < N:
@@ -89,8 +93,11 @@ def _add_rms_norm(x, delta, bias, has_bias, w, eps, x_out, out):
             if has_bias:
                 d += bias[i]
             v = x[r, i] + d
-            x_out[r, i] = v
         xs[u] = v
+    for u in range(_HELD):
+        i = tid + u * nt
+        if i < N:
+            x_out[r, i] = xs[u]
     _normalise_held(xs, _HELD, w, eps, out[r], buf)
 
 

@@ -30,38 +30,42 @@ from .ptx import warp_argmax, warp_max, warp_sum
 MAX_EXPERTS = 1024  # 32 per lane: a lane's taken flags fit one register
 MAX_USED = 64
 _WARP = 32
+_PER_LANE = MAX_EXPERTS // _WARP
 _NEG_INF = np.float32(-np.inf)
 
 
 @cuda.jit
 def _route(logits, bias, has_bias, softmax_first, norm_topk, scale, given, ids, weights):
     """logits: f32 [T, E]; bias: f32 [E] (read when has_bias); ids: int32 [T, A] (out, or in when
-    given); weights: f32 [T, A] out. Grid T blocks of one warp; lane l owns experts l, l+32, ..
-    (whose taken flags are the bits of one register)."""
+    given); weights: f32 [T, A] out. Grid T blocks of one warp; lane l holds experts l + 32k in
+    registers (k < 32, loaded together), and their taken flags as the bits of one register."""
     t = cuda.blockIdx.x
     lane = cuda.threadIdx.x
     E = logits.shape[1]
     A = ids.shape[1]
-    vals = cuda.shared.array(MAX_EXPERTS, np.float32)
+    vals = cuda.local.array(_PER_LANE, np.float32)
     sel = cuda.shared.array(MAX_USED, np.float32)
     m = _NEG_INF
-    for e in range(lane, E, _WARP):
-        v = logits[t, e]
-        if has_bias:
-            v += bias[e]
-        vals[e] = v
-        m = max(m, v)
+    for k in range(_PER_LANE):
+        e = lane + k * _WARP
+        v = _NEG_INF
+        if e < E:
+            v = logits[t, e]
+            if has_bias:
+                v += bias[e]
+            m = max(m, v)
+        vals[k] = v
     if softmax_first:  # probs over all experts
         m = warp_max(m, _WARP)
         s = np.float32(0.0)
-        for e in range(lane, E, _WARP):
-            x = math.exp(vals[e] - m)
-            vals[e] = x
-            s += x
+        for k in range(_PER_LANE):
+            if lane + k * _WARP < E:
+                x = math.exp(vals[k] - m)
+                vals[k] = x
+                s += x
         inv = np.float32(1.0) / warp_sum(s, _WARP)
-        for e in range(lane, E, _WARP):
-            vals[e] *= inv
-    cuda.syncthreads()
+        for k in range(_PER_LANE):
+            vals[k] *= inv
     taken = np.uint32(0)
     for a in range(A):
         if given:
@@ -69,24 +73,26 @@ def _route(logits, bias, has_bias, softmax_first, norm_topk, scale, given, ids, 
         else:
             bv = _NEG_INF
             bi = E  # none yet
-            k = 0
-            for e in range(lane, E, _WARP):  # ascending: a tie keeps the lower index
-                v = vals[e]
-                if (taken >> k) & 1 == 0:
+            for k in range(_PER_LANE):  # ascending: a tie keeps the lower index
+                e = lane + k * _WARP
+                if e < E and (taken >> np.uint32(k)) & np.uint32(1) == 0:
+                    v = vals[k]
                     if v != v:
                         v = _NEG_INF  # NaN ranks with -inf, chosen only when nothing else is left
                     if bi == E or v > bv:
                         bv = v
                         bi = e
-                k += 1
             bv, bi = warp_argmax(bv, bi, E)
             win = bi
-        if win % _WARP == lane:
-            taken |= np.uint32(1) << np.uint32(win // _WARP)
-        if lane == 0:
-            if not given:
+            if lane == 0:
                 ids[t, a] = win
-            sel[a] = vals[win]
+        mine = win % _WARP == lane
+        if mine:
+            k_win = win // _WARP
+            taken |= np.uint32(1) << np.uint32(k_win)
+            for k in range(_PER_LANE):  # a constant index keeps vals in registers
+                if k == k_win:
+                    sel[a] = vals[k]
     cuda.syncthreads()
     if lane == 0:
         if not softmax_first:  # softmax over the selected logits
