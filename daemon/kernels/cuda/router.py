@@ -30,94 +30,112 @@ from .ptx import warp_argmax, warp_max, warp_sum
 MAX_EXPERTS = 1024  # 32 per lane: a lane's taken flags fit one register
 MAX_USED = 64
 _WARP = 32
-_PER_LANE = MAX_EXPERTS // _WARP
 _NEG_INF = np.float32(-np.inf)
 
 
-@cuda.jit
-def _route(logits, bias, has_bias, softmax_first, norm_topk, scale, given, ids, weights):
-    """logits: f32 [T, E]; bias: f32 [E] (read when has_bias); ids: int32 [T, A] (out, or in when
-    given); weights: f32 [T, A] out. Grid T blocks of one warp; lane l holds experts l + 32k in
-    registers (k < 32, loaded together), and their taken flags as the bits of one register."""
-    t = cuda.blockIdx.x
-    lane = cuda.threadIdx.x
-    E = logits.shape[1]
-    A = ids.shape[1]
-    vals = cuda.local.array(_PER_LANE, np.float32)
-    sel = cuda.shared.array(MAX_USED, np.float32)
-    m = _NEG_INF
-    for k in range(_PER_LANE):
-        e = lane + k * _WARP
-        v = _NEG_INF
-        if e < E:
-            v = logits[t, e]
-            if has_bias:
-                v += bias[e]
-            m = max(m, v)
-        vals[k] = v
-    if softmax_first:  # probs over all experts
-        m = warp_max(m, _WARP)
-        s = np.float32(0.0)
-        for k in range(_PER_LANE):
-            if lane + k * _WARP < E:
-                x = math.exp(vals[k] - m)
-                vals[k] = x
-                s += x
-        inv = np.float32(1.0) / warp_sum(s, _WARP)
-        for k in range(_PER_LANE):
-            vals[k] *= inv
-    taken = np.uint32(0)
-    for a in range(A):
-        if given:
-            win = ids[t, a]
-        else:
-            bv = _NEG_INF
-            bi = E  # none yet
-            for k in range(_PER_LANE):  # ascending: a tie keeps the lower index
-                e = lane + k * _WARP
-                if e < E and (taken >> np.uint32(k)) & np.uint32(1) == 0:
-                    v = vals[k]
-                    if v != v:
-                        v = _NEG_INF  # NaN ranks with -inf, chosen only when nothing else is left
-                    if bi == E or v > bv:
-                        bv = v
-                        bi = e
-            bv, bi = warp_argmax(bv, bi, E)
-            win = bi
-            if lane == 0:
-                ids[t, a] = win
-        mine = win % _WARP == lane
-        if mine:
-            k_win = win // _WARP
-            taken |= np.uint32(1) << np.uint32(k_win)
-            for k in range(_PER_LANE):  # a constant index keeps vals in registers
-                if k == k_win:
-                    sel[a] = vals[k]
-    cuda.syncthreads()
-    if lane == 0:
-        if not softmax_first:  # softmax over the selected logits
-            mx = _NEG_INF
-            for a in range(A):
-                mx = max(mx, sel[a])
+def _make_route(PER: int):
+    """The router kernel for up to 32*PER experts (PER a compile-time constant: loops over a
+    lane's experts unroll and its values stay in registers)."""
+
+    @cuda.jit
+    def route_kernel(logits, bias, has_bias, softmax_first, norm_topk, scale, given, ids, weights):
+        """logits: f32 [T, E]; bias: f32 [E] (read when has_bias); ids: int32 [T, A] (out, or in when
+        given); weights: f32 [T, A] out. Grid T blocks of one warp; lane l holds experts l + 32k in
+        registers (k < PER, loaded together), and their taken flags as the bits of one register."""
+        t = cuda.blockIdx.x
+        lane = cuda.threadIdx.x
+        E = logits.shape[1]
+        A = ids.shape[1]
+        vals = cuda.local.array(PER, np.float32)
+        sel = cuda.shared.array(MAX_USED, np.float32)
+        m = _NEG_INF
+        for k in range(PER):
+            e = lane + k * _WARP
+            v = _NEG_INF
+            if e < E:
+                v = logits[t, e]
+                if has_bias:
+                    v += bias[e]
+                m = max(m, v)
+            vals[k] = v
+        if softmax_first:  # probs over all experts
+            m = warp_max(m, _WARP)
             s = np.float32(0.0)
-            for a in range(A):
-                sel[a] = math.exp(sel[a] - mx)
-                s += sel[a]
-            for a in range(A):
-                sel[a] = sel[a] / s
-        div = np.float32(1.0)
-        if norm_topk:
-            s = np.float32(0.0)
-            for a in range(A):
-                s += sel[a]
-            div = max(s, np.float32(6.103515625e-5))
+            for k in range(PER):
+                if lane + k * _WARP < E:
+                    x = math.exp(vals[k] - m)
+                    vals[k] = x
+                    s += x
+            inv = np.float32(1.0) / warp_sum(s, _WARP)
+            for k in range(PER):
+                vals[k] *= inv
+        taken = np.uint32(0)
         for a in range(A):
-            w = sel[a]
+            if given:
+                win = ids[t, a]
+            else:
+                bv = _NEG_INF
+                bi = E  # none yet
+                for k in range(PER):  # ascending: a tie keeps the lower index
+                    e = lane + k * _WARP
+                    if e < E and (taken >> np.uint32(k)) & np.uint32(1) == 0:
+                        v = vals[k]
+                        if v != v:
+                            v = _NEG_INF  # NaN ranks with -inf, chosen only when nothing else is left
+                        if bi == E or v > bv:
+                            bv = v
+                            bi = e
+                bv, bi = warp_argmax(bv, bi, E)
+                win = bi
+                if lane == 0:
+                    ids[t, a] = win
+            mine = win % _WARP == lane
+            if mine:
+                k_win = win // _WARP
+                taken |= np.uint32(1) << np.uint32(k_win)
+                for k in range(PER):  # a constant index keeps vals in registers
+                    if k == k_win:
+                        sel[a] = vals[k]
+        cuda.syncthreads()
+        if lane == 0:
+            if not softmax_first:  # softmax over the selected logits
+                mx = _NEG_INF
+                for a in range(A):
+                    mx = max(mx, sel[a])
+                s = np.float32(0.0)
+                for a in range(A):
+                    sel[a] = math.exp(sel[a] - mx)
+                    s += sel[a]
+                for a in range(A):
+                    sel[a] = sel[a] / s
+            div = np.float32(1.0)
             if norm_topk:
-                w = w / div
-            if scale != np.float32(0.0):
-                w = w * scale
-            weights[t, a] = w
+                s = np.float32(0.0)
+                for a in range(A):
+                    s += sel[a]
+                div = max(s, np.float32(6.103515625e-5))
+            for a in range(A):
+                w = sel[a]
+                if norm_topk:
+                    w = w / div
+                if scale != np.float32(0.0):
+                    w = w * scale
+                weights[t, a] = w
+
+    return route_kernel
+
+
+_ROUTE = {}
+
+
+def _route_kernel(n_expert: int):
+    per = 1
+    while per * _WARP < n_expert:
+        per *= 2
+    kern = _ROUTE.get(per)
+    if kern is None:
+        kern = _ROUTE[per] = _make_route(per)
+    return kern
 
 
 def route(logits, gating: str, norm_topk: bool, scale: float, ids, weights, bias=None, given: bool = False,
@@ -136,5 +154,5 @@ def route(logits, gating: str, norm_topk: bool, scale: float, ids, weights, bias
         raise ValueError(f"route: logits {logits.shape}, ids {ids.shape}, weights {weights.shape} "
                          f"(at most {MAX_EXPERTS} experts, {MAX_USED} used)")
     if T:
-        _route[T, _WARP, stream](logits, placeholder(np.float32) if bias is None else bias, bias is not None,
+        _route_kernel(E)[T, _WARP, stream](logits, placeholder(np.float32) if bias is None else bias, bias is not None,
                                     gating == "softmax", bool(norm_topk), np.float32(scale), bool(given), ids, weights)
