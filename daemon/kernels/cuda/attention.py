@@ -48,7 +48,7 @@ MAX_PAIRS = 32  # (query row, head) pairs of one KV head per block: G * rows per
 MAX_QD = 4096  # pairs * Dh queries held in shared memory (>= MAX_PAIRS * CHUNK: reused for reductions)
 _SCORES = MAX_PAIRS * CHUNK  # shared [pairs, CHUNK] scores (a plain global: shared sizes must be constants)
 _FEW_BLOCKS = 256  # a grid below this spreads a KV head's query heads over blocks
-_VB = 8  # value cells a thread loads at once
+_VB = 32  # value cells a thread loads at once (in flight together)
 _NEG_INF = np.float32(-np.inf)
 
 
