@@ -39,6 +39,11 @@ class Backend(Protocol):
         """A weight (quantized matrix or f32 vector) made resident where this backend computes."""
         ...
 
+    def upload_group(self, weights: list[QWeight]) -> list[Any]:
+        """Matrices that always read the same input (q, k and v), uploaded as `upload` would; a
+        backend may store them as one matrix so that `linears` applies them in one launch."""
+        ...
+
     def new_cache(self, hp: HParams, n_ctx: int) -> SequenceCache:
         """An empty sequence: one layer cache per layer, for up to n_ctx positions."""
         ...
@@ -67,6 +72,11 @@ class Backend(Protocol):
     def linear(self, x: Any, w: QWeight, step: Step | None = None, bias: Array | None = None) -> Array:
         """x [T, K] (array or prepared) @ w.T (+ bias [N]) -> [T, N]. step: the rows' grouping
         (None: one sequence)."""
+        ...
+
+    def linears(self, x: Any, ws: list, step: Step | None = None, biases: list | None = None) -> list[Array]:
+        """[linear(x, w, step, b) for each weight w and bias b] (weights of one upload_group), with
+        the same bits as those calls; a backend may make them one launch."""
         ...
 
     # -- experts -------------------------------------------------------------------------------

@@ -84,6 +84,9 @@ class CPUBackend:
     def upload(self, weight):
         return weight  # already in host memory
 
+    def upload_group(self, weights):
+        return [self.upload(w) for w in weights]
+
     def new_cache(self, hp, n_ctx: int) -> KVCache:
         return KVCache(hp.n_layer, hp.n_head_kv, hp.head_dim, hp.head_dim_v, n_ctx)
 
@@ -109,6 +112,9 @@ class CPUBackend:
         return y
 
     # -- experts -------------------------------------------------------------------------------
+
+    def linears(self, x, ws, step: Step | None = None, biases=None) -> list[np.ndarray]:
+        return [self.linear(x, w, step, b) for w, b in zip(ws, biases or [None] * len(ws))]
 
     def expert_plan(self, ids, slots, layout, step, only=None):
         return cpu_experts.plan(ids, slots, layout, step, only)

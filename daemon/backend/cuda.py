@@ -125,6 +125,7 @@ class CUDABackend:
         self._pools: dict[tuple, KVPool] = {}
         self._work: attn.AttentionWork | None = None
         self._byte_maps: dict[int, object] = {}
+        self._group_biases: dict[tuple, object] = {}  # upload groups' biases, concatenated
         self._iota = cuda.to_device(np.arange(1, dtype=np.int32))
         self._routed = None  # (host ids, device ids) of the last router call
         self._inputs: dict[int, dict] = {}  # decode-step input buffers by sequence count (graphs)
@@ -160,6 +161,22 @@ class CUDABackend:
         a = cuda.to_device(np.ascontiguousarray(weight, dtype=_F32))
         self.bytes["weights"] += int(a.nbytes)
         return a
+
+    @_guarded
+    def upload_group(self, weights):
+        """One matrix of the weights' rows when they share a type and input length (each weight a
+        view of its rows); else each uploaded alone."""
+        if len({(w.ggml_type, w.n_in) for w in weights}) != 1:
+            return [self.upload(w) for w in weights]
+        qt, k = weights[0].ggml_type, weights[0].n_in
+        raw = np.concatenate([np.ascontiguousarray(w.raw).reshape(w.n_out, -1) for w in weights])  # [N, RB]
+        whole = DeviceWeight(upload_matrix(raw, qt), qt, k, raw.shape[0])
+        self.bytes["weights"] += whole.nbytes
+        parts, r0 = [], 0
+        for w in weights:
+            parts.append(DeviceWeight(whole.packed[r0:r0 + w.n_out], qt, k, w.n_out, whole, r0))
+            r0 += w.n_out
+        return parts
 
     @_guarded
     def resident_experts(self, gguf) -> cx.DeviceExperts:
@@ -281,6 +298,36 @@ class CUDABackend:
             else:
                 mmvq.mul_mat_vec(w.packed, qt, K, a, out=o, bias=bias, stream=self.stream)
         return out
+
+    @_guarded
+    def linears(self, x, ws, step: Step | None = None, biases=None):
+        """One launch over the group's whole matrix for a one-row step (a decode step of one
+        sequence), the outputs then column views of one [1, N] array (contiguous: one row);
+        otherwise one linear per weight. Every output row is computed by the same kernel either
+        way (the launch shape depends on K alone), so the bits are the same."""
+        biases = list(biases) if biases is not None else [None] * len(ws)
+        acts = x if isinstance(x, Activations) else Activations(self._dev(x), self.stream)
+        ws = [self._weight(w) for w in ws]
+        whole = ws[0].group
+        if (acts.rows != 1 or whole is None or any(w.group is not whole for w in ws)
+                or [w.row0 for w in ws] != list(np.cumsum([0] + [w.n_out for w in ws[:-1]]))
+                or sum(w.n_out for w in ws) != whole.n_out):
+            return [self.linear(acts, w, step, b) for w, b in zip(ws, biases)]
+        out = self.linear(acts, whole, step, self._group_bias(whole, ws, biases))  # [1, N]
+        return [out[:, w.row0:w.row0 + w.n_out] for w in ws]
+
+    def _group_bias(self, whole: DeviceWeight, ws, biases):
+        """The group's biases as one device vector [N] (made once per group), or None."""
+        if all(b is None for b in biases):
+            return None
+        key = (id(whole), tuple(id(b) for b in biases))
+        cat = self._group_biases.get(key)
+        if cat is None:
+            host = np.concatenate([np.zeros(w.n_out, _F32) if b is None else np.asarray(self.to_host(b), _F32)
+                                   for w, b in zip(ws, biases)])
+            cat = self._group_biases[key] = cuda.to_device(host)
+            self.bytes["weights"] += int(cat.nbytes)
+        return cat
 
     @staticmethod
     def _tiled(qt: int, k: int, rows: int) -> bool:

@@ -26,11 +26,14 @@ _THREADS = 256
 
 @dataclass(frozen=True, eq=False)
 class DeviceWeight:
-    """A matrix in VRAM: packed uint8 [N, stride], the repacked rows of a QWeight."""
+    """A matrix in VRAM: packed uint8 [N, stride], the repacked rows of a QWeight. A member of an
+    upload group is rows row0.. of the group's one matrix `group` (its packed is a view)."""
     packed: object  # device uint8 [N, stride]
     ggml_type: int
     n_in: int  # K
     n_out: int  # N
+    group: DeviceWeight | None = None
+    row0: int = 0
 
     @property
     def nbytes(self) -> int:

@@ -65,6 +65,10 @@ class _Uploaded:
     def matrix(self, *args):
         return self.backend.upload(self.src.matrix(*args))
 
+    def matrices(self, *specs):
+        """Matrices that read the same input, as one upload group (backend.upload_group)."""
+        return self.backend.upload_group([self.src.matrix(*a) for a in specs])
+
     def vector(self, *args, **kw):
         return self.backend.upload(self.src.vector(*args, **kw))
 
@@ -116,11 +120,11 @@ class Transformer:
         hp, fam, p = self.hp, self.family, f"blk.{il}."
         D, H, Hkv, Dh, Dv = hp.n_embd, hp.n_head, hp.n_head_kv, hp.head_dim, hp.head_dim_v
         qk_len = {"head": Dh, "full": None}.get(fam.qk_norm)
+        wq, wk, wv = src.matrices((p + "attn_q.weight", D, H * Dh), (p + "attn_k.weight", D, Hkv * Dh),
+                                  (p + "attn_v.weight", D, Hkv * Dv))
         attn = Attention(
             norm=src.vector(p + "attn_norm.weight", D),
-            wq=src.matrix(p + "attn_q.weight", D, H * Dh),
-            wk=src.matrix(p + "attn_k.weight", D, Hkv * Dh),
-            wv=src.matrix(p + "attn_v.weight", D, Hkv * Dv),
+            wq=wq, wk=wk, wv=wv,  # one upload group: `linears` may apply them in one launch
             wo=src.matrix(p + "attn_output.weight", H * Dv, D),
             bq=src.optional_vector(p + "attn_q.bias", H * Dh),
             bk=src.optional_vector(p + "attn_k.bias", Hkv * Dh),
@@ -254,9 +258,8 @@ class Transformer:
         T = x.shape[0]
         H, Hkv, Dh, Dv = hp.n_head, hp.n_head_kv, hp.head_dim, hp.head_dim_v
         xa = B.prepare(x)  # converted once per weight type, shared by q, k and v
-        q = B.linear(xa, a.wq, step, a.bq)  # [T, H*Dh]
-        k = B.linear(xa, a.wk, step, a.bk)  # [T, Hkv*Dh]
-        v = B.linear(xa, a.wv, step, a.bv)  # [T, Hkv*Dv]
+        # q [T, H*Dh], k [T, Hkv*Dh], v [T, Hkv*Dv]
+        q, k, v = B.linears(xa, [a.wq, a.wk, a.wv], step, [a.bq, a.bk, a.bv])
         eps = hp.rms_eps
         if fam.qk_norm == "full":
             q = B.rms_norm(q, a.q_norm, eps)

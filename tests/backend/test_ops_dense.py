@@ -45,6 +45,38 @@ def test_linear(backend, qt, T):
     assert R.rel_err(with_bias, want + bias) < R.tolerance(backend, qt)
 
 
+@pytest.mark.parametrize("T", [1, 3])
+def test_linears_of_an_upload_group(backend, T):
+    """q, k and v uploaded as a group and applied by one `linears` call: the same bits as each
+    uploaded and applied alone (a GPU makes a one-row call one launch), biases where given."""
+    rng = np.random.default_rng(T)
+    hosts = [R.qweight(Q.Q8_0, n, K, rng) for n in (N, 8, 16)]
+    biases = [rng.standard_normal(N).astype(np.float32), None, rng.standard_normal(16).astype(np.float32)]
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    got = backend.linears(backend.prepare(x), backend.upload_group(hosts), None, biases)
+    for g, h, b in zip(got, hosts, biases):
+        alone = backend.to_host(backend.linear(x, backend.upload(h), None, b))
+        assert np.array_equal(backend.to_host(g), alone)
+        want = x.astype(np.float64) @ R.dequant(h.raw, Q.Q8_0).T + (0 if b is None else b)
+        assert R.rel_err(alone, want) < R.tolerance(backend, Q.Q8_0)
+    mixed = [R.qweight(Q.Q8_0, N, K, rng), R.qweight(Q.F16, 8, K, rng)]  # types differ: uploaded apart
+    for g, h in zip(backend.linears(x, backend.upload_group(mixed)), mixed):
+        assert np.array_equal(backend.to_host(g), backend.to_host(backend.linear(x, backend.upload(h))))
+
+
+def test_add_rms_norm_is_add_then_norm(backend):
+    rng = np.random.default_rng(5)
+    x, d = (rng.standard_normal((3, K)).astype(np.float32) for _ in range(2))
+    w = backend.upload(rng.standard_normal(K).astype(np.float32))
+    s, h = backend.add_rms_norm(x, d, w, 1e-6)
+    s, h = backend.to_host(s), backend.to_host(h)
+    assert np.array_equal(s, x + d)
+    ref = (x + d).astype(np.float64)
+    ref = ref / np.sqrt((ref ** 2).mean(1, keepdims=True) + 1e-6) * backend.to_host(w)
+    assert R.rel_err(h, ref) < 1e-5
+    assert np.array_equal(backend.to_host(x), x)  # the input is left as it was
+
+
 @pytest.mark.parametrize("qt", [Q.F16, Q.Q4_K, Q.Q8_0], ids=["F16", "Q4_K", "Q8_0"])
 def test_linear_computes_each_sequence_as_alone(backend, qt):
     """Batch invariance: in batched prefills (rows of 9, 1 and 3; of 17, 1 and 2, which take

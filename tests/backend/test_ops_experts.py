@@ -3,6 +3,8 @@ expert linears (gate, up, GLU, down, biases), and the top-k mix; and batch invar
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -53,13 +55,13 @@ class _Experts:
                      else [None] * 3)
 
     def run(self, backend, x, ids, weights, step, glu="silu"):
-        """The MoE block's ops as model code calls them -> [T, D]."""
+        """The MoE block's ops as model code calls them (gate, up and GLU as one expert_glu, which
+        a GPU fuses for its GEMV rows) -> [T, D]."""
         plan = backend.expert_plan(ids, self.slots, self.layout, step)
         xa = backend.prepare(x)
-        lay, D, F = self.layout, self.D, self.F
-        g = backend.expert_linear(xa, self.stacks[0], lay.gate_type, D, plan, self.bias[0])
-        u = backend.expert_linear(xa, self.stacks[1], lay.up_type, D, plan, self.bias[1])
-        h = backend.glu(g, u, glu, 1.702, 7.0)
+        lay, F = self.layout, self.F
+        batch = SimpleNamespace(gate=self.stacks[0], up=self.stacks[1], gate_bias=self.bias[0], up_bias=self.bias[1])
+        h = backend.expert_glu(xa, batch, lay, plan, glu, 1.702, 7.0)
         y = backend.expert_linear(h, self.stacks[2], lay.down_type, F, plan, self.bias[2], per_token=False)
         return backend.to_host(backend.moe_mix(y, plan, weights))
 
