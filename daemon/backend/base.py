@@ -132,6 +132,13 @@ class Backend(Protocol):
         """x [T, H, Dh] rotated by the positions of the step's rows (NORM or NEOX, YaRN)."""
         ...
 
+    def rope_qk(self, q: Array, k: Array, step: Step, rope: Rope, q_norm: Array | None = None,
+                k_norm: Array | None = None, eps: float = 0.0) -> tuple[Array, Array]:
+        """q [T, H, Dh] and k [T, Hkv, Dh] each normed per head (rms_norm_heads, when q_norm and
+        k_norm [Dh] are given), then rotated (rope). -> (q, k). The same as those ops one by one;
+        a backend may do it in one launch."""
+        ...
+
     def attention(self, layer: int, q: Array, k: Array, v: Array, step: Step, scale: float, window: int,
                   sinks: Array | None) -> Array:
         """Store k [T, Hkv, Dh] and v [T, Hkv, Dv] in layer `layer` of each sequence's cache, then

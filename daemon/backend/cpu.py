@@ -164,6 +164,11 @@ class CPUBackend:
                                                        rope.ext_factor, rope.attn_factor, rope.corr_dims)
         return ops.apply_rope(x, table, rope.n_dims, rope.neox)
 
+    def rope_qk(self, q, k, step: Step, rope, q_norm=None, k_norm=None, eps=0.0):
+        if q_norm is not None:
+            q, k = self.rms_norm_heads(q, q_norm, eps), self.rms_norm_heads(k, k_norm, eps)
+        return self.rope(q, step, rope), self.rope(k, step, rope)
+
     def attention(self, layer, q, k, v, step: Step, scale, window, sinks) -> np.ndarray:
         ggml = self.numerics == "ggml"
         if ggml:  # f16 KV cache; q converted to f16 for the K·q product

@@ -462,20 +462,33 @@ class CUDABackend:
         """Rotates a device x in place (the model hands over q and k it made) and returns it."""
         x = self._dev(x)
         T, _, Dh = x.shape
-        key = ("rope", rope)
-        table = step.memo.get(key)
-        if table is None:  # [T, n_dims/2, 2], once per step
-            table = step.memo[key] = cuda.device_array((T, rope.n_dims // 2, 2), _F32)
-            rope_k.rope_cache(self._memo_ints(step, "positions", step.positions), rope.n_dims, rope.freq_base,
-                              rope.freq_scale, rope.ext_factor, rope.attn_factor, rope.corr_dims, table,
-                              stream=self.stream)
         # apply_rope_qk rotates q and k in one launch; a one-head scratch stands in for k
         spare_key = ("rope_spare", Dh)
         spare = step.memo.get(spare_key)
         if spare is None:
             spare = step.memo[spare_key] = cuda.device_array((T, 1, Dh), _F32)
-        rope_k.apply_rope_qk(x, spare, table, rope.neox, stream=self.stream)
+        rope_k.apply_rope_qk(x, spare, self._rope_table(step, rope), rope.neox, stream=self.stream)
         return x
+
+    @_guarded
+    def rope_qk(self, q, k, step: Step, rope, q_norm=None, k_norm=None, eps=0.0):
+        """Norms (when given) and rotates q and k in place, in one launch."""
+        q, k = self._dev(q), self._dev(k)
+        rope_k.norm_rope_qk(q, k, self._rope_table(step, rope), rope.neox,
+                            None if q_norm is None else self._dev(q_norm), None if k_norm is None else self._dev(k_norm),
+                            eps, stream=self.stream)
+        return q, k
+
+    def _rope_table(self, step: Step, rope):
+        """The step's cos/sin table [T, n_dims/2, 2], made once per step."""
+        key = ("rope", rope)
+        table = step.memo.get(key)
+        if table is None:
+            table = step.memo[key] = cuda.device_array((step.T, rope.n_dims // 2, 2), _F32)
+            rope_k.rope_cache(self._memo_ints(step, "positions", step.positions), rope.n_dims, rope.freq_base,
+                              rope.freq_scale, rope.ext_factor, rope.attn_factor, rope.corr_dims, table,
+                              stream=self.stream)
+        return table
 
     @_guarded
     def attention(self, layer, q, k, v, step: Step, scale, window, sinks):

@@ -267,10 +267,9 @@ class Transformer:
         q = q.reshape(T, H, Dh)
         k = k.reshape(T, Hkv, Dh)
         v = v.reshape(T, Hkv, Dv)
-        if fam.qk_norm == "head":
-            q = B.rms_norm_heads(q, a.q_norm, eps)
-            k = B.rms_norm_heads(k, a.k_norm, eps)
-        q = B.rope(q, step, hp.rope)
-        k = B.rope(k, step, hp.rope)
+        if fam.qk_norm == "head":  # per-head norms, then RoPE
+            q, k = B.rope_qk(q, k, step, hp.rope, a.q_norm, a.k_norm, eps)
+        else:
+            q, k = B.rope_qk(q, k, step, hp.rope)
         out = B.attention(il, q, k, v, step, 1.0 / np.sqrt(Dh), a.window, a.sinks)  # [T, H, Dv]
         return B.linear(out.reshape(T, H * Dv), a.wo, step, a.bo)

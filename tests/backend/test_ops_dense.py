@@ -141,6 +141,24 @@ def test_rope(backend, name):
     assert np.array_equal(got[..., r.n_dims:], x[..., r.n_dims:])  # dimensions past n_dims pass through
 
 
+@pytest.mark.parametrize("normed", [False, True], ids=["rope", "norm+rope"])
+@pytest.mark.parametrize("name", ["norm", "neox-partial"])
+def test_rope_qk(backend, name, normed):
+    """q and k normed per head (qwen3) and rotated by one op: as rms_norm_heads then rope."""
+    r = ROPES[name]
+    rng = np.random.default_rng(4)
+    caches = [KVCache(1, 1, 4, 4, 64) for _ in range(2)]
+    caches[1].n_past = 40
+    step = Step.append([np.zeros(3, np.int64), np.zeros(2, np.int64)], caches, True)
+    q = rng.standard_normal((5, 4, 16)).astype(np.float32)
+    k = rng.standard_normal((5, 2, 16)).astype(np.float32)
+    qn, kn = (rng.standard_normal(16).astype(np.float32) if normed else None for _ in range(2))
+    gq, gk = backend.rope_qk(q, k, step, r, qn, kn, 1e-6)
+    for got, x, w in ((gq, q, qn), (gk, k, kn)):
+        want = x if w is None else R.rms_norm(x, w, 1e-6)
+        assert R.rel_err(backend.to_host(got), R.rope(want, step.positions, r)) < 1e-5
+
+
 def test_glu(backend):
     rng = np.random.default_rng(3)
     g, u = (rng.standard_normal((4, 40)).astype(np.float32) * 4 for _ in range(2))

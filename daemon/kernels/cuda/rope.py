@@ -22,9 +22,10 @@ import math
 import numpy as np
 from numba import cuda
 
-from .device import placeholder
+from .device import block_sum, placeholder
 
 _THREADS = 128
+MAX_HEAD = 1024  # values of one head norm_rope_qk holds in shared memory
 
 
 @cuda.jit
@@ -84,6 +85,69 @@ def _apply_rope_qk(q, k, cache, neox):
         _rotate(q, t, h, i, P, neox, c, s)
     else:
         _rotate(k, t, h - H, i, P, neox, c, s)
+
+
+@cuda.jit
+def _norm_rope_qk(q, k, wq, wk, has_norm, eps, cache, neox):
+    """In place: each head of q [T, H, Dh] and k [T, Hkv, Dh] RMS-normed with wq / wk [Dh] (when
+    has_norm), then rotated by cache [T, P, 2]. Grid (H + Hkv, T); a head's values go through
+    shared memory, so the norm and the rotation need one read and one write of them."""
+    h = cuda.blockIdx.x
+    t = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    H = q.shape[1]
+    x = q[t, h] if h < H else k[t, h - H]  # [Dh]
+    w = wq if h < H else wk
+    Dh = x.shape[0]
+    P = cache.shape[1]
+    vals = cuda.shared.array(MAX_HEAD, np.float32)
+    red = cuda.shared.array(32, np.float32)
+    acc = np.float32(0.0)
+    for i in range(tid, Dh, nt):
+        v = x[i]
+        vals[i] = v
+        acc += v * v
+    if has_norm:
+        total = block_sum(acc, red, tid, nt)
+        scale = np.float32(1.0) / math.sqrt(total / np.float32(Dh) + eps)
+        for i in range(tid, Dh, nt):
+            vals[i] = (vals[i] * scale) * w[i]
+    cuda.syncthreads()
+    for i in range(2 * P + tid, Dh, nt):  # past n_dims: not rotated
+        x[i] = vals[i]
+    for i in range(tid, P, nt):
+        if neox:
+            a = i
+            b = i + P
+        else:
+            a = 2 * i
+            b = 2 * i + 1
+        c = cache[t, i, 0]
+        sn = cache[t, i, 1]
+        x0 = vals[a]
+        x1 = vals[b]
+        x[a] = x0 * c - x1 * sn
+        x[b] = x0 * sn + x1 * c
+
+
+def norm_rope_qk(q, k, cache, neox: bool, q_norm=None, k_norm=None, eps: float = 0.0, stream=0) -> None:
+    """q [T, H, Dh] and k [T, Hkv, Dh] (device f32, in place): each head RMS-normed with q_norm /
+    k_norm [Dh] (both or neither), then rotated by the table of rope_cache, in one launch."""
+    T, H, Dh = q.shape
+    P = cache.shape[1]
+    if (k.shape[0] != T or k.shape[2] != Dh or cache.shape[0] != T or 2 * P > Dh or Dh > MAX_HEAD
+            or (q_norm is None) != (k_norm is None)):
+        raise ValueError(f"norm_rope_qk: q {q.shape}, k {k.shape}, cache {cache.shape}")
+    if T == 0:
+        return
+    threads = 32
+    while threads < min(Dh, 256):
+        threads *= 2
+    has_norm = q_norm is not None
+    w = placeholder(np.float32)
+    _norm_rope_qk[(H + k.shape[1], T), threads, stream](q, k, q_norm if has_norm else w, k_norm if has_norm else w,
+                                                         has_norm, np.float32(eps), cache, bool(neox))
 
 
 def rope_mscale(freq_scale: float, ext_factor: float, attn_factor: float) -> np.float32:
