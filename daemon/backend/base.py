@@ -161,9 +161,7 @@ class Backend(Protocol):
 
     def add_rms_norm(self, x: Array, delta: Array, weight: Array, eps: float) -> tuple[Array, Array]:
         """The residual add and the next norm: -> (x + delta, rms_norm(x + delta) * weight), both
-        [T, D]. x itself is left as it was. The same as add then rms_norm; a backend may fuse them,
-        and may return the norm already prepared (what `prepare` returns), which every op that
-        takes prepared activations accepts."""
+        [T, D]. x itself is left as it was. The same as add then rms_norm; a backend may fuse them."""
         ...
 
     def join_parts(self, parts: list[Array], plans: list[Any]) -> Array:

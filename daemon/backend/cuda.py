@@ -89,18 +89,14 @@ class Activations:
 
     __slots__ = ("x", "_q8", "_stream")
 
-    def __init__(self, x, stream=0, q8=None):
+    def __init__(self, x, stream=0):
         self.x = x
-        self._q8 = q8
+        self._q8 = None
         self._stream = stream
 
     @property
     def rows(self) -> int:
         return self.x.shape[0]
-
-    @property
-    def shape(self) -> tuple:
-        return self.x.shape
 
     def get(self, ggml_type: int, r0: int = 0, r1: int | None = None):
         """What weights of ggml_type read: f32 rows (float weights) or Q8 (quantized), rows r0..r1-1."""
@@ -207,8 +203,6 @@ class CUDABackend:
     def to_host(self, x) -> np.ndarray:
         if isinstance(x, np.ndarray):
             return x
-        if isinstance(x, Activations):
-            x = x.x
         out = x.copy_to_host(stream=self.stream)
         self.stream.synchronize()
         return out
@@ -286,7 +280,7 @@ class CUDABackend:
 
     @_guarded
     def prepare(self, x) -> Activations:
-        return x if isinstance(x, Activations) else Activations(self._dev(x), self.stream)
+        return Activations(self._dev(x), self.stream)
 
     @_guarded
     def linear(self, x, w, step: Step | None = None, bias=None):
@@ -555,17 +549,11 @@ class CUDABackend:
 
     @_guarded
     def add_rms_norm(self, x, delta, weight, eps):
-        """-> (x + delta, the norm as prepared activations: its q8_1 blocks written by the same
-        launch, for the matmuls that read it)."""
         x = self._dev(x)
-        T, D = x.shape
-        x_out = cuda.device_array((T, D), _F32)
-        out = cuda.device_array((T, D), _F32)
-        q8 = None
-        if D % 32 == 0:
-            q8 = Q8(cuda.device_array((T, D), np.int8), cuda.device_array((T, D // 32, 2), _F32))
-        norm.add_rms_norm(x, self._dev(delta), self._dev(weight), eps, out, x_out=x_out, q8=q8, stream=self.stream)
-        return x_out, Activations(out, self.stream, q8)
+        x_out = cuda.device_array(x.shape, _F32)  # [T, D]
+        out = cuda.device_array(x.shape, _F32)
+        norm.add_rms_norm(x, self._dev(delta), self._dev(weight), eps, out, x_out=x_out, stream=self.stream)
+        return x_out, out
 
     @_guarded
     def take_rows(self, x, rows):
@@ -578,9 +566,7 @@ class CUDABackend:
     # -- helpers -------------------------------------------------------------------------------
 
     def _dev(self, x):
-        """x as a device f32 array (a host array is copied over; prepared activations give theirs)."""
-        if isinstance(x, Activations):
-            return x.x
+        """x as a device f32 array (a host array is copied over)."""
         if isinstance(x, np.ndarray):
             return cuda.to_device(np.ascontiguousarray(x, dtype=_F32), stream=self.stream)
         return x

@@ -16,18 +16,16 @@ import math
 import numpy as np
 from numba import cuda
 
-from .device import block_sum, placeholder
-from .quantize import QK8_1, q8_1_store
+from .device import block_sum
 
 _MAX_THREADS = 1024
 _HELD = 8  # values of a row each thread holds (loaded together): rows up to 8192 values
 
 
 @cuda.jit(device=True, inline=True)
-def _normalise_held(xs, n_held, w, eps, out, buf, has_q8, qs_row, ds_row):
+def _normalise_held(xs, n_held, w, eps, out, buf):
     """xs: this thread's values of one row (element tid + u*threads is xs[u], u < n_held); out: the
-    row f32 [N] -> (x*scale)*w; with has_q8 also its q8_1 blocks (qs_row [N], ds_row [N/32, 2]:
-    a warp's 32 values of one u are one block)."""
+    row f32 [N] -> (x*scale)*w."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     N = out.shape[0]
@@ -43,12 +41,8 @@ def _normalise_held(xs, n_held, w, eps, out, buf, has_q8, qs_row, ds_row):
     scale = np.float32(1.0) / math.sqrt(total / np.float32(N) + eps)
     for u in range(_HELD):
         i = tid + u * nt
-        valid = u < n_held and i < N
-        o = (xs[u] * scale) * ws[u]
-        if valid:
-            out[i] = o
-        if has_q8 and u < n_held and u * nt < N:  # uniform over the block: every lane reaches the warp sums
-            q8_1_store(o if valid else np.float32(0.0), valid, qs_row, ds_row, i)
+        if u < n_held and i < N:
+            out[i] = (xs[u] * scale) * ws[u]
 
 
 @cuda.jit(device=True, inline=True)
@@ -61,9 +55,7 @@ def _normalise_row(x, w, eps, out, buf):
     for u in range(_HELD):
         i = tid + u * nt
         xs[u] = x[i] if i < N else np.float32(0.0)
-    no_qs = cuda.local.array(1, np.int8)  # no q8_1 out: typed stand-ins
-    no_ds = cuda.local.array((1, 2), np.float32)
-    _normalise_held(xs, _HELD, w, eps, out, buf, False, no_qs, no_ds)
+    _normalise_held(xs, _HELD, w, eps, out, buf)
 
 
 @cuda.jit
@@ -84,10 +76,9 @@ def _rms_norm_heads(x, w, eps, out):
 
 
 @cuda.jit
-def _add_rms_norm(x, delta, bias, has_bias, w, eps, x_out, out, has_q8, qs, ds):
+def _add_rms_norm(x, delta, bias, has_bias, w, eps, x_out, out):
     """x_out = x + delta (+ bias), then out = rms_norm(x_out) * w. x, delta, x_out, out: f32
-    [R, N] (x_out may be x); bias, w: [N]; with has_q8, out's q8_1 blocks too: qs int8 [R, N],
-    ds f32 [R, N/32, 2]."""
+    [R, N] (x_out may be x); bias, w: [N]."""
     buf = cuda.shared.array(32, np.float32)
     r = cuda.blockIdx.x
     tid = cuda.threadIdx.x
@@ -107,8 +98,7 @@ def _add_rms_norm(x, delta, bias, has_bias, w, eps, x_out, out, has_q8, qs, ds):
         i = tid + u * nt
         if i < N:
             x_out[r, i] = xs[u]
-    rq = r if has_q8 else 0  # the stand-ins have one row
-    _normalise_held(xs, _HELD, w, eps, out[r], buf, has_q8, qs[rq], ds[rq])
+    _normalise_held(xs, _HELD, w, eps, out[r], buf)
 
 
 def _threads(n: int) -> int:
@@ -137,10 +127,9 @@ def rms_norm(x, weight, eps: float, out, stream=0) -> None:
         _rms_norm_heads[(x.shape[1], x.shape[0]), _threads(N), stream](x, weight, np.float32(eps), out)
 
 
-def add_rms_norm(x, delta, weight, eps: float, out, bias=None, x_out=None, q8=None, stream=0) -> None:
+def add_rms_norm(x, delta, weight, eps: float, out, bias=None, x_out=None, stream=0) -> None:
     """The residual add and the next norm in one launch: x_out = x + delta (+ bias), out =
-    rms_norm(x_out) * weight; q8: (qs int8 [T, D], ds f32 [T, D/32, 2]) to get out's q8_1 blocks
-    too (D a multiple of 32), the same bits as quantize_q8_1(out).
+    rms_norm(x_out) * weight.
 
     x, delta, out, x_out: device f32 [T, D] (x_out None: x, updated in place); weight, bias: [D]
     (bias: e.g. the attention output's bias, added before the residual as the CPU path does)."""
@@ -148,9 +137,6 @@ def add_rms_norm(x, delta, weight, eps: float, out, bias=None, x_out=None, q8=No
     x_out = x if x_out is None else x_out
     if delta.shape != x.shape or out.shape != x.shape or x_out.shape != x.shape or weight.shape != (D,):
         raise ValueError(f"add_rms_norm: x {x.shape}, delta {delta.shape}, out {out.shape}, weight {weight.shape}")
-    if q8 is not None and (D % QK8_1 or q8[0].shape != (T, D) or q8[1].shape != (T, D // QK8_1, 2)):
-        raise ValueError(f"add_rms_norm: q8_1 outputs {q8[0].shape} {q8[1].shape} for rows [{T}, {D}]")
     if T:
-        qs, ds = q8 if q8 is not None else (placeholder(np.int8, 2), placeholder(np.float32, 3))
         _add_rms_norm[T, _threads(D), stream](x, delta, weight if bias is None else bias, bias is not None,
-                                               weight, np.float32(eps), x_out, out, q8 is not None, qs, ds)
+                                               weight, np.float32(eps), x_out, out)

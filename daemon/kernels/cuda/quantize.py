@@ -32,11 +32,16 @@ QK8_1 = 32
 _THREADS = 256  # 8 q8_1 blocks per thread block
 
 
-@cuda.jit(device=True, inline=True)
-def q8_1_store(v, valid, qs_row, ds_row, c):
-    """Value v at column c of a row, one q8_1 block per warp (lane = c % 32; every lane of the
-    warp calls this, valid or not): its quant into qs_row [K], the block's (d, s) into ds_row
-    [K/32, 2]. The same arithmetic wherever it runs (this kernel, or a norm writing q8_1)."""
+@cuda.jit
+def _quantize_q8_1(x, qs, ds, n):
+    # x: float32 [R, K] -> qs: int8 [R, K], ds: float32 [R, K/32, 2]; one thread per value,
+    # one warp per q8_1 block. Every thread reaches the warp reductions (none returns early).
+    i = cuda.grid(1)
+    k = x.shape[1]
+    valid = i < n
+    r = i // k if valid else 0
+    c = i - r * k if valid else 0
+    v = x[r, c] if valid else np.float32(0.0)
     amax = warp_max(abs(v), 32)
     d = amax / np.float32(127.0)
     q = np.float32(0.0)
@@ -50,24 +55,11 @@ def q8_1_store(v, valid, qs_row, ds_row, c):
             q -= np.float32(1.0)
     total = warp_sum(q, 32)  # of the quants: exact in float32 (|total| <= 32 * 127)
     if valid:
-        qs_row[c] = np.int8(q)
+        qs[r, c] = np.int8(q)
         if c % QK8_1 == 0:
             b = c // QK8_1
-            ds_row[b, 0] = round_f16(d)
-            ds_row[b, 1] = round_f16(d * total)
-
-
-@cuda.jit
-def _quantize_q8_1(x, qs, ds, n):
-    # x: float32 [R, K] -> qs: int8 [R, K], ds: float32 [R, K/32, 2]; one thread per value,
-    # one warp per q8_1 block. Every thread reaches the warp reductions (none returns early).
-    i = cuda.grid(1)
-    k = x.shape[1]
-    valid = i < n
-    r = i // k if valid else 0
-    c = i - r * k if valid else 0
-    v = x[r, c] if valid else np.float32(0.0)
-    q8_1_store(v, valid, qs[r], ds[r], c)
+            ds[r, b, 0] = round_f16(d)
+            ds[r, b, 1] = round_f16(d * total)
 
 
 def quantize_q8_1(x, qs=None, ds=None, stream=0):
