@@ -51,7 +51,7 @@ from .base import compose_expert_glu
 from .cuda_cache import DeviceKVCache, KVPool
 from .cuda_errors import CUDA_ERRORS
 from .cuda_graphs import GraphCache, nonblocking_stream
-from .cuda_weights import DeviceWeight, byte_map, embedding_rows, put_rows, take_rows, upload_matrix
+from .cuda_weights import DeviceWeight, WeightGroup, byte_map, embedding_rows, put_rows, take_rows, upload_matrix
 from .step import Step
 
 _F32 = np.float32
@@ -170,13 +170,13 @@ class CUDABackend:
             return [self.upload(w) for w in weights]
         qt, k = weights[0].ggml_type, weights[0].n_in
         raw = np.concatenate([np.ascontiguousarray(w.raw).reshape(w.n_out, -1) for w in weights])  # [N, RB]
-        whole = DeviceWeight(upload_matrix(raw, qt), qt, k, raw.shape[0])
-        self.bytes["weights"] += whole.nbytes
-        parts, r0 = [], 0
+        group = WeightGroup(DeviceWeight(upload_matrix(raw, qt), qt, k, raw.shape[0]))
+        self.bytes["weights"] += group.whole.nbytes
+        r0 = 0
         for w in weights:
-            parts.append(DeviceWeight(whole.packed[r0:r0 + w.n_out], qt, k, w.n_out, whole, r0))
+            group.members.append(DeviceWeight(group.whole.packed[r0:r0 + w.n_out], qt, k, w.n_out, group, r0))
             r0 += w.n_out
-        return parts
+        return list(group.members)
 
     @_guarded
     def resident_experts(self, gguf) -> cx.DeviceExperts:
@@ -308,12 +308,10 @@ class CUDABackend:
         biases = list(biases) if biases is not None else [None] * len(ws)
         acts = x if isinstance(x, Activations) else Activations(self._dev(x), self.stream)
         ws = [self._weight(w) for w in ws]
-        whole = ws[0].group
-        if (acts.rows != 1 or whole is None or any(w.group is not whole for w in ws)
-                or [w.row0 for w in ws] != list(np.cumsum([0] + [w.n_out for w in ws[:-1]]))
-                or sum(w.n_out for w in ws) != whole.n_out):
+        group = ws[0].group
+        if acts.rows != 1 or group is None or group.members != ws:  # not one whole group, in order
             return [self.linear(acts, w, step, b) for w, b in zip(ws, biases)]
-        out = self.linear(acts, whole, step, self._group_bias(whole, ws, biases))  # [1, N]
+        out = self.linear(acts, group.whole, step, self._group_bias(group.whole, ws, biases))  # [1, N]
         return [out[:, w.row0:w.row0 + w.n_out] for w in ws]
 
     def _group_bias(self, whole: DeviceWeight, ws, biases):

@@ -13,7 +13,7 @@ bytes, stride = repacked row bytes, T = tokens (rows gathered), E = experts, S =
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from numba import cuda
@@ -27,17 +27,24 @@ _THREADS = 256
 @dataclass(frozen=True, eq=False)
 class DeviceWeight:
     """A matrix in VRAM: packed uint8 [N, stride], the repacked rows of a QWeight. A member of an
-    upload group is rows row0.. of the group's one matrix `group` (its packed is a view)."""
+    upload group is rows row0.. of the group's one matrix (its packed is a view)."""
     packed: object  # device uint8 [N, stride]
     ggml_type: int
     n_in: int  # K
     n_out: int  # N
-    group: DeviceWeight | None = None
+    group: WeightGroup | None = None
     row0: int = 0
 
     @property
     def nbytes(self) -> int:
         return int(self.packed.nbytes)
+
+
+@dataclass(eq=False)
+class WeightGroup:
+    """Matrices stored as one (an upload group): `whole` holds the rows of `members` in order."""
+    whole: DeviceWeight
+    members: list = field(default_factory=list)
 
 
 def upload_matrix(raw: np.ndarray, ggml_type: int) -> object:

@@ -23,25 +23,25 @@ _HELD = 8  # values of a row each thread holds (loaded together): rows up to 819
 
 
 @cuda.jit(device=True, inline=True)
-def _normalise_held(xs, n_held, w, eps, out, buf):
-    """xs: this thread's values of one row (element tid + u*threads is xs[u], u < n_held); out: the
-    row f32 [N] -> (x*scale)*w."""
+def _normalise_held(xs, w, eps, out, buf):
+    """xs: this thread's values of one row (element tid + u*threads is xs[u]); out: the row f32 [N]
+    -> (x*scale)*w."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     N = out.shape[0]
     acc = np.float32(0.0)
     for u in range(_HELD):
-        if u < n_held and tid + u * nt < N:
+        if tid + u * nt < N:
             acc += xs[u] * xs[u]
     ws = cuda.local.array(_HELD, np.float32)  # loaded before any store: out may alias w for all numba knows
     for u in range(_HELD):
         i = tid + u * nt
-        ws[u] = w[i] if u < n_held and i < N else np.float32(0.0)
+        ws[u] = w[i] if i < N else np.float32(0.0)
     total = block_sum(acc, buf, tid, nt)
     scale = np.float32(1.0) / math.sqrt(total / np.float32(N) + eps)
     for u in range(_HELD):
         i = tid + u * nt
-        if u < n_held and i < N:
+        if i < N:
             out[i] = (xs[u] * scale) * ws[u]
 
 
@@ -55,7 +55,7 @@ def _normalise_row(x, w, eps, out, buf):
     for u in range(_HELD):
         i = tid + u * nt
         xs[u] = x[i] if i < N else np.float32(0.0)
-    _normalise_held(xs, _HELD, w, eps, out, buf)
+    _normalise_held(xs, w, eps, out, buf)
 
 
 @cuda.jit
@@ -98,7 +98,7 @@ def _add_rms_norm(x, delta, bias, has_bias, w, eps, x_out, out):
         i = tid + u * nt
         if i < N:
             x_out[r, i] = xs[u]
-    _normalise_held(xs, _HELD, w, eps, out[r], buf)
+    _normalise_held(xs, w, eps, out[r], buf)
 
 
 def _threads(n: int) -> int:

@@ -51,13 +51,16 @@ def _rope_cache(positions, theta_scale, freq_scale, ext_factor, mscale, corr0, c
 
 
 @cuda.jit(device=True, inline=True)
-def _rotate(x, t, h, i, P, neox, c, s):
+def _pair(i, P, neox):
+    """The two dimensions pair i rotates: halves (NEOX) or neighbours (NORM)."""
     if neox:
-        a = i
-        b = i + P
-    else:
-        a = 2 * i
-        b = 2 * i + 1
+        return i, i + P
+    return 2 * i, 2 * i + 1
+
+
+@cuda.jit(device=True, inline=True)
+def _rotate(x, t, h, i, P, neox, c, s):
+    a, b = _pair(i, P, neox)
     x0 = x[t, h, a]
     x1 = x[t, h, b]
     x[t, h, a] = x0 * c - x1 * s
@@ -117,12 +120,7 @@ def _norm_rope_qk(q, k, wq, wk, has_norm, eps, cache, neox):
     for i in range(2 * P + tid, Dh, nt):  # past n_dims: not rotated
         x[i] = vals[i]
     for i in range(tid, P, nt):
-        if neox:
-            a = i
-            b = i + P
-        else:
-            a = 2 * i
-            b = 2 * i + 1
+        a, b = _pair(i, P, neox)
         c = cache[t, i, 0]
         sn = cache[t, i, 1]
         x0 = vals[a]
