@@ -1,7 +1,7 @@
 """Decode and prefill on the CUDA backend, with where a decode step's time goes.
 
     python benchmarks/gpu_decode.py MODEL.gguf [--prompt 64] [--steps 32] [--batch 8] [--profile 4] [--graphs 0,1]
-                                    [--kernels 8]
+                                    [--kernels 8] [--launch fast,dispatcher]
 
 Loads MODEL on cuda:0 as the engine does (weights and every expert in VRAM), then times:
 prefill of --prompt tokens; greedy-free decode steps of one sequence (median ms, tok/s); one step of
@@ -10,6 +10,9 @@ what the host spends a step on (kernel launches are numba's dispatcher `__call__
 With --graphs 0,1 the same in one process with decode steps launched kernel by kernel and replayed
 as CUDA graphs: a graph's step is the GPU's time (kernels, ~1 us each between them), the eager
 step minus that is the host's (Python, launches).
+--launch fast,dispatcher: the same with kernels launched through daemon/kernels/cuda/launch.py's
+cached cuda.core path and through numba's dispatcher (eager steps differ; graph replays do not).
+The cProfile of one prefill is printed too (eager: host time per launch).
 --kernels N (needs PyTorch, whose profiler reads CUPTI): the GPU time of each kernel over N
 graph-replayed decode steps, by kernel, per step, against the step's wall time (the rest is gaps
 between kernels and the graph launch).
@@ -53,6 +56,7 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=4)
     ap.add_argument("--graphs", default="1", help="1: decode steps replayed as CUDA graphs, 0: eager, 0,1: both")
     ap.add_argument("--kernels", type=int, default=0, help="profile N graph-replayed decode steps by kernel")
+    ap.add_argument("--launch", default="fast", help="fast: cached cuda.core launches, dispatcher: numba's, or both")
     ap.add_argument("--json")
     args = ap.parse_args()
     from numba import cuda
@@ -63,14 +67,20 @@ def main() -> None:
     model = Transformer(g, experts=backend.resident_experts(g), backend=backend)
     load_s = time.perf_counter() - t0
     print(f"load {load_s:.1f} s, VRAM {backend.vram_bytes() / 2**20:,.0f} MiB ({backend.memory_note()})", flush=True)
+    from daemon.kernels.cuda import launch
+
     rows = []
-    for graphs in [v.strip() == "1" for v in args.graphs.split(",")]:
-        backend.use_graphs = graphs
-        res, prof = measure(args, model, cuda)
-        res.update(graphs=graphs, load_s=load_s, captures=backend.graphs.captures, replays=backend.graphs.replays)
-        rows.append(res)
-        print(json.dumps(res, indent=1))
-        print(prof, flush=True)
+    for mode in [v.strip() for v in args.launch.split(",")]:
+        launch.FAST = mode == "fast"
+        for graphs in [v.strip() == "1" for v in args.graphs.split(",")]:
+            backend.use_graphs = graphs
+            res, prof = measure(args, model, cuda)
+            res.update(launch=mode, graphs=graphs, load_s=load_s, captures=backend.graphs.captures,
+                       replays=backend.graphs.replays)
+            rows.append(res)
+            print(json.dumps(res, indent=1))
+            print(prof, flush=True)
+    launch.FAST = True
     if args.kernels:
         backend.use_graphs = True
         rows.append(kernel_split(args, model, cuda))
@@ -148,14 +158,16 @@ def measure(args, model, cuda) -> tuple[dict, str]:
         model.forward_batch(tok, caches)
     batch = [timed(lambda: model.forward_batch(tok, caches), sync) for _ in range(max(4, args.steps // 4))]
 
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(args.profile):
-        model.forward(tok[:1], seq)
-    sync()
-    prof.disable()
     s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(12)
+    for what, fn in ((f"{args.profile} decode steps", lambda: [model.forward(tok[:1], seq) for _ in range(args.profile)]),
+                     ("one prefill", lambda: model.forward(prompt, model.new_cache(n_ctx)))):
+        prof = cProfile.Profile()
+        prof.enable()
+        fn()
+        sync()
+        prof.disable()
+        s.write(f"--- cProfile of {what}, by own time\n")
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(14)
     step_ms = statistics.median(steps) * 1e3
     res = {"model": Path(args.model).name, "first_prefill_s": t_compile, "prefill_tps": args.prompt / t_prefill,
            "decode_ms": step_ms, "decode_tps": 1e3 / step_ms,

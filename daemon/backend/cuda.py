@@ -83,16 +83,23 @@ def _guarded(fn):
     return op
 
 
+def _op_arrays():
+    from .cuda_arrays import OpArrays  # numba's driver classes: absent under the simulator
+
+    return OpArrays()
+
+
 class Activations:
     """x [T, K] (device f32) with its q8_1 blocks made on first use, shared by every quantized
     weight that reads x (q, k and v; gate and up)."""
 
-    __slots__ = ("x", "_q8", "_stream")
+    __slots__ = ("x", "_q8", "_stream", "_empty")
 
-    def __init__(self, x, stream=0):
+    def __init__(self, x, stream=0, empty=None):
         self.x = x
         self._q8 = None
         self._stream = stream
+        self._empty = empty
 
     @property
     def rows(self) -> int:
@@ -104,7 +111,10 @@ class Activations:
         if ggml_type in FLOAT_ACT:
             return self.x if whole else self.x[r0:r1]
         if self._q8 is None:
-            self._q8 = Q8(*quantize_q8_1(self.x, stream=self._stream))
+            R, K = self.x.shape
+            qs, ds = (None, None) if self._empty is None else (self._empty((R, K), np.int8),
+                                                               self._empty((R, K // 32, 2), _F32))
+            self._q8 = Q8(*quantize_q8_1(self.x, qs, ds, stream=self._stream))
         return self._q8 if whole else Q8(self._q8.qs[r0:r1], self._q8.ds[r0:r1])
 
 
@@ -119,6 +129,8 @@ class CUDABackend:
         self.bind()
         # every op runs in order on one non-blocking stream (captured as graphs: cuda_graphs.py)
         self.stream = cuda.stream() if SIM else nonblocking_stream()
+        # op outputs from buffers reused in stream order (cuda_arrays.py); the simulator has no driver
+        self.arrays = None if SIM else _op_arrays()
         self.graphs = GraphCache()
         self.use_graphs = graphs and not SIM  # the simulator has no graphs
         self._capturing = False
@@ -141,12 +153,17 @@ class CUDABackend:
         _bound.index = self.index
 
     def vram_bytes(self) -> int:
-        """VRAM this backend holds (weights, experts, KV pools, scratch, graphs), by its own count."""
-        return sum(self.bytes.values()) + self.graphs.nbytes
+        """VRAM this backend holds (weights, experts, KV pools, scratch, op buffers, graphs), by its
+        own count."""
+        return sum(self._held().values())
+
+    def _held(self) -> dict[str, int]:
+        return {**self.bytes, "op buffers": 0 if self.arrays is None else self.arrays.held,
+                "graphs": self.graphs.nbytes}
 
     def memory_note(self) -> str:
         """What this backend holds in VRAM, and what the load estimated (for error messages)."""
-        held = ", ".join(f"{k} {v / 2**20:,.0f} MiB" for k, v in {**self.bytes, "graphs": self.graphs.nbytes}.items())
+        held = ", ".join(f"{k} {v / 2**20:,.0f} MiB" for k, v in self._held().items())
         est = f"; estimated at load: {self.estimate.describe()}" if self.estimate is not None else ""
         return f"VRAM held: {held}{est}"
 
@@ -224,6 +241,8 @@ class CUDABackend:
             if self.graphs.first_sighting(key):  # eager once: kernels compile, buffers are made
                 return compute()
             self._capturing = True
+            if self.arrays is not None:  # the graph keeps what it uses: plain allocations, recorded
+                self.arrays.plain = True
             try:
                 g = self.graphs.capture(key, self.stream, compute)
             except (DeviceError, *CUDA_ERRORS) as e:  # graphs are an optimisation: this shape stays eager
@@ -234,6 +253,8 @@ class CUDABackend:
                 return compute()
             finally:
                 self._capturing = False
+                if self.arrays is not None:
+                    self.arrays.plain = False
         g.launch(self.stream)
         self.graphs.replays += 1
         return g.out
@@ -274,22 +295,22 @@ class CUDABackend:
         toks = self._memo_ints(step, "tokens", tokens)
         T = toks.shape[0]
         raw = embedding_rows(table, toks, bmap, self.stream)  # [T, RB]
-        out = cuda.device_array((T, table.n_in), _F32)  # [T, D]
+        out = self._empty((T, table.n_in), _F32)  # [T, D]
         embed_k.embed(raw, qt, self._arange(T), out, stream=self.stream)
         return out
 
     @_guarded
     def prepare(self, x) -> Activations:
-        return Activations(self._dev(x), self.stream)
+        return Activations(self._dev(x), self.stream, self._empty)
 
     @_guarded
     def linear(self, x, w, step: Step | None = None, bias=None):
-        acts = x if isinstance(x, Activations) else Activations(self._dev(x), self.stream)
+        acts = x if isinstance(x, Activations) else Activations(self._dev(x), self.stream, self._empty)
         w = self._weight(w)
         bias = None if bias is None else self._dev(bias)
         qt, K = w.ggml_type, w.n_in
         T = acts.rows
-        out = cuda.device_array((T, w.n_out), _F32)  # [T, N]
+        out = self._empty((T, w.n_out), _F32)  # [T, N]
         for seg in cx.segments(step, T, lambda n: self._tiled(qt, K, n)):
             a = acts.get(qt, seg.r0, seg.r1)
             o = out if (seg.r0, seg.r1) == (0, T) else out[seg.r0:seg.r1]
@@ -306,7 +327,7 @@ class CUDABackend:
         otherwise one linear per weight. Every output row is computed by the same kernel either
         way (the launch shape depends on K alone), so the bits are the same."""
         biases = list(biases) if biases is not None else [None] * len(ws)
-        acts = x if isinstance(x, Activations) else Activations(self._dev(x), self.stream)
+        acts = x if isinstance(x, Activations) else Activations(self._dev(x), self.stream, self._empty)
         ws = [self._weight(w) for w in ws]
         group = ws[0].group
         if acts.rows != 1 or group is None or group.members != ws:  # not one whole group, in order
@@ -359,20 +380,20 @@ class CUDABackend:
 
     @_guarded
     def join_parts(self, parts, plans):
-        out = cuda.device_array(parts[0].shape, _F32)  # [P, N]
+        out = self._empty(parts[0].shape, _F32)  # [P, N]
         for part, plan in zip(parts, plans):
             put_rows(part, plan.pairs, out, self.stream)
         return out
 
     @_guarded
     def expert_linear(self, x, stack, ggml_type, k, plan: cx.DevicePlan, bias=None, per_token=True):
-        acts = x if isinstance(x, Activations) else Activations(self._dev(x), self.stream)
+        acts = x if isinstance(x, Activations) else Activations(self._dev(x), self.stream, self._empty)
         if isinstance(stack, np.ndarray):  # a host provider's stack: uploaded for this call
             stack = upload_matrix(stack, ggml_type)
         bias = None if bias is None else self._dev(bias)
         T, A = plan.T, plan.A
         n = stack.shape[1]
-        out = cuda.device_array((T, A, n), _F32)  # [T, A, N]
+        out = self._empty((T, A, n), _F32)  # [T, A, N]
         for seg in plan.segments:
             whole = (seg.r0, seg.r1) == (0, T)
             r0, r1 = (seg.r0, seg.r1) if per_token else (seg.r0 * A, seg.r1 * A)
@@ -394,10 +415,10 @@ class CUDABackend:
         qt = layout.gate_type
         if layout.up_type != qt or isinstance(batch.gate, np.ndarray) or all(seg.tiled for seg in plan.segments):
             return compose_expert_glu(self, x, batch, layout, plan, kind, alpha, limit)
-        acts = x if isinstance(x, Activations) else Activations(self._dev(x), self.stream)
+        acts = x if isinstance(x, Activations) else Activations(self._dev(x), self.stream, self._empty)
         T, A, K = plan.T, plan.A, layout.n_embd
         F = batch.gate.shape[1]
-        out = cuda.device_array((T, A, F), _F32)  # [T, A, F]
+        out = self._empty((T, A, F), _F32)  # [T, A, F]
         for seg in plan.segments:
             r0, r1 = seg.r0, seg.r1
             whole = (r0, r1) == (0, T)
@@ -407,8 +428,8 @@ class CUDABackend:
                 n = (r1 - r0) * A
                 a = acts.get(qt, r0, r1)
                 groups = cx.groups_of(plan, seg, self.stream)
-                g = cuda.device_array((r1 - r0, A, F), _F32)
-                u = cuda.device_array((r1 - r0, A, F), _F32)
+                g = self._empty((r1 - r0, A, F), _F32)
+                u = self._empty((r1 - r0, A, F), _F32)
                 for stack, bias, dst in ((batch.gate, batch.gate_bias, g), (batch.up, batch.up_bias, u)):
                     mmq.mul_mat_q_ids(stack, qt, K, a, ids, plan.slot_of, groups, out=dst, bias=bias,
                                       stream=self.stream)
@@ -421,7 +442,7 @@ class CUDABackend:
 
     @_guarded
     def moe_mix(self, y, plan: cx.DevicePlan, weights):
-        out = cuda.device_array((plan.T, y.shape[1]), _F32)  # [T, D]
+        out = self._empty((plan.T, y.shape[1]), _F32)  # [T, D]
         glu_k.moe_mix(self._dev(y), self._dev(weights), out, stream=self.stream)
         return out
 
@@ -430,10 +451,10 @@ class CUDABackend:
         logits = self._dev(logits)
         T = logits.shape[0]
         if chosen is None:
-            ids = cuda.device_array((T, n_used), np.int32)
+            ids = self._empty((T, n_used), np.int32)
         else:
             ids = cuda.to_device(np.ascontiguousarray(chosen, dtype=np.int32), stream=self.stream)
-        weights = cuda.device_array((T, n_used), _F32)
+        weights = self._empty((T, n_used), _F32)
         router_k.route(logits, gating, norm_topk, scale, ids, weights, given=chosen is not None, stream=self.stream)
         if self._capturing:  # nothing has run: no ids to read (the model asked for a graph: it needs none)
             host = np.zeros((T, n_used), np.int64)
@@ -447,7 +468,7 @@ class CUDABackend:
     @_guarded
     def rms_norm(self, x, weight, eps):
         x = self._dev(x)
-        out = cuda.device_array(x.shape, _F32)
+        out = self._empty(x.shape, _F32)
         norm.rms_norm(x, self._dev(weight), eps, out, stream=self.stream)
         return out
 
@@ -464,7 +485,7 @@ class CUDABackend:
         spare_key = ("rope_spare", Dh)
         spare = step.memo.get(spare_key)
         if spare is None:
-            spare = step.memo[spare_key] = cuda.device_array((T, 1, Dh), _F32)
+            spare = step.memo[spare_key] = self._empty((T, 1, Dh), _F32)
         rope_k.apply_rope_qk(x, spare, self._rope_table(step, rope), rope.neox, stream=self.stream)
         return x
 
@@ -482,7 +503,7 @@ class CUDABackend:
         key = ("rope", rope)
         table = step.memo.get(key)
         if table is None:
-            table = step.memo[key] = cuda.device_array((step.T, rope.n_dims // 2, 2), _F32)
+            table = step.memo[key] = self._empty((step.T, rope.n_dims // 2, 2), _F32)
             rope_k.rope_cache(self._memo_ints(step, "positions", step.positions), rope.n_dims, rope.freq_base,
                               rope.freq_scale, rope.ext_factor, rope.attn_factor, rope.corr_dims, table,
                               stream=self.stream)
@@ -503,7 +524,7 @@ class CUDABackend:
         attn.kv_append(k, v, slots, positions, kc, vc, stream=self.stream)
         T, H, _ = q.shape
         Dv = vc.shape[3]
-        out = cuda.device_array((T, H, Dv), _F32)
+        out = self._empty((T, H, Dv), _F32)
         attn.attention(q, kc, vc, slots, positions, scale, window, None if sinks is None else self._dev(sinks), out,
                        self._work_for(T, H, pool.cells, Dv), max_cells, one_slot=step.S == 1, stream=self.stream)
         return out
@@ -527,29 +548,29 @@ class CUDABackend:
     @_guarded
     def glu(self, gate, up, kind, alpha=0.0, limit=0.0):
         gate, up = self._dev(gate), self._dev(up)
-        out = cuda.device_array(gate.shape, _F32)
+        out = self._empty(gate.shape, _F32)
         glu_k.glu(gate, up, out, kind, alpha, limit, stream=self.stream)
         return out
 
     @_guarded
     def sigmoid_gate(self, y, z):
         y = self._dev(y)
-        out = cuda.device_array(y.shape, _F32)
+        out = self._empty(y.shape, _F32)
         glu_k.sigmoid_gate(y, self._dev(z), out, stream=self.stream)
         return out
 
     @_guarded
     def add(self, a, b):
         a = self._dev(a)
-        out = cuda.device_array(a.shape, _F32)
+        out = self._empty(a.shape, _F32)
         glu_k.add(a, self._dev(b), out, stream=self.stream)
         return out
 
     @_guarded
     def add_rms_norm(self, x, delta, weight, eps):
         x = self._dev(x)
-        x_out = cuda.device_array(x.shape, _F32)  # [T, D]
-        out = cuda.device_array(x.shape, _F32)
+        x_out = self._empty(x.shape, _F32)  # [T, D]
+        out = self._empty(x.shape, _F32)
         norm.add_rms_norm(x, self._dev(delta), self._dev(weight), eps, out, x_out=x_out, stream=self.stream)
         return x_out, out
 
@@ -562,6 +583,12 @@ class CUDABackend:
         return take_rows(x, cuda.to_device(np.ascontiguousarray(rows, dtype=np.int32), stream=self.stream), self.stream)
 
     # -- helpers -------------------------------------------------------------------------------
+
+    def _empty(self, shape, dtype=_F32):
+        """An op's output array (uninitialised, C-contiguous)."""
+        if self.arrays is None:
+            return cuda.device_array(shape, dtype)
+        return self.arrays.empty(shape, dtype)
 
     def _dev(self, x):
         """x as a device f32 array (a host array is copied over)."""

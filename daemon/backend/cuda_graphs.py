@@ -26,6 +26,8 @@ from collections import OrderedDict
 
 from numba import cuda
 
+from ..kernels.cuda.launch import forget_stream
+
 log = logging.getLogger("moed.device")
 
 
@@ -50,6 +52,7 @@ def _check(result):
 def nonblocking_stream():
     """A numba stream made with CU_STREAM_NON_BLOCKING (destroyed with the returned owner)."""
     drv = _drv()
+    cuda.current_context()  # the stream belongs to this thread's numba context (made if none yet)
     handle = _check(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING.value))
     stream = cuda.external_stream(int(handle))
     stream._moed_owner = _StreamOwner(handle)  # noqa: SLF001  (destroys the handle with the stream)
@@ -62,6 +65,7 @@ class _StreamOwner:
 
     def __del__(self):
         try:
+            forget_stream(self.handle)
             _drv().cuStreamDestroy(self.handle)
         except Exception:  # noqa: BLE001  (interpreter shutdown)
             pass

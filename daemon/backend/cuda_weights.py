@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from numba import cuda
 
+from ..kernels.cuda.launch import launch
 from ..kernels.cuda.layout import FIELDS, FLOAT_TYPES, repack
 from ..kernels.quants import block_size, row_bytes
 
@@ -93,7 +94,7 @@ def embedding_rows(table: DeviceWeight, tokens, bmap, stream=0) -> object:
     raw = cuda.device_array((T, rb), np.uint8)
     n = T * rb
     if n:
-        _gather_unpacked[(n + _THREADS - 1) // _THREADS, _THREADS, stream](table.packed, tokens, bmap, rb // bb, bb, raw)
+        launch(_gather_unpacked, (n + _THREADS - 1) // _THREADS, _THREADS, stream, table.packed, tokens, bmap, rb // bb, bb, raw)
     return raw
 
 
@@ -112,7 +113,7 @@ def take_rows(x, rows, stream=0) -> object:
     R, N = rows.shape[0], x.shape[1]
     out = cuda.device_array((R, N), np.float32)
     if R * N:
-        _take_rows[(R * N + _THREADS - 1) // _THREADS, _THREADS, stream](x, rows, out)
+        launch(_take_rows, (R * N + _THREADS - 1) // _THREADS, _THREADS, stream, x, rows, out)
     return out
 
 
@@ -130,4 +131,4 @@ def put_rows(src, rows, out, stream=0) -> None:
     """out[rows] = src[rows] (device f32 [T, N] each; rows device int32 [R])."""
     n = rows.shape[0] * out.shape[1]
     if n:
-        _put_rows[(n + _THREADS - 1) // _THREADS, _THREADS, stream](src, rows, out)
+        launch(_put_rows, (n + _THREADS - 1) // _THREADS, _THREADS, stream, src, rows, out)

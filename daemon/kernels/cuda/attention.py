@@ -42,6 +42,7 @@ from numba import cuda
 from ...errors import UnsupportedError
 from .device import SIM, placeholder
 from .ptx import f16_to_f32, ldg_u16, ldg_v4
+from .launch import launch
 
 # cells per block, = threads per block: one thread per cell for the scores. The simulator runs each
 # thread in Python, so there the same code runs with chunks of 32 (the tests use CHUNK, so they
@@ -294,7 +295,7 @@ def kv_append(k_new, v_new, slots, positions, k_cache, v_cache, stream=0) -> Non
         raise ValueError(f"kv_append: k {k_new.shape}, v {v_new.shape}, caches {k_cache.shape} {v_cache.shape}")
     n = R * Hkv * max(Dh, Dv)
     if n:
-        _kv_append[(n + 127) // 128, 128, stream](k_new, v_new, slots, positions, k_cache, v_cache)
+        launch(_kv_append, (n + 127) // 128, 128, stream, k_new, v_new, slots, positions, k_cache, v_cache)
 
 
 def attention(q, k_cache, v_cache, slots, positions, scale: float, window: int, sinks, out, work: AttentionWork,
@@ -334,12 +335,12 @@ def attention(q, k_cache, v_cache, slots, positions, scale: float, window: int, 
     hb = G  # heads per block: fewer while the grid is small (a decode step), so more SMs work
     while hb % 2 == 0 and nch * (H // hb) * tiles < _FEW_BLOCKS:
         hb //= 2
-    _partial_kernel(G, hb, rt, Dh)[(nch, H // hb, tiles), CHUNK, stream](
+    launch(_partial_kernel(G, hb, rt, Dh), (nch, H // hb, tiles), CHUNK, stream,
         q, k_cache, v_cache, slots, positions, np.float32(scale), np.int32(window), work.part_m, work.part_l,
         work.part_o)
     threads = 32
     while threads < min(Dv, 128):
         threads *= 2
-    _attn_combine[(H, R), threads, stream](work.part_m, work.part_l, work.part_o, positions, np.int32(window),
+    launch(_attn_combine, (H, R), threads, stream, work.part_m, work.part_l, work.part_o, positions, np.int32(window),
                                        sinks if has_sinks else placeholder(np.float32),
                                        has_sinks, out)

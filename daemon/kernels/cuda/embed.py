@@ -17,6 +17,7 @@ from numba import cuda
 from ...errors import UnsupportedError
 from .. import quants as Q
 from .device import bits_to_f32, f16_at
+from .launch import launch
 
 _THREADS = 128
 
@@ -158,12 +159,12 @@ def embed(raw, ggml_type: int, tokens, out, stream=0) -> None:
         raise ValueError(f"{Q.type_name(ggml_type)} rows of {D} values are not {raw.shape[1]} bytes")
     grid = ((D + _THREADS - 1) // _THREADS, T)
     if ggml_type == Q.F32:
-        _embed_float[grid, _THREADS, stream](raw.view(np.float32), tokens, out)
+        launch(_embed_float, grid, _THREADS, stream, raw.view(np.float32), tokens, out)
     elif ggml_type == Q.F16:
-        _embed_float[grid, _THREADS, stream](raw.view(np.float16), tokens, out)
+        launch(_embed_float, grid, _THREADS, stream, raw.view(np.float16), tokens, out)
     elif ggml_type == Q.BF16:
-        _embed_bf16[grid, _THREADS, stream](raw.view(np.uint16), tokens, out)
+        launch(_embed_bf16, grid, _THREADS, stream, raw.view(np.uint16), tokens, out)
     elif ggml_type in Q.SUPPORTED_TYPES:
-        _embed_blocks[grid, _THREADS, stream](raw, np.int32(ggml_type), tokens, out)
+        launch(_embed_blocks, grid, _THREADS, stream, raw, np.int32(ggml_type), tokens, out)
     else:
         raise UnsupportedError(f"no device embedding for {Q.type_name(ggml_type)}")

@@ -23,6 +23,7 @@ import numpy as np
 from numba import cuda
 
 from .device import placeholder, sigmoid
+from .launch import launch
 
 _THREADS = 128
 
@@ -112,7 +113,7 @@ def glu(gate, up, out, kind: str = "silu", alpha: float = 0.0, limit: float = 0.
     if has_bias and (up_bias is None or ids is None or ids.shape != (P,) or gate_bias.shape[1] != F):
         raise ValueError("glu: biases need both gate_bias and up_bias [E, F] and ids [P]")
     if P * F:
-        _glu[_grid(P * F), _THREADS, stream](gate, up, kind == "oai", np.float32(alpha), np.float32(limit),
+        launch(_glu, _grid(P * F), _THREADS, stream, gate, up, kind == "oai", np.float32(alpha), np.float32(limit),
                                              gate_bias if has_bias else gate, up_bias if has_bias else up, has_bias,
                                              ids if has_bias else placeholder(np.int32), out)
 
@@ -129,7 +130,7 @@ def moe_mix(y, weights, out, rows=None, down_bias=None, ids=None, stream=0) -> N
         raise ValueError(f"moe_mix: y {y.shape}, weights {weights.shape}, out {out.shape}")
     if T * D:
         dummy = placeholder(np.int32, 2)
-        _moe_mix[_grid(T * D), _THREADS, stream](y, weights, dummy if rows is None else rows, rows is not None,
+        launch(_moe_mix, _grid(T * D), _THREADS, stream, y, weights, dummy if rows is None else rows, rows is not None,
                                                  down_bias if has_bias else y, dummy if ids is None else ids,
                                                  has_bias, out)
 
@@ -141,7 +142,7 @@ def sigmoid_gate(y, z, out, accumulate: bool = False, stream=0) -> None:
     if out.shape != (T, N) or z.shape != (T, 1):
         raise ValueError(f"sigmoid_gate: y {y.shape}, z {z.shape}, out {out.shape}")
     if T * N:
-        _sigmoid_gate[_grid(T * N), _THREADS, stream](y, z, bool(accumulate), out)
+        launch(_sigmoid_gate, _grid(T * N), _THREADS, stream, y, z, bool(accumulate), out)
 
 
 def add(a, b, out, stream=0) -> None:
@@ -150,4 +151,4 @@ def add(a, b, out, stream=0) -> None:
         raise ValueError(f"add: {a.shape} + {b.shape} -> {out.shape}")
     n = out.size
     if n:
-        _add[_grid(n), _THREADS, stream](a, b, out)
+        launch(_add, _grid(n), _THREADS, stream, a, b, out)

@@ -38,6 +38,7 @@ from numba import cuda
 from ...errors import UnsupportedError
 from ..quants import (BF16, F16, F32, MXFP4, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0,
                       block_size, type_name)
+from .launch import launch
 
 # ggml block fields in plane order: (offset in the block, bytes).
 FIELDS: dict[int, tuple[tuple[int, int], ...]] = {
@@ -176,4 +177,4 @@ def repack_device(raw, out, ggml_type: int, stream=0) -> None:
     maps = [cuda.to_device(a, stream=stream) for a in _byte_map(ggml_type, rb // bb)]
     n = rows * rb
     if n:
-        _repack_kernel[(n + 255) // 256, 256, stream](raw, out, *maps, rb // bb, bb)
+        launch(_repack_kernel, (n + 255) // 256, 256, stream, raw, out, *maps, rb // bb, bb)

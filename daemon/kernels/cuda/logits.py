@@ -15,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
+from .launch import launch
+
 _THREADS = 256
 
 
@@ -50,7 +52,7 @@ def rows_to_host(logits, rows, out: np.ndarray | None = None, stream=0) -> np.nd
     else:
         staged = cuda.device_array((K, V), np.float32, stream=stream)
         idx = cuda.to_device(rows.astype(np.int32), stream=stream)
-        _gather_rows[((V + _THREADS - 1) // _THREADS, K), _THREADS, stream](logits, idx, staged)
+        launch(_gather_rows, ((V + _THREADS - 1) // _THREADS, K), _THREADS, stream, logits, idx, staged)
         staged.copy_to_host(out, stream=stream)
     if not isinstance(stream, int):  # a stream object: the copy may be asynchronous
         stream.synchronize()
@@ -86,7 +88,7 @@ class RowReader:
         else:
             self.rows_host[:K] = rows
             self.rows_dev.copy_to_device(self.rows_host, stream=stream)
-            _gather_rows[((V + _THREADS - 1) // _THREADS, K), _THREADS, stream](logits, self.rows_dev, self.staged)
+            launch(_gather_rows, ((V + _THREADS - 1) // _THREADS, K), _THREADS, stream, logits, self.rows_dev, self.staged)
             self.staged[:K].copy_to_host(out, stream=stream)
         if not isinstance(stream, int):
             stream.synchronize()

@@ -33,6 +33,7 @@ from ..quants import MXFP4, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, bloc
 from . import mmvq
 from .ptx import SIMULATOR, bits_to_f32, device, dp4a, ldg_u32, ldg_v4
 from .vecdot import FLOAT_ACT, VALUES, VECDOT
+from .launch import launch
 
 BK = 128
 _G = BK // 16  # 16-value groups per K step
@@ -315,7 +316,7 @@ def group_by_expert(ids, n_expert: int, out: Groups | None = None, stream=0) -> 
                          f"pairs cannot hold {n_expert} experts and {t * a} pairs")
     if not 0 < n_expert <= _GROUP_THREADS:
         raise UnsupportedError(f"grouping supports up to {_GROUP_THREADS} experts, got {n_expert}")
-    _group_kernel[1, 32 if SIMULATOR else _GROUP_THREADS, stream](
+    launch(_group_kernel, 1, 32 if SIMULATOR else _GROUP_THREADS, stream,
         ids.reshape(t * a), t * a, n_expert, out.pairs, out.starts)
     return out
 
@@ -355,7 +356,7 @@ def mul_mat_q(w, qtype: int, k: int, act, out=None, bias=None, *, stream=0):
     tile = _tile()
     kern, threads = _kernel(qtype, tile, tile, False, bias is not None)
     dummy_i2, dummy_i1 = mmvq._dummy("ids"), mmvq._dummy("slot")
-    kern[((n + tile - 1) // tile, (t + tile - 1) // tile, 1), threads, stream](
+    launch(kern, ((n + tile - 1) // tile, (t + tile - 1) // tile, 1), threads, stream,
         w.reshape(1, n, w.shape[1]), aq, ads, dummy_i2, dummy_i1, dummy_i1, dummy_i1, 0, 0,
         mmvq._dummy("bias") if bias is None else bias.reshape(1, n), out.reshape(t, 1, n), n, k,
         w.shape[1], t)
@@ -384,7 +385,7 @@ def mul_mat_q_ids(w, qtype: int, k: int, act, ids, slot_of, groups: Groups, out=
     kern, threads = _kernel(qtype, tile, tile, True, bias is not None)
     act_t, act_a = (a, 1) if act_per_pair else (1, 0)
     grid = ((n + tile - 1) // tile, groups.n_expert, (t + tile - 1) // tile)
-    kern[grid, threads, stream](
+    launch(kern, grid, threads, stream,
         w, aq, ads, ids, slot_of, groups.pairs, groups.starts, act_t, act_a,
         mmvq._dummy("bias") if bias is None else bias, out, n, k, w.shape[2], t)
     return out

@@ -39,6 +39,7 @@ from ..quants import block_size, type_name
 from .layout import GPU_TYPES, repacked_stride
 from .ptx import SIMULATOR, device, warp_sum
 from .vecdot import FLOAT_ACT, VALUES, VECDOT
+from .launch import launch
 
 MAX_COLS = 16
 GLU_NONE, GLU_SWIGLU, GLU_SWIGLU_OAI = 0, 1, 2
@@ -265,7 +266,7 @@ def _launch(*spec, stream=0, prepare_only=False):
     kern, grid, block, args = _prepare(*spec)
     if prepare_only:
         return kern, grid, block, args
-    kern[grid, block, stream](*args)
+    launch(kern, grid, block, stream, *args)
     return None
 
 

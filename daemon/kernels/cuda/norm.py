@@ -17,6 +17,7 @@ import numpy as np
 from numba import cuda
 
 from .device import block_sum
+from .launch import launch
 
 _MAX_THREADS = 1024
 _HELD = 8  # values of a row each thread holds (loaded together): rows up to 8192 values
@@ -122,9 +123,9 @@ def rms_norm(x, weight, eps: float, out, stream=0) -> None:
     if x.size == 0:
         return
     if x.ndim == 2:
-        _rms_norm[x.shape[0], _threads(N), stream](x, weight, np.float32(eps), out)
+        launch(_rms_norm, x.shape[0], _threads(N), stream, x, weight, np.float32(eps), out)
     else:
-        _rms_norm_heads[(x.shape[1], x.shape[0]), _threads(N), stream](x, weight, np.float32(eps), out)
+        launch(_rms_norm_heads, (x.shape[1], x.shape[0]), _threads(N), stream, x, weight, np.float32(eps), out)
 
 
 def add_rms_norm(x, delta, weight, eps: float, out, bias=None, x_out=None, stream=0) -> None:
@@ -138,5 +139,5 @@ def add_rms_norm(x, delta, weight, eps: float, out, bias=None, x_out=None, strea
     if delta.shape != x.shape or out.shape != x.shape or x_out.shape != x.shape or weight.shape != (D,):
         raise ValueError(f"add_rms_norm: x {x.shape}, delta {delta.shape}, out {out.shape}, weight {weight.shape}")
     if T:
-        _add_rms_norm[T, _threads(D), stream](x, delta, weight if bias is None else bias, bias is not None,
+        launch(_add_rms_norm, T, _threads(D), stream, x, delta, weight if bias is None else bias, bias is not None,
                                                weight, np.float32(eps), x_out, out)

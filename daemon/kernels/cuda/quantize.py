@@ -27,6 +27,7 @@ import numpy as np
 from numba import cuda
 
 from .ptx import round_f16, warp_max, warp_sum
+from .launch import launch
 
 QK8_1 = 32
 _THREADS = 256  # 8 q8_1 blocks per thread block
@@ -77,5 +78,5 @@ def quantize_q8_1(x, qs=None, ds=None, stream=0):
         ds = cuda.device_array((rows, k // QK8_1, 2), dtype=np.float32, stream=stream)
     n = rows * k
     if n:
-        _quantize_q8_1[(n + _THREADS - 1) // _THREADS, _THREADS, stream](x, qs, ds, n)
+        launch(_quantize_q8_1, (n + _THREADS - 1) // _THREADS, _THREADS, stream, x, qs, ds, n)
     return qs, ds

@@ -23,6 +23,7 @@ import numpy as np
 from numba import cuda
 
 from .device import block_sum, placeholder
+from .launch import launch
 
 _THREADS = 128
 MAX_HEAD = 1024  # values of one head norm_rope_qk holds in shared memory
@@ -144,7 +145,7 @@ def norm_rope_qk(q, k, cache, neox: bool, q_norm=None, k_norm=None, eps: float =
         threads *= 2
     has_norm = q_norm is not None
     w = placeholder(np.float32)
-    _norm_rope_qk[(H + k.shape[1], T), threads, stream](q, k, q_norm if has_norm else w, k_norm if has_norm else w,
+    launch(_norm_rope_qk, (H + k.shape[1], T), threads, stream, q, k, q_norm if has_norm else w, k_norm if has_norm else w,
                                                          has_norm, np.float32(eps), cache, bool(neox))
 
 
@@ -173,7 +174,7 @@ def rope_cache(positions, n_dims: int, freq_base: float, freq_scale: float, ext_
     theta_scale = f32(f32(freq_base) ** f32(f32(-2.0) / f32(n_dims)))
     ff = placeholder(np.float32) if freq_factors is None else freq_factors
     n = T * P
-    _rope_cache[(n + _THREADS - 1) // _THREADS, _THREADS, stream](
+    launch(_rope_cache, (n + _THREADS - 1) // _THREADS, _THREADS, stream,
         positions, theta_scale, f32(freq_scale), f32(ext_factor), rope_mscale(freq_scale, ext_factor, attn_factor),
         f32(corr_dims[0]), f32(corr_dims[1]), ff, freq_factors is not None, cache)
 
@@ -186,4 +187,4 @@ def apply_rope_qk(q, k, cache, neox: bool, stream=0) -> None:
         raise ValueError(f"apply_rope_qk: q {q.shape}, k {k.shape}, cache {cache.shape}")
     n = T * (H + k.shape[1]) * P
     if n:
-        _apply_rope_qk[(n + _THREADS - 1) // _THREADS, _THREADS, stream](q, k, cache, bool(neox))
+        launch(_apply_rope_qk, (n + _THREADS - 1) // _THREADS, _THREADS, stream, q, k, cache, bool(neox))

@@ -26,6 +26,7 @@ from numba import cuda
 
 from .device import placeholder
 from .ptx import warp_argmax, warp_max, warp_sum
+from .launch import launch
 
 MAX_EXPERTS = 1024  # 32 per lane: a lane's taken flags fit one register
 MAX_USED = 64
@@ -154,5 +155,5 @@ def route(logits, gating: str, norm_topk: bool, scale: float, ids, weights, bias
         raise ValueError(f"route: logits {logits.shape}, ids {ids.shape}, weights {weights.shape} "
                          f"(at most {MAX_EXPERTS} experts, {MAX_USED} used)")
     if T:
-        _route_kernel(E)[T, _WARP, stream](logits, placeholder(np.float32) if bias is None else bias, bias is not None,
+        launch(_route_kernel(E), T, _WARP, stream, logits, placeholder(np.float32) if bias is None else bias, bias is not None,
                                     gating == "softmax", bool(norm_topk), np.float32(scale), bool(given), ids, weights)
