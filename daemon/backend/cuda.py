@@ -65,6 +65,7 @@ except ImportError:  # other numba-cuda versions
     pass
 
 
+_OP_BUFFERS_KEPT = 256 << 20  # pooled op buffers kept past an eager step (bytes)
 _bound = threading.local()  # the device this thread's numba context is on
 
 
@@ -234,7 +235,10 @@ class CUDABackend:
         on the same inputs)."""
         key = self._graph_key(step) if static and self.use_graphs else None
         if key is None or key in self.graphs.failed:
-            return compute()
+            out = compute()
+            if self.arrays is not None and self.arrays.held > _OP_BUFFERS_KEPT:
+                self.arrays.trim()  # a long prefill's activations: not held for the model's life
+            return out
         self._graph_inputs(step, key)
         g = self.graphs.get(key)
         if g is None:

@@ -17,7 +17,7 @@ the usual way (cuda_graphs records those allocations and keeps them with the gra
 
 GPU only: numba's driver classes do not exist under its simulator (the backend then allocates as
 usual). Buffers are held for the life of the backend (`held` bytes, reported with its VRAM); `trim()`
-frees those not in use.
+frees those not in use (the backend does after an eager step that left more than 256 MiB).
 """
 
 from __future__ import annotations
@@ -111,8 +111,13 @@ class OpArrays:
         self._ctx = cuda.current_context()
         self._free: dict[int, list[int]] = {}  # buffer bytes -> free device pointers
         self._live: dict[int, object] = {}  # device pointer -> its AutoFreePointer (views count on it)
-        self.held = 0  # bytes of every buffer made, in use or free
+        self._held = [0]  # bytes of every buffer made, in use or free (shared with the finalizers)
+        self._closed = [False]
         self.plain = False  # allocate the usual way (while capturing a graph)
+
+    @property
+    def held(self) -> int:
+        return self._held[0]
 
     def empty(self, shape, dtype=np.float32) -> DeviceNDArray:
         """An uninitialised C-contiguous device array."""
@@ -127,8 +132,10 @@ class OpArrays:
         size = _bucket(nbytes)
         free = self._free.get(size)
         ptr = free.pop() if free else self._alloc(size)
+        # the finalizer holds the lists, not self: dropping the pool frees it at once
+        release = functools.partial(_release, self._ctx, self._free, self._live, self._held, self._closed, size, ptr)
         mem = _driver.AutoFreePointer(weakref.proxy(self._ctx), _driver.binding.CUdeviceptr(ptr), size,
-                                      finalizer=functools.partial(self._release, size, ptr))
+                                      finalizer=release)
         self._live[ptr] = mem
         return OpArray(shape, _c_strides(shape, dtype.itemsize), dtype, 0, mem.own())
 
@@ -137,29 +144,42 @@ class OpArrays:
             ptr = _driver.driver.cuMemAlloc(size)
         except _driver.CudaAPIError:  # out of memory: give the unused buffers back and retry once
             self.trim()
-            self._ctx.deallocations.clear()
             ptr = _driver.driver.cuMemAlloc(size)
-        self.held += size
+        self._held[0] += size
         return int(ptr)
 
-    def _release(self, size: int, ptr: int) -> None:
-        self._live.pop(ptr, None)
-        self._free.setdefault(size, []).append(ptr)
-
     def trim(self) -> None:
-        """Free every buffer not in use (after the stream's work on them is done)."""
-        self._ctx.synchronize()
+        """Free every buffer not in use. The frees go through numba's deallocation queue, which
+        holds them while a graph is captured (a free there would break the capture) and frees
+        after the work queued on them (cuMemFree waits for it)."""
         for size, ptrs in self._free.items():
             for ptr in ptrs:
-                _driver.driver.cuMemFree(_driver.binding.CUdeviceptr(ptr))
-                self.held -= size
+                _free_later(self._ctx, size, ptr)
+                self._held[0] -= size
             ptrs.clear()
+        self._ctx.deallocations.clear()
 
     def __del__(self):
         try:
+            self._closed[0] = True  # buffers still in use are freed when they are dropped
             self.trim()
         except Exception:  # noqa: BLE001  (interpreter shutdown, context gone)
             pass
+
+
+def _release(ctx, free, live, held, closed, size: int, ptr: int) -> None:
+    """An allocation's last reference is gone: its buffer goes back to the free list (or, once the
+    pool is closed, to numba's deallocation queue)."""
+    live.pop(ptr, None)
+    if closed[0]:
+        held[0] -= size
+        _free_later(ctx, size, ptr)
+    else:
+        free.setdefault(size, []).append(ptr)
+
+
+def _free_later(ctx, size: int, ptr: int) -> None:
+    ctx.deallocations.add_item(_driver.driver.cuMemFree, _driver.binding.CUdeviceptr(ptr), size)
 
 
 def _bucket(nbytes: int) -> int:

@@ -61,6 +61,19 @@ def test_a_buffer_is_reused_only_when_no_view_holds_it(arrays):
     assert arrays.held == held
 
 
+def test_trim_frees_only_unused_buffers(arrays):
+    kept = _filled(arrays, np.arange(1000, dtype=np.float32))
+    dropped = [arrays.empty(5000, np.float32) for _ in range(3)]
+    assert arrays.held >= 4 * 4000
+    del dropped
+    gc.collect()
+    arrays.trim()
+    assert arrays.held == 4096  # kept's buffer (4000 bytes, in 256-byte steps)
+    np.testing.assert_array_equal(kept.copy_to_host(), np.arange(1000, dtype=np.float32))
+    again = arrays.empty(5000, np.float32)  # allocates anew after a trim
+    assert arrays.held == 4096 + 20224
+
+
 def test_kernels_read_pooled_arrays():
     from daemon.backend.cuda_graphs import nonblocking_stream
     from daemon.kernels.cuda.glu import add
