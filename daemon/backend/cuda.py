@@ -43,7 +43,7 @@ from ..kernels.cuda import glu as glu_k
 from ..kernels.cuda import mmq, mmvq, norm, rope as rope_k, router as router_k
 from ..kernels.cuda.device import SIM
 from ..kernels.cuda.mmvq import MAX_COLS, Q8
-from ..kernels.cuda.quantize import quantize_q8_1
+from ..kernels.cuda.quantize import QK8_1, quantize_q8_1
 from ..kernels.cuda.vecdot import FLOAT_ACT
 from ..model.weights import QWeight
 from . import cuda_experts as cx
@@ -114,7 +114,7 @@ class Activations:
         if self._q8 is None:
             R, K = self.x.shape
             qs, ds = (None, None) if self._empty is None else (self._empty((R, K), np.int8),
-                                                               self._empty((R, K // 32, 2), _F32))
+                                                               self._empty((R, K // QK8_1, 2), _F32))
             self._q8 = Q8(*quantize_q8_1(self.x, qs, ds, stream=self._stream))
         return self._q8 if whole else Q8(self._q8.qs[r0:r1], self._q8.ds[r0:r1])
 

@@ -26,7 +26,8 @@ from .ptx import SIMULATOR
 FAST = True  # False: every launch through numba's dispatcher (benchmarks/gpu_launch.py compares)
 
 _SIGS: dict = {}  # (kernel, argument key) -> (cuda.core Kernel, converters)
-_CONFIGS: dict = {}  # (grid, block) -> cuda.core LaunchConfig
+_CONFIGS: dict = {}  # (grid, block) -> cuda.core LaunchConfig (prefill grids vary: bounded)
+_MAX_CONFIGS = 4096
 _STREAMS: dict = {}  # stream handle -> cuda.core Stream (not owning: the backend owns its stream)
 
 
@@ -102,6 +103,8 @@ def _config(grid, block):
     key = (grid, block)
     cfg = _CONFIGS.get(key)
     if cfg is None:
+        if len(_CONFIGS) >= _MAX_CONFIGS:  # a long-lived daemon sees every prompt length
+            _CONFIGS.clear()
         cfg = _CONFIGS[key] = _core.LaunchConfig(grid=grid, block=block)
     return cfg
 
