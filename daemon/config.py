@@ -48,6 +48,38 @@ class Settings:
     expert_cache_limit_mb: float = field(default=0.0, metadata=_meta(
         "EXPERT_CACHE_LIMIT_MB", "host memory for expert slices across all MoE layers, split evenly per "
         "layer; 0 = unlimited"))
+    gpu_cache_mb: str = field(default="auto", metadata=_meta(
+        "MOE_GPU_CACHE_MB", "on a GPU whose memory cannot hold every expert: VRAM for the expert cache, "
+        "split evenly per MoE layer; auto = what is free after the weights, KV caches and a margin (moed ps "
+        "shows it). Experts that fit in it all stay resident", pattern=r"auto|[0-9]+(\.[0-9]*)?"))
+    gpu_cache_policy: str = field(default="lru", metadata=_meta(
+        "MOE_GPU_CACHE_POLICY", "which VRAM expert is evicted for a miss: lru, or lfu-decay (frequency "
+        "with a decay; moed trace replay compares them on real traces)", ("lru", "lfu-decay")))
+    postfetch_enable: bool = field(default=True, metadata=_meta(
+        "MOE_POSTFETCH_ENABLE", "copy a layer's missing experts to VRAM on the fetch stream while the "
+        "resident ones compute, each expert's work waiting on its own copy; 0 = copy, wait, then compute"))
+    postfetch_block_on_miss: bool = field(default=True, metadata=_meta(
+        "MOE_POSTFETCH_BLOCK_ON_MISS", "1: a missing expert's work waits for its copy; 0: an expert not yet "
+        "in VRAM is computed on the CPU (when hybrid compute is on: MOE_OFFLOAD_MIN_BATCH not 0)"))
+    postfetch_max_transfers: int = field(default=4, metadata=_meta(
+        "MOE_POSTFETCH_MAX_TRANSFERS", "expert copies issued per layer per step beyond the step's own "
+        "misses: predicted experts and the admission of experts computed on the CPU"))
+    postfetch_scratchpad_mb: float = field(default=0.0, metadata=_meta(
+        "MOE_POSTFETCH_SCRATCHPAD_MB", "VRAM staging for raw expert bytes on their way into the cache "
+        "(repacked on the GPU); 0 = sized from the largest layer (one token's experts)"))
+    postfetch_force_cpu: bool = field(default=False, metadata=_meta(
+        "MOE_POSTFETCH_FORCE_CPU", "compute every routed expert on the CPU from host memory (llama.cpp's "
+        "--cpu-moe); attention and the rest stay on the GPU"))
+    postfetch_use_dedicated_streams: bool = field(default=True, metadata=_meta(
+        "MOE_POSTFETCH_USE_DEDICATED_STREAMS", "expert copies on a stream of their own (overlapping "
+        "compute); 0 = on the compute stream"))
+    postfetch_debug: bool = field(default=False, metadata=_meta(
+        "MOE_POSTFETCH_DEBUG", "log one line per MoE layer and step: hits, copies, CPU experts, bytes"))
+    offload_min_batch: str = field(default="auto", metadata=_meta(
+        "MOE_OFFLOAD_MIN_BATCH", "hybrid compute of experts missing from VRAM: N = on the CPU when fewer "
+        "than N of the step's tokens route to it, else copied; 0 = never on the CPU (bit-identical "
+        "tokens whatever the caches); auto = a cost model from bandwidths measured at load (logged)",
+        pattern=r"auto|[0-9]+"))
     routing: str = field(default="auto", metadata=_meta(
         "MOE_ROUTING", "which experts load ahead of use: exact (on demand from the router only), approx "
         "(+ Path A: token embeddings x routers), speculative (+ next layer's router on the current "

@@ -82,7 +82,7 @@ def _utf8_size(text: str, limit: int) -> int:
     return n if n > limit else len(text.encode("utf-8", "surrogatepass"))
 
 
-def _expert_cache(gguf: GGUFFile, cfg: Settings, say) -> ExpertCache | None:
+def _expert_cache(gguf: GGUFFile, cfg: Settings, say, allocate=None) -> ExpertCache | None:
     """The streaming expert cache over the model's expert pack (when valid) or the GGUF itself."""
     layouts = expert_layouts(gguf)
     if not layouts:
@@ -97,7 +97,7 @@ def _expert_cache(gguf: GGUFFile, cfg: Settings, say) -> ExpertCache | None:
     biases = {il: tuple(expert_biases(src, il, lay.n_embd, lay.n_ff, lay.n_expert)) for il, lay in layouts.items()}
     limit = f"{cfg.expert_cache_limit_mb:g} MB" if cfg.expert_cache_limit_mb else "no limit"
     say(f"streaming experts from the {store.kind} ({limit})")
-    return ExpertCache(store, cfg.expert_cache_limit_mb, cfg.io_depth, biases, demand_reads(cfg))
+    return ExpertCache(store, cfg.expert_cache_limit_mb, cfg.io_depth, biases, demand_reads(cfg), allocate)
 
 
 def demand_reads(cfg: Settings) -> str:
@@ -119,19 +119,22 @@ class Engine:
         self.load_duration_ns = load_duration_ns
         self.last_stats = GenerationStats()
         self.n_ctx = min(settings.n_ctx, model.hp.n_ctx_train) if settings.n_ctx else model.hp.n_ctx_train
-        self.cache = model.experts if isinstance(model.experts, ExpertCache) else None
+        self.vram = model.experts if getattr(model.experts, "tiered", False) else None  # VRAMExpertCache
+        self.cache = model.experts if isinstance(model.experts, ExpertCache) else getattr(self.vram, "host", None)
         try:  # a bad trace fails the load; the engine owns the file and the cache it was given
             self.routing_replay = RoutingReplay.from_settings(settings, model)
         except BaseException:
-            if self.cache is not None:
-                self.cache.close()
+            (self.vram or self.cache or gguf).close()
             gguf.close()
             raise
         self.routing = settings.routing
         if self.routing == "auto":  # predictors read the real router, so under replay they would guess wrong
             replayed = self.routing_replay is not None
-            self.routing = "exact" if settings.expert_cache_limit_mb or replayed else "speculative"
-        self.prefetcher = (Prefetcher(model, self.cache, self.routing, settings.routing_verbose).attach(model)
+            # a GPU's speculation reads each layer's hidden state back: a sync per layer, not worth it
+            self.routing = ("exact" if settings.expert_cache_limit_mb or replayed or self.vram is not None
+                            else "speculative")
+        self.prefetcher = (Prefetcher(model, self.vram or self.cache, self.routing,
+                                      settings.routing_verbose).attach(model)
                            if self.cache is not None else None)
         self.tracer = ExpertUsageTracer.from_settings(settings) if model.moe_layers else None
         if self.tracer is not None:
@@ -153,9 +156,15 @@ class Engine:
             backend = select_backend(cfg, gguf)  # MOE_DEVICE; logs which and why
             if isinstance(backend, CPUBackend):
                 experts = cache = _expert_cache(gguf, cfg, say)
-            else:  # all experts in VRAM (streaming them to the GPU is not built yet)
+            elif backend.expert_budget is None:  # every expert fits in VRAM
                 say(f"uploading experts to {backend.name}")
                 experts = backend.resident_experts(gguf)
+            else:  # a VRAM expert cache over the host one, its slots pinned for the copies
+                from .backend.cuda_expert_cache import VRAMExpertCache
+                from .backend.cuda_transfer import pinned_empty
+
+                cache = _expert_cache(gguf, cfg, say, allocate=pinned_empty)
+                experts = cache = VRAMExpertCache.from_settings(cache, backend, cfg, say)
             say(f"building {gguf.architecture} model")
             model = Transformer(gguf, experts=experts, backend=backend)
             say("building tokenizer")
@@ -173,7 +182,9 @@ class Engine:
             self.tracer = None
         if self.prefetcher is not None:
             self.prefetcher.detach()
-        if self.cache is not None:
+        if self.vram is not None:
+            self.vram.close()  # and the host cache under it
+        elif self.cache is not None:
             self.cache.close()
         self.gguf.close()
 
@@ -191,12 +202,15 @@ class Engine:
                                                        "replays": graphs.replays,
                                                        "eager_shapes": len(graphs.failed)},
                 "cache": self.cache.stats() if self.cache is not None else None,
+                "vram_cache": self.vram.stats() if self.vram is not None else None,
                 "routing": self.prefetcher.stats() if self.prefetcher is not None else None}
 
     def reset_stats(self) -> None:
         if self.cache is not None:
             self.cache.reset_stats()
             self.prefetcher.reset_stats()
+        if self.vram is not None:
+            self.vram.reset_stats()
         if self.tracer is not None:
             self.tracer.reset()
 

@@ -105,6 +105,13 @@ class Backend(Protocol):
         a backend may fuse them."""
         ...
 
+    def expert_ffn(self, x: Any, batch: Any, layout: Any, plan: Any, kind: str, alpha: float = 0.0,
+                   limit: float = 0.0) -> Array:
+        """Each planned pair's expert: down(glu(gate·x, up·x)) -> [P, D]. The same as expert_glu and
+        expert_linear of the down projection (compose_expert_ffn); a backend whose experts arrive
+        while it computes (the CUDA backend's staged batches) orders the work by arrival."""
+        ...
+
     def moe_mix(self, y: Array, plan: Any, weights: Array) -> Array:
         """The weighted sum of each row's expert outputs in top-k order: y [P, D], weights [T, A]
         -> [T, D]."""
@@ -179,3 +186,9 @@ def compose_expert_glu(backend: Backend, x, batch, layout, plan, kind: str, alph
     g = backend.expert_linear(x, batch.gate, layout.gate_type, layout.n_embd, plan, batch.gate_bias)  # [P, F]
     u = backend.expert_linear(x, batch.up, layout.up_type, layout.n_embd, plan, batch.up_bias)
     return backend.glu(g, u, kind, alpha, limit)
+
+
+def compose_expert_ffn(backend: Backend, x, batch, layout, plan, kind: str, alpha: float = 0.0, limit: float = 0.0):
+    """expert_ffn as expert_glu and expert_linear: x [T, D] (prepared) -> [P, D]."""
+    h = backend.expert_glu(x, batch, layout, plan, kind, alpha, limit)  # [P, F]
+    return backend.expert_linear(h, batch.down, layout.down_type, layout.n_ff, plan, batch.down_bias, per_token=False)

@@ -22,7 +22,7 @@ from ..kernels import ops
 from ..kernels.matmul import Prepared, linear_prepared, prepare
 from ..kernels.quants import dequantize
 from . import cpu_experts
-from .base import compose_expert_glu
+from .base import compose_expert_ffn, compose_expert_glu
 from .cpu_cache import KVCache
 from .step import Step
 
@@ -130,6 +130,9 @@ class CPUBackend:
 
     def expert_glu(self, x, batch, layout, plan, kind, alpha=0.0, limit=0.0) -> np.ndarray:
         return compose_expert_glu(self, x, batch, layout, plan, kind, alpha, limit)
+
+    def expert_ffn(self, x, batch, layout, plan, kind, alpha=0.0, limit=0.0) -> np.ndarray:
+        return compose_expert_ffn(self, x, batch, layout, plan, kind, alpha, limit)
 
     def moe_mix(self, y, plan, weights) -> np.ndarray:
         return ops.moe_mix(y, plan.slot_rows, np.ascontiguousarray(weights, dtype=np.float32))

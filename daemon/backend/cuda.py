@@ -47,11 +47,14 @@ from ..kernels.cuda.quantize import QK8_1, quantize_q8_1
 from ..kernels.cuda.vecdot import FLOAT_ACT
 from ..model.weights import QWeight
 from . import cuda_experts as cx
-from .base import compose_expert_glu
+from .base import compose_expert_ffn, compose_expert_glu
+from .cuda_expert_cache import StagedBatch
+from .cuda_transfer import Transfers
 from .cuda_cache import DeviceKVCache, KVPool
 from .cuda_errors import CUDA_ERRORS
 from .cuda_graphs import GraphCache, nonblocking_stream
-from .cuda_weights import DeviceWeight, WeightGroup, byte_map, embedding_rows, put_rows, take_rows, upload_matrix
+from .cuda_weights import (DeviceWeight, WeightGroup, byte_map, embedding_rows, put_rows, scatter_rows, take_rows,
+                           upload_matrix)
 from .step import Step
 
 _F32 = np.float32
@@ -144,6 +147,7 @@ class CUDABackend:
         self._inputs: dict[int, dict] = {}  # decode-step input buffers by sequence count (graphs)
         self.bytes = {"weights": 0, "experts": 0, "kv": 0, "scratch": 0}  # VRAM held, by use
         self.estimate = None  # select.VRAMEstimate of the model, when select_backend made this
+        self.expert_budget = None  # VRAM for the expert cache (select_backend); None = every expert resident
 
     def __repr__(self) -> str:
         return f"CUDABackend({self.index})"
@@ -413,16 +417,27 @@ class CUDABackend:
         return out.reshape(T * A, n)  # [P, N]
 
     @_guarded
-    def expert_glu(self, x, batch, layout, plan: cx.DevicePlan, kind, alpha=0.0, limit=0.0):
+    def expert_ffn(self, x, batch, layout, plan: cx.DevicePlan, kind, alpha=0.0, limit=0.0):
+        """A staged batch (experts still arriving, some on the CPU: cuda_expert_cache.py) orders its
+        own work; else expert_glu and expert_linear."""
+        if isinstance(batch, StagedBatch):
+            return batch.compute(self, x, layout, plan, kind, alpha, limit)
+        return compose_expert_ffn(self, x, batch, layout, plan, kind, alpha, limit)
+
+    @_guarded
+    def expert_glu(self, x, batch, layout, plan: cx.DevicePlan, kind, alpha=0.0, limit=0.0, out=None):
         """The GEMV segments fused (gate, up and glu in one launch, x read once); tiled segments
-        as expert_linear twice and glu. Which applies depends only on a sequence's own rows."""
+        as expert_linear twice and glu. Which applies depends only on a sequence's own rows.
+        out: [P, F] to write (pairs of experts outside plan.slot_of keep what they hold)."""
         qt = layout.gate_type
         if layout.up_type != qt or isinstance(batch.gate, np.ndarray) or all(seg.tiled for seg in plan.segments):
+            if out is not None:
+                raise ValueError("expert_glu writes into `out` only when fused (gate and up of one type, a GEMV)")
             return compose_expert_glu(self, x, batch, layout, plan, kind, alpha, limit)
         acts = x if isinstance(x, Activations) else Activations(self._dev(x), self.stream, self._empty)
         T, A, K = plan.T, plan.A, layout.n_embd
         F = batch.gate.shape[1]
-        out = self._empty((T, A, F), _F32)  # [T, A, F]
+        out = self._empty((T, A, F), _F32) if out is None else out.reshape(T, A, F)  # [T, A, F]
         for seg in plan.segments:
             r0, r1 = seg.r0, seg.r1
             whole = (r0, r1) == (0, T)
@@ -587,6 +602,28 @@ class CUDABackend:
         return take_rows(x, cuda.to_device(np.ascontiguousarray(rows, dtype=np.int32), stream=self.stream), self.stream)
 
     # -- helpers -------------------------------------------------------------------------------
+
+    def empty(self, shape, dtype=_F32):
+        """An uninitialised device array (an op's output)."""
+        return self._empty(shape, dtype)
+
+    def zeros(self, shape, dtype=_F32):
+        """A device array of zeros (set in stream order)."""
+        out = self._empty(shape, dtype)
+        if SIM:
+            out.copy_to_device(np.zeros(shape, dtype), stream=self.stream)
+        else:
+            from .cuda_transfer import _check, _drv
+
+            _check(_drv().cuMemsetD8Async(int(out.gpu_data.device_pointer), 0, int(out.nbytes), int(self.stream.handle)))
+        return out
+
+    def put(self, host: np.ndarray):
+        """A small host array on the device, copied in stream order (host may change at once)."""
+        host = np.ascontiguousarray(host)
+        out = self._empty(host.shape, host.dtype)
+        Transfers.upload_into(out, host, self.stream)
+        return out
 
     def _empty(self, shape, dtype=_F32):
         """An op's output array (uninitialised, C-contiguous)."""

@@ -51,7 +51,7 @@ class Segment:
 @dataclass(eq=False)
 class DevicePlan:
     """Every pair of the step, in token-major order. A wave's plan (expert_plan(only=)) computes
-    every pair too, those of experts outside the wave as NaN (slot -1); `pairs` lists its own,
+    every pair too, those of experts outside the wave not written (slot -1); `pairs` lists its own,
     which join_parts takes from its output."""
     ids: object  # device int32 [T, A]
     slot_of: object  # device int32 [E]

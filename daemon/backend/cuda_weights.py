@@ -132,3 +132,20 @@ def put_rows(src, rows, out, stream=0) -> None:
     n = rows.shape[0] * out.shape[1]
     if n:
         launch(_put_rows, (n + _THREADS - 1) // _THREADS, _THREADS, stream, src, rows, out)
+
+
+@cuda.jit
+def _scatter_rows(src, rows, out):
+    i = cuda.grid(1)
+    n = out.shape[1]
+    if i < rows.shape[0] * n:
+        r = i // n
+        c = i - r * n
+        out[rows[r], c] = src[r, c]
+
+
+def scatter_rows(src, rows, out, stream=0) -> None:
+    """out[rows[i]] = src[i] (device f32 src [R, N], out [T, N]; rows device int32 [R])."""
+    n = rows.shape[0] * out.shape[1]
+    if n:
+        launch(_scatter_rows, (n + _THREADS - 1) // _THREADS, _THREADS, stream, src, rows, out)

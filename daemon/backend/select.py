@@ -1,7 +1,11 @@
 """Which backend a model runs on: MOE_DEVICE = auto | cpu | cuda | cuda:N.
 
-auto takes the GPU when numba-cuda finds a real one (never its simulator) and the model fits in
-its free memory, else the CPU, and says which and why in one log line. An explicit cuda[:N]
+auto takes the GPU when numba-cuda finds a real one (never its simulator) and the model's non-expert
+weights fit in its free memory, else the CPU, and says which and why in one log line. Experts that
+do not all fit (or more than MOE_GPU_CACHE_MB, when set) stream through a VRAM expert cache
+(cuda_expert_cache.py) of MOE_GPU_CACHE_MB, by default what is free after the weights, the KV cache
+of a sequence, prefill scratch and a margin of 1 GiB; `backend.expert_budget` is its size (None:
+every expert resident). An explicit cuda[:N]
 that cannot be had (no driver, no numba-cuda, no such GPU, the model does not fit) is a
 DeviceError instead; under NUMBA_ENABLE_CUDASIM=1 an explicit cuda runs on the simulator (tests).
 
@@ -28,6 +32,7 @@ from .cpu import CPUBackend
 log = logging.getLogger("moed.device")
 
 PREFILL_ROWS = 512  # rows of the largest prefill pass (the scheduler's PREFILL_TOKENS)
+MARGIN = 1 << 30  # VRAM left free beside an expert cache: CUDA context, op buffers, graphs, a KV pool's growth
 
 
 def parse_device(value: str) -> tuple[str, int | None]:
@@ -164,9 +169,9 @@ def select_backend(settings, gguf):
         except Exception as e:
             why = f"cuda:{idx} cannot be opened ({type(e).__name__}: {e})"
         else:
-            if need.total > free:
-                why = (f"the model needs about {need.describe()}; cuda:{idx} ({name}) has {_mb(free)} free "
-                       f"of {_mb(total)}")
+            budget, why = _expert_budget(settings.gpu_cache_mb, need, free)
+            if why:
+                why = f"{why}; cuda:{idx} ({name}) has {_mb(free)} free of {_mb(total)}"
     if why is not None:
         if explicit:
             raise DeviceError(f"MOE_DEVICE={settings.device}: {why}")
@@ -174,14 +179,37 @@ def select_backend(settings, gguf):
         return CPUBackend(settings.numerics)
     from .cuda import CUDABackend
 
+    held = need.total if budget is None else need.total - need.experts + budget
+    experts = "every expert resident" if budget is None else f"an expert cache of {_mb(budget)} in VRAM"
     if free == float("inf"):  # the simulator: no memory to speak of
         room = 4
-        line = f"device: cuda:{idx} (numba-cuda simulator); VRAM needed about {need.describe()}"
+        line = f"device: cuda:{idx} (numba-cuda simulator); VRAM needed about {need.describe()}; {experts}"
     else:
-        room = max(1, int((free - need.total) // max(need.kv_per_sequence, 1)) + 1)
+        room = max(1, int((free - held - (0 if budget is None else MARGIN)) // max(need.kv_per_sequence, 1)) + 1)
         line = (f"device: cuda:{idx} ({name}); VRAM needed about {need.describe()}; {_mb(free)} free of "
-                f"{_mb(total)}, room for about {room} full-length sequences")
+                f"{_mb(total)}; {experts}; room for about {room} full-length sequences")
     log.info("%s", line)
     backend = CUDABackend(idx, max_slots=max(1, min(settings.max_batch, room)), graphs=settings.cuda_graphs)
     backend.estimate = need
+    backend.expert_budget = budget
     return backend
+
+
+def _expert_budget(setting: str, need: VRAMEstimate, free: float) -> tuple[int | None, str]:
+    """(VRAM for the expert cache, None = every expert resident; why the GPU cannot be used, or "")."""
+    asked = None if setting == "auto" else int(float(setting) * 2**20)
+    if asked is None and need.total <= free:
+        return None, ""
+    if asked is not None and asked >= need.experts and need.total <= free:
+        return None, ""
+    room = free - (need.total - need.experts) - MARGIN
+    if room <= 0:
+        return None, (f"the model needs about {need.describe()}, and {_mb(need.total - need.experts + MARGIN)} "
+                      f"without its experts (margin included)")
+    if asked is None:
+        return int(room), ""
+    if asked > room:
+        log.warning("MOE_GPU_CACHE_MB=%s is more than the %s free beside the weights: the expert cache gets %s",
+                    setting, _mb(room), _mb(room))
+        return int(room), ""
+    return asked, ""

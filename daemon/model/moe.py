@@ -58,14 +58,14 @@ def moe_forward(moe: MoE, family: Family, experts: ExpertProvider, x, backend: B
     waves = experts.waves(moe.layer, np.unique(ids).tolist())
     xa = backend.prepare(x)  # converted once per weight type, shared by gate and up (and waves)
     if len(waves) == 1:
-        with experts.fetch(moe.layer, waves[0]) as batch:
+        with experts.fetch(moe.layer, waves[0], routed=ids) as batch:
             plan = backend.expert_plan(ids, batch.rows, layout, step)
             y = _apply_experts(family, backend, layout, batch, plan, xa)  # [P, D]
     else:  # more experts than the cache holds at once: each wave read into slots, used, released
         plan = backend.expert_plan(ids, {e: 0 for e in np.unique(ids).tolist()}, layout, step)  # the mix's order
         parts, part_plans = [], []
         for wave in waves:
-            with experts.fetch(moe.layer, wave) as batch:
+            with experts.fetch(moe.layer, wave, routed=ids) as batch:
                 part_plans.append(backend.expert_plan(ids, batch.rows, layout, step, only=np.array(wave)))
                 parts.append(_apply_experts(family, backend, layout, batch, part_plans[-1], xa))
         y = backend.join_parts(parts, part_plans)
@@ -77,9 +77,7 @@ def moe_forward(moe: MoE, family: Family, experts: ExpertProvider, x, backend: B
 
 def _apply_experts(family: Family, backend: Backend, layout, batch, plan, xa):
     """Each planned (row, expert) pair: down(glu(gate·x, up·x)). xa: x [T, D] prepared -> [P, D]."""
-    h = backend.expert_glu(xa, batch, layout, plan, family.glu, family.glu_alpha, family.glu_limit)  # [P, F]
-    return backend.expert_linear(h, batch.down, layout.down_type, layout.n_ff, plan, batch.down_bias,
-                                 per_token=False)
+    return backend.expert_ffn(xa, batch, layout, plan, family.glu, family.glu_alpha, family.glu_limit)
 
 
 def dense_ffn(gate: QWeight, up: QWeight, down: QWeight, x, backend: Backend, step: Step | None = None,

@@ -145,6 +145,8 @@ class Prefetcher:
         nxt = self._next_moe.get(il)
         if nxt is None or self.cache.holds_all(nxt):  # nothing to load: no prediction
             return
+        if not isinstance(x, np.ndarray):  # a GPU's hidden state: one small copy back
+            x = self._model.backend.to_host(x)
         ids = set(np.unique(self.bank.top_k(nxt, x)).tolist())
         self._pending["speculative"][nxt] = ids
         self.cache.prefetch(nxt, sorted(ids))

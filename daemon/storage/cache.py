@@ -102,10 +102,11 @@ class ExpertCache:
     """Expert provider backed by an ExpertStore and bounded per layer. Close it when done."""
 
     def __init__(self, store: ExpertStore, limit_mb: float = 0.0, io_depth: int = 8,
-                 biases: dict[int, tuple] | None = None, demand_reads: str = "compute"):
+                 biases: dict[int, tuple] | None = None, demand_reads: str = "compute", allocate=None):
         if demand_reads not in ("compute", "io"):
             raise ValueError(f"demand_reads must be 'compute' or 'io', not {demand_reads!r}")
         self.store = store
+        self._allocate = allocate or np.empty  # arenas: pinned memory when a GPU copies from them
         self.limit_bytes = int(limit_mb * 2**20)
         n_layers = max(len(store.layouts), 1)
         self.layer_budget = self.limit_bytes // n_layers if self.limit_bytes else 0
@@ -133,10 +134,11 @@ class ExpertCache:
             raise GGUFError(f"{self.store.path}: layer {layer} has no expert tensors "
                             f"(blk.{layer}.ffn_{{gate,up,down}}_exps.weight)") from None
 
-    def fetch(self, layer: int, ids: Sequence[int]) -> _Held:
+    def fetch(self, layer: int, ids: Sequence[int], routed=None, count: bool = True) -> _Held:
         """The experts `ids` of `layer`, pinned until the `with` block exits:
         `with cache.fetch(layer, ids) as batch: ...`. Raises StorageError if a read fails, and
-        ModelFileChanged (the read's own exception) if the file changed since it was loaded."""
+        ModelFileChanged (the read's own exception) if the file changed since it was loaded.
+        count: a step's request (False: a copy of predicted experts to VRAM, not counted)."""
         lc = self._layer(layer)
         if self._closed:
             raise StorageError(f"{self.store.path}: the expert cache is closed (the model was unloaded)")
@@ -144,7 +146,8 @@ class ExpertCache:
         check_ids(layer, wanted, lc.layout.n_expert)
         if lc.resident is not None:  # unlimited and every expert read: nothing can move any more
             with self._lock:
-                self._count_resident_hits(lc, wanted)
+                if count:
+                    self._count_resident_hits(lc, wanted)
             return _Held(self, lc, [], lc.resident)
         held: list[_Entry] = []
         reads: list[_Entry] = []
@@ -155,7 +158,7 @@ class ExpertCache:
                     # cached ones first, so that room made for a miss never evicts one this step wants
                     wanted.sort(key=lambda e: e not in entries)
                 for e in wanted:
-                    held.append(self._demand(lc, layer, e, reads))
+                    held.append(self._demand(lc, layer, e, reads, count))
             if self._here is not None:
                 self._read_here(layer, reads)
             else:
@@ -227,6 +230,18 @@ class ExpertCache:
                     reads.append(ent)
         self._queue(PREFETCH, layer, reads)
 
+    def biases(self, layer: int) -> tuple:
+        """The layer's expert biases (gate, up, down: f32 [E, F|D] or None), resident."""
+        return self._layer(layer).biases
+
+    def ready(self, layer: int, ids: Sequence[int]) -> list[int]:
+        """Those of `ids` read into the layer's cache already (a fetch of them will not wait)."""
+        lc = self._layers.get(layer)
+        if lc is None:
+            return []
+        with self._lock:
+            return [e for e in ids if (ent := lc.entries.get(e)) is not None and ent.ready]
+
     def holds_all(self, layer: int) -> bool:
         """Whether every expert of the layer is cached (nothing left to predict)."""
         lc = self._layers.get(layer)
@@ -280,10 +295,10 @@ class ExpertCache:
 
     # -- internals (called with the lock held) ----------------------------------------------------
 
-    def _demand(self, lc: _Layer, layer: int, e: int, reads: list[_Entry]) -> _Entry:
-        st = lc.stats
+    def _demand(self, lc: _Layer, layer: int, e: int, reads: list[_Entry], count: bool = True) -> _Entry:
+        st = lc.stats if count else LayerStats()  # not counted: a throwaway
         st.requests += 1
-        if e not in lc.seen:
+        if count and e not in lc.seen:
             lc.seen.add(e)
             st.unique_requested += 1
         ent = lc.entries.get(e)
@@ -299,7 +314,7 @@ class ExpertCache:
             st.misses += 1
             ent = self._start(lc, e, DEMAND)
             reads.append(ent)
-        ent.used = True
+        ent.used = ent.used or count
         ent.pins += 1
         return ent
 
@@ -368,7 +383,7 @@ class ExpertCache:
 
     def _arena(self, lc: _Layer):
         if lc.arena is None:  # np.empty: pages are committed as slots fill
-            lc.arena = tuple(np.empty((lc.capacity, *lc.layout.shape(p)), np.uint8) for p in PROJECTIONS)
+            lc.arena = tuple(self._allocate((lc.capacity, *lc.layout.shape(p)), np.uint8) for p in PROJECTIONS)
         return lc.arena
 
     def _batch(self, lc: _Layer, held: list[_Entry]) -> ExpertBatch:

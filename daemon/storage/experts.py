@@ -68,8 +68,9 @@ class ExpertBatch:
 class ExpertProvider(Protocol):
     def layout(self, layer: int) -> ExpertLayout: ...
 
-    def fetch(self, layer: int, ids: Sequence[int]) -> ContextManager[ExpertBatch]:
-        """The experts `ids` of `layer`, held (never evicted or overwritten) until the block exits."""
+    def fetch(self, layer: int, ids: Sequence[int], routed: np.ndarray | None = None) -> ContextManager[ExpertBatch]:
+        """The experts `ids` of `layer`, held (never evicted or overwritten) until the block exits.
+        routed: the step's expert ids [T, A] (how many tokens each expert serves), when known."""
         ...
 
     def waves(self, layer: int, ids: Sequence[int]) -> list[list[int]]:
@@ -99,7 +100,7 @@ class ResidentExperts:
             raise GGUFError(f"layer {layer} has no expert tensors")
         return self._layouts[layer]
 
-    def fetch(self, layer: int, ids: Sequence[int]) -> ContextManager[ExpertBatch]:
+    def fetch(self, layer: int, ids: Sequence[int], routed=None) -> ContextManager[ExpertBatch]:
         check_ids(layer, ids, self.layout(layer).n_expert)
         return nullcontext(self._batches[layer])
 

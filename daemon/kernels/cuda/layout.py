@@ -178,3 +178,56 @@ def repack_device(raw, out, ggml_type: int, stream=0) -> None:
     n = rows * rb
     if n:
         launch(_repack_kernel, (n + 255) // 256, 256, stream, raw, out, *maps, rb // bb, bb)
+
+
+_MAPS: dict[tuple[int, int], tuple] = {}  # (type, blocks per row) -> _byte_map on the device
+
+
+@cuda.jit
+def _repack_slots_kernel(src, dst, slots, plane, size, j, nb, bb):
+    # src: uint8 [n, R, rb] raw rows of n experts; dst: uint8 [S, R, stride]; slots: int32 [n],
+    # expert i's slot in dst. One thread per raw byte.
+    i = cuda.grid(1)
+    rows = src.shape[1]
+    rb = nb * bb
+    if i < src.shape[0] * rows * rb:
+        r = i // rb
+        p = i - r * rb
+        e = r // rows
+        r -= e * rows
+        b = p // bb
+        q = p - b * bb
+        dst[slots[e], r, plane[q] * nb + b * size[q] + j[q]] = src[e, r, p]
+
+
+@cuda.jit
+def _copy_slots_kernel(src, dst, slots):
+    # float rows: src uint8 [n, R, rb] -> dst[slots[e], r, :rb] (already aligned). One thread a byte.
+    i = cuda.grid(1)
+    rows, rb = src.shape[1], src.shape[2]
+    if i < src.shape[0] * rows * rb:
+        r = i // rb
+        p = i - r * rb
+        e = r // rows
+        dst[slots[e], r - e * rows, p] = src[e, r - e * rows, p]
+
+
+def repack_into_slots(raw, stack, slots, ggml_type: int, stream=0) -> None:
+    """Repack n experts' raw rows already on the device into their slots of a stack, in one launch:
+    raw uint8 [n, R, rb] -> stack[slots[i]] uint8 [R, stride] (slots: device int32 [n]). The
+    stack's padding bytes (stride > rb) are left as they are (zeroed when it was made)."""
+    qk, bb = block_size(ggml_type)
+    n, rows, rb = raw.shape
+    if stack.shape[1:] != (rows, repacked_stride(ggml_type, rb // bb * qk)):
+        raise ValueError(f"stack must be [S, {rows}, stride], got {stack.shape}")
+    total = n * rows * rb
+    if not total:
+        return
+    if ggml_type in FLOAT_TYPES:
+        launch(_copy_slots_kernel, (total + 255) // 256, 256, stream, raw, stack, slots)
+        return
+    key = (ggml_type, rb // bb)
+    maps = _MAPS.get(key)
+    if maps is None:
+        maps = _MAPS[key] = tuple(cuda.to_device(a) for a in _byte_map(ggml_type, rb // bb))
+    launch(_repack_slots_kernel, (total + 255) // 256, 256, stream, raw, stack, slots, *maps, rb // bb, bb)

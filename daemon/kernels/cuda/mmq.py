@@ -132,7 +132,7 @@ def _build(qtype: int, bm: int, bn: int, ids_mode: bool, has_bias: bool):
                 return  # the whole block: no token of this expert in this tile
             slot = slot_of[e]
             if slot < 0:
-                slot = 0  # not loaded: read slot 0, outputs become NaN below
+                return  # not here: its outputs are left to whoever holds it
         else:
             first = cuda.blockIdx.y * bn
             count = n_tok - first
@@ -234,8 +234,6 @@ def _build(qtype: int, bm: int, bn: int, ids_mode: bool, has_bias: bool):
                         v = acc[i, j]
                         if has_bias:
                             v += bias[e, row]
-                        if ids_mode and slot_of[e] < 0:
-                            v = np.float32(np.nan)
                         out[outt[tt], outa[tt], row] = v
 
     return kernel, nthreads

@@ -21,7 +21,7 @@ Shapes:
     act      Q8 (qs int8 [R, K], ds float32 [R, K/32, 2]) for quant weights (quantize.py), or
              float32 [R, K] for F32/F16/BF16 weights; R = T, or T*A for the down projection
     ids      int32   [T, A]   expert ids (the router's top-k)
-    slot_of  int32   [E]      expert id -> slot in the stack; < 0: not loaded (its outputs NaN)
+    slot_of  int32   [E]      expert id -> slot in the stack; < 0: not here (its outputs not written)
     bias     float32 [N] (dense) or [E, N] (experts, indexed by expert id)
     out      float32 [T, N] (dense) or [T, A, N] (experts)
 """
@@ -154,9 +154,8 @@ def _build(qtype: int, ncols: int, lpr: int, warps: int, ids_mode: bool, has_bia
                         if has_bias:
                             u += bias2[e, row]
                         v = _glu_dev(v, u, glu, alpha, limit)
-                    if slot < 0:
-                        v = np.float32(np.nan)
-                    out[t + j, a, row] = v
+                    if slot >= 0:  # an expert not held here is left to whoever holds it
+                        out[t + j, a, row] = v
 
     # named for profilers: mmvq_<type>_<ids|dense>[_glu]_c<cols>_l<lanes per row>
     kernel.__name__ = kernel.__qualname__ = (f"mmvq_{type_name(qtype)}_{'ids' if ids_mode else 'dense'}"

@@ -84,7 +84,8 @@ def test_experts_not_loaded_give_nan():
     slot_of = np.array([1, -1], np.int32)
     act, _ = _act(qt, rng.standard_normal((2, k)).astype(np.float32))
     d_ids = cuda.to_device(ids)
-    got = mmq.mul_mat_q_ids(cuda.to_device(repack(raw, qt)), qt, k, act, d_ids,
-                            cuda.to_device(slot_of), mmq.group_by_expert(d_ids, 2)).copy_to_host()
-    assert np.isfinite(got[0, 0]).all() and np.isfinite(got[1, 1]).all()
-    assert np.isnan(got[0, 1]).all() and np.isnan(got[1, 0]).all()
+    out = cuda.to_device(np.full((2, 2, 4), 7.0, np.float32))  # pairs of expert 1 must stay as they were
+    got = mmq.mul_mat_q_ids(cuda.to_device(repack(raw, qt)), qt, k, act, d_ids, cuda.to_device(slot_of),
+                            mmq.group_by_expert(d_ids, 2), out=out).copy_to_host()
+    assert np.isfinite(got[0, 0]).all() and np.isfinite(got[1, 1]).all() and (got[0, 0] != 7.0).any()
+    assert (got[0, 1] == 7.0).all() and (got[1, 0] == 7.0).all()

@@ -1,0 +1,790 @@
+"""The VRAM expert cache: a model whose experts do not fit in GPU memory, its experts streamed in
+from host memory while the GPU computes (Post-Fetch), the misses of a small batch computed on the
+CPU instead (hybrid compute).
+
+Three tiers, each with its own statistics: the SSD (the expert store or pack), host RAM (the host
+ExpertCache, storage/cache.py, its slots in pinned memory), and VRAM (here: per MoE layer, S slots
+of gate/up/down stacks in the kernels' repacked layout, S = MOE_GPU_CACHE_MB per layer / expert
+bytes).
+
+One layer of a step (`fetch`, right after routing; the routing came back to the host in the
+router's one small copy):
+1. The experts split into ready (in VRAM), in flight (in VRAM, a prefetch's or admission's copy not
+   yet known done: their work waits on its events) and missing.
+2. The offload policy (offload.py) may send missing ones to the CPU. The rest get a slot (the
+   policy's victim among slots this step does not hold) and are copied on the fetch stream: every
+   missing expert's gate and up first, then the downs, each projection's raw bytes from the host
+   cache's pinned slot into a staging area, repacked into the slots by one kernel. Each slot
+   records its own two events: gate/up landed, down landed.
+3. `StagedBatch.compute` (the backend's expert_ffn) runs the ready experts' gate/up at once, makes
+   the compute stream wait on each copied expert's gate/up event, runs theirs, waits on each down
+   event, and runs every GPU pair's down projection; the kernels skip pairs of experts not in the
+   map they are given. Meanwhile the CPU computes its experts' pairs, scattered in afterwards.
+4. Up to MOE_POSTFETCH_MAX_TRANSFERS experts computed on the CPU are admitted into VRAM in the
+   background (nothing waits for them now), so a burst of misses cannot stall a step.
+
+Invariants:
+- A slot is never overwritten while a kernel may read it: a copy into a slot first makes the fetch
+  stream wait on the slot's `freed` event, recorded on the compute stream when its last user released it.
+- A host slot is never overwritten while a copy reads it: its host cache entry stays pinned until
+  that copy's event is done.
+- A wrong prediction wastes a slot, never corrupts one: an expert's slot is only read after its
+  copy's events, and every read waits on them.
+- Bits: a pair's result depends on its row, its expert's bytes and its kernel, not on which launch
+  or slot computed it, so with hybrid compute off tokens do not depend on any cache size or setting.
+
+Fail-safe: a copy that fails (a CUDA error, or `Transfers.fault` in tests) or an in-flight copy not
+done after STALE_S sends its expert to the CPU; a warning is logged once; the slot is dropped.
+
+Legend: E = experts of a layer, S = VRAM slots of a layer, R = rows of a projection, rb = raw row
+bytes, stride = repacked row bytes, T = rows of the step, A = experts per row, P = T*A pairs,
+D = hidden size, F = expert FFN size.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field, replace
+
+import numpy as np
+from numba import cuda
+
+from ..kernels.cuda.device import SIM
+from ..kernels.cuda.layout import repack_into_slots, repacked_stride
+from ..routing.replay import POLICIES, simulate_layer
+from ..storage.experts import PROJECTIONS, ExpertLayout, check_ids
+from .base import compose_expert_ffn
+from .cuda_errors import CUDA_ERRORS
+from .cuda_transfer import Event, Transfers
+from .cuda_weights import scatter_rows
+from .offload import OffloadPolicy, parse_min_batch
+
+log = logging.getLogger("moed.device")
+
+STALE_S = 5.0  # an in-flight copy not done this long after it was issued is taken as failed
+_HISTORY = 20000  # per layer: the last steps' expert sets, for the Belady replay in stats
+
+
+@dataclass
+class VRAMStats:
+    requests: int = 0  # experts asked for by steps (unique within a step's layer)
+    hits: int = 0  # ... in VRAM (ready, or a copy in flight)
+    misses: int = 0  # ... not in VRAM
+    loads: int = 0  # experts copied in (demand, prefetch and admission)
+    evictions: int = 0
+    bytes_copied: int = 0
+    copied_demand: int = 0  # misses copied for the step that asked
+    cpu_hybrid: int = 0  # misses computed on the CPU by the offload policy's choice
+    cpu_forced: int = 0  # experts computed on the CPU under MOE_POSTFETCH_FORCE_CPU
+    fallbacks: int = 0  # experts computed on the CPU because the GPU could not serve them
+    admitted: int = 0  # CPU-computed misses copied in the background
+    prefetch_issued: int = 0
+    prefetch_used: int = 0
+    prefetch_wasted: int = 0
+    tokens: int = 0  # rows routed through the first MoE layer (bytes per token)
+    copy_ms: float = 0.0  # fetch-stream time of demand copies (timing events)
+    stall_ms: float = 0.0  # compute-stream time spent waiting on them
+    cpu_ms: float = 0.0  # host time computing CPU experts
+
+    def add(self, other: VRAMStats) -> None:
+        for k, v in asdict(other).items():
+            setattr(self, k, getattr(self, k) + v)
+
+    def summary(self) -> dict:
+        d = asdict(self)
+        routed = self.requests or 1
+        d["hit_rate"] = round(self.hits / routed, 6)
+        d["fallback_rate"] = round(self.fallbacks / routed, 6)
+        d["overlap_pct"] = round(100.0 * (1.0 - self.stall_ms / self.copy_ms), 2) if self.copy_ms > 0 else None
+        d["bytes_per_token"] = round(self.bytes_copied / self.tokens) if self.tokens else 0
+        d["h2d_gbps"] = round(self.bytes_copied / (self.copy_ms * 1e6), 2) if self.copy_ms > 0 else None
+        return d
+
+
+class _Slot:
+    __slots__ = ("expert", "gu", "down", "freed", "freed_set", "pins", "pending", "issued_at", "prefetched",
+                 "used")
+
+    def __init__(self):
+        self.expert = -1
+        self.gu, self.down, self.freed = Event(), Event(), Event()
+        self.freed_set = False  # freed recorded at least once
+        self.pins = 0
+        self.pending = False  # a copy recorded, not yet seen done
+        self.issued_at = 0.0
+        self.prefetched = False
+        self.used = False
+
+
+@dataclass(eq=False)
+class _VLayer:
+    layout: ExpertLayout
+    capacity: int  # S
+    stacks: tuple = ()  # gate, up: device uint8 [S, F, stride]; down: [S, D, stride]
+    biases: tuple = (None, None, None)  # device f32 [E, F|D] or None
+    slots: list = field(default_factory=list)
+    where: dict = field(default_factory=dict)  # expert -> slot index
+    policy: object = None
+    clock: int = 0
+    history: deque = field(default_factory=lambda: deque(maxlen=_HISTORY))
+    maps: object = None  # device int32 [3, E]: ready now / after waits / every GPU expert
+    map_rows: tuple = ()
+    stats: VRAMStats = field(default_factory=VRAMStats)
+
+
+class _Rows(dict):
+    """expert -> slot of a staged batch's GPU experts, with the device map kernels read."""
+
+    def __init__(self, rows: dict, device):
+        super().__init__(rows)
+        self.device = device
+
+
+@dataclass(eq=False)
+class StagedBatch:
+    """A layer's experts for one step, some still arriving (see the module doc)."""
+    gate: object
+    up: object
+    down: object
+    rows: _Rows  # every GPU expert (its map: maps[2])
+    gate_bias: object
+    up_bias: object
+    down_bias: object
+    ready_map: object  # device int32 [E]: experts usable at once
+    later_map: object  # ... experts whose copies the compute stream waits on
+    gu_waits: list  # their gate/up events
+    down_waits: list  # their down events
+    cpu_ids: list  # experts computed on the CPU
+    host: object  # host ExpertBatch of the CPU experts (and of the copied ones)
+    routed: np.ndarray  # the step's ids [T, A]
+    cache: VRAMExpertCache
+    vl: _VLayer
+    copy_timer: tuple | None = None  # timing events around this step's demand copies
+
+    def compute(self, backend, x, layout, plan, kind, alpha, limit):
+        """x [T, D] prepared -> [P, D]: every pair's expert, GPU and CPU."""
+        c = self.cache
+        tr, stream = c.transfers, backend.stream
+        x_host = backend.to_host(x.x) if self.cpu_ids else None  # the router just synced: no wait
+        P, F = plan.T * plan.A, layout.n_ff
+        y = None
+        if self.rows:
+            # pairs no GPU map covers (the CPU's, a later wave's) stay zero: their rows are quantized too
+            partial = len(self.rows) < len(np.unique(self.routed))
+            h = backend.zeros((P, F)) if partial else backend.empty((P, F))  # [P, F]
+            fused = layout.up_type == layout.gate_type and not any(seg.tiled for seg in plan.segments)
+            timer = _Timer(self.copy_timer) if self.gu_waits else None
+            if timer is not None and c.postfetch and fused:  # ready experts now, each copied one after its event
+                backend.expert_glu(x, self, layout, replace(plan, slot_of=self.ready_map), kind, alpha, limit, out=h)
+                _waits(tr, stream, timer, 0, self.gu_waits)
+                backend.expert_glu(x, self, layout, replace(plan, slot_of=self.later_map), kind, alpha, limit, out=h)
+                _waits(tr, stream, timer, 2, self.down_waits)
+            else:  # every copy first (Post-Fetch off, or a prefill's tiled kernels)
+                if timer is not None:
+                    _waits(tr, stream, timer, 0, self.gu_waits + self.down_waits)
+                    _waits(tr, stream, timer, 2, [])
+                if fused:
+                    backend.expert_glu(x, self, layout, plan, kind, alpha, limit, out=h)
+                else:
+                    hg = backend.expert_glu(x, self, layout, plan, kind, alpha, limit)
+                    if partial:
+                        held = np.flatnonzero(np.isin(self.routed.reshape(-1), list(self.rows))).astype(np.int32)
+                        scatter_rows(hg, backend.put(held), h, stream)
+                    else:
+                        h = hg
+            y = backend.expert_linear(h, self.down, layout.down_type, layout.n_ff, plan, self.down_bias,
+                                      per_token=False)  # [P, D]
+            if timer is not None:
+                c._timers.append((self.vl, timer))
+        if self.cpu_ids:
+            t0 = time.perf_counter()
+            pairs, yc = c.cpu_pairs(x_host, self.routed, self.cpu_ids, self.host, layout, kind, alpha, limit)
+            self.vl.stats.cpu_ms += (time.perf_counter() - t0) * 1e3
+            if y is None:
+                y = backend.empty((P, layout.n_embd))
+            scatter_rows(backend.put(yc), backend.put(pairs.astype(np.int32)), y, stream)
+        return y
+
+
+def _waits(tr: Transfers, stream, timer: _Timer, i: int, events: list) -> None:
+    """`stream` waits on each event, between timing marks i and i+1."""
+    timer.mark(tr, stream, i)
+    for ev in events:
+        tr.wait(stream, ev)
+    timer.mark(tr, stream, i + 1)
+
+
+class _Timer:
+    """Timing events of one layer's step: its demand copies on the fetch stream (c: start, end;
+    None without copies) and the compute stream's two waits (w: before and after each)."""
+
+    __slots__ = ("c", "w")
+
+    def __init__(self, copies: tuple | None):
+        self.c = copies
+        self.w = tuple(Event(timing=True) for _ in range(4))
+
+    def mark(self, tr: Transfers, stream, i: int) -> None:
+        tr.record(self.w[i], stream)
+
+
+class _Hold:
+    """What fetch returns: the staged batch in the block; afterwards every slot it used is
+    released (freed event recorded) and its host pins are handed to the reaper."""
+
+    __slots__ = ("cache", "vl", "used", "host_held", "copy_event", "batch")
+
+    def __init__(self, cache, vl, used, host_held, copy_event, batch):
+        self.cache, self.vl, self.used, self.host_held, self.copy_event, self.batch = (
+            cache, vl, used, host_held, copy_event, batch)
+
+    def __enter__(self) -> StagedBatch:
+        return self.batch
+
+    def __exit__(self, *exc) -> None:
+        self.cache._release(self.vl, self.used, self.host_held, self.copy_event)
+        self.used, self.host_held = [], None
+
+
+class VRAMExpertCache:
+    """An expert provider over a host ExpertCache (see the module doc). Close it when done."""
+
+    routing_free = False  # a step's copies depend on its routing: no CUDA graphs
+    tiered = True  # over a host cache (the engine's stats and prefetcher use both)
+
+    def __init__(self, host, backend, budget_bytes: int, policy: OffloadPolicy, *, eviction: str = "lru",
+                 postfetch: bool = True, block_on_miss: bool = True, max_transfers: int = 4,
+                 scratchpad_bytes: int = 0, force_cpu: bool = False, dedicated_stream: bool = True,
+                 debug: bool = False, numerics: str = "ggml"):
+        from .cpu import CPUBackend
+
+        self.host = host
+        self.backend = backend
+        self.offload = policy
+        self.postfetch = postfetch
+        self.block_on_miss = block_on_miss
+        self.max_transfers = max_transfers
+        self.force_cpu = force_cpu
+        self.debug = debug
+        self.eviction = eviction
+        self.cpu = CPUBackend(numerics)
+        backend.bind()
+        self.transfers = Transfers(backend.stream, dedicated_stream)
+        layouts = host.store.layouts
+        n = max(len(layouts), 1)
+        self.budget_bytes = budget_bytes
+        per_layer = budget_bytes // n
+        self._layers: dict[int, _VLayer] = {}
+        self._warned: set[str] = set()
+        self._reap_list: list = []  # (event, host hold): released once the event is done
+        self._timers: deque = deque()
+        self._first_layer = min(layouts) if layouts else -1
+        self.vram_bytes = 0
+        try:
+            for il, lay in layouts.items():
+                cap = 0 if force_cpu else min(lay.n_expert, per_layer // self._device_expert_bytes(lay))
+                self._layers[il] = self._make_layer(il, lay, cap)
+            self._staging_bytes = max(scratchpad_bytes, self._min_staging()) if not force_cpu else 0
+            self._staging = self._zeros(self._staging_bytes) if self._staging_bytes else None
+            self._slot_list = cuda.device_array(max([lay.n_expert for lay in layouts.values()] or [1]), np.int32)
+        except CUDA_ERRORS as e:  # out of memory: every expert computes on the CPU instead
+            self._warn("alloc", "VRAM for the expert cache (%s MiB) could not be allocated (%s): experts compute "
+                       "on the CPU", budget_bytes >> 20, e)
+            self.force_cpu = True
+            self._staging, self._staging_bytes, self._slot_list = None, 0, None
+            self.vram_bytes = 0
+            for il, lay in layouts.items():
+                self._layers[il] = self._make_layer(il, lay, 0)
+        self._staging_views: dict = {}
+
+    @classmethod
+    def from_settings(cls, host, backend, cfg, say=lambda _msg: None) -> VRAMExpertCache:
+        """The cache daemon.config's settings describe, on backend.expert_budget bytes of VRAM; the
+        offload cost model (MOE_OFFLOAD_MIN_BATCH=auto) calibrated now, and logged."""
+        min_batch = parse_min_batch(cfg.offload_min_batch)
+        budget = int(backend.expert_budget or 0)
+        say(f"expert cache of {budget / 2**20:,.0f} MiB in VRAM on {backend.name}")
+        cache = cls(host, backend, budget, OffloadPolicy(min_batch), eviction=cfg.gpu_cache_policy,
+                    postfetch=cfg.postfetch_enable, block_on_miss=cfg.postfetch_block_on_miss,
+                    max_transfers=cfg.postfetch_max_transfers,
+                    scratchpad_bytes=int(cfg.postfetch_scratchpad_mb * 2**20), force_cpu=cfg.postfetch_force_cpu,
+                    dedicated_stream=cfg.postfetch_use_dedicated_streams, debug=cfg.postfetch_debug,
+                    numerics=cfg.numerics)
+        try:
+            if min_batch is None and not cache.force_cpu:
+                say("measuring host-to-device and CPU expert throughput (MOE_OFFLOAD_MIN_BATCH=auto)")
+                cache.offload = OffloadPolicy(None, *cache.calibrate())
+            log.info("expert cache: %s MiB of VRAM, %s; offload: %s", budget >> 20,
+                     ", ".join(f"{n} slots" for n in sorted({vl.capacity for vl in cache._layers.values()})),
+                     cache.offload.describe())
+        except BaseException:
+            cache.close()
+            raise
+        return cache
+
+    def calibrate(self) -> tuple[float, float]:
+        """(pinned host-to-device bytes/s, CPU expert bytes/s per token), measured on this machine:
+        a 64 MiB pinned copy; one expert of the first layer on the CPU for one token, best of 3."""
+        from .cuda_transfer import pinned_empty
+
+        tr = self.transfers
+        src = pinned_empty(64 << 20)
+        src[:] = 1
+        dst = cuda.device_array(src.shape[0], np.uint8)
+        start, end = Event(timing=True), Event(timing=True)
+        best = float("inf")
+        for _ in range(3):
+            tr.record(start, tr.fetch)
+            tr.h2d(dst, src)
+            tr.record(end, tr.fetch)
+            tr.synchronize(end)
+            ms = tr.elapsed_ms(start, end)
+            best = min(best, ms if ms > 0 else float("inf"))
+        tr.bytes = tr.copies = 0
+        h2d = src.nbytes / (best / 1e3) if best != float("inf") else 25e9  # the simulator times nothing
+        layer = self._first_layer
+        lay = self.host.layout(layer)
+        x = np.random.default_rng(0).standard_normal((1, lay.n_embd)).astype(np.float32)
+        with self.host.fetch(layer, [0], count=False) as batch:
+            cpu_best = float("inf")
+            for _ in range(3):
+                t0 = time.perf_counter()
+                self.cpu_pairs(x, np.zeros((1, 1), np.int64), [0], batch, lay, "silu", 0.0, 0.0)
+                cpu_best = min(cpu_best, time.perf_counter() - t0)
+        return h2d, lay.expert_nbytes / cpu_best
+
+    # -- construction --------------------------------------------------------------------------
+
+    @staticmethod
+    def _device_expert_bytes(lay: ExpertLayout) -> int:
+        return sum(rows * repacked_stride(t, k) for rows, t, k in _projections(lay))
+
+    def _make_layer(self, il: int, lay: ExpertLayout, cap: int) -> _VLayer:
+        vl = _VLayer(lay, cap, policy=POLICIES[self.eviction]([]))
+        vl.maps = cuda.device_array((3, lay.n_expert), np.int32)
+        vl.map_rows = tuple(vl.maps[i] for i in range(3))
+        if cap:
+            vl.stacks = tuple(self._zeros((cap, rows, repacked_stride(t, k))) for rows, t, k in _projections(lay))
+            vl.slots = [_Slot() for _ in range(cap)]
+        vl.biases = tuple(None if b is None else cuda.to_device(np.ascontiguousarray(b, np.float32))
+                          for b in self.host.biases(il))
+        self.vram_bytes += sum(int(s.nbytes) for s in vl.stacks) + int(vl.maps.nbytes) + sum(
+            0 if b is None else int(b.nbytes) for b in vl.biases)
+        return vl
+
+    def _zeros(self, shape):
+        a = cuda.device_array(shape, np.uint8)
+        if SIM:
+            a.copy_to_device(np.zeros(shape, np.uint8))
+        else:
+            from .cuda_transfer import _check, _drv
+
+            _check(_drv().cuMemsetD8(int(a.gpu_data.device_pointer), 0, int(a.nbytes)))
+        if isinstance(shape, int):
+            self.vram_bytes += shape
+        return a
+
+    def _min_staging(self) -> int:
+        """The largest layer's experts for one token (A experts' largest projection each, at least one)."""
+        most = 0
+        for vl in self._layers.values():
+            proj = max(vl.layout.nbytes(p) for p in PROJECTIONS)
+            most = max(most, proj * min(vl.capacity or 1, 8))
+        return most
+
+    # -- the provider interface ----------------------------------------------------------------
+
+    def layout(self, layer: int) -> ExpertLayout:
+        return self.host.layout(layer)
+
+    def waves(self, layer: int, ids) -> list[list[int]]:
+        """Waves of at most the layer's slots (ready ones first); one when every expert computes on the CPU."""
+        vl = self._layer(layer)
+        ids = [int(e) for e in ids]
+        if self.force_cpu or len(ids) <= vl.capacity:
+            return [ids]
+        order = sorted(ids, key=lambda e: e not in vl.where)
+        room = max(vl.capacity, 1)
+        return [order[i:i + room] for i in range(0, len(order), room)]
+
+    def fetch(self, layer: int, ids, routed=None) -> _Hold:
+        vl = self._layer(layer)
+        wanted = list(dict.fromkeys(int(e) for e in ids))
+        check_ids(layer, wanted, vl.layout.n_expert)
+        self._reap()
+        routed = np.asarray(routed if routed is not None else np.array([wanted]), np.int64)
+        counts = dict(zip(*np.unique(routed, return_counts=True)))
+        st = vl.stats
+        vl.clock += 1
+        vl.history.append(frozenset(wanted))
+        st.requests += len(wanted)
+        if layer == self._first_layer:
+            st.tokens += routed.shape[0]
+        now = time.monotonic()
+        ready, flying, missing, cpu, fallback = [], [], [], [], []
+        for e in wanted:
+            si = vl.where.get(e)
+            if si is None:
+                missing.append(e)
+                continue
+            s = vl.slots[si]
+            st.hits += 1
+            if s.prefetched and not s.used:
+                st.prefetch_used += 1
+            s.used = True
+            if s.pending and self.transfers.done(s.down):
+                s.pending = False
+            if not s.pending:
+                ready.append(e)
+            elif now - s.issued_at > STALE_S:  # a copy that never completes: the CPU computes it
+                self._warn("stale", "an expert copy to %s did not complete in %.0f s: its experts compute on "
+                           "the CPU", self.backend.name, STALE_S)
+                self._drop(vl, e)
+                fallback.append(e)
+            elif not self.block_on_miss and self.offload.hybrid:
+                fallback.append(e)  # not arrived yet, and the settings say not to wait
+            else:
+                flying.append(e)
+        st.misses += len(missing)
+        if self.force_cpu:
+            cpu = missing + ready + flying
+            st.cpu_forced += len(cpu)
+            ready, flying, missing = [], [], []
+        elif missing:
+            if not self.block_on_miss and self.offload.hybrid:
+                chosen = set(missing)
+            else:
+                chosen = self.offload.on_cpu({e: int(counts.get(e, 1)) for e in missing},
+                                             vl.layout.expert_nbytes)
+            cpu = [e for e in missing if e in chosen]
+            st.cpu_hybrid += len(cpu)
+            missing = [e for e in missing if e not in chosen]
+        st.fallbacks += len(fallback)
+        cpu += fallback
+        for e in ready + flying:
+            self._touch(vl, e, pin=True)
+        copy = []
+        for e in missing:
+            si = self._take(vl, e, prefetch=False)
+            if si is None:  # every slot held by this step (waves prevent it): the CPU computes it
+                self._warn("full", "a layer's VRAM slots were all in use: an expert computes on the CPU")
+                st.fallbacks += 1
+                cpu.append(e)
+                continue
+            copy.append((e, si))
+        admit = []
+        if cpu and not self.force_cpu:
+            for e in cpu[:self.max_transfers]:
+                if e in vl.where:
+                    continue
+                si = self._take(vl, e, prefetch=True)
+                if si is None:
+                    break
+                admit.append((e, si))
+        host_ids = [e for e, _ in copy] + cpu + [e for e, _ in admit if e not in cpu]
+        held = self.host.fetch(layer, host_ids, count=True) if host_ids else None
+        host_batch = held.batch if held is not None else None
+        copy_event = timer = None
+        failed = []
+        if copy or admit:
+            tr = self.transfers
+            try:
+                if copy:
+                    timer = tr.record(Event(timing=True), tr.fetch), Event(timing=True)
+                    copy_event = self._copy_in(vl, copy, host_batch)
+                    tr.record(timer[1], tr.fetch)
+                    for e, _si in copy:
+                        self._touch(vl, e, pin=True)
+                if admit:
+                    copy_event = self._copy_in(vl, admit, host_batch)
+                    for e, si in admit:
+                        vl.slots[si].prefetched, vl.slots[si].used = True, False
+                        self._touch(vl, e, pin=False)
+            except (*CUDA_ERRORS, OSError, RuntimeError, ValueError) as err:
+                self._warn("copy", "an expert copy to %s failed (%s): such experts compute on the CPU",
+                           self.backend.name, err)
+                for e, si in copy + admit:
+                    if vl.where.get(e) == si:
+                        self._drop(vl, e)
+                failed = [e for e, _ in copy]
+                st.fallbacks += len(failed)
+                cpu += failed
+                copy, admit, copy_event, timer = [], [], None, None
+            st.copied_demand += len(copy)
+            st.admitted += len(admit)
+        gpu_now = ready
+        gpu_later = flying + [e for e, _ in copy]
+        rows = {e: vl.where[e] for e in gpu_now + gpu_later}
+        maps = np.full((3, vl.layout.n_expert), -1, np.int32)
+        for e in gpu_now:
+            maps[0, e] = rows[e]
+        for e in gpu_later:
+            maps[1, e] = rows[e]
+        for e, s in rows.items():
+            maps[2, e] = s
+        self.transfers.upload_into(vl.maps, maps, self.backend.stream)
+        used = [rows[e] for e in rows]
+        later_slots = [vl.slots[rows[e]] for e in gpu_later]
+        gate, up, down = vl.stacks if vl.stacks else (None, None, None)
+        batch = StagedBatch(gate, up, down, _Rows(rows, vl.map_rows[2]), *vl.biases, vl.map_rows[0], vl.map_rows[1],
+                            [s.gu for s in later_slots], [s.down for s in later_slots], cpu, host_batch,
+                            routed, self, vl, timer)
+        if self.debug:
+            log.info("postfetch layer %d: %d experts, %d ready, %d in flight, %d copied (%.1f MiB), %d on the CPU "
+                     "(%d fallbacks), %d admitted", layer, len(wanted), len(gpu_now), len(flying), len(copy),
+                     len(copy) * vl.layout.expert_nbytes / 2**20, len(cpu), len(fallback) + len(failed), len(admit))
+        return _Hold(self, vl, used, held, copy_event, batch)
+
+    def prefetch(self, layer: int, ids) -> None:
+        """Predicted experts (Path A, speculative): read into host memory, and copied into free or
+        evictable VRAM slots when already there (at most MOE_POSTFETCH_MAX_TRANSFERS a call)."""
+        vl = self._layers.get(layer)
+        if vl is None:
+            return
+        ids = [int(e) for e in dict.fromkeys(ids)]
+        self.host.prefetch(layer, ids)
+        if self.force_cpu or not vl.capacity:
+            return
+        todo = [e for e in self.host.ready(layer, [e for e in ids if e not in vl.where])][:self.max_transfers]
+        items = []
+        for e in todo:
+            si = self._take(vl, e, prefetch=True)
+            if si is None:
+                break
+            items.append((e, si))
+        if not items:
+            return
+        held = self.host.fetch(layer, [e for e, _ in items], count=False)
+        try:
+            ev = self._copy_in(vl, items, held.batch)
+        except (*CUDA_ERRORS, OSError, RuntimeError, ValueError) as err:
+            self._warn("copy", "an expert copy to %s failed (%s): such experts compute on the CPU",
+                       self.backend.name, err)
+            for e, si in items:
+                if vl.where.get(e) == si:
+                    self._drop(vl, e)
+            held.__exit__(None, None, None)
+            return
+        for e, si in items:
+            vl.slots[si].prefetched, vl.slots[si].used = True, False
+            self._touch(vl, e, pin=False)
+        vl.stats.prefetch_issued += len(items)
+        self._reap_list.append((ev, held))
+
+    def holds_all(self, layer: int) -> bool:
+        vl = self._layers.get(layer)
+        return vl is not None and len(vl.where) == vl.layout.n_expert
+
+    def begin_pass(self) -> None:
+        self.host.begin_pass()
+
+    # -- work ----------------------------------------------------------------------------------
+
+    def cpu_pairs(self, x_host, routed, cpu_ids, host_batch, layout, kind, alpha, limit):
+        """The pairs of the CPU's experts, computed by the CPU backend from host memory:
+        -> (pair indices [Pc], outputs [Pc, D])."""
+        A = routed.shape[1]
+        flat = routed.reshape(-1)
+        pairs = np.flatnonzero(np.isin(flat, np.asarray(cpu_ids)))
+        xs = np.ascontiguousarray(x_host[pairs // A], dtype=np.float32)  # [Pc, D]
+        sub = flat[pairs].reshape(-1, 1)  # each pair a row with one expert
+        plan = self.cpu.expert_plan(sub, host_batch.rows, layout, None)
+        y = compose_expert_ffn(self.cpu, self.cpu.prepare(xs), host_batch, layout, plan, kind, alpha, limit)
+        return pairs, np.ascontiguousarray(y[plan.slot_rows.reshape(-1)], dtype=np.float32)  # plan order -> pairs
+
+    def _copy_in(self, vl: _VLayer, items: list, host_batch) -> Event:
+        """Copy experts (expert, slot) from the host batch into their slots on the fetch stream:
+        every gate and up, then every down; each slot's events recorded. -> the last event."""
+        tr = self.transfers
+        fs = tr.fetch
+        now = time.monotonic()
+        for e, si in items:
+            s = vl.slots[si]
+            if s.freed_set:
+                tr.wait(fs, s.freed)  # its previous expert's last kernels have run
+        last = None
+        for group in ((0, 1), (2,)):
+            for p in group:
+                rows, t, k = _projections(vl.layout)[p]
+                rb = vl.layout.shape(PROJECTIONS[p])[1]
+                per = rows * rb
+                fit = max(1, self._staging_bytes // per)
+                for c0 in range(0, len(items), fit):
+                    chunk = items[c0:c0 + fit]
+                    for i, (e, _si) in enumerate(chunk):
+                        src = host_batch_view(host_batch, p, e)
+                        tr.h2d(self._staging, src, offset=i * per)
+                    tr.upload_into(self._slot_list, np.array([si for _, si in chunk], np.int32), fs)
+                    repack_into_slots(self._staging_view(len(chunk), rows, rb), vl.stacks[p],
+                                      self._slot_list, t, stream=fs)
+            for e, si in items:
+                s = vl.slots[si]
+                last = tr.record(s.gu if group == (0, 1) else s.down, fs)
+        for e, si in items:
+            s = vl.slots[si]
+            s.pending, s.issued_at = True, now
+        vl.stats.loads += len(items)
+        vl.stats.bytes_copied += len(items) * vl.layout.expert_nbytes
+        return last
+
+    def _staging_view(self, n: int, rows: int, rb: int):
+        """The staging area's first n experts of [rows, rb] (views made once)."""
+        key = (n, rows, rb)
+        v = self._staging_views.get(key)
+        if v is None:
+            v = self._staging_views[key] = self._staging[:n * rows * rb].reshape(n, rows, rb)
+        return v
+
+    def _fold_timers(self, wait: bool = False) -> None:
+        tr = self.transfers
+        while self._timers:
+            vl, t = self._timers[0]
+            last = (t.w[3],) if t.c is None else (t.w[3], t.c[1])
+            if not wait and not all(tr.done(ev) for ev in last):
+                return
+            self._timers.popleft()
+            for ev in last:
+                tr.synchronize(ev)
+            if t.c is not None:
+                vl.stats.copy_ms += tr.elapsed_ms(*t.c)
+            vl.stats.stall_ms += tr.elapsed_ms(t.w[0], t.w[1]) + tr.elapsed_ms(t.w[2], t.w[3])
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+
+    def _layer(self, layer: int) -> _VLayer:
+        vl = self._layers.get(layer)
+        if vl is None:
+            self.host.layout(layer)  # raises GGUFError naming the layer
+        return vl
+
+    def _touch(self, vl: _VLayer, e: int, pin: bool) -> None:
+        vl.policy.touch(e, vl.clock)
+        if pin:
+            vl.slots[vl.where[e]].pins += 1
+
+    def _take(self, vl: _VLayer, e: int, prefetch: bool) -> int | None:
+        """A slot for expert e (claimed, now its own), or None."""
+        si = self._claim(vl, prefetch)
+        if si is not None:
+            vl.where[e] = si
+            vl.slots[si].expert = e
+        return si
+
+    def _claim(self, vl: _VLayer, prefetch: bool) -> int | None:
+        """A slot for a new expert: a free one, else the policy's victim among those no step holds
+        (a prefetch also spares predicted experts not used yet)."""
+        for si, s in enumerate(vl.slots):
+            if s.expert < 0 and s.pins == 0:
+                return si
+        cands = [s.expert for s in vl.slots if s.pins == 0 and s.expert >= 0
+                 and not (prefetch and (s.pending or (s.prefetched and not s.used)))]
+        if not cands:
+            return None
+        victim = vl.policy.victim(cands, vl.clock)
+        si = vl.where[victim]
+        self._drop(vl, victim, evicted=True)
+        return si
+
+    def _drop(self, vl: _VLayer, e: int, evicted: bool = False) -> None:
+        si = vl.where.pop(e)
+        s = vl.slots[si]
+        if evicted:
+            vl.stats.evictions += 1
+            if s.prefetched and not s.used:
+                vl.stats.prefetch_wasted += 1
+        s.expert, s.pending, s.prefetched, s.used = -1, False, False, False
+
+    def _release(self, vl: _VLayer, used: list[int], host_held, copy_event) -> None:
+        tr = self.transfers
+        for si in used:
+            s = vl.slots[si]
+            s.pins -= 1
+            tr.record(s.freed, self.backend.stream)
+            s.freed_set = True
+        if host_held is not None:
+            if copy_event is None:
+                host_held.__exit__(None, None, None)
+            else:  # a copy may still read the host slots
+                self._reap_list.append((copy_event, host_held))
+
+    def _reap(self) -> None:
+        """Release host pins whose copies are done; fold finished timing samples."""
+        if self._reap_list:
+            keep = []
+            for ev, held in self._reap_list:
+                if self.transfers.done(ev):
+                    held.__exit__(None, None, None)
+                else:
+                    keep.append((ev, held))
+            self._reap_list = keep
+        if self._timers:
+            self._fold_timers()
+
+    def _warn(self, key: str, msg: str, *args) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(msg, *args)
+
+    # -- stats and life ------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """The VRAM tier's counters per layer and in total, with a Belady and an LRU replay of the
+        same requests at the same capacity (what an oracle would have hit)."""
+        self._fold_timers(wait=True)
+        total = VRAMStats()
+        per = {}
+        belady_hits = lru_hits = replayed = 0
+        for il, vl in self._layers.items():
+            total.add(vl.stats)
+            per[il] = vl.stats.summary() | {"capacity": vl.capacity, "cached": len(vl.where)}
+            if vl.history and vl.capacity and not self.force_cpu:
+                seq = list(vl.history)
+                b = simulate_layer(seq, vl.capacity, "belady")
+                r = simulate_layer(seq, vl.capacity, self.eviction)
+                belady_hits += b.hits
+                lru_hits += r.hits
+                replayed += b.hits + b.misses
+        out = total.summary()
+        out.update({"budget_bytes": self.budget_bytes, "vram_bytes": self.vram_bytes, "policy": self.eviction,
+                    "offload": self.offload.describe(), "postfetch": self.postfetch,
+                    "block_on_miss": self.block_on_miss, "force_cpu": self.force_cpu,
+                    "replayed_requests": replayed,
+                    "belady_hit_rate": round(belady_hits / replayed, 6) if replayed else None,
+                    f"{self.eviction}_replay_hit_rate": round(lru_hits / replayed, 6) if replayed else None,
+                    "layers": per})
+        return out
+
+    def reset_stats(self) -> None:
+        self._fold_timers(wait=True)
+        for vl in self._layers.values():
+            vl.stats = VRAMStats()
+            vl.history.clear()
+
+    def close(self) -> None:
+        self.backend.stream.synchronize()
+        if self.transfers.fetch is not self.backend.stream:
+            self.transfers.fetch.synchronize()
+        for _ev, held in self._reap_list:
+            held.__exit__(None, None, None)
+        self._reap_list = []
+        for vl in self._layers.values():
+            vl.stacks, vl.maps, vl.map_rows = (), None, ()
+        self._staging = None
+        self._staging_views.clear()
+        self.vram_bytes = 0
+        self.host.close()
+
+
+def _projections(lay: ExpertLayout) -> tuple:
+    """(rows, ggml type, K) of gate, up and down."""
+    return ((lay.n_ff, lay.gate_type, lay.n_embd), (lay.n_ff, lay.up_type, lay.n_embd),
+            (lay.n_embd, lay.down_type, lay.n_ff))
+
+
+def host_batch_view(batch, p: int, e: int) -> np.ndarray:
+    """Expert e's raw rows of projection p in a host batch: uint8 [R, rb], C-contiguous."""
+    stack = (batch.gate, batch.up, batch.down)[p]
+    return stack[batch.rows[e]]
+

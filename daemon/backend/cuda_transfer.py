@@ -1,0 +1,153 @@
+"""Host-to-device expert copies: pinned host memory, a fetch stream, events.
+
+Copies are cuMemcpyHtoDAsync calls through cuda.bindings, from page-locked memory: numba's own
+`copy_to_device` spends ~150 us of host time per call (7-34 GB/s for 1-5 MB experts), the driver
+call 5-11 us (47-53 GB/s, 86-97% of the pinned peak; benchmarks/gpu_h2d.py). They run on a fetch
+stream of their own, so the compute stream goes on while they fly; an `Event` recorded after a
+copy lets the compute stream wait for exactly that copy (cuStreamWaitEvent), and the host ask
+whether it is done (cuEventQuery) without waiting.
+
+Under numba's simulator (CI) there is no driver: copies are synchronous and every event is done.
+
+Legend: n = bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+from numba import cuda
+
+from ..kernels.cuda.device import SIM
+
+log = logging.getLogger("moed.device")
+
+
+def _drv():
+    from cuda.bindings import driver
+
+    return driver
+
+
+def _check(result):
+    from .cuda_graphs import _check as check
+
+    return check(result)
+
+
+_pinned_warned = False
+
+
+def pinned_empty(shape, dtype=np.uint8) -> np.ndarray:
+    """An uninitialised host array in page-locked memory (copies need no staging), or ordinary
+    memory when that fails (copies stay correct, at pageable speed; logged once)."""
+    global _pinned_warned
+    if SIM:
+        return np.empty(shape, dtype)
+    try:
+        return cuda.pinned_array(shape, dtype)
+    except Exception as e:  # noqa: BLE001  (out of lockable memory: serve from pageable memory)
+        if not _pinned_warned:
+            _pinned_warned = True
+            log.warning("page-locked host memory for %s bytes failed (%s): expert copies run from pageable "
+                        "memory, several times slower", int(np.prod(shape)) * np.dtype(dtype).itemsize, e)
+        return np.empty(shape, dtype)
+
+
+class Event:
+    """A CUDA event (disabled timing unless asked), recorded again and again; None handle under
+    the simulator."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, timing: bool = False):
+        if SIM:
+            self.handle = None
+            return
+        drv = _drv()
+        flags = drv.CUevent_flags.CU_EVENT_DEFAULT if timing else drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        self.handle = _check(drv.cuEventCreate(flags.value))
+
+    def __del__(self):
+        if getattr(self, "handle", None) is not None:
+            try:
+                _drv().cuEventDestroy(self.handle)
+            except Exception:  # noqa: BLE001  (interpreter shutdown)
+                pass
+
+
+class Transfers:
+    """Copies on the fetch stream (the compute stream itself when not `dedicated`). `fault`, when
+    set (tests), is called before each copy and may raise to inject a copy failure."""
+
+    def __init__(self, compute_stream, dedicated: bool = True):
+        from .cuda_graphs import nonblocking_stream
+
+        self.compute = compute_stream
+        self.dedicated = dedicated and not SIM
+        self.fetch = nonblocking_stream() if self.dedicated else compute_stream
+        self.fault = None
+        self.bytes = 0  # copied since made
+        self.copies = 0
+
+    def h2d(self, dst, src: np.ndarray, offset: int = 0) -> None:
+        """Bytes offset.. of dst (a flat uint8 device array) <- src (a C-contiguous host array), on
+        the fetch stream. src must stay as it is until an event recorded after this is done."""
+        if self.fault is not None:
+            self.fault()
+        n = int(src.nbytes)
+        if offset + n > int(dst.nbytes):
+            raise ValueError(f"a copy of {n} bytes at {offset} into {int(dst.nbytes)}")
+        if SIM:
+            dst[offset:offset + n].copy_to_device(src.reshape(-1).view(np.uint8))
+        else:
+            _check(_drv().cuMemcpyHtoDAsync(int(dst.gpu_data.device_pointer) + offset, src.ctypes.data, n,
+                                            int(self.fetch.handle)))
+        self.bytes += n
+        self.copies += 1
+
+    @staticmethod
+    def upload_into(dst, src: np.ndarray, stream) -> None:
+        """The first src.nbytes bytes of a C-contiguous device array <- src, a small array of ordinary
+        memory, on `stream` (the driver stages it before returning: src may change at once)."""
+        src = np.ascontiguousarray(src)
+        if SIM:
+            flat = dst.reshape(-1) if dst.ndim > 1 else dst
+            flat[:src.size].copy_to_device(src.reshape(-1), stream=stream)
+            return
+        _check(_drv().cuMemcpyHtoDAsync(int(dst.gpu_data.device_pointer), src.ctypes.data, int(src.nbytes),
+                                        int(stream.handle)))
+
+    def record(self, event: Event, stream) -> Event:
+        if event.handle is not None:
+            _check(_drv().cuEventRecord(event.handle, int(stream.handle)))
+        return event
+
+    def wait(self, stream, event: Event) -> None:
+        """`stream` waits for `event` (its most recent record), not for the stream that recorded it."""
+        if event.handle is not None:
+            _check(_drv().cuStreamWaitEvent(int(stream.handle), event.handle, 0))
+
+    def done(self, event: Event) -> bool:
+        """Whether everything before the event's last record has run (never waits)."""
+        if event.handle is None:
+            return True
+        drv = _drv()
+        err = drv.cuEventQuery(event.handle)[0]
+        if err == drv.CUresult.CUDA_SUCCESS:
+            return True
+        if err == drv.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        _check((err,))
+        return False
+
+    def synchronize(self, event: Event) -> None:
+        if event.handle is not None:
+            _check(_drv().cuEventSynchronize(event.handle))
+
+    def elapsed_ms(self, start: Event, end: Event) -> float:
+        """Milliseconds between two timing events, both done."""
+        if start.handle is None or end.handle is None:
+            return 0.0
+        return float(_check(_drv().cuEventElapsedTime(start.handle, end.handle)))

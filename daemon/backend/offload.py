@@ -1,0 +1,78 @@
+"""Where a layer's experts missing from VRAM compute: copied to the GPU, or on the CPU from host memory.
+
+A missed expert at a small batch is cheaper on the CPU, where its weights already are, than across
+PCIe (Fiddler; llama.cpp computes MoE on the CPU below 32 tokens a step). Both run at once: the
+GPU copies and computes its share while the CPU computes the rest, so a step's experts wait for
+max(copy time, CPU time), and the plan balances the two.
+
+MOE_OFFLOAD_MIN_BATCH:
+- N > 0: an expert that fewer than N of the step's tokens route to runs on the CPU, else it is copied;
+- 0: never on the CPU (hybrid compute off: tokens are bit-identical whatever the caches);
+- auto: the cost model. Copying expert e takes bytes(e) / h2d (measured pinned host-to-device
+  bandwidth); computing it on the CPU takes tokens(e) * bytes(e) / cpu (measured CPU expert
+  throughput at the thread count in use: a decode GEMV reads the weights once per token). Misses are
+  taken most tokens first, each to whichever side would finish it first (list scheduling).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+
+
+def parse_min_batch(value: str) -> int | None:
+    """'auto' -> None (the cost model); 'N' -> N."""
+    v = str(value).strip().lower()
+    if v == "auto":
+        return None
+    if v.isdigit():
+        return int(v)
+    raise ConfigError(f"MOE_OFFLOAD_MIN_BATCH: {value!r} is not auto or a whole number")
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    min_batch: int | None  # None: the cost model
+    h2d_bytes_per_s: float = 0.0  # measured at load (auto)
+    cpu_bytes_per_s: float = 0.0  # weight bytes a CPU expert GEMV streams per second, per token
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether any expert may run on the CPU by choice."""
+        return self.min_batch != 0
+
+    def copy_s(self, nbytes: int) -> float:
+        return nbytes / self.h2d_bytes_per_s if self.h2d_bytes_per_s > 0 else 0.0
+
+    def cpu_s(self, nbytes: int, tokens: int) -> float:
+        return tokens * nbytes / self.cpu_bytes_per_s if self.cpu_bytes_per_s > 0 else float("inf")
+
+    def on_cpu(self, misses: dict[int, int], nbytes: int) -> set[int]:
+        """The experts of `misses` (expert -> tokens routed to it this step) to compute on the CPU;
+        the rest are copied. nbytes: one expert's bytes (all of a layer's are the same size)."""
+        if not misses or self.min_batch == 0:
+            return set()
+        if self.min_batch is not None:
+            return {e for e, n in misses.items() if n < self.min_batch}
+        gpu = cpu = 0.0
+        chosen = set()
+        for e, n in sorted(misses.items(), key=lambda kv: (-kv[1], kv[0])):
+            on_gpu, on_cpu = gpu + self.copy_s(nbytes), cpu + self.cpu_s(nbytes, n)
+            if on_cpu < on_gpu:
+                cpu = on_cpu
+                chosen.add(e)
+            else:
+                gpu = on_gpu
+        return chosen
+
+    def describe(self) -> str:
+        if self.min_batch == 0:
+            return "hybrid CPU compute off (MOE_OFFLOAD_MIN_BATCH=0): every missed expert is copied"
+        if self.min_batch is not None:
+            return f"experts fewer than {self.min_batch} tokens route to compute on the CPU, others are copied"
+        per_mb_copy = self.copy_s(2**20) * 1e6
+        per_mb_cpu = self.cpu_s(2**20, 1) * 1e6
+        return (f"cost model: pinned host-to-device {self.h2d_bytes_per_s / 1e9:.1f} GB/s ({per_mb_copy:.0f} us/MiB), "
+                f"CPU experts {self.cpu_bytes_per_s / 1e9:.1f} GB/s per token ({per_mb_cpu:.0f} us/MiB a token); "
+                f"a missed expert goes to whichever side finishes the step's misses first")
