@@ -1,0 +1,108 @@
+"""Decode with experts that do not all fit in VRAM: the VRAM expert cache, Post-Fetch and hybrid compute.
+
+    python benchmarks/gpu_offload.py MODEL.gguf --cache-mb 7400,14800 [--routing uniform,TRACE.jsonl]
+        [--min-batch 0,auto] [--warmup 32] [--steps 32] [--prompt 16] [--json out.json] [--set KEY=VALUE ...]
+
+For each (cache size, routing, MOE_OFFLOAD_MIN_BATCH) the model is loaded as the engine loads it on
+cuda:0 (MOE_GPU_CACHE_MB = the cache size; the host cache unlimited, in pinned memory), a prompt is
+prefilled, --warmup tokens are decoded (the host cache and the VRAM cache fill), then --steps tokens
+are timed. Routing: `uniform` is the model's own router (a synthesized file's routing is close to
+uniform); a trace path replays real routing (MOE_ROUTING_REPLAY). Printed per run: decode tok/s;
+the VRAM tier's hit rate against a Belady replay of the same requests at the same capacity; bytes
+copied per token and the bound they set at the copy bandwidth measured in the run; Post-Fetch
+overlap and fallback rate; and the time split of a step: CPU expert compute (host), copies (fetch
+stream), the compute stream's waits on them, and the rest (GPU compute and host work).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from daemon.engine import Engine  # noqa: E402
+
+
+def _decode(model, cache, token: int, steps: int) -> tuple[list[float], int]:
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        logits = model.forward([token], cache)
+        token = int(np.argmax(logits[-1]))
+        times.append(time.perf_counter() - t0)
+    return times, token
+
+
+def run(path: str, cache_mb: str, routing: str, min_batch: str, args) -> dict:
+    settings = dict(device="cuda", gpu_cache_mb=cache_mb, offload_min_batch=min_batch, **dict(args.set))
+    if routing != "uniform":
+        settings["routing_replay"] = routing
+    t0 = time.perf_counter()
+    eng = Engine.load(path, progress=lambda m: print(f"  [{time.perf_counter() - t0:6.1f}s] {m}", flush=True),
+                      **settings)
+    try:
+        load_s = time.perf_counter() - t0
+        model = eng.model
+        cache = model.new_cache(args.prompt + args.warmup + args.steps + 8)
+        rng = np.random.default_rng(0)
+        prompt = rng.integers(100, model.hp.n_vocab - 100, args.prompt).tolist()
+        t1 = time.perf_counter()
+        logits = model.forward(prompt, cache)
+        prefill_s = time.perf_counter() - t1
+        _, token = _decode(model, cache, int(np.argmax(logits[-1])), args.warmup)
+        eng.reset_stats()
+        times, _ = _decode(model, cache, token, args.steps)
+        v = eng.stats()["vram_cache"]
+        wall_ms = 1e3 * sum(times)
+        n = args.steps
+        bpt = v["bytes_per_token"]
+        gbps = v["h2d_gbps"] or 0.0
+        out = {"model": path, "cache_mb": cache_mb, "routing": "uniform" if routing == "uniform" else Path(routing).name,
+               "min_batch": min_batch, "load_s": round(load_s, 1), "prefill_tok_s": round(args.prompt / prefill_s, 1),
+               "decode_tok_s": round(n / (wall_ms / 1e3), 2), "step_ms_median": round(1e3 * float(np.median(times)), 2),
+               "hit_rate": v["hit_rate"], "belady_hit_rate": v["belady_hit_rate"],
+               "bytes_per_token_mb": round(bpt / 2**20, 1), "h2d_gbps": gbps,
+               "copy_bound_tok_s": round(gbps * 1e9 / bpt, 1) if bpt and gbps else None,
+               "overlap_pct": v["overlap_pct"], "fallback_rate": v["fallback_rate"],
+               "cpu_experts_per_token": round(v["cpu_hybrid"] / n, 2),
+               "split_ms_per_token": {"cpu_experts": round(v["cpu_ms"] / n, 2), "copies": round(v["copy_ms"] / n, 2),
+                                      "waits": round(v["stall_ms"] / n, 2),
+                                      "other (GPU compute, host)": round((wall_ms - v["cpu_ms"] - v["stall_ms"]) / n, 2)},
+               "slots_per_layer": sorted({lay["capacity"] for lay in v["layers"].values()}),
+               "offload": v["offload"]}
+        print(json.dumps(out), flush=True)
+        return out
+    finally:
+        eng.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--cache-mb", default="8192")
+    ap.add_argument("--routing", default="uniform")
+    ap.add_argument("--min-batch", default="0,auto")
+    ap.add_argument("--prompt", type=int, default=16)
+    ap.add_argument("--warmup", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--set", action="append", default=[], type=lambda kv: tuple(kv.split("=", 1)),
+                    help="another setting of daemon.config, e.g. --set postfetch_enable=0")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    results = []
+    for mb in args.cache_mb.split(","):
+        for routing in args.routing.split(","):
+            for mbatch in args.min_batch.split(","):
+                results.append(run(args.model, mb, routing, mbatch, args))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
