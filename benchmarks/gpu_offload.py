@@ -1,7 +1,8 @@
 """Decode with experts that do not all fit in VRAM: the VRAM expert cache, Post-Fetch and hybrid compute.
 
     python benchmarks/gpu_offload.py MODEL.gguf --cache-mb 7400,14800 [--routing uniform,TRACE.jsonl]
-        [--min-batch 0,auto] [--warmup 32] [--steps 32] [--prompt 16] [--json out.json] [--set KEY=VALUE ...]
+        [--min-batch 0,auto] [--warmup 32] [--steps 32] [--prompt 16] [--profile N] [--json out.json]
+        [--set KEY=VALUE ...]
 
 For each (cache size, routing, MOE_OFFLOAD_MIN_BATCH) the model is loaded as the engine loads it on
 cuda:0 (MOE_GPU_CACHE_MB = the cache size; the host cache unlimited, in pinned memory), a prompt is
@@ -57,8 +58,20 @@ def run(path: str, cache_mb: str, routing: str, min_batch: str, args) -> dict:
         prefill_s = time.perf_counter() - t1
         _, token = _decode(model, cache, int(np.argmax(logits[-1])), args.warmup)
         eng.reset_stats()
-        times, _ = _decode(model, cache, token, args.steps)
+        times, token = _decode(model, cache, token, args.steps)
         v = eng.stats()["vram_cache"]
+        if args.profile:  # where the host's time goes in a decode step
+            import cProfile
+            import io
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
+            _decode(model, cache, token, args.profile)
+            prof.disable()
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+            print("\n".join(buf.getvalue().splitlines()[:45]), flush=True)
         wall_ms = 1e3 * sum(times)
         n = args.steps
         bpt = v["bytes_per_token"]
@@ -93,6 +106,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--set", action="append", default=[], type=lambda kv: tuple(kv.split("=", 1)),
                     help="another setting of daemon.config, e.g. --set postfetch_enable=0")
+    ap.add_argument("--profile", type=int, default=0, help="cProfile N more decode steps (host time by function)")
     ap.add_argument("--json")
     args = ap.parse_args()
     results = []

@@ -495,13 +495,10 @@ class VRAMExpertCache:
                     timer = tr.record(Event(timing=True), tr.fetch), Event(timing=True)
                     copy_event = self._copy_in(vl, copy, host_batch)
                     tr.record(timer[1], tr.fetch)
-                    for e, _si in copy:
-                        self._touch(vl, e, pin=True)
                 if admit:
                     copy_event = self._copy_in(vl, admit, host_batch)
-                    for e, si in admit:
+                    for _e, si in admit:
                         vl.slots[si].prefetched, vl.slots[si].used = True, False
-                        self._touch(vl, e, pin=False)
             except (*CUDA_ERRORS, OSError, RuntimeError, ValueError) as err:
                 self._warn("copy", "an expert copy to %s failed (%s): such experts compute on the CPU",
                            self.backend.name, err)
@@ -567,9 +564,8 @@ class VRAMExpertCache:
                     self._drop(vl, e)
             held.__exit__(None, None, None)
             return
-        for e, si in items:
+        for _e, si in items:
             vl.slots[si].prefetched, vl.slots[si].used = True, False
-            self._touch(vl, e, pin=False)
         vl.stats.prefetch_issued += len(items)
         self._reap_list.append((ev, held))
 
@@ -665,11 +661,13 @@ class VRAMExpertCache:
             vl.slots[vl.where[e]].pins += 1
 
     def _take(self, vl: _VLayer, e: int, prefetch: bool) -> int | None:
-        """A slot for expert e (claimed, now its own), or None."""
+        """A slot for expert e (claimed, now its own; pinned for a step's own miss), or None."""
         si = self._claim(vl, prefetch)
         if si is not None:
             vl.where[e] = si
-            vl.slots[si].expert = e
+            s = vl.slots[si]
+            s.expert, s.prefetched, s.used = e, prefetch, not prefetch
+            self._touch(vl, e, pin=not prefetch)
         return si
 
     def _claim(self, vl: _VLayer, prefetch: bool) -> int | None:
@@ -694,7 +692,7 @@ class VRAMExpertCache:
             vl.stats.evictions += 1
             if s.prefetched and not s.used:
                 vl.stats.prefetch_wasted += 1
-        s.expert, s.pending, s.prefetched, s.used = -1, False, False, False
+        s.expert, s.pending, s.prefetched, s.used, s.pins = -1, False, False, False, 0
 
     def _release(self, vl: _VLayer, used: list[int], host_held, copy_event) -> None:
         tr = self.transfers

@@ -169,9 +169,9 @@ def select_backend(settings, gguf):
         except Exception as e:
             why = f"cuda:{idx} cannot be opened ({type(e).__name__}: {e})"
         else:
-            budget, why = _expert_budget(settings.gpu_cache_mb, need, free)
-            if why:
-                why = f"{why}; cuda:{idx} ({name}) has {_mb(free)} free of {_mb(total)}"
+            budget, short = _expert_budget(settings.gpu_cache_mb, need, free)
+            if short:
+                why = f"{short}; cuda:{idx} ({name}) has {_mb(free)} free of {_mb(total)}"
     if why is not None:
         if explicit:
             raise DeviceError(f"MOE_DEVICE={settings.device}: {why}")

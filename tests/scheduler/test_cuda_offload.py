@@ -1,0 +1,141 @@
+"""Experts streamed through the VRAM expert cache on a GPU (GPU only; the simulator cases are in
+tests/backend/test_cuda_expert_cache.py): with hybrid compute off (MOE_OFFLOAD_MIN_BATCH=0) the
+logits are the same bits as with every expert resident, whatever the VRAM cache size, the host
+cache size, the routing mode, Post-Fetch on or off and block-on-miss; with hybrid compute on they
+stay within the CPU/GPU tolerance; a tiny VRAM cache and a tiny host cache together serve 8
+concurrent requests, each getting its solo tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from daemon.config import Settings
+from daemon.engine import Engine
+from daemon.scheduler import Scheduler
+from ipc.protocol import Chunk, Generate, SamplingOptions
+from tests.fixtures.build import fixture_path
+from tests.kernels.cuda.conftest import SKIP_REASON
+
+CASES = [("qwen3moe", "Q8_0"), ("gpt-oss", "MXFP4")]
+PROMPT = [11, 57, 203, 9, 88]
+QUANT_TOL = 5e-2
+
+
+def _gpu() -> str | None:
+    if SKIP_REASON is not None:
+        return SKIP_REASON
+    from daemon.kernels.cuda.device import SIM
+
+    return "numba's CUDA simulator: too slow for whole models (see test_cuda_expert_cache.py)" if SIM else None
+
+
+pytestmark = pytest.mark.skipif(_gpu() is not None, reason=str(_gpu()))
+
+
+def _slots_mb(path, slots: int) -> str:
+    """MOE_GPU_CACHE_MB for `slots` experts per MoE layer of the model at path."""
+    from daemon.backend.cuda_expert_cache import VRAMExpertCache
+    from daemon.storage.gguf import GGUFFile
+    from daemon.storage.store import expert_layouts
+
+    with GGUFFile(path) as g:
+        lays = expert_layouts(g)
+    per = max(VRAMExpertCache._device_expert_bytes(lay) for lay in lays.values())
+    return f"{(slots * per * len(lays) + 1023) / 2**20:.6f}"
+
+
+def _logits(path, steps: int = 6, **settings) -> tuple[np.ndarray, dict | None]:
+    """Prefill PROMPT and decode `steps` greedy tokens: every logits row [1 + steps, V], VRAM stats."""
+    eng = Engine.load(path, device="cuda", **settings)
+    try:
+        m = eng.model
+        cache = m.new_cache(64)
+        rows = [np.asarray(m.forward(PROMPT, cache))[-1]]
+        for _ in range(steps):
+            rows.append(np.asarray(m.forward([int(np.argmax(rows[-1]))], cache))[-1])
+        return np.stack(rows), eng.stats()["vram_cache"]
+    finally:
+        eng.close()
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{a}-{w}" for a, w in CASES])
+def model(request, fixture_dir):
+    path = str(fixture_path(*request.param, fixture_dir))
+    want, vram = _logits(path)
+    assert vram is None  # every expert resident
+    return path, want
+
+
+MATRIX = [  # (VRAM slots per layer, host cache MB, routing, Post-Fetch, block on miss)
+    (1, 0, "exact", True, True),
+    (3, 0, "exact", True, True),
+    (3, 0.05, "exact", True, True),
+    (1, 0.05, "all", True, True),
+    (3, 0, "all", False, True),
+    (3, 0, "exact", True, False),
+    (1, 0, "speculative", False, False),
+]
+
+
+@pytest.mark.parametrize("slots,host_mb,routing,postfetch,block", MATRIX,
+                         ids=[f"{s}slot-host{h}-{r}-pf{int(p)}-block{int(b)}" for s, h, r, p, b in MATRIX])
+def test_hybrid_off_is_bit_identical_to_resident(model, slots, host_mb, routing, postfetch, block):
+    path, want = model
+    got, vram = _logits(path, gpu_cache_mb=_slots_mb(path, slots), expert_cache_limit_mb=host_mb, routing=routing,
+                        postfetch_enable=postfetch, postfetch_block_on_miss=block, offload_min_batch="0")
+    assert vram["misses"] > 0 and vram["loads"] > 0  # the cache really streamed
+    assert vram["cpu_hybrid"] == 0 and vram["fallbacks"] == 0
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("min_batch", ["1000", "auto"])
+def test_hybrid_on_is_within_tolerance(model, min_batch):
+    path, want = model
+    got, vram = _logits(path, gpu_cache_mb=_slots_mb(path, 2), offload_min_batch=min_batch)
+    if min_batch == "1000":
+        assert vram["cpu_hybrid"] > 0  # every miss on the CPU
+    rel = np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
+    assert rel.max() < QUANT_TOL, rel
+
+
+def test_force_cpu_is_within_tolerance(model):
+    path, want = model
+    got, vram = _logits(path, gpu_cache_mb=_slots_mb(path, 2), postfetch_force_cpu=True)
+    assert vram["cpu_forced"] > 0 and vram["loads"] == 0
+    rel = np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
+    assert rel.max() < QUANT_TOL, rel
+
+
+async def _run(s: Scheduler, req) -> list[int]:
+    replies = []
+    await s.generate(req, replies.append, time.perf_counter_ns())
+    return [t for r in replies if isinstance(r, Chunk) for t in r.tokens]
+
+
+async def test_tiny_caches_serve_eight_concurrent_requests(fixture_dir):
+    """One VRAM slot per layer and a host cache of about one expert: nothing deadlocks or stalls,
+    every request completes with its solo tokens."""
+    path = str(fixture_path("qwen3moe", "Q8_0", fixture_dir))
+    settings = dict(device="cuda", gpu_cache_mb=_slots_mb(path, 1), expert_cache_limit_mb=0.02,
+                    offload_min_batch="0")
+    s = Scheduler(Settings.load(env={}, device="cuda"), factory=lambda p, **kw: Engine.load(p, **{**settings, **kw}),
+                  default_model=lambda _progress: path)
+    try:
+        greedy = SamplingOptions(temperature=0.0)
+        ps = [[(17 * i + 3) % 500 + 1, (31 * i + 7) % 500 + 1, 260 + i] for i in range(8)]
+        lengths = [6 + 3 * i for i in range(8)]
+        solo = [await _run(s, Generate(i + 1, path, tokens=p, max_tokens=n, options=greedy))
+                for i, (p, n) in enumerate(zip(ps, lengths))]
+        together = await asyncio.wait_for(asyncio.gather(*[
+            _run(s, Generate(100 + i, path, tokens=p, max_tokens=n, options=greedy))
+            for i, (p, n) in enumerate(zip(ps, lengths))]), timeout=300)
+        assert together == solo
+        assert all(len(t) == n for t, n in zip(together, lengths))
+        vram = s.registry.find(path).engine.stats()["vram_cache"]
+        assert vram["evictions"] > 0
+    finally:
+        await s.close()
