@@ -84,7 +84,7 @@ class Transformer:
         self.family: Family = family_for(gguf.architecture)
         self.hp: HParams = self.family.read_hparams(gguf)
         self.backend: Backend = backend if backend is not None else CPUBackend(numerics)
-        src = TensorSource(gguf)
+        src = self.source = TensorSource(gguf)  # host tensors (the predictors read routers from it)
         up = _Uploaded(src, self.backend)
         hp = self.hp
         self.tok_embd = up.matrix("token_embd.weight", hp.n_embd, hp.n_vocab)

@@ -35,12 +35,13 @@ class RouterBank:
         self.n_used = hp.n_expert_used  # A
         self.eps = np.float32(hp.rms_eps)
         ws, bs = [], []
-        for il in self.layers:
-            layer = model.layers[il]
-            r = layer.ffn.router
+        src, norm = model.source, model.family.ffn_norm
+        for il in self.layers:  # from the file: a GPU model's own copies live in VRAM
+            r = src.matrix(f"blk.{il}.ffn_gate_inp.weight", hp.n_embd, hp.n_expert)
             w = dequantize(r.raw, r.ggml_type, r.n_in).reshape(r.n_out, r.n_in)  # [E, D]
-            ws.append(w * layer.ffn_norm[None, :])
-            bs.append(layer.ffn.router_bias if layer.ffn.router_bias is not None else np.zeros(r.n_out, np.float32))
+            ws.append(w * src.vector(f"blk.{il}.{norm}.weight", hp.n_embd)[None, :])
+            b = src.optional_vector(f"blk.{il}.ffn_gate_inp.bias", hp.n_expert)
+            bs.append(b if b is not None else np.zeros(r.n_out, np.float32))
         self.n_expert = ws[0].shape[0] if ws else 0
         self.stacked = np.ascontiguousarray(np.concatenate(ws)) if ws else np.zeros((0, hp.n_embd), np.float32)  # [L*E, D]
         self.bias = np.concatenate(bs) if bs else np.zeros(0, np.float32)  # [L*E]
