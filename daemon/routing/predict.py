@@ -170,7 +170,8 @@ class Prefetcher:
     def _path_a(self, tokens: np.ndarray) -> np.ndarray:
         missing = [t for t in dict.fromkeys(tokens.tolist()) if t not in self._token_cache]
         if missing:
-            emb = self._model.tok_embd
+            hp = self._model.hp
+            emb = self._model.source.matrix("token_embd.weight", hp.n_embd, hp.n_vocab)  # the file's (host) table
             x = dequantize(emb.raw[np.asarray(missing)], emb.ggml_type, emb.n_in)  # [T', D]
             for t, pred in zip(missing, self.bank.top_k_all(x)):
                 self._token_cache[t] = pred.astype(np.int16)  # bounded by the vocabulary: keep it small
