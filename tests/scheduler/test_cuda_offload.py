@@ -134,7 +134,7 @@ async def test_tiny_caches_serve_eight_concurrent_requests(fixture_dir):
             _run(s, Generate(100 + i, path, tokens=p, max_tokens=n, options=greedy))
             for i, (p, n) in enumerate(zip(ps, lengths))]), timeout=300)
         assert together == solo
-        assert all(len(t) == n for t, n in zip(together, lengths))
+        assert all(0 < len(t) <= n for t, n in zip(together, lengths))  # each completed (EOS may come early)
         vram = s.registry.find(path).engine.stats()["vram_cache"]
         assert vram["evictions"] > 0
     finally:
