@@ -496,14 +496,16 @@ def _ps(args) -> int:
 
     with Client(_socket(args)) as c:
         models = c.ps()
-    print(f"{'NAME':<40} {'ARCH':<10} {'SIZE':>10} {'EXPERTS':>10} {'DEVICE':>7} {'VRAM':>10} {'ACTIVE':>6}  UNTIL")
+    print(f"{'NAME':<40} {'ARCH':<10} {'SIZE':>10} {'EXPERTS':>10} {'DEVICE':>7} {'VRAM':>10} {'GPU CACHE':>10} "
+          f"{'ACTIVE':>6}  UNTIL")
     for m in models:
         until = ("forever" if m.expires_at is None else
                  f"{max(0.0, m.expires_at - time.time()):.0f}s from now")
         experts = _mb(m.expert_cache_bytes) + (f"/{_mb(m.expert_cache_limit_bytes)}" if m.expert_cache_limit_bytes else "")
         vram = _mb(m.vram_bytes) if m.vram_bytes else "-"
+        gpu_cache = _mb(m.gpu_cache_bytes) if m.gpu_cache_bytes else "-"
         print(f"{m.name:<40} {m.arch:<10} {_mb(m.size_bytes):>10} {experts:>10} {m.device or '-':>7} {vram:>10} "
-              f"{m.active:>6}  {until}")
+              f"{gpu_cache:>10} {m.active:>6}  {until}")
     return 0
 
 

@@ -128,7 +128,8 @@ class _VLayer:
     where: dict = field(default_factory=dict)  # expert -> slot index
     policy: object = None
     clock: int = 0
-    history: deque = field(default_factory=lambda: deque(maxlen=_HISTORY))
+    history: list = field(default_factory=list)  # each step's expert set (the Belady replay)
+    counted_from: int = 0  # history index where the current stats began
     maps: object = None  # device int32 [3, E]: ready now / after waits / every GPU expert
     map_rows: tuple = ()
     stats: VRAMStats = field(default_factory=VRAMStats)
@@ -298,6 +299,7 @@ class VRAMExpertCache:
             for il, lay in layouts.items():
                 self._layers[il] = self._make_layer(il, lay, 0)
         self._staging_views: dict = {}
+        backend.bytes["experts"] += self.vram_bytes  # the backend's VRAM tally (moed ps)
 
     @classmethod
     def from_settings(cls, host, backend, cfg, say=lambda _msg: None) -> VRAMExpertCache:
@@ -419,6 +421,10 @@ class VRAMExpertCache:
         st = vl.stats
         vl.clock += 1
         vl.history.append(frozenset(wanted))
+        if len(vl.history) > _HISTORY:  # keep the newer half
+            cut = len(vl.history) // 2
+            del vl.history[:cut]
+            vl.counted_from = max(0, vl.counted_from - cut)
         st.requests += len(wanted)
         if layer == self._first_layer:
             st.tokens += routed.shape[0]
@@ -737,10 +743,10 @@ class VRAMExpertCache:
         for il, vl in self._layers.items():
             total.add(vl.stats)
             per[il] = vl.stats.summary() | {"capacity": vl.capacity, "cached": len(vl.where)}
-            if vl.history and vl.capacity and not self.force_cpu:
-                seq = list(vl.history)
-                b = simulate_layer(seq, vl.capacity, "belady")
-                r = simulate_layer(seq, vl.capacity, self.eviction)
+            if len(vl.history) > vl.counted_from and vl.capacity and not self.force_cpu:
+                # the whole history replays (the live cache is as warm), counted since the stats began
+                b = simulate_layer(vl.history, vl.capacity, "belady", vl.counted_from)
+                r = simulate_layer(vl.history, vl.capacity, self.eviction, vl.counted_from)
                 belady_hits += b.hits
                 lru_hits += r.hits
                 replayed += b.hits + b.misses
@@ -758,7 +764,7 @@ class VRAMExpertCache:
         self._fold_timers(wait=True)
         for vl in self._layers.values():
             vl.stats = VRAMStats()
-            vl.history.clear()
+            vl.counted_from = len(vl.history)
 
     def close(self) -> None:
         self.backend.stream.synchronize()
@@ -771,6 +777,7 @@ class VRAMExpertCache:
             vl.stacks, vl.maps, vl.map_rows = (), None, ()
         self._staging = None
         self._staging_views.clear()
+        self.backend.bytes["experts"] -= self.vram_bytes
         self.vram_bytes = 0
         self.host.close()
 

@@ -216,8 +216,10 @@ class _Belady(_Policy):
 POLICIES = {"lru": _LRU, "belady": _Belady, "lfu-decay": _LFUDecay, "lru2": _LRU2}
 
 
-def simulate_layer(seq: Sequence[frozenset[int]], capacity: int, policy: str = "lru") -> LayerResult:
-    """Replay one layer's token sequence of expert sets through a cache of `capacity` experts."""
+def simulate_layer(seq: Sequence[frozenset[int]], capacity: int, policy: str = "lru",
+                   count_from: int = 0) -> LayerResult:
+    """Replay one layer's token sequence of expert sets through a cache of `capacity` experts.
+    count_from: hits and misses are counted from this step on (the ones before warm the cache)."""
     if policy not in POLICIES:
         raise RequestError(f"unknown policy {policy!r} (choose from {', '.join(POLICIES)})")
     if capacity < 0:
@@ -228,8 +230,9 @@ def simulate_layer(seq: Sequence[frozenset[int]], capacity: int, policy: str = "
     for t, need in enumerate(seq):
         hits = need & resident
         miss = need - resident
-        res.hits += len(hits)
-        res.misses += len(miss)
+        if t >= count_from:
+            res.hits += len(hits)
+            res.misses += len(miss)
         # make room for the misses: evict unpinned residents while over budget
         n_evict = len(resident) + len(miss) - capacity
         if n_evict > 0:

@@ -127,7 +127,9 @@ def _device(engine) -> dict[str, Any]:
     backend = getattr(getattr(engine, "model", None), "backend", None)
     if backend is None:
         return {}
-    return {"device": backend.name, "vram_bytes": backend.vram_bytes() if hasattr(backend, "vram_bytes") else 0}
+    vram = getattr(engine, "vram", None)
+    return {"device": backend.name, "vram_bytes": backend.vram_bytes() if hasattr(backend, "vram_bytes") else 0,
+            "gpu_cache_bytes": vram.budget_bytes if vram is not None else 0}
 
 
 class ModelRegistry:
