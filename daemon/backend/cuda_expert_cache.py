@@ -282,6 +282,7 @@ class VRAMExpertCache:
         self._reap_list: list = []  # (event, host hold): released once the event is done
         self._timers: deque = deque()
         self._first_layer = min(layouts) if layouts else -1
+        self._counted = None  # the routing last counted toward stats' tokens
         self.vram_bytes = 0
         try:
             for il, lay in layouts.items():
@@ -405,7 +406,7 @@ class VRAMExpertCache:
         """Waves of at most the layer's slots (ready ones first); one when every expert computes on the CPU."""
         vl = self._layer(layer)
         ids = [int(e) for e in ids]
-        if self.force_cpu or len(ids) <= vl.capacity:
+        if self.force_cpu or len(ids) <= vl.capacity or not vl.capacity:
             return [ids]
         order = sorted(ids, key=lambda e: e not in vl.where)
         room = max(vl.capacity, 1)
@@ -416,7 +417,8 @@ class VRAMExpertCache:
         wanted = list(dict.fromkeys(int(e) for e in ids))
         check_ids(layer, wanted, vl.layout.n_expert)
         self._reap()
-        routed = np.asarray(routed if routed is not None else np.array([wanted]), np.int64)
+        if routed is None:
+            routed = np.array([wanted], np.int64)
         counts = dict(zip(*np.unique(routed, return_counts=True)))
         st = vl.stats
         vl.clock += 1
@@ -426,7 +428,8 @@ class VRAMExpertCache:
             del vl.history[:cut]
             vl.counted_from = max(0, vl.counted_from - cut)
         st.requests += len(wanted)
-        if layer == self._first_layer:
+        if layer == self._first_layer and routed is not self._counted:  # once for all of a step's waves
+            self._counted = routed
             st.tokens += routed.shape[0]
         now = time.monotonic()
         ready, flying, missing, cpu, fallback = [], [], [], [], []
@@ -472,10 +475,14 @@ class VRAMExpertCache:
         for e in ready + flying:
             self._touch(vl, e, pin=True)
         copy = []
+        if missing and not vl.capacity:
+            self._warn("noslot", "MOE_GPU_CACHE_MB leaves no VRAM slot for a layer's experts (%.1f MiB each): "
+                       "they compute on the CPU", self._device_expert_bytes(vl.layout) / 2**20)
         for e in missing:
-            si = self._take(vl, e, prefetch=False)
-            if si is None:  # every slot held by this step (waves prevent it): the CPU computes it
-                self._warn("full", "a layer's VRAM slots were all in use: an expert computes on the CPU")
+            si = self._take(vl, e, prefetch=False) if vl.capacity else None
+            if si is None:  # no slot, or every slot held by this step (waves prevent it): the CPU computes it
+                if vl.capacity:
+                    self._warn("full", "a layer's VRAM slots were all in use: an expert computes on the CPU")
                 st.fallbacks += 1
                 cpu.append(e)
                 continue
@@ -490,7 +497,15 @@ class VRAMExpertCache:
                     break
                 admit.append((e, si))
         host_ids = [e for e, _ in copy] + cpu + [e for e, _ in admit if e not in cpu]
-        held = self.host.fetch(layer, host_ids, count=True) if host_ids else None
+        try:
+            held = self.host.fetch(layer, host_ids, count=True) if host_ids else None
+        except BaseException:  # a failed read (StorageError): nothing was copied, nothing stays held
+            for e, si in copy + admit:
+                if vl.where.get(e) == si:
+                    self._drop(vl, e)
+            for e in ready + flying:
+                vl.slots[vl.where[e]].pins -= 1
+            raise
         host_batch = held.batch if held is not None else None
         copy_event = timer = None
         failed = []
@@ -559,7 +574,13 @@ class VRAMExpertCache:
             items.append((e, si))
         if not items:
             return
-        held = self.host.fetch(layer, [e for e, _ in items], count=False)
+        try:
+            held = self.host.fetch(layer, [e for e, _ in items], count=False)
+        except BaseException:
+            for e, si in items:
+                if vl.where.get(e) == si:
+                    self._drop(vl, e)
+            raise
         try:
             ev = self._copy_in(vl, items, held.batch)
         except (*CUDA_ERRORS, OSError, RuntimeError, ValueError) as err:

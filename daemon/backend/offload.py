@@ -26,7 +26,7 @@ def parse_min_batch(value: str) -> int | None:
     v = str(value).strip().lower()
     if v == "auto":
         return None
-    if v.isdigit():
+    if v.isascii() and v.isdigit():
         return int(v)
     raise ConfigError(f"MOE_OFFLOAD_MIN_BATCH: {value!r} is not auto or a whole number")
 

@@ -1,0 +1,148 @@
+"""The offload policy (daemon/backend/offload.py): which experts missing from VRAM compute on the
+CPU. Pure Python, no GPU. Every expected value is worked out by hand in the comments.
+
+Costs are chosen in powers of two so that the sums the list scheduler compares are exact."""
+
+from __future__ import annotations
+
+import pytest
+
+from daemon.backend.offload import OffloadPolicy, parse_min_batch
+from daemon.errors import ConfigError
+
+MIB = 2**20
+GIB = 2**30
+
+
+# -- parse_min_batch ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", ["auto", "AUTO", " Auto ", "auto\n"])
+def test_auto_is_the_cost_model(value):
+    assert parse_min_batch(value) is None
+
+
+@pytest.mark.parametrize("value, want", [("0", 0), ("1", 1), ("16", 16), (" 32 ", 32), ("007", 7), (8, 8)])
+def test_whole_numbers_are_a_token_threshold(value, want):
+    assert parse_min_batch(value) == want
+
+
+@pytest.mark.parametrize("value", ["", " ", "-1", "+2", "1.5", "1e3", "abc", "x8", "8x", "auto8", "0x10",
+                                   "1 2", "None"])
+def test_anything_else_is_a_config_error(value):
+    with pytest.raises(ConfigError, match="MOE_OFFLOAD_MIN_BATCH"):
+        parse_min_batch(value)
+
+
+def test_a_non_ascii_digit_is_a_config_error_too():
+    with pytest.raises(ConfigError):
+        parse_min_batch("\u00b2")  # superscript two: isdigit() but not a number int() reads
+
+
+# -- on_cpu: fixed thresholds -------------------------------------------------------------------
+
+MISSES = {0: 1, 1: 2, 2: 3, 3: 5, 7: 1}  # expert -> tokens routed to it this step
+
+
+@pytest.mark.parametrize("policy", [OffloadPolicy(0), OffloadPolicy(0, h2d_bytes_per_s=1.0, cpu_bytes_per_s=1e15)])
+def test_min_batch_zero_never_computes_on_the_cpu(policy):
+    assert not policy.hybrid
+    assert policy.on_cpu(MISSES, MIB) == set()
+    assert policy.on_cpu({5: 1}, 1) == set()
+
+
+@pytest.mark.parametrize("n, want", [
+    (1, set()),  # fewer than 1 token: none
+    (2, {0, 7}),  # one token each
+    (3, {0, 1, 7}),
+    (5, {0, 1, 2, 7}),  # 5 tokens is not fewer than 5
+    (6, {0, 1, 2, 3, 7}),
+    (1000, {0, 1, 2, 3, 7}),
+])
+def test_min_batch_n_takes_experts_with_fewer_than_n_tokens(n, want):
+    policy = OffloadPolicy(n)
+    assert policy.hybrid
+    assert policy.on_cpu(MISSES, MIB) == want
+
+
+@pytest.mark.parametrize("policy", [OffloadPolicy(4), OffloadPolicy(None, GIB, GIB)])
+def test_no_misses_nothing_to_place(policy):
+    assert policy.on_cpu({}, MIB) == set()
+
+
+# -- on_cpu: the cost model (min_batch None) ----------------------------------------------------
+
+def test_costs_of_one_expert():
+    p = OffloadPolicy(None, h2d_bytes_per_s=4 * GIB, cpu_bytes_per_s=GIB)
+    assert p.copy_s(GIB) == 0.25  # 1 GiB at 4 GiB/s
+    assert p.cpu_s(GIB, 1) == 1.0  # 1 GiB streamed once at 1 GiB/s
+    assert p.cpu_s(GIB, 3) == 3.0  # a GEMV per token: three passes
+    assert p.hybrid
+
+
+def test_unmeasured_rates_never_pick_the_cpu():
+    # no h2d figure: a copy costs nothing; no CPU figure: the CPU costs forever
+    assert OffloadPolicy(None, 0.0, GIB).copy_s(MIB) == 0.0
+    assert OffloadPolicy(None, GIB, 0.0).cpu_s(MIB, 1) == float("inf")
+    singles = {0: 1, 1: 1, 2: 1}
+    assert OffloadPolicy(None, 0.0, GIB).on_cpu(singles, MIB) == set()
+    assert OffloadPolicy(None, GIB, 0.0).on_cpu(singles, MIB) == set()
+
+
+def test_a_slow_cpu_copies_everything():
+    # copy: 1 MiB / 1 GiB/s = 2**-10 s; CPU: 1 MiB / 1 MiB/s = 1 s a token. Each miss in turn:
+    # gpu 2**-10, 2*2**-10, ... always far below 1 s on the CPU.
+    p = OffloadPolicy(None, h2d_bytes_per_s=GIB, cpu_bytes_per_s=MIB)
+    assert p.on_cpu({e: 1 for e in range(8)}, MIB) == set()
+    assert p.on_cpu({0: 1, 1: 4, 2: 16}, MIB) == set()
+
+
+def test_a_fast_cpu_takes_every_single_token_expert():
+    # copy: 1 MiB / 1 MiB/s = 1 s each; CPU: 1 MiB / 1 GiB/s = 2**-10 s a token. Eight singles on
+    # the CPU add up to 8 * 2**-10 s, still below the first copy's 1 s.
+    p = OffloadPolicy(None, h2d_bytes_per_s=MIB, cpu_bytes_per_s=GIB)
+    assert p.on_cpu({e: 1 for e in range(8)}, MIB) == set(range(8))
+
+
+def test_equal_costs_split_the_misses_between_the_two_sides():
+    # copy = CPU for one token = 2**-10 s. Most tokens first, then by id: e0 -> gpu (1 vs 1: a tie
+    # stays on the GPU), e1 -> cpu (gpu 2 vs cpu 1), e2 -> gpu (2 vs 2), e3 -> cpu (3 vs 2) (units of 2**-10 s)
+    p = OffloadPolicy(None, h2d_bytes_per_s=GIB, cpu_bytes_per_s=GIB)
+    assert p.on_cpu({0: 1, 1: 1, 2: 1, 3: 1}, MIB) == {1, 3}
+    # the same with ids out of order in the dict: the order is by (-tokens, id)
+    assert p.on_cpu({3: 1, 1: 1, 2: 1, 0: 1}, MIB) == {1, 3}
+
+
+def test_experts_with_more_tokens_are_placed_first_and_weigh_more_on_the_cpu():
+    # copy 1 unit, CPU 1 unit a token. Order: e5 (4 tokens), then e1, e2 (1 each).
+    # e5: gpu 1 vs cpu 4 -> gpu (1); e1: gpu 2 vs cpu 1 -> cpu (1); e2: gpu 2 vs cpu 2 -> gpu (2)
+    p = OffloadPolicy(None, h2d_bytes_per_s=GIB, cpu_bytes_per_s=GIB)
+    assert p.on_cpu({1: 1, 2: 1, 5: 4}, MIB) == {1}
+
+
+def test_a_cpu_three_times_faster_than_the_copy_gets_three_of_four():
+    # units of 2**-10 s: copy 3 (3 MiB at 1 GiB/s), CPU 1 a token (3 MiB at 3 GiB/s).
+    # e0: gpu 3 vs cpu 1 -> cpu (1); e1: gpu 3 vs 2 -> cpu (2); e2: gpu 3 vs 3 -> gpu (3);
+    # e3: gpu 6 vs cpu 3 -> cpu (3)
+    p = OffloadPolicy(None, h2d_bytes_per_s=GIB, cpu_bytes_per_s=3 * GIB)
+    assert p.on_cpu({0: 1, 1: 1, 2: 1, 3: 1}, 3 * MIB) == {0, 1, 3}
+
+
+def test_a_big_batch_expert_is_copied_while_single_tokens_go_to_the_cpu():
+    # copy 4 units, CPU 1 unit a token. e9 (32 tokens): gpu 4 vs cpu 32 -> gpu (4); then the
+    # singles e0..e3: cpu 1, 2, 3, 4 each below gpu 8 -> all cpu; e4: gpu 8 vs cpu 5 -> cpu (5)
+    p = OffloadPolicy(None, h2d_bytes_per_s=GIB, cpu_bytes_per_s=4 * GIB)
+    assert p.on_cpu({9: 32, 0: 1, 1: 1, 2: 1, 3: 1, 4: 1}, 4 * MIB) == {0, 1, 2, 3, 4}
+
+
+# -- describe -----------------------------------------------------------------------------------
+
+def test_describe_names_the_mode():
+    off = OffloadPolicy(0).describe()
+    assert "off" in off and "MOE_OFFLOAD_MIN_BATCH=0" in off
+    fixed = OffloadPolicy(4).describe()
+    assert "fewer than 4 tokens" in fixed and "CPU" in fixed
+    # 25e9 B/s: 2**20 / 25e9 s = 41.94 us a MiB; 5e9 B/s: 209.7 us a MiB and token
+    auto = OffloadPolicy(None, h2d_bytes_per_s=25e9, cpu_bytes_per_s=5e9).describe()
+    assert auto.startswith("cost model")
+    assert "25.0 GB/s (42 us/MiB)" in auto
+    assert "5.0 GB/s per token (210 us/MiB a token)" in auto
