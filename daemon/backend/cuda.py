@@ -49,7 +49,7 @@ from ..model.weights import QWeight
 from . import cuda_experts as cx
 from .base import compose_expert_ffn, compose_expert_glu
 from .cuda_expert_cache import StagedBatch
-from .cuda_transfer import Transfers
+from .cuda_transfer import Transfers, _check, _drv
 from .cuda_cache import DeviceKVCache, KVPool
 from .cuda_errors import CUDA_ERRORS
 from .cuda_graphs import GraphCache, nonblocking_stream
@@ -613,8 +613,6 @@ class CUDABackend:
         if SIM:
             out.copy_to_device(np.zeros(shape, dtype), stream=self.stream)
         else:
-            from .cuda_transfer import _check, _drv
-
             _check(_drv().cuMemsetD8Async(int(out.gpu_data.device_pointer), 0, int(out.nbytes), int(self.stream.handle)))
         return out
 

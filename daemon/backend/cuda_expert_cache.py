@@ -57,7 +57,7 @@ from ..routing.replay import POLICIES, simulate_layer
 from ..storage.experts import PROJECTIONS, ExpertLayout, check_ids
 from .base import compose_expert_ffn
 from .cuda_errors import CUDA_ERRORS
-from .cuda_transfer import Event, Transfers
+from .cuda_transfer import Event, Transfers, _check, _drv
 from .cuda_weights import scatter_rows
 from .offload import OffloadPolicy, parse_min_batch
 
@@ -329,7 +329,8 @@ class VRAMExpertCache:
 
     def calibrate(self) -> tuple[float, float]:
         """(pinned host-to-device bytes/s, CPU expert bytes/s per token), measured on this machine:
-        a 64 MiB pinned copy; one expert of the first layer on the CPU for one token, best of 3."""
+        a 64 MiB pinned copy (best of 3); one expert of the first layer on the CPU for one token, after
+        one untimed call (numba compiles its kernels at the first), best of 5."""
         from .cuda_transfer import pinned_empty
 
         tr = self.transfers
@@ -351,8 +352,9 @@ class VRAMExpertCache:
         lay = self.host.layout(layer)
         x = np.random.default_rng(0).standard_normal((1, lay.n_embd)).astype(np.float32)
         with self.host.fetch(layer, [0], count=False) as batch:
+            self.cpu_pairs(x, np.zeros((1, 1), np.int64), [0], batch, lay, "silu", 0.0, 0.0)  # compiles, warms
             cpu_best = float("inf")
-            for _ in range(3):
+            for _ in range(5):
                 t0 = time.perf_counter()
                 self.cpu_pairs(x, np.zeros((1, 1), np.int64), [0], batch, lay, "silu", 0.0, 0.0)
                 cpu_best = min(cpu_best, time.perf_counter() - t0)
@@ -382,8 +384,6 @@ class VRAMExpertCache:
         if SIM:
             a.copy_to_device(np.zeros(shape, np.uint8))
         else:
-            from .cuda_transfer import _check, _drv
-
             _check(_drv().cuMemsetD8(int(a.gpu_data.device_pointer), 0, int(a.nbytes)))
         if isinstance(shape, int):
             self.vram_bytes += shape

@@ -31,10 +31,16 @@ from ..kernels.cuda.launch import forget_stream
 log = logging.getLogger("moed.device")
 
 
-def _drv():
-    from cuda.bindings import driver
+_driver = None
 
-    return driver
+
+def _drv():
+    global _driver
+    if _driver is None:  # imported on first use: the simulator has no driver
+        from cuda.bindings import driver
+
+        _driver = driver
+    return _driver
 
 
 def _check(result):

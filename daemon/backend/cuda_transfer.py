@@ -20,21 +20,9 @@ import numpy as np
 from numba import cuda
 
 from ..kernels.cuda.device import SIM
+from .cuda_graphs import _check, _drv  # the driver (imported on first use) and its error check
 
 log = logging.getLogger("moed.device")
-
-
-def _drv():
-    from cuda.bindings import driver
-
-    return driver
-
-
-def _check(result):
-    from .cuda_graphs import _check as check
-
-    return check(result)
-
 
 _pinned_warned = False
 
