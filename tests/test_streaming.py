@@ -347,7 +347,7 @@ def test_waves_when_a_step_needs_more_experts_than_slots(tmp_path, wtype):
         cache = engine.model.experts
         fetched = []
         inner = cache.fetch
-        cache.fetch = lambda layer, ids: (fetched.append(len(ids)), inner(layer, ids))[1]
+        cache.fetch = lambda layer, ids, **kw: (fetched.append(len(ids)), inner(layer, ids, **kw))[1]
         got_one = engine.model.forward(prompts[0], engine.model.new_cache(16), all_logits=True)
         got_many = engine.model.forward_many(prompts, [engine.model.new_cache(16) for _ in prompts])
         st = engine.stats()["cache"]
