@@ -48,7 +48,7 @@ from ..kernels.cuda.vecdot import FLOAT_ACT
 from ..model.weights import QWeight
 from . import cuda_experts as cx
 from .base import compose_expert_ffn, compose_expert_glu
-from .cuda_expert_cache import StagedBatch
+from .cuda_staged import StagedBatch
 from .cuda_transfer import Transfers, _check, _drv
 from .cuda_cache import DeviceKVCache, KVPool
 from .cuda_errors import CUDA_ERRORS
@@ -418,7 +418,7 @@ class CUDABackend:
 
     @_guarded
     def expert_ffn(self, x, batch, layout, plan: cx.DevicePlan, kind, alpha=0.0, limit=0.0):
-        """A staged batch (experts still arriving, some on the CPU: cuda_expert_cache.py) orders its
+        """A staged batch (experts still arriving, some on the CPU: cuda_staged.py) orders its
         own work; else expert_glu and expert_linear."""
         if isinstance(batch, StagedBatch):
             return batch.compute(self, x, layout, plan, kind, alpha, limit)
