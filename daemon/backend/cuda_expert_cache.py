@@ -64,7 +64,8 @@ from .offload import OffloadPolicy, parse_min_batch
 log = logging.getLogger("moed.device")
 
 STALE_S = 5.0  # an in-flight copy not done this long after it was issued is taken as failed
-_HISTORY = 20000  # per layer: the last steps' expert sets, for the Belady replay in stats
+_HISTORY = 512  # per layer: the last steps' expert sets, for the Belady replay in stats (kept short: it
+# replays in Python on every stats call, ~3 s for 48 layers of 512 steps)
 
 
 class _Slot:
@@ -624,7 +625,8 @@ class VRAMExpertCache:
 
     def stats(self) -> dict:
         """The VRAM tier's counters per layer and in total, with a Belady and an LRU replay of the
-        same requests at the same capacity (what an oracle would have hit)."""
+        same requests at the same capacity (what an oracle would have hit), over the last
+        256-512 steps of each layer kept, counted from the last reset_stats."""
         self._fold_timers(wait=True)
         total = VRAMStats()
         per = {}
