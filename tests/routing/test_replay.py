@@ -172,3 +172,13 @@ def test_real_traces():
         res = {p: simulate(tr, 16, p) for p in POLICIES}
         assert all(res["belady"].hits >= r.hits for r in res.values())
         assert res["lfu-decay"].hit_rate >= res["lru"].hit_rate
+
+
+def test_count_from_warms_the_cache_without_counting():
+    seq = [frozenset({1}), frozenset({2}), frozenset({1}), frozenset({2})]
+    whole = simulate_layer(seq, 2, "lru")
+    assert (whole.hits, whole.misses) == (2, 2)  # two cold misses, then both hit
+    warm = simulate_layer(seq, 2, "lru", count_from=2)
+    assert (warm.hits, warm.misses) == (2, 0)  # only the warm steps counted
+    tight = simulate_layer(seq, 1, "belady", count_from=2)
+    assert (tight.hits, tight.misses) == (0, 2)  # one slot, alternating experts: nothing to keep
