@@ -215,7 +215,6 @@ class VRAMExpertCache:
             tr.synchronize(end)
             ms = tr.elapsed_ms(start, end)
             best = min(best, ms if ms > 0 else float("inf"))
-        tr.bytes = tr.copies = 0
         h2d = src.nbytes / (best / 1e3) if best != float("inf") else 25e9  # the simulator times nothing
         layer = self._first_layer
         lay = self.host.layout(layer)
@@ -369,9 +368,7 @@ class VRAMExpertCache:
         try:
             held = self.host.fetch(layer, host_ids, count=True) if host_ids else None
         except BaseException:  # a failed read (StorageError): nothing was copied, nothing stays held
-            for e, si in copy + admit:
-                if vl.where.get(e) == si:
-                    self._drop(vl, e)
+            self._forget(vl, copy + admit)
             for e in ready + flying:
                 vl.slots[vl.where[e]].pins -= 1
             raise
@@ -390,11 +387,7 @@ class VRAMExpertCache:
                     for _e, si in admit:
                         vl.slots[si].prefetched, vl.slots[si].used = True, False
             except (*CUDA_ERRORS, OSError, RuntimeError, ValueError) as err:
-                self._warn("copy", "an expert copy to %s failed (%s): such experts compute on the CPU",
-                           self.backend.name, err)
-                for e, si in copy + admit:
-                    if vl.where.get(e) == si:
-                        self._drop(vl, e)
+                self._copy_failed(vl, copy + admit, err)
                 failed = [e for e, _ in copy]
                 st.fallbacks += len(failed)
                 cpu += failed
@@ -417,7 +410,7 @@ class VRAMExpertCache:
         gate, up, down = vl.stacks if vl.stacks else (None, None, None)
         batch = StagedBatch(gate, up, down, _Rows(rows, vl.map_rows[2]), *vl.biases, vl.map_rows[0], vl.map_rows[1],
                             [s.gu for s in later_slots], [s.down for s in later_slots], cpu, host_batch,
-                            routed, self, vl, timer)
+                            routed, self, vl, timer, covers_all=len(rows) == len(counts))
         if self.debug:
             log.info("postfetch layer %d: %d experts, %d ready, %d in flight, %d copied (%.1f MiB), %d on the CPU "
                      "(%d fallbacks), %d admitted", layer, len(wanted), len(gpu_now), len(flying), len(copy),
@@ -446,18 +439,12 @@ class VRAMExpertCache:
         try:
             held = self.host.fetch(layer, [e for e, _ in items], count=False)
         except BaseException:
-            for e, si in items:
-                if vl.where.get(e) == si:
-                    self._drop(vl, e)
+            self._forget(vl, items)
             raise
         try:
             ev = self._copy_in(vl, items, held.batch)
         except (*CUDA_ERRORS, OSError, RuntimeError, ValueError) as err:
-            self._warn("copy", "an expert copy to %s failed (%s): such experts compute on the CPU",
-                       self.backend.name, err)
-            for e, si in items:
-                if vl.where.get(e) == si:
-                    self._drop(vl, e)
+            self._copy_failed(vl, items, err)
             held.__exit__(None, None, None)
             return
         for _e, si in items:
@@ -589,6 +576,16 @@ class VRAMExpertCache:
             if s.prefetched and not s.used:
                 vl.stats.prefetch_wasted += 1
         s.expert, s.pending, s.prefetched, s.used, s.pins = -1, False, False, False, 0
+
+    def _forget(self, vl: _VLayer, items: list) -> None:
+        """Give back the slots claimed for (expert, slot) items whose copies did not happen."""
+        for e, si in items:
+            if vl.where.get(e) == si:
+                self._drop(vl, e)
+
+    def _copy_failed(self, vl: _VLayer, items: list, err: BaseException) -> None:
+        self._warn("copy", "an expert copy to %s failed (%s): such experts compute on the CPU", self.backend.name, err)
+        self._forget(vl, items)
 
     def _release(self, vl: _VLayer, used: list[int], host_held, copy_event) -> None:
         tr = self.transfers

@@ -84,6 +84,7 @@ class StagedBatch:
     cache: object  # the VRAMExpertCache that made it
     vl: object  # its layer's state there
     copy_timer: tuple | None = None  # timing events around this step's demand copies
+    covers_all: bool = True  # the GPU maps hold every expert the step routed to (no CPU pair, no other wave)
 
     def compute(self, backend, x, layout, plan, kind, alpha, limit):
         """x [T, D] prepared -> [P, D]: every pair's expert, GPU and CPU."""
@@ -94,7 +95,7 @@ class StagedBatch:
         y = None
         if self.rows:
             # pairs no GPU map covers (the CPU's, a later wave's) stay zero: their rows are quantized too
-            partial = len(self.rows) < len(np.unique(self.routed))
+            partial = not self.covers_all
             h = backend.zeros((P, F)) if partial else backend.empty((P, F))  # [P, F]
             fused = layout.up_type == layout.gate_type and not any(seg.tiled for seg in plan.segments)
             timer = _Timer(self.copy_timer) if self.gu_waits else None

@@ -76,8 +76,6 @@ class Transfers:
         self.dedicated = dedicated and not SIM
         self.fetch = nonblocking_stream() if self.dedicated else compute_stream
         self.fault = None
-        self.bytes = 0  # copied since made
-        self.copies = 0
 
     def h2d(self, dst, src: np.ndarray, offset: int = 0) -> None:
         """Bytes offset.. of dst (a flat uint8 device array) <- src (a C-contiguous host array), on
@@ -92,8 +90,6 @@ class Transfers:
         else:
             _check(_drv().cuMemcpyHtoDAsync(int(dst.gpu_data.device_pointer) + offset, src.ctypes.data, n,
                                             int(self.fetch.handle)))
-        self.bytes += n
-        self.copies += 1
 
     @staticmethod
     def upload_into(dst, src: np.ndarray, stream) -> None:
