@@ -88,6 +88,7 @@ def run(path: str, cache_mb: str, routing: str, min_batch: str, args) -> dict:
                                       "waits": round(v["stall_ms"] / n, 2),
                                       "other (GPU compute, host)": round((wall_ms - v["cpu_ms"] - v["stall_ms"]) / n, 2)},
                "slots_per_layer": sorted({lay["capacity"] for lay in v["layers"].values()}),
+               "graph_replays": model.backend.graphs.replays,  # decode steps run as graph segments
                "offload": v["offload"]}
         print(json.dumps(out), flush=True)
         return out

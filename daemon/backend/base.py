@@ -51,12 +51,25 @@ class Backend(Protocol):
     def to_host(self, x: Array) -> np.ndarray:
         ...
 
-    def run_step(self, step: Step, compute: Callable[[], Array], static: bool = False) -> Array:
+    def run_step(self, step: Step, compute: Callable[[], Array], static: bool = False,
+                 segmented: bool = False) -> Array:
         """compute() -> its output: the model's layers over `step`, run on this backend. static:
         compute needs nothing back on the host (no routing read, hooks or traces), so a backend
         may record the step once and replay it for steps of the same shape (the CUDA backend's
-        graphs); the results are the same bits either way."""
+        graphs); the results are the same bits either way. segmented: compute needs the host
+        only at its host points, reading only its routers' ids there: a backend may record it in
+        segments with the host work between them."""
         ...
+
+    def host_input(self, fn: Callable[[], np.ndarray], shape: tuple, dtype) -> Array:
+        """fn() (a host array of `shape`) as the backend's array, computed at this point of the step,
+        or of each replay of a recorded one."""
+        return np.ascontiguousarray(fn(), dtype)
+
+    def host_point(self, fn: Callable[[], None], sync: bool = True) -> None:
+        """Host work at this point of the step: fn() now, or at this point of each replay of a
+        recorded step (sync: once the work before it is done)."""
+        fn()
 
     # -- dense ---------------------------------------------------------------------------------
 

@@ -95,8 +95,14 @@ class CPUBackend:
 
     # -- dense ---------------------------------------------------------------------------------
 
-    def run_step(self, step: Step, compute, static: bool = False):
+    def run_step(self, step: Step, compute, static: bool = False, segmented: bool = False):
         return compute()
+
+    def host_point(self, fn, sync: bool = True) -> None:
+        fn()
+
+    def host_input(self, fn, shape, dtype) -> np.ndarray:
+        return np.ascontiguousarray(fn(), dtype)
 
     def embed(self, table, tokens: np.ndarray, step: Step | None = None) -> np.ndarray:
         return dequantize(table.raw[tokens], table.ggml_type, table.n_in)  # [T, D]
@@ -138,6 +144,8 @@ class CPUBackend:
         return ops.moe_mix(y, plan.slot_rows, np.ascontiguousarray(weights, dtype=np.float32))
 
     def router(self, logits, n_used, gating, norm_topk, scale, chosen=None):
+        if chosen is not None:
+            chosen = np.asarray(chosen, np.int64)
         if gating == "softmax_weight":
             ids = _top_k(logits, n_used) if chosen is None else chosen
             weights = ops.softmax_rows(np.take_along_axis(logits, ids, axis=1))

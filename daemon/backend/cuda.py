@@ -49,7 +49,7 @@ from ..model.weights import QWeight
 from . import cuda_experts as cx
 from .base import compose_expert_ffn, compose_expert_glu
 from .cuda_staged import StagedBatch
-from .cuda_transfer import Transfers, _check, _drv
+from .cuda_transfer import Transfers, _check, _drv, pinned_empty
 from .cuda_cache import DeviceKVCache, KVPool
 from .cuda_errors import CUDA_ERRORS
 from .cuda_graphs import GraphCache, nonblocking_stream
@@ -144,6 +144,7 @@ class CUDABackend:
         self._group_biases: dict[tuple, object] = {}  # upload groups' biases, concatenated
         self._iota = cuda.to_device(np.arange(1, dtype=np.int32))
         self._routed = None  # (host ids, device ids) of the last router call
+        self._pinned_ids: dict[tuple, np.ndarray] = {}  # routing read back by segmented graphs, by shape
         self._inputs: dict[int, dict] = {}  # decode-step input buffers by sequence count (graphs)
         self.bytes = {"weights": 0, "experts": 0, "kv": 0, "scratch": 0}  # VRAM held, by use
         self.estimate = None  # select.VRAMEstimate of the model, when select_backend made this
@@ -231,18 +232,49 @@ class CUDABackend:
 
     # -- steps ---------------------------------------------------------------------------------
 
+    @property
+    def capturing(self) -> bool:
+        """A step is being captured: nothing runs, launches are recorded."""
+        return self._capturing
+
+    def host_point(self, fn, sync: bool = True) -> None:
+        """fn() now; in a segmented capture, at this point of every launch of the step's graph
+        (after the stream is idle, if sync: fn reads what the step wrote so far)."""
+        cut = self.graphs.cutting
+        if cut is None:
+            fn()
+        else:
+            cut(fn, sync)
+
+    def host_input(self, fn, shape, dtype):
+        """fn() on the device, computed now; in a segmented capture, at this point of every launch
+        (written into page-locked memory the captured copy reads)."""
+        if self.graphs.cutting is None:
+            return self.put(np.ascontiguousarray(fn(), dtype))
+        host = pinned_empty(shape, dtype)  # kept alive by the closure, which the graph keeps
+
+        def write():
+            host[...] = fn()
+
+        self.host_point(write, sync=False)  # the previous launch's copy has run: the step synced at its end
+        dev = self._empty(shape, dtype)
+        Transfers.h2d_from_pinned(dev, host, self.stream)
+        return dev
+
     @_guarded
-    def run_step(self, step: Step, compute, static: bool = False):
+    def run_step(self, step: Step, compute, static: bool = False, segmented: bool = False):
         """compute() (the model's layers over `step`, launching on this backend) -> its output.
         static: compute reads nothing back to the host and every expert is resident, so a decode
         step may be captured once and replayed as a CUDA graph (bit-identical: the same kernels
-        on the same inputs)."""
-        key = self._graph_key(step) if static and self.use_graphs else None
+        on the same inputs). segmented: compute reads the host only at its host points (and its
+        routers' ids there), so a decode step may be captured as graph segments between them."""
+        key = self._graph_key(step) if (static or segmented) and self.use_graphs else None
         if key is None or key in self.graphs.failed:
             out = compute()
             if self.arrays is not None and self.arrays.held > _OP_BUFFERS_KEPT:
                 self.arrays.trim()  # a long prefill's activations: not held for the model's life
             return out
+        key = (*key, segmented)
         self._graph_inputs(step, key)
         g = self.graphs.get(key)
         if g is None:
@@ -252,7 +284,7 @@ class CUDABackend:
             if self.arrays is not None:  # the graph keeps what it uses: plain allocations, recorded
                 self.arrays.plain = True
             try:
-                g = self.graphs.capture(key, self.stream, compute)
+                g = self.graphs.capture(key, self.stream, compute, segmented)
             except (DeviceError, *CUDA_ERRORS) as e:  # graphs are an optimisation: this shape stays eager
                 self.graphs.failed.add(key)
                 log.warning("%s: capturing a decode step of %d sequences failed (%s); it runs eagerly",
@@ -471,12 +503,20 @@ class CUDABackend:
         T = logits.shape[0]
         if chosen is None:
             ids = self._empty((T, n_used), np.int32)
-        else:
+        elif isinstance(chosen, np.ndarray):
             ids = cuda.to_device(np.ascontiguousarray(chosen, dtype=np.int32), stream=self.stream)
+        else:  # already on the device (host_input)
+            ids = chosen
         weights = self._empty((T, n_used), _F32)
         router_k.route(logits, gating, norm_topk, scale, ids, weights, given=chosen is not None, stream=self.stream)
-        if self._capturing:  # nothing has run: no ids to read (the model asked for a graph: it needs none)
-            host = np.zeros((T, n_used), np.int64)
+        if self._capturing:
+            if self.graphs.cutting is not None:  # a segmented step: the ids are on the host at its next host point
+                host = self._pinned_ids.get((T, n_used))
+                if host is None:
+                    host = self._pinned_ids[(T, n_used)] = pinned_empty((T, n_used), np.int32)
+                Transfers.d2h(host, ids, self.stream)
+            else:  # nothing has run: no ids to read (the model asked for a graph: it needs none)
+                host = np.zeros((T, n_used), np.int64)
         else:
             host = self.to_host(ids).astype(np.int64)  # the one host sync of a MoE layer
         self._routed = (host, ids)

@@ -7,29 +7,39 @@ ExpertCache, storage/cache.py, its slots in pinned memory), and VRAM (here: per 
 of gate/up/down stacks in the kernels' repacked layout, S = MOE_GPU_CACHE_MB per layer / expert
 bytes).
 
-One layer of a step (`fetch`, right after routing; the routing came back to the host in the
+One layer of a step (`fetch` right after routing; the routing came back to the host in the
 router's one small copy):
-1. The experts split into ready (in VRAM), in flight (in VRAM, a prefetch's or admission's copy not
-   yet known done: their work waits on its events) and missing.
-2. The offload policy (offload.py) may send missing ones to the CPU. The rest get a slot (the
-   policy's victim among slots this step does not hold) and are copied on the fetch stream: every
-   missing expert's gate and up first, then the downs, each projection's raw bytes from the host
-   cache's pinned slot into a staging area, repacked into the slots by one kernel. Each slot
-   records its own two events: gate/up landed, down landed.
-3. `StagedBatch.compute` (the backend's expert_ffn) runs the ready experts' gate/up at once, makes
-   the compute stream wait on each copied expert's gate/up event, runs theirs, waits on each down
-   event, and runs every GPU pair's down projection; the kernels skip pairs of experts not in the
-   map they are given. Meanwhile the CPU computes its experts' pairs, scattered in afterwards.
+1. `_decide`: the experts split into ready (in VRAM), in flight (in VRAM, a prefetch's or
+   admission's copy not yet known done) and missing. The offload policy (offload.py) may send
+   missing ones to the CPU. The rest get a slot (the policy's victim among slots this step does
+   not hold) and are copied on the fetch stream: every missing expert's gate and up first, then
+   the downs, each projection's raw bytes from the host cache's pinned slot into a staging area,
+   repacked into the slots by one kernel. The layer's `gu` event is recorded after the gates and
+   ups, its `down` event after the downs; the maps (ready, later, every GPU expert) are written.
+2. `StagedBatch.compute` (the backend's expert_ffn) runs the ready experts' gate/up at once, makes
+   the compute stream wait on `gu`, runs the copied ones', waits on `down`, and runs every GPU
+   pair's down projection; the kernels skip pairs of experts not in the map they are given.
+3. `after_gpu` (a host point: the GPU's work is queued) computes the CPU's experts' pairs, which a
+   kernel scatters into the output; the slots are given back (the layer's `freed` event).
 4. Up to MOE_POSTFETCH_MAX_TRANSFERS experts computed on the CPU are admitted into VRAM in the
-   background (nothing waits for them now), so a burst of misses cannot stall a step.
+   background (nothing waits for them now: their copies record the layer's `bg` event), so a
+   burst of misses cannot stall a step.
+
+A decode step whose every layer fits its experts in one wave is captured as CUDA graph segments
+(`segmentable`; cuda_graphs.py): the host points of 1 and 3 cut it, and each replay runs segment,
+`_decide`, segment, `after_gpu`, ... The captured work is every launch a step could need (both
+gate/up launches, both waits, the scatter), steered by the maps and events `_decide` writes: the
+same kernels on the same bytes as an eager step.
 
 Invariants:
-- A slot is never overwritten while a kernel may read it: a copy into a slot first makes the fetch
-  stream wait on the slot's `freed` event, recorded on the compute stream when its last user released it.
+- A slot is never overwritten while a kernel may read it: a copy into a layer's slots first makes
+  the fetch stream wait on the layer's `freed` event, recorded on the compute stream after the last
+  kernels that read its slots.
 - A host slot is never overwritten while a copy reads it: its host cache entry stays pinned until
-  that copy's event is done.
-- A wrong prediction wastes a slot, never corrupts one: an expert's slot is only read after its
-  copy's events, and every read waits on them.
+  an event recorded after that copy is done.
+- A wrong prediction wastes a slot, never corrupts one: a slot is only read after its copy, every
+  read of an expert in flight waits on the layer's events, and the fetch stream runs in order, so
+  an event recorded on it after a copy covers that copy.
 - Bits: a pair's result depends on its row, its expert's bytes and its kernel, not on which launch
   or slot computed it, so with hybrid compute off tokens do not depend on any cache size or setting.
 
@@ -45,7 +55,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -57,8 +66,9 @@ from ..routing.replay import POLICIES, simulate_layer
 from ..storage.experts import PROJECTIONS, ExpertLayout, check_ids
 from .base import compose_expert_ffn
 from .cuda_errors import CUDA_ERRORS
-from .cuda_staged import StagedBatch, VRAMStats, _Rows
-from .cuda_transfer import Event, Transfers, _check, _drv
+from .cuda_weights import scatter_rows
+from .cuda_staged import Decision, StagedBatch, Timer, VRAMStats
+from .cuda_transfer import Event, Transfers, _check, _drv, pinned_empty
 from .offload import OffloadPolicy, parse_min_batch
 
 log = logging.getLogger("moed.device")
@@ -69,13 +79,11 @@ _HISTORY = 512  # per layer: the last steps' expert sets, for the Belady replay 
 
 
 class _Slot:
-    __slots__ = ("expert", "gu", "down", "freed", "freed_set", "pins", "pending", "issued_at", "prefetched",
-                 "used")
+    __slots__ = ("expert", "copied", "pins", "pending", "issued_at", "prefetched", "used")
 
     def __init__(self):
         self.expert = -1
-        self.gu, self.down, self.freed = Event(), Event(), Event()
-        self.freed_set = False  # freed recorded at least once
+        self.copied = None  # an event recorded after its copy (the layer's down or bg event)
         self.pins = 0
         self.pending = False  # a copy recorded, not yet seen done
         self.issued_at = 0.0
@@ -88,6 +96,7 @@ class _VLayer:
     layout: ExpertLayout
     capacity: int  # S
     stacks: tuple = ()  # gate, up: device uint8 [S, F, stride]; down: [S, D, stride]
+    gate_up: object = None  # gate and up as one array [2S, F, stride] (when alike), stacks[0:2] its halves
     biases: tuple = (None, None, None)  # device f32 [E, F|D] or None
     slots: list = field(default_factory=list)
     where: dict = field(default_factory=dict)  # expert -> slot index
@@ -97,25 +106,34 @@ class _VLayer:
     counted_from: int = 0  # history index where the current stats began
     maps: object = None  # device int32 [3, E]: ready now / after waits / every GPU expert
     map_rows: tuple = ()
+    decision: Decision | None = None  # the current (or last) step's
+    # events, recorded again each step: demand copies' gates and ups landed, their downs landed,
+    # background copies landed (fetch stream); the slots' last readers done, x on the host (compute)
+    gu: Event = field(default_factory=Event)
+    down: Event = field(default_factory=Event)
+    bg: Event = field(default_factory=Event)
+    freed: Event = field(default_factory=Event)
+    freed_set: bool = False  # freed recorded at least once
+    x_ready: Event = field(default_factory=Event)
+    timer: Timer = field(default_factory=Timer)
     stats: VRAMStats = field(default_factory=VRAMStats)
 
 
 class _Hold:
-    """What fetch returns: the staged batch in the block; afterwards every slot it used is
-    released (freed event recorded) and its host pins are handed to the reaper."""
+    """What fetch returns: the staged batch in the block. Its slots are given back by the host
+    point after the GPU's work (or here, if the block ended before it)."""
 
-    __slots__ = ("cache", "vl", "used", "host_held", "copy_event", "batch")
+    __slots__ = ("cache", "vl", "batch")
 
-    def __init__(self, cache, vl, used, host_held, copy_event, batch):
-        self.cache, self.vl, self.used, self.host_held, self.copy_event, self.batch = (
-            cache, vl, used, host_held, copy_event, batch)
+    def __init__(self, cache, vl, batch):
+        self.cache, self.vl, self.batch = cache, vl, batch
 
     def __enter__(self) -> StagedBatch:
         return self.batch
 
     def __exit__(self, *exc) -> None:
-        self.cache._release(self.vl, self.used, self.host_held, self.copy_event)
-        self.used, self.host_held = [], None
+        if not self.batch.graph:
+            self.cache._release(self.vl)
 
 
 class VRAMExpertCache:
@@ -149,7 +167,8 @@ class VRAMExpertCache:
         self._layers: dict[int, _VLayer] = {}
         self._warned: set[str] = set()
         self._reap_list: list = []  # (event, host hold): released once the event is done
-        self._timers: deque = deque()
+        self._x_bufs: dict = {}  # (T, D) -> page-locked f32 [T, D]: x for the CPU's experts
+        self._cpu_bufs: dict = {}  # (P, D) -> _CPUOut: their outputs, scattered in by the GPU
         self._first_layer = min(layouts) if layouts else -1
         self._counted = None  # the routing last counted toward stats' tokens
         self.vram_bytes = 0
@@ -159,7 +178,7 @@ class VRAMExpertCache:
                 self._layers[il] = self._make_layer(il, lay, cap)
             self._staging_bytes = max(scratchpad_bytes, self._min_staging()) if not force_cpu else 0
             self._staging = self._zeros(self._staging_bytes) if self._staging_bytes else None
-            self._slot_list = cuda.device_array(max([lay.n_expert for lay in layouts.values()] or [1]), np.int32)
+            self._slot_list = cuda.device_array(2 * max([lay.n_expert for lay in layouts.values()] or [1]), np.int32)
         except CUDA_ERRORS as e:  # out of memory: every expert computes on the CPU instead
             self._warn("alloc", "VRAM for the expert cache (%s MiB) could not be allocated (%s): experts compute "
                        "on the CPU", budget_bytes >> 20, e)
@@ -169,7 +188,11 @@ class VRAMExpertCache:
             for il, lay in layouts.items():
                 self._layers[il] = self._make_layer(il, lay, 0)
         self._staging_views: dict = {}
+        self._slot_views: dict = {}
         backend.bytes["experts"] += self.vram_bytes  # the backend's VRAM tally (moed ps)
+        # the scatter compiled now: a captured step launches it even if no eager step did
+        one = cuda.device_array((1, 1), np.float32)
+        scatter_rows(one, cuda.to_device(np.full(1, -1, np.int32)), one, backend.stream)
 
     @classmethod
     def from_settings(cls, host, backend, cfg, say=lambda _msg: None) -> VRAMExpertCache:
@@ -239,7 +262,14 @@ class VRAMExpertCache:
         vl.maps = cuda.device_array((3, lay.n_expert), np.int32)
         vl.map_rows = tuple(vl.maps[i] for i in range(3))
         if cap:
-            vl.stacks = tuple(self._zeros((cap, rows, repacked_stride(t, k))) for rows, t, k in _projections(lay))
+            (gr, gt, gk), up, (dr, dt, dk) = _projections(lay)
+            down = self._zeros((cap, dr, repacked_stride(dt, dk)))
+            if up == (gr, gt, gk):  # one allocation [2S, R, stride]: gate and up repacked by one launch
+                vl.gate_up = self._zeros((2 * cap, gr, repacked_stride(gt, gk)))
+                vl.stacks = (vl.gate_up[:cap], vl.gate_up[cap:], down)
+            else:
+                vl.stacks = (self._zeros((cap, gr, repacked_stride(gt, gk))),
+                             self._zeros((cap, up[0], repacked_stride(up[1], up[2]))), down)
             vl.slots = [_Slot() for _ in range(cap)]
         vl.biases = tuple(None if b is None else cuda.to_device(np.ascontiguousarray(b, np.float32))
                           for b in self.host.biases(il))
@@ -258,11 +288,12 @@ class VRAMExpertCache:
         return a
 
     def _min_staging(self) -> int:
-        """The largest layer's experts for one token (A experts' largest projection each, at least one)."""
+        """Room to copy up to 8 experts of the largest layer at once (each chunk: their gates and ups,
+        or their downs)."""
         most = 0
         for vl in self._layers.values():
-            proj = max(vl.layout.nbytes(p) for p in PROJECTIONS)
-            most = max(most, proj * min(vl.capacity or 1, 8))
+            gate, up, down = (vl.layout.nbytes(p) for p in PROJECTIONS)
+            most = max(most, max(gate + up, down) * min(vl.capacity or 1, 8))
         return most
 
     # -- the provider interface ----------------------------------------------------------------
@@ -270,9 +301,20 @@ class VRAMExpertCache:
     def layout(self, layer: int) -> ExpertLayout:
         return self.host.layout(layer)
 
+    def segmentable(self, pairs: int) -> bool:
+        """Whether a decode step of `pairs` (row, expert) pairs may be captured as graph segments:
+        every layer can hold all of its experts at once (one wave), with gate and up of one type
+        (fused), and the GPU computes some."""
+        return not self.force_cpu and all(
+            vl.capacity >= min(pairs, vl.layout.n_expert) and vl.layout.gate_type == vl.layout.up_type
+            for vl in self._layers.values())
+
     def waves(self, layer: int, ids) -> list[list[int]]:
-        """Waves of at most the layer's slots (ready ones first); one when every expert computes on the CPU."""
+        """Waves of at most the layer's slots (ready ones first); one when every expert computes on
+        the CPU, or while a step is captured (segmentable: its ids are not known yet)."""
         vl = self._layer(layer)
+        if self.backend.capturing:
+            return [[]]
         ids = [int(e) for e in ids]
         if self.force_cpu or len(ids) <= vl.capacity or not vl.capacity:
             return [ids]
@@ -281,13 +323,29 @@ class VRAMExpertCache:
         return [order[i:i + room] for i in range(0, len(order), room)]
 
     def fetch(self, layer: int, ids, routed=None) -> _Hold:
+        """The staged batch of `ids` (of the step's routing `routed` [T, A]). While a step is
+        captured, `routed` is the router's page-locked copy: the decision is a host point, made at
+        each replay from what it holds then."""
         vl = self._layer(layer)
-        wanted = list(dict.fromkeys(int(e) for e in ids))
+        if self.backend.capturing:
+            self.backend.host_point(lambda: self._decide(vl, layer, None, routed, graph=True), sync=True)
+            return _Hold(self, vl, StagedBatch(self, vl, graph=True))
+        self._decide(vl, layer, ids, routed)
+        return _Hold(self, vl, StagedBatch(self, vl))
+
+    def _decide(self, vl: _VLayer, layer: int, ids, routed, graph: bool = False) -> None:
+        """The layer's decision for this step (module doc, 1): vl.decision."""
+        if vl.decision is not None and not vl.decision.released:
+            self._release(vl)  # a step that failed before giving its slots back
+        if ids is None:  # a replay: the routing the router just copied
+            routed = np.array(routed, np.int64)
+            ids = routed
+        elif routed is None:
+            routed = np.array([list(ids)], np.int64)
+        wanted = list(dict.fromkeys(routed.reshape(-1).tolist() if ids is routed else (int(e) for e in ids)))
         check_ids(layer, wanted, vl.layout.n_expert)
         self._reap()
-        if routed is None:
-            routed = np.array([wanted], np.int64)
-        counts = dict(zip(*np.unique(routed, return_counts=True)))
+        self._fold_timer(vl)
         st = vl.stats
         vl.clock += 1
         vl.history.append(frozenset(wanted))
@@ -300,6 +358,7 @@ class VRAMExpertCache:
             self._counted = routed
             st.tokens += routed.shape[0]
         now = time.monotonic()
+        tr = self.transfers
         ready, flying, missing, cpu, fallback = [], [], [], [], []
         for e in wanted:
             si = vl.where.get(e)
@@ -311,7 +370,7 @@ class VRAMExpertCache:
             if s.prefetched and not s.used:
                 st.prefetch_used += 1
             s.used = True
-            if s.pending and self.transfers.done(s.down):
+            if s.pending and tr.done(s.copied):
                 s.pending = False
             if not s.pending:
                 ready.append(e)
@@ -332,9 +391,11 @@ class VRAMExpertCache:
         elif missing:
             if not self.block_on_miss and self.offload.hybrid:
                 chosen = set(missing)
+            elif self.offload.hybrid:
+                counts = np.bincount(routed.reshape(-1), minlength=vl.layout.n_expert)
+                chosen = self.offload.on_cpu({e: int(counts[e]) for e in missing}, vl.layout.expert_nbytes)
             else:
-                chosen = self.offload.on_cpu({e: int(counts.get(e, 1)) for e in missing},
-                                             vl.layout.expert_nbytes)
+                chosen = ()
             cpu = [e for e in missing if e in chosen]
             st.cpu_hybrid += len(cpu)
             missing = [e for e in missing if e not in chosen]
@@ -373,49 +434,88 @@ class VRAMExpertCache:
                 vl.slots[vl.where[e]].pins -= 1
             raise
         host_batch = held.batch if held is not None else None
-        copy_event = timer = None
+        copy_event = None
         failed = []
         if copy or admit:
-            tr = self.transfers
             try:
                 if copy:
-                    timer = tr.record(Event(timing=True), tr.fetch), Event(timing=True)
-                    copy_event = self._copy_in(vl, copy, host_batch)
-                    tr.record(timer[1], tr.fetch)
+                    tr.record(vl.timer.c[0], tr.fetch)
+                    copy_event = self._copy_in(vl, copy, host_batch, background=False)
+                    tr.record(vl.timer.c[1], tr.fetch)
+                    vl.timer.copies = True
                 if admit:
-                    copy_event = self._copy_in(vl, admit, host_batch)
-                    for _e, si in admit:
-                        vl.slots[si].prefetched, vl.slots[si].used = True, False
+                    copy_event = self._copy_in(vl, admit, host_batch, background=True)
             except (*CUDA_ERRORS, OSError, RuntimeError, ValueError) as err:
                 self._copy_failed(vl, copy + admit, err)
                 failed = [e for e, _ in copy]
                 st.fallbacks += len(failed)
                 cpu += failed
-                copy, admit, copy_event, timer = [], [], None, None
+                copy, admit, copy_event = [], [], None
+                vl.timer.copies = False
             st.copied_demand += len(copy)
             st.admitted += len(admit)
-        gpu_now = ready
-        gpu_later = flying + [e for e, _ in copy]
-        rows = {e: vl.where[e] for e in gpu_now + gpu_later}
+        if flying and not copy:  # the fetch stream runs in order: these cover the copies in flight
+            tr.record(vl.gu, tr.fetch)
+            tr.record(vl.down, tr.fetch)
+        later = flying + [e for e, _ in copy]
+        rows = {e: vl.where[e] for e in ready + later}
         maps = np.full((3, vl.layout.n_expert), -1, np.int32)
-        for e in gpu_now:
+        for e in ready:
             maps[0, e] = rows[e]
-        for e in gpu_later:
+        for e in later:
             maps[1, e] = rows[e]
-        for e, s in rows.items():
-            maps[2, e] = s
-        self.transfers.upload_into(vl.maps, maps, self.backend.stream)
-        used = [rows[e] for e in rows]
-        later_slots = [vl.slots[rows[e]] for e in gpu_later]
-        gate, up, down = vl.stacks if vl.stacks else (None, None, None)
-        batch = StagedBatch(gate, up, down, _Rows(rows, vl.map_rows[2]), *vl.biases, vl.map_rows[0], vl.map_rows[1],
-                            [s.gu for s in later_slots], [s.down for s in later_slots], cpu, host_batch,
-                            routed, self, vl, timer, covers_all=len(rows) == len(counts))
+        for e, si in rows.items():
+            maps[2, e] = si
+        tr.upload_into(vl.maps, maps, self.backend.stream)
+        if graph:  # a replay records the waits' marks every step: read them when it waited on copies
+            vl.timer.waits = bool(later)
+        n_routed = len(wanted) if ids is routed else len(set(routed.reshape(-1).tolist()))  # of every wave
+        vl.decision = Decision(rows, later, cpu, list(rows.values()), held, routed, copy_event,
+                               covers_all=len(rows) == n_routed)
         if self.debug:
             log.info("postfetch layer %d: %d experts, %d ready, %d in flight, %d copied (%.1f MiB), %d on the CPU "
-                     "(%d fallbacks), %d admitted", layer, len(wanted), len(gpu_now), len(flying), len(copy),
+                     "(%d fallbacks), %d admitted", layer, len(wanted), len(ready), len(flying), len(copy),
                      len(copy) * vl.layout.expert_nbytes / 2**20, len(cpu), len(fallback) + len(failed), len(admit))
-        return _Hold(self, vl, used, held, copy_event, batch)
+
+    def after_gpu(self, vl: _VLayer, T: int, P: int, layout, kind, alpha, limit) -> None:
+        """The host point after a layer's GPU expert work is queued (module doc, 3)."""
+        d = vl.decision
+        try:
+            out = self._cpu_bufs.get((P, layout.n_embd))
+            if d.cpu:
+                tr = self.transfers
+                tr.synchronize(vl.x_ready)
+                t0 = time.perf_counter()
+                pairs, yc = self.cpu_pairs(self.x_host(T, layout.n_embd), d.routed, d.cpu, d.host_batch, layout,
+                                           kind, alpha, limit)
+                vl.stats.cpu_ms += (time.perf_counter() - t0) * 1e3
+                out = self.cpu_out(P, layout.n_embd)
+                padded = np.full(P, -1, np.int32)
+                padded[:pairs.size] = pairs
+                tr.upload_into(out.y, yc, self.backend.stream)
+                tr.upload_into(out.pairs, padded, self.backend.stream)
+                out.dirty = True
+            elif out is not None and out.dirty:  # a captured step scatters every layer: nothing this time
+                self.transfers.upload_into(out.pairs, np.full(P, -1, np.int32), self.backend.stream)
+                out.dirty = False
+        finally:
+            self._release(vl)
+
+    def x_host(self, T: int, D: int) -> np.ndarray:
+        """Page-locked f32 [T, D]: a layer's x for its CPU experts (one for all layers: each is read
+        before the next layer's is written)."""
+        buf = self._x_bufs.get((T, D))
+        if buf is None:
+            buf = self._x_bufs[(T, D)] = pinned_empty((T, D), np.float32)
+        return buf
+
+    def cpu_out(self, P: int, D: int) -> _CPUOut:
+        """Device buffers of the CPU experts' outputs (one for all layers, written in stream order)."""
+        out = self._cpu_bufs.get((P, D))
+        if out is None:
+            out = self._cpu_bufs[(P, D)] = _CPUOut(cuda.device_array((P, D), np.float32),
+                                                   cuda.to_device(np.full(P, -1, np.int32)))
+        return out
 
     def prefetch(self, layer: int, ids) -> None:
         """Predicted experts (Path A, speculative): read into host memory, and copied into free or
@@ -442,7 +542,7 @@ class VRAMExpertCache:
             self._forget(vl, items)
             raise
         try:
-            ev = self._copy_in(vl, items, held.batch)
+            ev = self._copy_in(vl, items, held.batch, background=True)
         except (*CUDA_ERRORS, OSError, RuntimeError, ValueError) as err:
             self._copy_failed(vl, items, err)
             held.__exit__(None, None, None)
@@ -473,40 +573,66 @@ class VRAMExpertCache:
         y = compose_expert_ffn(self.cpu, self.cpu.prepare(xs), host_batch, layout, plan, kind, alpha, limit)
         return pairs, np.ascontiguousarray(y[plan.slot_rows.reshape(-1)], dtype=np.float32)  # plan order -> pairs
 
-    def _copy_in(self, vl: _VLayer, items: list, host_batch) -> Event:
+    def _copy_in(self, vl: _VLayer, items: list, host_batch, background: bool) -> Event:
         """Copy experts (expert, slot) from the host batch into their slots on the fetch stream:
-        every gate and up, then every down; each slot's events recorded. -> the last event."""
+        every gate and up, then every down, in chunks the staging area holds, each chunk's
+        projections repacked by one launch (gate and up together when alike). A step's own
+        copies record the layer's gu and down events, background ones its bg event. -> the last
+        event recorded."""
         tr = self.transfers
         fs = tr.fetch
+        if vl.freed_set:
+            tr.wait(fs, vl.freed)  # the slots' earlier experts' last kernels have run
+        lay, S = vl.layout, vl.capacity
+        (gr, gt, _), (ur, ut, _), (dr, dt, _) = _projections(lay)
+        g_rb, u_rb, d_rb = (lay.shape(p)[1] for p in PROJECTIONS)
+        fit = max(1, self._staging_bytes // max(gr * g_rb + ur * u_rb, dr * d_rb))  # experts a chunk
+        chunks = [items[c0:c0 + fit] for c0 in range(0, len(items), fit)]
+        # per chunk [its slots, the same + S] (the joint gate/up targets), uploaded once: the down and
+        # a lone gate or up read the first half
+        slots = np.array([si for _, si in items], np.int32)
+        tr.upload_into(self._slot_list, np.concatenate(
+            [np.concatenate([slots[c0:c0 + fit], slots[c0:c0 + fit] + S]) for c0 in range(0, len(items), fit)]), fs)
+        at = 0
+        for chunk in chunks:
+            m = len(chunk)
+            one, both = self._slot_view(at, m), self._slot_view(at, 2 * m)
+            if vl.gate_up is not None:
+                for i, (e, _si) in enumerate(chunk):
+                    tr.h2d(self._staging, host_batch_view(host_batch, 0, e), offset=i * gr * g_rb)
+                    tr.h2d(self._staging, host_batch_view(host_batch, 1, e), offset=(m + i) * gr * g_rb)
+                repack_into_slots(self._staging_view(2 * m, gr, g_rb), vl.gate_up, both, gt, stream=fs)
+            else:
+                for p, rows, rb, t in ((0, gr, g_rb, gt), (1, ur, u_rb, ut)):
+                    for i, (e, _si) in enumerate(chunk):
+                        tr.h2d(self._staging, host_batch_view(host_batch, p, e), offset=i * rows * rb)
+                    repack_into_slots(self._staging_view(m, rows, rb), vl.stacks[p], one, t, stream=fs)
+            at += 2 * m
+        if not background:
+            tr.record(vl.gu, fs)
+        at = 0
+        for chunk in chunks:
+            m = len(chunk)
+            for i, (e, _si) in enumerate(chunk):
+                tr.h2d(self._staging, host_batch_view(host_batch, 2, e), offset=i * dr * d_rb)
+            repack_into_slots(self._staging_view(m, dr, d_rb), vl.stacks[2], self._slot_view(at, m), dt, stream=fs)
+            at += 2 * m
+        last = tr.record(vl.bg if background else vl.down, fs)
         now = time.monotonic()
         for e, si in items:
             s = vl.slots[si]
-            if s.freed_set:
-                tr.wait(fs, s.freed)  # its previous expert's last kernels have run
-        last = None
-        for group in ((0, 1), (2,)):
-            for p in group:
-                rows, t, k = _projections(vl.layout)[p]
-                rb = vl.layout.shape(PROJECTIONS[p])[1]
-                per = rows * rb
-                fit = max(1, self._staging_bytes // per)
-                for c0 in range(0, len(items), fit):
-                    chunk = items[c0:c0 + fit]
-                    for i, (e, _si) in enumerate(chunk):
-                        src = host_batch_view(host_batch, p, e)
-                        tr.h2d(self._staging, src, offset=i * per)
-                    tr.upload_into(self._slot_list, np.array([si for _, si in chunk], np.int32), fs)
-                    repack_into_slots(self._staging_view(len(chunk), rows, rb), vl.stacks[p],
-                                      self._slot_list, t, stream=fs)
-            for e, si in items:
-                s = vl.slots[si]
-                last = tr.record(s.gu if group == (0, 1) else s.down, fs)
-        for e, si in items:
-            s = vl.slots[si]
-            s.pending, s.issued_at = True, now
+            s.pending, s.issued_at, s.copied = True, now, last
         vl.stats.loads += len(items)
         vl.stats.bytes_copied += len(items) * vl.layout.expert_nbytes
         return last
+
+    def _slot_view(self, at: int, n: int):
+        """The slot list's entries at..at+n (views made once)."""
+        key = (at, n)
+        v = self._slot_views.get(key)
+        if v is None:
+            v = self._slot_views[key] = self._slot_list[at:at + n]
+        return v
 
     def _staging_view(self, n: int, rows: int, rb: int):
         """The staging area's first n experts of [rows, rb] (views made once)."""
@@ -516,19 +642,17 @@ class VRAMExpertCache:
             v = self._staging_views[key] = self._staging[:n * rows * rb].reshape(n, rows, rb)
         return v
 
-    def _fold_timers(self, wait: bool = False) -> None:
-        tr = self.transfers
-        while self._timers:
-            vl, t = self._timers[0]
-            last = (t.w[3],) if t.c is None else (t.w[3], t.c[1])
-            if not wait and not all(tr.done(ev) for ev in last):
-                return
-            self._timers.popleft()
-            for ev in last:
-                tr.synchronize(ev)
-            if t.c is not None:
-                vl.stats.copy_ms += tr.elapsed_ms(*t.c)
+    def _fold_timer(self, vl: _VLayer) -> None:
+        """The layer's last timed copies and waits into its stats (done by now: the compute stream
+        has passed them; else waited for)."""
+        t, tr = vl.timer, self.transfers
+        if t.copies:
+            tr.synchronize(t.c[1])
+            vl.stats.copy_ms += tr.elapsed_ms(*t.c)
+        if t.waits:
+            tr.synchronize(t.w[3])
             vl.stats.stall_ms += tr.elapsed_ms(t.w[0], t.w[1]) + tr.elapsed_ms(t.w[2], t.w[3])
+        t.copies = t.waits = False
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
@@ -587,18 +711,23 @@ class VRAMExpertCache:
         self._warn("copy", "an expert copy to %s failed (%s): such experts compute on the CPU", self.backend.name, err)
         self._forget(vl, items)
 
-    def _release(self, vl: _VLayer, used: list[int], host_held, copy_event) -> None:
-        tr = self.transfers
-        for si in used:
-            s = vl.slots[si]
-            s.pins -= 1
-            tr.record(s.freed, self.backend.stream)
-            s.freed_set = True
-        if host_held is not None:
-            if copy_event is None:
-                host_held.__exit__(None, None, None)
+    def _release(self, vl: _VLayer) -> None:
+        """Give back the slots of the layer's decision (its kernels are queued) and hand its host
+        pins to the reaper."""
+        d = vl.decision
+        if d is None or d.released:
+            return
+        d.released = True
+        for si in d.used:
+            vl.slots[si].pins -= 1
+        if d.used:
+            self.transfers.record(vl.freed, self.backend.stream)
+            vl.freed_set = True
+        if d.host_held is not None:
+            if d.copy_event is None:
+                d.host_held.__exit__(None, None, None)
             else:  # a copy may still read the host slots
-                self._reap_list.append((copy_event, host_held))
+                self._reap_list.append((d.copy_event, d.host_held))
 
     def _reap(self) -> None:
         """Release host pins whose copies are done; fold finished timing samples."""
@@ -610,8 +739,6 @@ class VRAMExpertCache:
                 else:
                     keep.append((ev, held))
             self._reap_list = keep
-        if self._timers:
-            self._fold_timers()
 
     def _warn(self, key: str, msg: str, *args) -> None:
         if key not in self._warned:
@@ -624,7 +751,8 @@ class VRAMExpertCache:
         """The VRAM tier's counters per layer and in total, with a Belady and an LRU replay of the
         same requests at the same capacity (what an oracle would have hit), over the last
         256-512 steps of each layer kept, counted from the last reset_stats."""
-        self._fold_timers(wait=True)
+        for vl in self._layers.values():
+            self._fold_timer(vl)
         total = VRAMStats()
         per = {}
         belady_hits = lru_hits = replayed = 0
@@ -649,8 +777,8 @@ class VRAMExpertCache:
         return out
 
     def reset_stats(self) -> None:
-        self._fold_timers(wait=True)
         for vl in self._layers.values():
+            self._fold_timer(vl)
             vl.stats = VRAMStats()
             vl.counted_from = len(vl.history)
 
@@ -668,6 +796,16 @@ class VRAMExpertCache:
         self.backend.bytes["experts"] -= self.vram_bytes
         self.vram_bytes = 0
         self.host.close()
+
+
+class _CPUOut:
+    """Device buffers the CPU's pairs of a layer are scattered from: y f32 [P, D], pairs int32 [P]
+    (-1 past the last: skipped); dirty: pairs holds some."""
+
+    __slots__ = ("y", "pairs", "dirty")
+
+    def __init__(self, y, pairs):
+        self.y, self.pairs, self.dirty = y, pairs, False
 
 
 def _projections(lay: ExpertLayout) -> tuple:

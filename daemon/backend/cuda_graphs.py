@@ -17,6 +17,13 @@ A captured graph holds the addresses of every array its kernels touch, so
 
 Captures use a non-blocking stream (numba's own streams serialize against the legacy default
 stream, which capturing forbids) in relaxed mode, so allocations may happen while capturing.
+
+A step that must decide something on the host while it runs (which experts to copy into VRAM,
+once the router has chosen them: cuda_expert_cache.py) is captured in segments: each host point
+(`GraphCache.cutting(fn, sync)`, called by the backend's host_point while capturing) ends one
+graph and begins the next, and a launch runs segment, host work, segment, ... The host work only
+enqueues copies and events and writes the small buffers the next segment reads, so the kernels,
+their arguments and their bits are those of the eager step.
 """
 
 from __future__ import annotations
@@ -78,22 +85,37 @@ class _StreamOwner:
 
 
 class Graph:
-    """An instantiated graph, the arrays it reads and writes, and the step output it leaves."""
+    """An instantiated step: its segments (one, unless captured with host points) and the host work
+    between them, the arrays they read and write, and the step output they leave."""
 
-    def __init__(self, graph, exe, keep: list, out):
-        self._graph, self._exe = graph, exe
+    def __init__(self, items: list, keep: list, out):
+        self._items = items  # in launch order: (graph, exe) of a segment, or (fn, sync) host work
         self.keep = keep  # every allocation made while capturing
         self.out = out  # the step's output array (rewritten by each launch)
         self.nbytes = sum(int(getattr(m, "size", 0)) for m in keep)  # the VRAM they hold
 
+    @property
+    def segments(self) -> int:
+        return sum(1 for _a, b in self._items if not isinstance(b, bool))
+
     def launch(self, stream) -> None:
-        _check(_drv().cuGraphLaunch(self._exe, stream.handle))
+        drv = _drv()
+        handle = stream.handle
+        for a, b in self._items:
+            if isinstance(b, bool):  # host work: fn, sync
+                if b:  # the host reads what the segments before wrote
+                    _check(drv.cuStreamSynchronize(handle))
+                a()
+            else:
+                _check(drv.cuGraphLaunch(b, handle))
 
     def __del__(self):
         try:
             drv = _drv()
-            drv.cuGraphExecDestroy(self._exe)
-            drv.cuGraphDestroy(self._graph)
+            for graph, exe in self._items:
+                if not isinstance(exe, bool):
+                    drv.cuGraphExecDestroy(exe)
+                    drv.cuGraphDestroy(graph)
         except Exception:  # noqa: BLE001
             pass
 
@@ -109,6 +131,7 @@ class GraphCache:
         self.failed: set = set()  # keys whose capture failed: always eager
         self.captures = 0
         self.replays = 0
+        self.cutting = None  # while a segmented capture runs: cut(fn, sync) ends a segment there
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -135,33 +158,66 @@ class GraphCache:
         self._graphs.clear()
         self._seen.clear()
 
-    def capture(self, key, stream, compute) -> Graph:
+    def capture(self, key, stream, compute, segmented: bool = False) -> Graph:
         """Record compute() (which launches on `stream` and returns the step's output array) as a
-        graph, keeping every allocation it makes alive. Nothing runs until the graph is launched."""
+        graph, keeping every allocation it makes alive. Nothing runs until the graph is launched.
+        segmented: compute's host points (self.cutting) split it into segments."""
         drv = _drv()
         ctx = cuda.current_context()
         keep: list = []
         plain = ctx.memalloc
+        mode = drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+        items: list = []  # (graph, None) per segment until instantiated, (fn, sync) per host point
+        open_ = [False]
 
         def recording(size):
             mem = plain(size)
             keep.append(mem)
             return mem
 
-        mode = drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
-        with ctx.defer_cleanup():  # no frees while capturing
-            ctx.memalloc = recording  # an instance attribute over the class's method
-            try:
-                _check(drv.cuStreamBeginCapture(stream.handle, mode))
+        def begin():
+            _check(drv.cuStreamBeginCapture(stream.handle, mode))
+            open_[0] = True
+
+        def end():
+            open_[0] = False
+            graph = _check(drv.cuStreamEndCapture(stream.handle))
+            if _check(drv.cuGraphGetNodes(graph, 0))[1] == 0:  # nothing since the last host point
+                drv.cuGraphDestroy(graph)
+            else:
+                items.append((graph, None))
+
+        def cut(fn, sync):
+            end()
+            items.append((fn, sync))
+            begin()
+
+        try:
+            with ctx.defer_cleanup():  # no frees while capturing
+                ctx.memalloc = recording  # an instance attribute over the class's method
+                self.cutting = cut if segmented else None
                 try:
+                    begin()
                     out = compute()
+                    end()
                 finally:
-                    graph = drv.cuStreamEndCapture(stream.handle)
-                graph = _check(graph)
-            finally:
-                del ctx.memalloc
-        exe = _check(drv.cuGraphInstantiate(graph, 0))
-        g = Graph(graph, exe, keep, out)
+                    self.cutting = None
+                    if open_[0]:  # compute raised: the capture is abandoned
+                        err, graph = drv.cuStreamEndCapture(stream.handle)
+                        if err == drv.CUresult.CUDA_SUCCESS and graph is not None:
+                            drv.cuGraphDestroy(graph)
+                    del ctx.memalloc
+            for i, (a, b) in enumerate(items):
+                if b is None:
+                    items[i] = (a, _check(drv.cuGraphInstantiate(a, 0)))
+        except BaseException:
+            for a, b in items:
+                if not isinstance(b, bool):
+                    if b is not None:
+                        drv.cuGraphExecDestroy(b)
+                    drv.cuGraphDestroy(a)
+            raise
+        g = Graph(items, keep, out)
         self._graphs[key] = g
         self.captures += 1
         while len(self._graphs) > self.limit:

@@ -103,15 +103,47 @@ class Transfers:
         _check(_drv().cuMemcpyHtoDAsync(int(dst.gpu_data.device_pointer), src.ctypes.data, int(src.nbytes),
                                         int(stream.handle)))
 
-    def record(self, event: Event, stream) -> Event:
+    @staticmethod
+    def h2d_from_pinned(dst, src: np.ndarray, stream) -> None:
+        """The first src.nbytes bytes of a C-contiguous device array <- src (page-locked: the copy
+        reads it when it runs, so it may be captured), on `stream`."""
+        if SIM:
+            Transfers.upload_into(dst, src, stream)
+            return
+        _check(_drv().cuMemcpyHtoDAsync(int(dst.gpu_data.device_pointer), src.ctypes.data, int(src.nbytes),
+                                        int(stream.handle)))
+
+    @staticmethod
+    def d2h(dst: np.ndarray, src, stream) -> None:
+        """dst (a C-contiguous host array, page-locked when the stream is being captured) <- the
+        first dst.nbytes bytes of a C-contiguous device array, in `stream`'s order."""
+        if SIM:
+            flat = src.reshape(-1) if src.ndim > 1 else src
+            dst.reshape(-1)[:] = flat[:dst.size].copy_to_host(stream=stream)
+            return
+        _check(_drv().cuMemcpyDtoHAsync(dst.ctypes.data, int(src.gpu_data.device_pointer), int(dst.nbytes),
+                                        int(stream.handle)))
+
+    def record(self, event: Event, stream, external: bool = False) -> Event:
+        """external: the stream is being captured and the event is one the host (or another
+        stream) reads: recorded at each launch of the graph (CU_EVENT_RECORD_EXTERNAL)."""
         if event.handle is not None:
-            _check(_drv().cuEventRecord(event.handle, int(stream.handle)))
+            drv = _drv()
+            if external:
+                _check(drv.cuEventRecordWithFlags(event.handle, int(stream.handle),
+                                                  drv.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL.value))
+            else:
+                _check(drv.cuEventRecord(event.handle, int(stream.handle)))
         return event
 
-    def wait(self, stream, event: Event) -> None:
-        """`stream` waits for `event` (its most recent record), not for the stream that recorded it."""
+    def wait(self, stream, event: Event, external: bool = False) -> None:
+        """`stream` waits for `event` (its most recent record), not for the stream that recorded it.
+        external: the stream is being captured and the event is recorded outside the graph: each
+        launch waits on its record then (CU_EVENT_WAIT_EXTERNAL)."""
         if event.handle is not None:
-            _check(_drv().cuStreamWaitEvent(int(stream.handle), event.handle, 0))
+            drv = _drv()
+            flags = drv.CUevent_wait_flags.CU_EVENT_WAIT_EXTERNAL.value if external else 0
+            _check(drv.cuStreamWaitEvent(int(stream.handle), event.handle, flags))
 
     def done(self, event: Event) -> bool:
         """Whether everything before the event's last record has run (never waits)."""

@@ -141,11 +141,13 @@ def _scatter_rows(src, rows, out):
     if i < rows.shape[0] * n:
         r = i // n
         c = i - r * n
-        out[rows[r], c] = src[r, c]
+        t = rows[r]
+        if t >= 0:
+            out[t, c] = src[r, c]
 
 
 def scatter_rows(src, rows, out, stream=0) -> None:
-    """out[rows[i]] = src[i] (device f32 src [R, N], out [T, N]; rows device int32 [R])."""
+    """out[rows[i]] = src[i] for rows[i] >= 0 (device f32 src [R, N], out [T, N]; rows device int32 [R])."""
     n = rows.shape[0] * out.shape[1]
     if n:
         launch(_scatter_rows, (n + _THREADS - 1) // _THREADS, _THREADS, stream, src, rows, out)

@@ -106,6 +106,7 @@ class Transformer:
         self.trace = None  # callable(layer, ids [T, A]) observing routing decisions
         # callable(layer, positions [T]) -> ids [T, A] replacing the router's top-k (MOE_ROUTING_REPLAY)
         self.route_override = None
+        self._step = None  # the step running (its positions feed the routing override)
         self.step_hooks = None  # .begin(tokens [T]) per forward pass, .layer_input(il, x [T, D]) per layer
         self.ffn_observer = None  # callable(layer, x [T, D], h [T, F]) observing dense FFN activations
 
@@ -210,14 +211,21 @@ class Transformer:
     def _run(self, step: Step) -> np.ndarray:
         """The layers over the step's rows. -> logits [T, V], or of each sequence's last row."""
         B = self.backend
-        return B.to_host(B.run_step(step, lambda: self._layers(step), static=self._static()))
+        begin_pass = getattr(self.experts, "begin_pass", None)  # a streaming provider's per-pass bookkeeping
+        if begin_pass is not None:
+            begin_pass()
+        self._step = step  # the routing override's positions (read again by each replay of a captured step)
+        plain = self._plain()
+        static = plain and self.route_override is None and (
+            not self.moe_layers or getattr(self.experts, "routing_free", False))
+        segmentable = getattr(self.experts, "segmentable", None)  # (row, expert) pairs -> bool
+        segmented = plain and not static and segmentable is not None and segmentable(step.T * self.hp.n_expert_used)
+        return B.to_host(B.run_step(step, lambda: self._layers(step), static=static, segmented=segmented))
 
-    def _static(self) -> bool:
-        """Whether a step needs nothing back on the host while it runs (backend.run_step): no hook,
-        trace or routing override, and experts that do not depend on the routing."""
-        return (self.step_hooks is None and self.trace is None and self.route_override is None
-                and self.ffn_observer is None
-                and (not self.moe_layers or getattr(self.experts, "routing_free", False)))
+    def _plain(self) -> bool:
+        """No hook, trace or observer: only the experts and the routing override (at their host
+        points) touch the host while a step runs (backend.run_step)."""
+        return self.step_hooks is None and self.trace is None and self.ffn_observer is None
 
     def _layers(self, step: Step):
         """The layers over the step's rows. -> logits [T, V] (the backend's array), or of each
@@ -227,6 +235,11 @@ class Transformer:
         hooks = self.step_hooks
         if hooks is not None:
             hooks.begin(step.tokens)
+        routes = None  # the routing override's ids of every MoE layer [L_moe, T, A]
+        if self.route_override is not None and self.moe_layers:
+            routes = B.host_input(lambda: np.stack([self.route_override(il, self._step.positions)
+                                                    for il in self.moe_layers]),
+                                  (len(self.moe_layers), step.T, hp.n_expert_used), np.int32)
         x = B.embed(self.tok_embd, step.tokens, step)  # [T, D]
         h = B.rms_norm(x, self.layers[0].attn.norm, eps)  # each layer's input normed: [T, D]
         for il, layer in enumerate(self.layers):
@@ -240,7 +253,10 @@ class Transformer:
             else:
                 x, h = B.add_rms_norm(x, a, layer.ffn_norm, eps)
             if isinstance(layer.ffn, MoE):
-                chosen = None if self.route_override is None else self.route_override(il, step.positions)
+                chosen = None
+                if routes is not None:  # the last layer of a prefill has fewer rows: its own, from the host
+                    k = self.moe_layers.index(il)
+                    chosen = routes[k] if step.T == routes.shape[1] else self.route_override(il, step.positions)
                 f = moe_forward(layer.ffn, self.family, self.experts, h, B, step, self.trace, chosen)
             else:
                 d = layer.ffn

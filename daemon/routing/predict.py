@@ -87,7 +87,9 @@ class Recall:
 class Prefetcher:
     """Step hooks of a Transformer: run the predictors of `mode` and prefetch into `cache`.
 
-    attach(model) sets model.step_hooks and chains model.trace (to score predictions)."""
+    attach(model) sets model.step_hooks and chains model.trace (to score predictions, or log the
+    routing when verbose); in mode "exact" and not verbose it has nothing to do and sets neither,
+    so a step reads nothing back for it (a GPU's decode steps may run as graph segments)."""
 
     def __init__(self, model, cache, mode: str = "all", verbose: bool = False):
         if mode not in MODES:
@@ -109,24 +111,27 @@ class Prefetcher:
         self._tokens = np.zeros(0, np.int64)
         self._model = None
         self._prev_trace = None
+        self._hooked = False
 
     def attach(self, model) -> Prefetcher:
         self._model = model
         self._prev_trace = model.trace
-        model.trace = self.on_route
-        model.step_hooks = self
+        self._hooked = bool(self.paths) or self.verbose
+        if self._hooked:
+            model.trace = self.on_route
+            model.step_hooks = self
         return self
 
     def detach(self) -> None:
         if self._model is not None:
-            self._model.trace = self._prev_trace
-            self._model.step_hooks = None
+            if self._hooked:
+                self._model.trace = self._prev_trace
+                self._model.step_hooks = None
             self._model = None
 
     # -- hooks --------------------------------------------------------------------------------
 
     def begin(self, tokens: np.ndarray) -> None:
-        self.cache.begin_pass()
         self._tokens = tokens
         for p in self._pending.values():
             p.clear()

@@ -168,7 +168,7 @@ def test_hits_misses_evictions_and_the_replays(gguf, caches):
     for ids in steps:
         with cache.fetch(0, ids, routed=np.array([ids])) as batch:
             assert sorted(batch.rows) == sorted(ids)
-            assert batch.cpu_ids == []
+            assert cache._layers[0].decision.cpu == []
     assert _pins_released(cache)
     st = cache.stats()
     assert (st["requests"], st["hits"], st["misses"]) == (7, 1, 6)
@@ -264,72 +264,100 @@ def test_copies_events_and_waits_come_in_order(gguf, caches, reference, monkeypa
     tr, compute = cache.transfers, cache.backend.stream
     vl = cache._layers[0]
 
-    def check_step(start, slots):
-        """One step that copied experts into `slots` (every expert of the step)."""
+    def check_step(start, n):
+        """One step that copied n experts (every expert of the step)."""
         log = rec.log[start:]
         names = [x[0] for x in log]
-        gu = {id(vl.slots[si].gu) for si in slots}
-        down = {id(vl.slots[si].down) for si in slots}
-        n = len(slots)
-        # the fetch stream: every gate and up (2n copies), each slot's gate/up event, every down
-        # (n copies), each slot's down event
-        fetch_side = [(x[0], id(x[1]) if x[0] == "record" else None) for x in log
-                      if x[0] == "h2d" or (x[0] == "record" and id(x[1]) in gu | down)]
-        assert [k for k, _ in fetch_side] == ["h2d"] * 2 * n + ["record"] * n + ["h2d"] * n + ["record"] * n
-        assert {i for _, i in fetch_side[2 * n:3 * n]} == gu
-        assert {i for _, i in fetch_side[4 * n:]} == down
-        assert all(x[2] is tr.fetch for x in log if x[0] == "record" and id(x[1]) in gu | down)
-        # the compute stream: the ready experts' gate/up, a wait on each copied expert's gate/up
-        # event, their gate/up, a wait on each down event, then the down projection
+        # the fetch stream: every gate and up (2n copies), the layer's gate/up event, every down
+        # (n copies), its down event
+        fetch_side = [x[0] for x in log if x[0] == "h2d" or (x[0] == "record" and x[1] in (vl.gu, vl.down))]
+        assert fetch_side == ["h2d"] * 2 * n + ["record"] + ["h2d"] * n + ["record"]
+        gu_rec = [i for i, x in enumerate(log) if x[0] == "record" and x[1] is vl.gu]
+        down_rec = [i for i, x in enumerate(log) if x[0] == "record" and x[1] is vl.down]
+        assert len(gu_rec) == len(down_rec) == 1 and gu_rec[0] < down_rec[0]
+        assert all(log[i][2] is tr.fetch for i in gu_rec + down_rec)
+        # the compute stream: the ready experts' gate/up, a wait on the gate/up event, the copied
+        # experts' gate/up, a wait on the down event, then the down projection
         waits = [(i, x) for i, x in enumerate(log) if x[0] == "wait" and x[1] is compute]
-        gu_waits = [i for i, x in waits if id(x[2]) in gu]
-        down_waits = [i for i, x in waits if id(x[2]) in down]
-        assert len(gu_waits) == n and len(down_waits) == n
-        assert max(gu_waits) < min(down_waits)
+        gu_waits = [i for i, x in waits if x[2] is vl.gu]
+        down_waits = [i for i, x in waits if x[2] is vl.down]
+        assert len(gu_waits) == len(down_waits) == 1
         glus = [i for i, nm in enumerate(names) if nm == "expert_glu"]
         downs = [i for i, x in enumerate(log) if x[0] == "expert_linear"]
         assert len(glus) == 2 and len(downs) == 1
-        assert glus[0] < min(gu_waits) and max(gu_waits) < glus[1] < min(down_waits)
-        assert max(down_waits) < downs[0]
-        # each wait comes after its event's record
-        for i, x in waits:
-            if id(x[2]) in gu | down:
-                assert any(y[0] == "record" and y[1] is x[2] for y in log[:i])
-        # afterwards each slot's freed event is recorded on the compute stream
-        freed = [x for x in log if x[0] == "record" and any(x[1] is vl.slots[si].freed for si in slots)]
-        assert len(freed) == n and all(x[2] is compute for x in freed)
+        assert gu_rec[0] < glus[0] < gu_waits[0] < glus[1] < down_waits[0] < downs[0]
+        assert down_rec[0] < down_waits[0]
+        # afterwards the layer's freed event is recorded on the compute stream, once
+        freed = [i for i, x in enumerate(log) if x[0] == "record" and x[1] is vl.freed]
+        assert len(freed) == 1 and log[freed[0]][2] is compute and freed[0] > downs[0]
 
     # step A: experts 0 and 1 copied into the two fresh slots: no freed event to wait on yet
     a = rec.mark()
     np.testing.assert_array_equal(moe_out(model, [[0, 1]]), reference([[0, 1]]))
     slots_a = sorted(vl.where.values())
     assert len(slots_a) == 2
-    check_step(a, slots_a)
-    freed_a = [vl.slots[si].freed for si in slots_a]
-    assert not any(x[0] == "wait" and any(x[2] is f for f in freed_a) for x in rec.log[a:])
+    check_step(a, 2)
+    assert not any(x[0] == "wait" and x[2] is vl.freed for x in rec.log[a:])
 
-    # step B: 2 and 3 evict 0 and 1: each copy into a used slot first makes the fetch stream
-    # wait on the slot's freed event (recorded at the end of step A)
+    # step B: 2 and 3 evict 0 and 1: the copies into used slots first make the fetch stream wait
+    # on the layer's freed event (recorded at the end of step A)
     b = rec.mark()
     np.testing.assert_array_equal(moe_out(model, [[2, 3]]), reference([[2, 3]]))
     assert sorted(vl.where.values()) == slots_a
-    check_step(b, slots_a)
+    check_step(b, 2)
     log = rec.log
     first_copy = next(i for i in range(b, len(log)) if log[i][0] == "h2d")
-    for si in slots_a:
-        freed = vl.slots[si].freed
-        waits = [i for i in range(b, len(log)) if log[i][0] == "wait" and log[i][2] is freed]
-        assert len(waits) == 1
-        i = waits[0]
-        assert log[i][1] is tr.fetch and i < first_copy
-        assert any(x[0] == "record" and x[1] is freed and x[2] is compute for x in log[a:b])
+    waits = [i for i in range(b, len(log)) if log[i][0] == "wait" and log[i][2] is vl.freed]
+    assert len(waits) == 1 and log[waits[0]][1] is tr.fetch and waits[0] < first_copy
+    assert any(x[0] == "record" and x[1] is vl.freed and x[2] is compute for x in log[a:b])
+
+    # step C: 2 and 3 again, both ready: one gate/up launch, no wait, no copy
+    c = rec.mark()
+    np.testing.assert_array_equal(moe_out(model, [[2, 3]]), reference([[2, 3]]))
+    assert [x[0] for x in rec.log[c:] if x[0] in ("h2d", "wait", "expert_glu")] == ["expert_glu"]
 
     # no wait is ever on a whole stream: every wait, query and synchronize names an event
     assert all(isinstance(x[2], Event) for x in log if x[0] == "wait")
     assert all(isinstance(x[1], Event) for x in log if x[0] in ("done", "synchronize"))
     assert _pins_released(cache)
     st = cache.stats()
-    assert (st["loads"], st["evictions"], st["fallbacks"]) == (4, 2, 0)
+    assert (st["loads"], st["evictions"], st["fallbacks"], st["hits"]) == (4, 2, 0, 2)
+
+
+@cuda_only
+@pytest.mark.parametrize("min_batch", [0, 2])
+def test_a_captured_layers_launches_give_the_eager_bits(gguf, caches, reference, monkeypatch, min_batch):
+    """A captured step launches every kernel a layer could need (both gate/up launches, both waits,
+    the zeroed h, the CPU pairs' scatter), steered by what its host points write. With each
+    decision made first, as a replay makes it, a layer gives the eager step's bits; hybrid off,
+    the resident bits."""
+    from daemon.backend.cuda_expert_cache import _Hold
+    from daemon.backend.cuda_staged import StagedBatch
+    from daemon.backend.offload import OffloadPolicy
+
+    eager_cache, eager_model = caches(2, OffloadPolicy(min_batch))
+    cache, model = caches(2, OffloadPolicy(min_batch))
+    launched = []
+
+    def as_replayed(layer, ids, routed=None):
+        vl = cache._layers[layer]
+        cache._decide(vl, layer, ids, routed)
+        launched.append(vl.decision)
+        return _Hold(cache, vl, StagedBatch(cache, vl, graph=True))
+
+    monkeypatch.setattr(cache, "fetch", as_replayed)
+    # misses, then hits with a copy, all hits, CPU pairs (min_batch 2: experts of one row), none again
+    for chosen in ([[0, 1], [0, 1]], [[0, 2], [0, 2]], [[0, 2], [2, 0]], [[1, 3], [0, 2]], [[0, 2], [0, 2]]):
+        want = moe_out(eager_model, chosen)
+        np.testing.assert_array_equal(moe_out(model, chosen), want)
+        if min_batch == 0:
+            np.testing.assert_array_equal(want, reference(chosen))
+    assert all(d.released for d in launched)
+    assert _pins_released(cache)
+    st, est = cache.stats(), eager_cache.stats()
+    for k in ("hits", "misses", "loads", "cpu_hybrid", "admitted"):
+        assert st[k] == est[k], k
+    assert (st["cpu_hybrid"] > 0) == (min_batch == 2)
 
 
 # -- fall-backs ---------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Experts streamed through the VRAM expert cache on a GPU (GPU only; the simulator cases are in
 tests/backend/test_cuda_expert_cache.py): with hybrid compute off (MOE_OFFLOAD_MIN_BATCH=0) the
 logits are the same bits as with every expert resident, whatever the VRAM cache size, the host
-cache size, the routing mode, Post-Fetch on or off and block-on-miss; with hybrid compute on they
+cache size, the routing mode, Post-Fetch on or off and block-on-miss, and whether decode steps run
+eagerly or as graph segments (a cache holding a step's experts); with hybrid compute on they
 stay within the CPU/GPU tolerance; a tiny VRAM cache and a tiny host cache together serve 8
 concurrent requests, each getting its solo tokens."""
 
@@ -49,7 +50,8 @@ def _slots_mb(path, slots: int) -> str:
 
 
 def _logits(path, steps: int = 6, **settings) -> tuple[np.ndarray, dict | None]:
-    """Prefill PROMPT and decode `steps` greedy tokens: every logits row [1 + steps, V], VRAM stats."""
+    """Prefill PROMPT and decode `steps` greedy tokens: every logits row [1 + steps, V], VRAM stats
+    (with the backend's graph replays under "graph_replays")."""
     eng = Engine.load(path, device="cuda", **settings)
     try:
         m = eng.model
@@ -57,7 +59,10 @@ def _logits(path, steps: int = 6, **settings) -> tuple[np.ndarray, dict | None]:
         rows = [np.asarray(m.forward(PROMPT, cache))[-1]]
         for _ in range(steps):
             rows.append(np.asarray(m.forward([int(np.argmax(rows[-1]))], cache))[-1])
-        return np.stack(rows), eng.stats()["vram_cache"]
+        vram = eng.stats()["vram_cache"]
+        if vram is not None:
+            vram["graph_replays"] = m.backend.graphs.replays
+        return np.stack(rows), vram
     finally:
         eng.close()
 
@@ -71,6 +76,10 @@ def model(request, fixture_dir):
 
 
 MATRIX = [  # (VRAM slots per layer, host cache MB, routing, Post-Fetch, block on miss)
+    # 3 or 4 slots of 8 hold a decode step's experts (2 a row, gpt-oss 4): graph segments, exact routing only
+    (4, 0, "exact", True, True),
+    (4, 0.05, "exact", False, True),
+    (4, 0, "exact", True, False),
     (1, 0, "exact", True, True),
     (3, 0, "exact", True, True),
     (3, 0.05, "exact", True, True),
@@ -89,7 +98,24 @@ def test_hybrid_off_is_bit_identical_to_resident(model, slots, host_mb, routing,
                         postfetch_enable=postfetch, postfetch_block_on_miss=block, offload_min_batch="0")
     assert vram["misses"] > 0 and vram["loads"] > 0  # the cache really streamed
     assert vram["cpu_hybrid"] == 0 and vram["fallbacks"] == 0
+    # decode steps replayed as graph segments exactly when a step's experts fit and nothing but the
+    # router reads the host (the first decode step runs eagerly, the second is captured)
+    n_used = 4 if "gpt-oss" in path else 2  # experts a row (the fixtures')
+    assert (vram["graph_replays"] > 0) == (slots >= n_used and routing == "exact")
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("slots", [2, 4])
+def test_hybrid_on_in_graph_segments_is_within_tolerance(model, slots):
+    """Every miss on the CPU, its pairs scattered in by the captured step (4 slots: segments; 2:
+    eager for gpt-oss's 4 experts a row, segments for qwen3moe's 2)."""
+    path, want = model
+    got, vram = _logits(path, gpu_cache_mb=_slots_mb(path, slots), offload_min_batch="1000")
+    assert vram["cpu_hybrid"] > 0 and vram["admitted"] > 0
+    if slots == 4:
+        assert vram["graph_replays"] > 0
+    rel = np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
+    assert rel.max() < QUANT_TOL, rel
 
 
 @pytest.mark.parametrize("min_batch", ["1000", "auto"])
@@ -116,11 +142,13 @@ async def _run(s: Scheduler, req) -> list[int]:
     return [t for r in replies if isinstance(r, Chunk) for t in r.tokens]
 
 
-async def test_tiny_caches_serve_eight_concurrent_requests(fixture_dir):
-    """One VRAM slot per layer and a host cache of about one expert: nothing deadlocks or stalls,
-    every request completes with its solo tokens."""
+@pytest.mark.parametrize("slots", [1, 4])
+async def test_tiny_caches_serve_eight_concurrent_requests(fixture_dir, slots):
+    """One VRAM slot per layer (or four: steps of one or two sequences run as graph segments, larger
+    ones eagerly) and a host cache of about one expert: nothing deadlocks or stalls, every request
+    completes with its solo tokens."""
     path = str(fixture_path("qwen3moe", "Q8_0", fixture_dir))
-    settings = dict(device="cuda", gpu_cache_mb=_slots_mb(path, 1), expert_cache_limit_mb=0.02,
+    settings = dict(device="cuda", gpu_cache_mb=_slots_mb(path, slots), expert_cache_limit_mb=0.02,
                     offload_min_batch="0")
     s = Scheduler(Settings.load(env={}, device="cuda"), factory=lambda p, **kw: Engine.load(p, **{**settings, **kw}),
                   default_model=lambda _progress: path)
