@@ -220,7 +220,10 @@ class Transformer:
             not self.moe_layers or getattr(self.experts, "routing_free", False))
         segmentable = getattr(self.experts, "segmentable", None)  # (row, expert) pairs -> bool
         segmented = plain and not static and segmentable is not None and segmentable(step.T * self.hp.n_expert_used)
-        return B.to_host(B.run_step(step, lambda: self._layers(step), static=static, segmented=segmented))
+        try:
+            return B.to_host(B.run_step(step, lambda: self._layers(step), static=static, segmented=segmented))
+        finally:
+            self._step = None  # not kept: its caches free their KV slots when their sequences end
 
     def _plain(self) -> bool:
         """No hook, trace or observer: only the experts and the routing override (at their host
