@@ -66,7 +66,7 @@ class Settings:
         "misses: predicted experts and the admission of experts computed on the CPU"))
     postfetch_scratchpad_mb: float = field(default=0.0, metadata=_meta(
         "MOE_POSTFETCH_SCRATCHPAD_MB", "VRAM staging for raw expert bytes on their way into the cache "
-        "(repacked on the GPU); 0 = sized from the largest layer (one token's experts)"))
+        "(repacked on the GPU); 0 = room for eight experts' gate and up of the largest layer"))
     postfetch_force_cpu: bool = field(default=False, metadata=_meta(
         "MOE_POSTFETCH_FORCE_CPU", "compute every routed expert on the CPU from host memory (llama.cpp's "
         "--cpu-moe); attention and the rest stay on the GPU"))
