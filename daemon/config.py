@@ -57,7 +57,7 @@ class Settings:
         "with a decay; moed trace replay compares them on real traces)", ("lru", "lfu-decay")))
     postfetch_enable: bool = field(default=True, metadata=_meta(
         "MOE_POSTFETCH_ENABLE", "copy a layer's missing experts to VRAM on the fetch stream while the "
-        "resident ones compute, each expert's work waiting on its own copy; 0 = copy, wait, then compute"))
+        "resident ones compute, the copied ones' work waiting on the layer's copies; 0 = copy, wait, then compute"))
     postfetch_block_on_miss: bool = field(default=True, metadata=_meta(
         "MOE_POSTFETCH_BLOCK_ON_MISS", "1: a missing expert's work waits for its copy; 0: an expert not yet "
         "in VRAM is computed on the CPU (when hybrid compute is on: MOE_OFFLOAD_MIN_BATCH not 0)"))

@@ -53,8 +53,7 @@ from .cuda_transfer import Transfers, _check, _drv, pinned_empty
 from .cuda_cache import DeviceKVCache, KVPool
 from .cuda_errors import CUDA_ERRORS
 from .cuda_graphs import GraphCache, nonblocking_stream
-from .cuda_weights import (DeviceWeight, WeightGroup, byte_map, embedding_rows, put_rows, scatter_rows, take_rows,
-                           upload_matrix)
+from .cuda_weights import DeviceWeight, WeightGroup, byte_map, embedding_rows, put_rows, take_rows, upload_matrix
 from .step import Step
 
 _F32 = np.float32
@@ -258,7 +257,7 @@ class CUDABackend:
 
         self.host_point(write, sync=False)  # the previous launch's copy has run: the step synced at its end
         dev = self._empty(shape, dtype)
-        Transfers.h2d_from_pinned(dev, host, self.stream)
+        Transfers.upload_into(dev, host, self.stream)
         return dev
 
     @_guarded

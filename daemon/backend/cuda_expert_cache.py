@@ -337,12 +337,14 @@ class VRAMExpertCache:
         """The layer's decision for this step (module doc, 1): vl.decision."""
         if vl.decision is not None and not vl.decision.released:
             self._release(vl)  # a step that failed before giving its slots back
-        if ids is None:  # a replay: the routing the router just copied
+        whole = ids is None  # a replay: every expert of the routing the router just copied (one wave)
+        if whole:
             routed = np.array(routed, np.int64)
-            ids = routed
-        elif routed is None:
-            routed = np.array([list(ids)], np.int64)
-        wanted = list(dict.fromkeys(routed.reshape(-1).tolist() if ids is routed else (int(e) for e in ids)))
+            wanted = list(dict.fromkeys(routed.reshape(-1).tolist()))
+        else:
+            if routed is None:
+                routed = np.array([list(ids)], np.int64)
+            wanted = list(dict.fromkeys(int(e) for e in ids))
         check_ids(layer, wanted, vl.layout.n_expert)
         self._reap()
         self._fold_timer(vl)
@@ -469,7 +471,7 @@ class VRAMExpertCache:
         tr.upload_into(vl.maps, maps, self.backend.stream)
         if graph:  # a replay records the waits' marks every step: read them when it waited on copies
             vl.timer.waits = bool(later)
-        n_routed = len(wanted) if ids is routed else len(set(routed.reshape(-1).tolist()))  # of every wave
+        n_routed = len(wanted) if whole else len(set(routed.reshape(-1).tolist()))  # of every wave
         vl.decision = Decision(rows, later, cpu, list(rows.values()), held, routed, copy_event,
                                covers_all=len(rows) == n_routed)
         if self.debug:

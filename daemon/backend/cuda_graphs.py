@@ -94,10 +94,6 @@ class Graph:
         self.out = out  # the step's output array (rewritten by each launch)
         self.nbytes = sum(int(getattr(m, "size", 0)) for m in keep)  # the VRAM they hold
 
-    @property
-    def segments(self) -> int:
-        return sum(1 for _a, b in self._items if not isinstance(b, bool))
-
     def launch(self, stream) -> None:
         drv = _drv()
         handle = stream.handle

@@ -93,22 +93,13 @@ class Transfers:
 
     @staticmethod
     def upload_into(dst, src: np.ndarray, stream) -> None:
-        """The first src.nbytes bytes of a C-contiguous device array <- src, a small array of ordinary
-        memory, on `stream` (the driver stages it before returning: src may change at once)."""
+        """The first src.nbytes bytes of a C-contiguous device array <- src, on `stream`. From ordinary
+        memory (small arrays) the driver stages src before returning: it may change at once; from
+        page-locked memory the copy reads src when it runs (and may be captured into a graph)."""
         src = np.ascontiguousarray(src)
         if SIM:
             flat = dst.reshape(-1) if dst.ndim > 1 else dst
             flat[:src.size].copy_to_device(src.reshape(-1), stream=stream)
-            return
-        _check(_drv().cuMemcpyHtoDAsync(int(dst.gpu_data.device_pointer), src.ctypes.data, int(src.nbytes),
-                                        int(stream.handle)))
-
-    @staticmethod
-    def h2d_from_pinned(dst, src: np.ndarray, stream) -> None:
-        """The first src.nbytes bytes of a C-contiguous device array <- src (page-locked: the copy
-        reads it when it runs, so it may be captured), on `stream`."""
-        if SIM:
-            Transfers.upload_into(dst, src, stream)
             return
         _check(_drv().cuMemcpyHtoDAsync(int(dst.gpu_data.device_pointer), src.ctypes.data, int(src.nbytes),
                                         int(stream.handle)))
