@@ -294,7 +294,7 @@ class CUDABackend:
                 self._capturing = False
                 if self.arrays is not None:
                     self.arrays.plain = False
-        g.launch(self.stream)
+        g.launch(self.stream, self.graphs.clock)
         self.graphs.replays += 1
         return g.out
 

@@ -29,6 +29,7 @@ their arguments and their bits are those of the eager step.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 
 from numba import cuda
@@ -84,6 +85,17 @@ class _StreamOwner:
             pass
 
 
+class HostClock:
+    """Where a segmented replay's host time went: blocked on the GPU at host points that read what
+    the segments before wrote (blocked_s), and everything else (busy_s: the host work between
+    segments and their launches). A plain graph's launch counts as busy."""
+
+    __slots__ = ("busy_s", "blocked_s")
+
+    def __init__(self):
+        self.busy_s = self.blocked_s = 0.0
+
+
 class Graph:
     """An instantiated step: its segments (one, unless captured with host points) and the host work
     between them, the arrays they read and write, and the step output they leave."""
@@ -94,16 +106,24 @@ class Graph:
         self.out = out  # the step's output array (rewritten by each launch)
         self.nbytes = sum(int(getattr(m, "size", 0)) for m in keep)  # the VRAM they hold
 
-    def launch(self, stream) -> None:
+    def launch(self, stream, clock: HostClock) -> None:
         drv = _drv()
         handle = stream.handle
+        now = time.perf_counter
+        t = now()
         for a, b in self._items:
             if isinstance(b, bool):  # host work: fn, sync
                 if b:  # the host reads what the segments before wrote
+                    t0 = now()
                     _check(drv.cuStreamSynchronize(handle))
+                    t1 = now()
+                    clock.busy_s += t0 - t
+                    clock.blocked_s += t1 - t0
+                    t = t1
                 a()
             else:
                 _check(drv.cuGraphLaunch(b, handle))
+        clock.busy_s += now() - t
 
     def __del__(self):
         try:
@@ -127,6 +147,7 @@ class GraphCache:
         self.failed: set = set()  # keys whose capture failed: always eager
         self.captures = 0
         self.replays = 0
+        self.clock = HostClock()  # the replays' host time
         self.cutting = None  # while a segmented capture runs: cut(fn, sync) ends a segment there
 
     def __len__(self) -> int:

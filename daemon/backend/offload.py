@@ -10,8 +10,11 @@ MOE_OFFLOAD_MIN_BATCH:
 - 0: never on the CPU (hybrid compute off: tokens are bit-identical whatever the caches);
 - auto: the cost model. Copying expert e takes bytes(e) / h2d (measured pinned host-to-device
   bandwidth); computing it on the CPU takes tokens(e) * bytes(e) / cpu (measured CPU expert
-  throughput at the thread count in use: a decode GEMV reads the weights once per token). Misses are
-  taken most tokens first, each to whichever side would finish it first (list scheduling).
+  throughput at the thread count in use: a decode GEMV reads the weights once per token), plus a
+  fixed cost once a layer sends any expert there (measured too: the host's work to gather the
+  pairs, call the kernels and send the results back, which the host thread spends instead of
+  driving the GPU). Misses are taken most tokens first, each to whichever side would finish it
+  first (list scheduling).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class OffloadPolicy:
     min_batch: int | None  # None: the cost model
     h2d_bytes_per_s: float = 0.0  # measured at load (auto)
     cpu_bytes_per_s: float = 0.0  # weight bytes a CPU expert GEMV streams per second, per token
+    cpu_call_s: float = 0.0  # the fixed host cost of a layer's CPU experts (measured at load, auto)
 
     @property
     def hybrid(self) -> bool:
@@ -58,7 +62,8 @@ class OffloadPolicy:
         gpu = cpu = 0.0
         chosen = set()
         for e, n in sorted(misses.items(), key=lambda kv: (-kv[1], kv[0])):
-            on_gpu, on_cpu = gpu + self.copy_s(nbytes), cpu + self.cpu_s(nbytes, n)
+            on_gpu = gpu + self.copy_s(nbytes)
+            on_cpu = cpu + self.cpu_s(nbytes, n) + (0.0 if chosen else self.cpu_call_s)
             if on_cpu < on_gpu:
                 cpu = on_cpu
                 chosen.add(e)
@@ -74,5 +79,6 @@ class OffloadPolicy:
         per_mb_copy = self.copy_s(2**20) * 1e6
         per_mb_cpu = self.cpu_s(2**20, 1) * 1e6
         return (f"cost model: pinned host-to-device {self.h2d_bytes_per_s / 1e9:.1f} GB/s ({per_mb_copy:.0f} us/MiB), "
-                f"CPU experts {self.cpu_bytes_per_s / 1e9:.1f} GB/s per token ({per_mb_cpu:.0f} us/MiB a token); "
+                f"CPU experts {self.cpu_bytes_per_s / 1e9:.1f} GB/s per token ({per_mb_cpu:.0f} us/MiB a token) "
+                f"+ {self.cpu_call_s * 1e6:.0f} us a layer; "
                 f"a missed expert goes to whichever side finishes the step's misses first")

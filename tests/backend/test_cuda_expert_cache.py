@@ -665,3 +665,15 @@ def test_no_room_beside_the_weights_is_a_reason(setting, free):
     budget, why = _expert_budget(setting, NEED, free)
     assert budget is None
     assert "without its experts" in why and "7,168 MiB" in why and "14,336 MiB" in why
+
+
+def test_calibration_measures_the_cpu_experts_rate_and_fixed_cost(caches):
+    """MOE_OFFLOAD_MIN_BATCH=auto's start-up measurement: one and then several experts a call on the
+    CPU (the simulator times no copy: its host-to-device figure is the stated default)."""
+    from daemon.backend.offload import OffloadPolicy
+
+    cache, _ = caches(2)
+    h2d, cpu, fixed = cache.calibrate()
+    assert h2d == 25e9
+    assert 0 < cpu < float("inf") and 0 <= fixed < 1.0
+    assert "+ " in OffloadPolicy(None, h2d, cpu, fixed).describe()

@@ -134,6 +134,21 @@ def test_a_big_batch_expert_is_copied_while_single_tokens_go_to_the_cpu():
     assert p.on_cpu({9: 32, 0: 1, 1: 1, 2: 1, 3: 1, 4: 1}, 4 * MIB) == {0, 1, 2, 3, 4}
 
 
+def test_the_cpu_fixed_cost_is_paid_once_a_layer():
+    # units of 2**-10 s: copy 1, CPU 1/4 a token, fixed CPU cost 2. e0: gpu 1 vs cpu 2.25 -> gpu (1);
+    # e1: gpu 2 vs 2.25 -> gpu (2); e2: gpu 3 vs 2.25 -> cpu (2.25); e3: gpu 3 vs 2.5 (no second fixed
+    # cost) -> cpu; e4: gpu 3 vs 2.75 -> cpu; e5: gpu 3 vs 3 -> gpu (a tie stays on the GPU)
+    unit = 2.0**-10
+    p = OffloadPolicy(None, h2d_bytes_per_s=GIB, cpu_bytes_per_s=4 * GIB, cpu_call_s=2 * unit)
+    assert p.on_cpu({e: 1 for e in range(6)}, MIB) == {2, 3, 4}
+    # without it: e0, e1, e2 -> cpu (1/4, 1/2, 3/4 below the copy's 1); e3: 1 vs 1 -> gpu (1);
+    # e4, e5: gpu 2 vs cpu 1, 5/4 -> cpu
+    assert OffloadPolicy(None, h2d_bytes_per_s=GIB, cpu_bytes_per_s=4 * GIB).on_cpu({e: 1 for e in range(6)}, MIB) \
+        == {0, 1, 2, 4, 5}
+    # a fixed cost above every copy of the layer keeps all of it on the GPU
+    assert OffloadPolicy(None, GIB, 4 * GIB, cpu_call_s=7 * unit).on_cpu({e: 1 for e in range(6)}, MIB) == set()
+
+
 # -- describe -----------------------------------------------------------------------------------
 
 def test_describe_names_the_mode():
@@ -146,3 +161,4 @@ def test_describe_names_the_mode():
     assert auto.startswith("cost model")
     assert "25.0 GB/s (42 us/MiB)" in auto
     assert "5.0 GB/s per token (210 us/MiB a token)" in auto
+    assert "+ 30 us a layer" in OffloadPolicy(None, 25e9, 5e9, cpu_call_s=30e-6).describe()

@@ -4,7 +4,8 @@ logits are the same bits as with every expert resident, whatever the VRAM cache 
 cache size, the routing mode, Post-Fetch on or off and block-on-miss, and whether decode steps run
 eagerly or as graph segments (a cache holding a step's experts); with hybrid compute on they
 stay within the CPU/GPU tolerance; a tiny VRAM cache and a tiny host cache together serve 8
-concurrent requests, each getting its solo tokens."""
+concurrent requests, each getting its solo tokens. The same bit-identity on the demo MoE, when it
+has been built."""
 
 from __future__ import annotations
 
@@ -134,6 +135,41 @@ def test_force_cpu_is_within_tolerance(model):
     assert vram["cpu_forced"] > 0 and vram["loads"] == 0
     rel = np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
     assert rel.max() < QUANT_TOL, rel
+
+
+@pytest.fixture(scope="module")
+def demo():
+    """The demo MoE (SmolLM2 made into 16 experts, 12 used; real routing on real weights) when it has
+    been built (`moed demo-model`; tests never build it: it takes minutes), and its resident logits."""
+    from daemon.demo import cache_dir
+
+    path = cache_dir() / "smollm2-135m-moe-e16k12.gguf"
+    if not path.exists():
+        pytest.skip(f"no demo model at {path} (build it with `moed demo-model`)")
+    want, vram = _logits(str(path))
+    assert vram is None
+    return str(path), want
+
+
+DEMO_MATRIX = [  # as MATRIX; 12 slots hold a decode step's 12 experts (graph segments), fewer run in waves
+    (12, 0, "exact", True, True),
+    (12, 0.05, "exact", False, True),
+    (8, 0, "exact", True, False),
+    (4, 30, "all", True, True),
+    (2, 0.05, "speculative", False, True),
+]
+
+
+@pytest.mark.parametrize("slots,host_mb,routing,postfetch,block", DEMO_MATRIX,
+                         ids=[f"{s}slot-host{h}-{r}-pf{int(p)}-block{int(b)}" for s, h, r, p, b in DEMO_MATRIX])
+def test_demo_moe_hybrid_off_is_bit_identical_to_resident(demo, slots, host_mb, routing, postfetch, block):
+    path, want = demo
+    got, vram = _logits(path, gpu_cache_mb=_slots_mb(path, slots), expert_cache_limit_mb=host_mb, routing=routing,
+                        postfetch_enable=postfetch, postfetch_block_on_miss=block, offload_min_batch="0")
+    assert vram["misses"] > 0 and vram["loads"] > 0
+    assert vram["cpu_hybrid"] == 0 and vram["fallbacks"] == 0
+    assert (vram["graph_replays"] > 0) == (slots >= 12 and routing == "exact")
+    np.testing.assert_array_equal(got, want)
 
 
 async def _run(s: Scheduler, req) -> list[int]:
