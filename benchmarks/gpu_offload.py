@@ -13,6 +13,8 @@ the VRAM tier's hit rate against a Belady replay of the same requests at the sam
 copied per token and the bound they set at the copy bandwidth measured in the run; Post-Fetch
 overlap and fallback rate; and the time split of a step: CPU expert compute (host), copies (fetch
 stream), the compute stream's waits on them, and the rest (GPU compute and host work).
+`measure()` is one run; `benchmarks/run.py --device cuda` calls it in a child process per row, next
+to llama.cpp's CUDA build.
 """
 
 from __future__ import annotations
@@ -40,60 +42,77 @@ def _decode(model, cache, token: int, steps: int) -> tuple[list[float], int]:
     return times, token
 
 
-def run(path: str, cache_mb: str, routing: str, min_batch: str, args) -> dict:
-    settings = dict(device="cuda", gpu_cache_mb=cache_mb, offload_min_batch=min_batch, **dict(args.set))
+def measure(path: str, cache_mb: str, routing: str, min_batch: str, *, prompt: int | list[int] = 16,
+            warmup: int = 32, steps: int = 32, settings: dict | None = None, profile: int = 0,
+            say=lambda m: print(m, flush=True)) -> dict:
+    """One run (see the module doc) -> its figures. prompt: a count of random token ids, or the ids;
+    settings: more keywords of Engine.load (daemon.config names); say: the loading progress lines.
+    A cache size that holds every expert gets no VRAM cache: "experts" says so, and no cache figures."""
+    settings = dict(device="cuda", gpu_cache_mb=str(cache_mb), offload_min_batch=str(min_batch), **(settings or {}))
     if routing != "uniform":
         settings["routing_replay"] = routing
     t0 = time.perf_counter()
-    eng = Engine.load(path, progress=lambda m: print(f"  [{time.perf_counter() - t0:6.1f}s] {m}", flush=True),
-                      **settings)
+    eng = Engine.load(path, progress=lambda m: say(f"  [{time.perf_counter() - t0:6.1f}s] {m}"), **settings)
     try:
         load_s = time.perf_counter() - t0
         model = eng.model
-        cache = model.new_cache(args.prompt + args.warmup + args.steps + 8)
-        rng = np.random.default_rng(0)
-        prompt = rng.integers(100, model.hp.n_vocab - 100, args.prompt).tolist()
+        if isinstance(prompt, int):
+            prompt = np.random.default_rng(0).integers(100, model.hp.n_vocab - 100, prompt).tolist()
+        cache = model.new_cache(len(prompt) + warmup + steps + 8)
         t1 = time.perf_counter()
         logits = model.forward(prompt, cache)
         prefill_s = time.perf_counter() - t1
-        _, token = _decode(model, cache, int(np.argmax(logits[-1])), args.warmup)
+        _, token = _decode(model, cache, int(np.argmax(logits[-1])), warmup)
         eng.reset_stats()
-        times, token = _decode(model, cache, token, args.steps)
+        times, token = _decode(model, cache, token, steps)
         v = eng.stats()["vram_cache"]
-        if args.profile:  # where the host's time goes in a decode step
+        if profile:  # where the host's time goes in a decode step
             import cProfile
             import io
             import pstats
 
             prof = cProfile.Profile()
             prof.enable()
-            _decode(model, cache, token, args.profile)
+            _decode(model, cache, token, profile)
             prof.disable()
             buf = io.StringIO()
             pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
-            print("\n".join(buf.getvalue().splitlines()[:45]), flush=True)
+            say("\n".join(buf.getvalue().splitlines()[:45]))
         wall_ms = 1e3 * sum(times)
-        n = args.steps
-        bpt = v["bytes_per_token"]
-        gbps = v["h2d_gbps"] or 0.0
         out = {"model": path, "cache_mb": cache_mb, "routing": "uniform" if routing == "uniform" else Path(routing).name,
-               "min_batch": min_batch, "load_s": round(load_s, 1), "prefill_tok_s": round(args.prompt / prefill_s, 1),
-               "decode_tok_s": round(n / (wall_ms / 1e3), 2), "step_ms_median": round(1e3 * float(np.median(times)), 2),
-               "hit_rate": v["hit_rate"], "belady_hit_rate": v["belady_hit_rate"],
-               "bytes_per_token_mb": round(bpt / 2**20, 1), "h2d_gbps": gbps,
-               "copy_bound_tok_s": round(gbps * 1e9 / bpt, 1) if bpt and gbps else None,
-               "overlap_pct": v["overlap_pct"], "fallback_rate": v["fallback_rate"],
-               "cpu_experts_per_token": round(v["cpu_hybrid"] / n, 2),
-               "split_ms_per_token": {"cpu_experts": round(v["cpu_ms"] / n, 2), "copies": round(v["copy_ms"] / n, 2),
-                                      "waits": round(v["stall_ms"] / n, 2),
-                                      "other (GPU compute, host)": round((wall_ms - v["cpu_ms"] - v["stall_ms"]) / n, 2)},
-               "slots_per_layer": sorted({lay["capacity"] for lay in v["layers"].values()}),
-               "graph_replays": model.backend.graphs.replays,  # decode steps run as graph segments
-               "offload": v["offload"]}
-        print(json.dumps(out), flush=True)
-        return out
+               "min_batch": min_batch, "load_s": round(load_s, 1),
+               "prefill_tok_s": round(len(prompt) / prefill_s, 1),
+               "decode_tok_s": round(steps / (wall_ms / 1e3), 2) if steps else None,
+               "step_ms_median": round(1e3 * float(np.median(times)), 2) if steps else None,
+               "graph_replays": model.backend.graphs.replays}  # decode steps run as graph segments
+        return out | (_cache_figures(v, steps, wall_ms) if v is not None else {"experts": "all resident in VRAM"})
     finally:
         eng.close()
+
+
+def _cache_figures(v: dict, n: int, wall_ms: float) -> dict:
+    """The VRAM expert cache's figures of n timed steps (stats()["vram_cache"])."""
+    n = max(n, 1)
+    bpt = v["bytes_per_token"]
+    gbps = v["h2d_gbps"] or 0.0
+    return {"experts": "VRAM expert cache",
+            "hit_rate": v["hit_rate"], "belady_hit_rate": v["belady_hit_rate"],
+            "bytes_per_token_mb": round(bpt / 2**20, 1), "h2d_gbps": gbps,
+            "copy_bound_tok_s": round(gbps * 1e9 / bpt, 1) if bpt and gbps else None,
+            "overlap_pct": v["overlap_pct"], "fallback_rate": v["fallback_rate"],
+            "cpu_experts_per_token": round(v["cpu_hybrid"] / n, 2),
+            "split_ms_per_token": {"cpu_experts": round(v["cpu_ms"] / n, 2), "copies": round(v["copy_ms"] / n, 2),
+                                   "waits": round(v["stall_ms"] / n, 2),
+                                   "other (GPU compute, host)": round((wall_ms - v["cpu_ms"] - v["stall_ms"]) / n, 2)},
+            "slots_per_layer": sorted({lay["capacity"] for lay in v["layers"].values()}),
+            "offload": v["offload"]}
+
+
+def run(path: str, cache_mb: str, routing: str, min_batch: str, args) -> dict:
+    out = measure(path, cache_mb, routing, min_batch, prompt=args.prompt, warmup=args.warmup, steps=args.steps,
+                  settings=dict(args.set), profile=args.profile)
+    print(json.dumps(out), flush=True)
+    return out
 
 
 def main() -> None:

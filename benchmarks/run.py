@@ -4,6 +4,9 @@
         --replay off,benchmarks/data/traces/olmoe-1b-7b_top8of64_299tok.jsonl --concurrency 1 \
         --prompt-tokens 128 --decode-tokens 32 [--cold] [--json out.json] [--no-llama | --llama]
     python benchmarks/run.py --quick [--json out.json]     # a 2-layer synthetic model, under a minute
+    python benchmarks/run.py MODEL.gguf --device cuda --gpu-cache-mb 7400,14800 --replay off,TRACE.jsonl \
+        --min-batch 0,auto --decode-tokens 32 [--warmup 24] [--threads 16] [--prompt-tokens 128] \
+        [--set ENV=V1,V2] (--llama-bench PATH [--llama-ncmoe 0,48] | --no-llama) [--json out.json]
 
 Each combination runs in a fresh child process (threads are fixed when numba starts), and times a
 prefill of the same prompt (--prompt-tokens ids of the model's own tokenizer) and greedy decode.
@@ -24,6 +27,19 @@ after an untimed pass that compiles the kernels, then loads the model again: loa
 passes start cold. llama.cpp maps and reads the whole file at load, so its cold reads are in load s.
 Results also go to --json. Needs llama-cpp-python for the llama.cpp rows (they say "not installed"
 otherwise; --llama makes that an error).
+
+--device cuda: moed decodes on the GPU with a VRAM expert cache of each --gpu-cache-mb
+(MOE_GPU_CACHE_MB; the host expert cache unlimited, in pinned memory), for every replay, min-batch
+(MOE_OFFLOAD_MIN_BATCH), threads and --set value, each in a child process running
+benchmarks/gpu_offload.py's measure(): the prompt prefilled, --warmup decode steps, then
+--decode-tokens timed steps. The routing column says "uniform" for a synthesized file's own router
+(random weights: close to uniform), "own router" for another file's, "replay NAME" for a trace.
+Then llama.cpp's CUDA build, `llama-bench -ngl 99 -ncmoe N -p 0 -n DECODE -r 3 -t THREADS -o json`,
+once per VRAM budget and thread count: N is the smallest --n-cpu-moe whose expert tensors left on
+the GPU (those of blocks N.., sizes as in the file) take at most the budget (E expert layers of B
+bytes: N = E - floor(budget / B)); --llama-ncmoe adds rows at other N. Each moed row has its decode
+ratio to the llama.cpp row of its budget and threads. The CPU mode's host-cache options (--cache-mb,
+--routing, --concurrency, --cold, --llama) are refused with --device cuda, the GPU options without it.
 """
 
 from __future__ import annotations
@@ -32,6 +48,7 @@ import argparse
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -41,7 +58,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(HERE), str(ROOT)]
 
-from _bench import table  # noqa: E402
+from _bench import gpu, table  # noqa: E402
 from _bench.disk import direct_read_rate, drop_file_pages  # noqa: E402
 from daemon.errors import MoedError  # noqa: E402
 
@@ -88,6 +105,14 @@ def _replay(text: str) -> str:
     return text
 
 
+def _executable(text: str) -> str:
+    found = shutil.which(text)  # a path to an executable file, or a command on PATH
+    if found is None:
+        raise argparse.ArgumentTypeError(f"no llama-bench executable at {text} (llama.cpp built with CUDA: "
+                                         "cmake -B build -DGGML_CUDA=ON && cmake --build build; build/bin/llama-bench)")
+    return str(Path(found).resolve())
+
+
 def _setting(text: str) -> tuple[str, list[str]]:
     """ENV=V1,V2 -> (ENV, [V1, V2]), each value checked by the settings registry."""
     from daemon.config import Settings
@@ -130,6 +155,18 @@ def parser() -> argparse.ArgumentParser:
     llama = ap.add_mutually_exclusive_group()
     llama.add_argument("--no-llama", action="store_true", help="moed rows only")
     llama.add_argument("--llama", action="store_true", help="fail if llama-cpp-python is not installed")
+    cuda = ap.add_argument_group("--device cuda (the VRAM expert cache next to llama.cpp's CUDA build)")
+    cuda.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    cuda.add_argument("--gpu-cache-mb", type=_list(float, lambda v: v > 0, "a size in MB > 0"),
+                     help="MOE_GPU_CACHE_MB values: VRAM for experts, MiB (needed with --device cuda)")
+    cuda.add_argument("--min-batch", type=_list(str, lambda v: v == "auto" or (v.isascii() and v.isdigit()),
+                                               "auto or a whole number"),
+                     help="MOE_OFFLOAD_MIN_BATCH values (default 0,auto)")
+    cuda.add_argument("--warmup", type=_count(0), help="decode steps before the timed ones (default 24)")
+    cuda.add_argument("--llama-bench", type=_executable, metavar="PATH",
+                     help="llama.cpp's llama-bench, built with CUDA (or give --no-llama)")
+    cuda.add_argument("--llama-ncmoe", type=_list(int, lambda v: v >= 0, "an integer >= 0"), default=[],
+                     metavar="N1,N2", help="more llama-bench rows at these --n-cpu-moe (0: every expert in VRAM)")
     ap.add_argument("--quick", action="store_true",
                     help="a 2-layer small-width qwen3-30b-a3b synth model and a minimal matrix (a smoke test)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -147,6 +184,34 @@ def prompt_ids(model: str, n: int) -> list[int]:
     while len(ids := tok.encode(text)) < n:
         text += PROMPT
     return ids[:n]
+
+
+GPU_OPTIONS = ("gpu_cache_mb", "min_batch", "warmup", "llama_bench")
+GPU_DEFAULTS = {"min_batch": ["0", "auto"], "warmup": 24}
+
+
+def check_device(ap: argparse.ArgumentParser, args) -> None:
+    """Options of one device only are errors with the other (parser.error: exit status 2)."""
+    if args.device == "cpu":
+        given = [o for o in GPU_OPTIONS if getattr(args, o) is not None] + ["llama_ncmoe"] * bool(args.llama_ncmoe)
+        if given:
+            ap.error(f"--{given[0].replace('_', '-')} is for --device cuda")
+        return
+    cpu_only = {"--quick": args.quick, "--cache-mb": args.cache_mb != [0.0], "--routing": args.routing != ["auto"],
+                "--concurrency": args.concurrency != [1], "--cold": args.cold, "--llama": args.llama}
+    for option, given in cpu_only.items():
+        if given:
+            ap.error(f"{option} is for the CPU mode, not --device cuda (which runs one warm sequence with the host "
+                     "expert cache unlimited, and llama.cpp as --llama-bench)")
+    if not args.gpu_cache_mb:
+        ap.error("--device cuda needs --gpu-cache-mb MB[,MB...] (VRAM for experts)")
+    if args.no_llama and (args.llama_bench or args.llama_ncmoe):
+        ap.error("--no-llama and --llama-bench/--llama-ncmoe contradict each other")
+    if not args.no_llama and not args.llama_bench:
+        ap.error("--device cuda needs --llama-bench PATH (llama.cpp built with CUDA) or --no-llama")
+    for option, value in GPU_DEFAULTS.items():
+        if getattr(args, option) is None:
+            setattr(args, option, value)
 
 
 def run_child(spec: dict) -> dict:
@@ -189,10 +254,58 @@ def llama_rows(args, base: dict, installed: bool) -> list[dict]:
 
 
 def _progress(row: dict) -> None:
-    print(f"  done: {row['engine']} threads={row['threads']} "
-          + (f"cache={row['cache_mb']:g} routing={row['routing']} replay={bool(row['replay'])} "
-             if row["engine"] == "moed" else "")
-          + f"conc={row['concurrency']}" + (f" {row['error']}" if "error" in row else ""), file=sys.stderr, flush=True)
+    if row.get("device") == "cuda" or "n_cpu_moe" in row:
+        what = (f"vram={row['gpu_cache_mb']} routing={row['routing_label']} min_batch={row['min_batch']}"
+                if row["engine"] == "moed" else f"ncmoe={row['n_cpu_moe']}")
+    else:
+        what = (f"cache={row['cache_mb']:g} routing={row['routing']} replay={bool(row['replay'])} "
+                if row["engine"] == "moed" else "") + f"conc={row['concurrency']}"
+    print(f"  done: {row['engine']} threads={row['threads']} {what}" + (f" {row['error']}" if "error" in row else ""),
+          file=sys.stderr, flush=True)
+
+
+def gpu_moed_rows(args, base: dict, synthesized: bool) -> list[dict]:
+    rows = []
+    names = [env for env, _ in args.set]
+    for threads, mb, replay, min_batch, *values in itertools.product(
+            args.threads, args.gpu_cache_mb, args.replay, args.min_batch, *(v for _, v in args.set)):
+        spec = base | {"engine": "moed", "device": "cuda", "threads": threads, "gpu_cache_mb": mb,
+                       "replay": "" if replay == "off" else str(Path(replay).resolve()), "min_batch": min_batch,
+                       "warmup": args.warmup, "env": dict(zip(names, values))}
+        row = spec | run_child(spec)
+        source = f"replay {Path(replay).stem}" if spec["replay"] else ("uniform" if synthesized else "own router")
+        row["routing_label"] = source + "".join(f"; {k}={v}" for k, v in spec["env"].items())
+        rows.append(row)
+        _progress(row)
+    return rows
+
+
+def gpu_llama_rows(args, model: str, blocks: dict[int, int]) -> list[dict]:
+    """One llama-bench row per VRAM budget and thread count (--n-cpu-moe sized to the budget), then the
+    --llama-ncmoe rows; each distinct (N, threads) runs once."""
+    done: dict[tuple[int, int], dict] = {}
+    rows = []
+    budgets = [(mb, gpu.n_cpu_moe(blocks, int(mb * 2**20))) for mb in args.gpu_cache_mb]
+    for threads, (mb, n) in itertools.product(args.threads, budgets + [(None, n) for n in args.llama_ncmoe]):
+        if (n, threads) not in done:
+            done[n, threads] = gpu.llama_bench(args.llama_bench, model, n, args.decode_tokens, threads)
+        layers, nbytes = gpu.on_gpu(blocks, n)
+        row = {"engine": "llama.cpp", "threads": threads, "gpu_cache_mb": mb, "n_cpu_moe": n, "replay": "",
+               "expert_layers_gpu": layers, "expert_bytes_gpu": nbytes,
+               "routing_label": f"own router; {layers}/{len(blocks)} expert layers in VRAM ({gpu.mib(nbytes)} MiB)"}
+        rows.append(row | done[n, threads])
+        _progress(rows[-1])
+    return rows
+
+
+def add_gpu_derived(rows: list[dict]) -> None:
+    """Each moed row's decode tok/s over llama.cpp's at the same VRAM budget and threads."""
+    llama = {(r["threads"], r["gpu_cache_mb"]): r for r in rows
+             if r["engine"] == "llama.cpp" and r["gpu_cache_mb"] is not None and "error" not in r}
+    for r in rows:
+        ref = llama.get((r["threads"], r["gpu_cache_mb"]))
+        if r["engine"] == "moed" and "error" not in r and ref and r.get("decode_tok_s") and ref["decode_tok_s"]:
+            r["ratio_decode"] = r["decode_tok_s"] / ref["decode_tok_s"]
 
 
 def add_derived(rows: list[dict], dd_rate: float) -> None:
@@ -227,10 +340,40 @@ def quick_model(directory: str) -> str:
     return path
 
 
+def gpu_bench(args, model: str) -> int:
+    try:
+        ids = prompt_ids(model, args.prompt_tokens)
+        info = gpu.model_info(model)
+    except MoedError as e:
+        print(f"error: cannot read {model}: {e}", file=sys.stderr)
+        return 2
+    size, blocks = os.path.getsize(model), info["blocks"]
+    sizes = sorted(set(blocks.values())) or [0]
+    per = gpu.mib(sizes[0]) + (f"-{gpu.mib(sizes[-1])}" if len(sizes) > 1 else "")
+    print(f"{Path(model).name}: {size / 2**30:.2f} GiB, experts {sum(blocks.values()) / 2**30:.2f} GiB in "
+          f"{len(blocks)} layers ({per} MiB a layer); {len(ids)} prompt tokens, {args.warmup} warm-up and "
+          f"{args.decode_tokens} timed decode steps (greedy); {os.cpu_count()} CPUs; device cuda"
+          + (f"; llama.cpp: {args.llama_bench}" if args.llama_bench else ""), flush=True)
+    rows = gpu_moed_rows(args, {"model": model, "ids": ids, "decode": args.decode_tokens}, info["synthesized"])
+    if not args.no_llama:
+        rows += gpu_llama_rows(args, model, blocks)
+    add_gpu_derived(rows)
+    print(table.render(rows, table.GPU_COLUMNS, table.GPU_TEXT_COLUMNS))
+    if args.json:
+        out = {"model": model, "file_bytes": size, "device": "cuda", "cpus": os.cpu_count(),
+               "expert_bytes_per_block": blocks, "synthesized": info["synthesized"], "prompt_tokens": len(ids),
+               "warmup_tokens": args.warmup, "decode_tokens": args.decode_tokens, "llama_bench": args.llama_bench,
+               "rows": [{k: v for k, v in r.items() if k != "ids"} for r in rows]}
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 1 if any("error" in r and r["engine"] == "moed" for r in rows) else 0
+
+
 def bench(args, model: str) -> int:
     if not Path(model).is_file():
         print(f"error: no model file at {model}", file=sys.stderr)
         return 2
+    if args.device == "cuda":
+        return gpu_bench(args, model)
     installed = llama_installed()
     if args.llama and not installed:
         print("error: --llama: llama-cpp-python is not installed (pip install llama-cpp-python)", file=sys.stderr)
@@ -265,6 +408,7 @@ def bench(args, model: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
+    check_device(ap, args)
     if args.child:
         from _bench import children
 

@@ -2,5 +2,6 @@
 
     disk.py      the file's O_DIRECT sequential read rate (`dd`-style), dropping its cached pages
     children.py  one configuration in a child process: moed or llama.cpp, prefill and decode timed
-    table.py     the printed table and the moed/llama.cpp ratios
+    gpu.py       --device cuda: moed's VRAM expert cache, llama-bench at the same VRAM for experts
+    table.py     the printed tables and the moed/llama.cpp ratios
 """

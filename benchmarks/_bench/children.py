@@ -9,7 +9,8 @@ spec: {"engine", "model", "ids", "threads", "concurrency", "decode", "cold", and
 by s tokens, so concurrent sequences differ. Warm: load, one untimed pass of the same prompts,
 then the timed pass. Cold: load, an untimed pass (kernels compile), close, the model's pages
 dropped (disk.drop_file_pages), load again (timed as load_s), the timed pass: nothing of the
-model is in the page cache or the expert cache when it starts.
+model is in the page cache or the expert cache when it starts. A spec with "device": "cuda" is a
+moed run on the GPU (gpu.moed).
 """
 
 from __future__ import annotations
@@ -182,4 +183,8 @@ def _finish(row: dict) -> dict:
 
 def run(spec: dict) -> dict:
     np.seterr(all="ignore")
+    if spec.get("device") == "cuda":
+        from . import gpu
+
+        return gpu.moed(spec)
     return (moed if spec["engine"] == "moed" else llama)(spec)

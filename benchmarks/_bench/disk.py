@@ -6,8 +6,10 @@ import mmap
 import os
 import time
 
-from memory_limited import _io_read_bytes as io_read_bytes  # noqa: F401  (re-exported for the children)
+from memory_limited import _io_read_bytes as io_read_bytes  # re-exported for the children
 from memory_limited import drop_cache
+
+__all__ = ["direct_read_rate", "drop_file_pages", "io_read_bytes"]
 
 DIRECT_READ_LIMIT = 1 << 30
 DIRECT_CHUNK = 4 << 20  # dd bs=4M
