@@ -224,8 +224,8 @@ class VRAMExpertCache:
         """(pinned host-to-device bytes/s, CPU expert bytes/s per token, the CPU experts' fixed
         seconds a layer), measured on this machine: a 64 MiB pinned copy (best of 3); the first
         layer's experts on the CPU for one token, one and then `many` of them a call, after an untimed
-        call (numba compiles its kernels at the first), best of 7 each: the slope between the two is
-        the throughput, the rest of one call the fixed cost."""
+        call (numba compiles its kernels at the first), best of 9 each, interleaved: the slope between
+        the two is the throughput, the rest of one call the fixed cost."""
         from .cuda_transfer import pinned_empty
 
         tr = self.transfers
@@ -248,17 +248,16 @@ class VRAMExpertCache:
         many = min(4, lay.n_expert)
         ids = list(range(many))
         with self.host.fetch(layer, ids, count=False) as batch:
-            def best(n: int) -> float:
+            def timed(n: int) -> float:
                 routed = np.arange(n, dtype=np.int64).reshape(1, n)  # one token, n experts
-                t = float("inf")
-                for _ in range(7):
-                    t0 = time.perf_counter()
-                    self.cpu_pairs(x, routed, ids[:n], batch, lay, "silu", 0.0, 0.0)
-                    t = min(t, time.perf_counter() - t0)
-                return t
+                t0 = time.perf_counter()
+                self.cpu_pairs(x, routed, ids[:n], batch, lay, "silu", 0.0, 0.0)
+                return time.perf_counter() - t0
 
-            best(many)  # compiles, warms
-            one, all_ = best(1), best(many)
+            timed(many)  # compiles, warms
+            one = all_ = float("inf")
+            for _ in range(9):  # interleaved, so that a busy moment weighs on both alike
+                one, all_ = min(one, timed(1)), min(all_, timed(many))
         per_expert = (all_ - one) / (many - 1) if many > 1 else one
         if per_expert <= 0:  # timer noise: all of one call is the expert
             per_expert = one
