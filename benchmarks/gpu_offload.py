@@ -64,7 +64,10 @@ def measure(path: str, cache_mb: str, routing: str, min_batch: str, *, prompt: i
         prefill_s = time.perf_counter() - t1
         _, token = _decode(model, cache, int(np.argmax(logits[-1])), warmup)
         eng.reset_stats()
+        clock = model.backend.graphs.clock
+        busy0, blocked0 = clock.busy_s, clock.blocked_s
         times, token = _decode(model, cache, token, steps)
+        host = {"busy_ms": 1e3 * (clock.busy_s - busy0), "blocked_ms": 1e3 * (clock.blocked_s - blocked0)}
         v = eng.stats()["vram_cache"]
         if profile:  # where the host's time goes in a decode step
             import cProfile
@@ -85,13 +88,20 @@ def measure(path: str, cache_mb: str, routing: str, min_batch: str, *, prompt: i
                "decode_tok_s": round(steps / (wall_ms / 1e3), 2) if steps else None,
                "step_ms_median": round(1e3 * float(np.median(times)), 2) if steps else None,
                "graph_replays": model.backend.graphs.replays}  # decode steps run as graph segments
-        return out | (_cache_figures(v, steps, wall_ms) if v is not None else {"experts": "all resident in VRAM"})
+        return out | (_cache_figures(v, steps, wall_ms, host) if v is not None else {"experts": "all resident in VRAM"})
     finally:
         eng.close()
 
 
-def _cache_figures(v: dict, n: int, wall_ms: float) -> dict:
-    """The VRAM expert cache's figures of n timed steps (stats()["vram_cache"])."""
+def _cache_figures(v: dict, n: int, wall_ms: float, host: dict) -> dict:
+    """The VRAM expert cache's figures of n timed steps (stats()["vram_cache"]; host: the graph
+    replays' host time, busy and blocked on the GPU, cuda_graphs.HostClock).
+
+    The split of a step, per token: CPU experts (host, inside the host points); copies (fetch
+    stream) and the compute stream's waits on them; host work (the host points and segment
+    launches of graph replays, CPU experts excluded); GPU compute the host waited for (its blocked
+    time at host points less the waits on copies: a lower bound, as the GPU also runs while the
+    host works); the rest (eager steps, the step's set-up and logits read-back)."""
     n = max(n, 1)
     bpt = v["bytes_per_token"]
     gbps = v["h2d_gbps"] or 0.0
@@ -103,7 +113,9 @@ def _cache_figures(v: dict, n: int, wall_ms: float) -> dict:
             "cpu_experts_per_token": round(v["cpu_hybrid"] / n, 2),
             "split_ms_per_token": {"cpu_experts": round(v["cpu_ms"] / n, 2), "copies": round(v["copy_ms"] / n, 2),
                                    "waits": round(v["stall_ms"] / n, 2),
-                                   "other (GPU compute, host)": round((wall_ms - v["cpu_ms"] - v["stall_ms"]) / n, 2)},
+                                   "host_work": round((host["busy_ms"] - v["cpu_ms"]) / n, 2),
+                                   "gpu_compute_waited_for": round(max(host["blocked_ms"] - v["stall_ms"], 0.0) / n, 2),
+                                   "rest": round((wall_ms - host["busy_ms"] - host["blocked_ms"]) / n, 2)},
             "slots_per_layer": sorted({lay["capacity"] for lay in v["layers"].values()}),
             "offload": v["offload"]}
 
