@@ -91,19 +91,23 @@ MATRIX = [  # (VRAM slots per layer, host cache MB, routing, Post-Fetch, block o
 ]
 
 
-@pytest.mark.parametrize("slots,host_mb,routing,postfetch,block", MATRIX,
-                         ids=[f"{s}slot-host{h}-{r}-pf{int(p)}-block{int(b)}" for s, h, r, p, b in MATRIX])
-def test_hybrid_off_is_bit_identical_to_resident(model, slots, host_mb, routing, postfetch, block):
-    path, want = model
+def _streamed_bits_equal_resident(path, want, n_used, slots, host_mb, routing, postfetch, block) -> None:
     got, vram = _logits(path, gpu_cache_mb=_slots_mb(path, slots), expert_cache_limit_mb=host_mb, routing=routing,
                         postfetch_enable=postfetch, postfetch_block_on_miss=block, offload_min_batch="0")
     assert vram["misses"] > 0 and vram["loads"] > 0  # the cache really streamed
     assert vram["cpu_hybrid"] == 0 and vram["fallbacks"] == 0
-    # decode steps replayed as graph segments exactly when a step's experts fit and nothing but the
-    # router reads the host (the first decode step runs eagerly, the second is captured)
-    n_used = 4 if "gpt-oss" in path else 2  # experts a row (the fixtures')
+    # decode steps replayed as graph segments exactly when a step's n_used experts fit and nothing but
+    # the router reads the host (the first decode step runs eagerly, the second is captured)
     assert (vram["graph_replays"] > 0) == (slots >= n_used and routing == "exact")
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("slots,host_mb,routing,postfetch,block", MATRIX,
+                         ids=[f"{s}slot-host{h}-{r}-pf{int(p)}-block{int(b)}" for s, h, r, p, b in MATRIX])
+def test_hybrid_off_is_bit_identical_to_resident(model, slots, host_mb, routing, postfetch, block):
+    path, want = model
+    n_used = 4 if "gpt-oss" in path else 2  # experts a row (the fixtures')
+    _streamed_bits_equal_resident(path, want, n_used, slots, host_mb, routing, postfetch, block)
 
 
 @pytest.mark.parametrize("slots", [2, 4])
@@ -164,12 +168,7 @@ DEMO_MATRIX = [  # as MATRIX; 12 slots hold a decode step's 12 experts (graph se
                          ids=[f"{s}slot-host{h}-{r}-pf{int(p)}-block{int(b)}" for s, h, r, p, b in DEMO_MATRIX])
 def test_demo_moe_hybrid_off_is_bit_identical_to_resident(demo, slots, host_mb, routing, postfetch, block):
     path, want = demo
-    got, vram = _logits(path, gpu_cache_mb=_slots_mb(path, slots), expert_cache_limit_mb=host_mb, routing=routing,
-                        postfetch_enable=postfetch, postfetch_block_on_miss=block, offload_min_batch="0")
-    assert vram["misses"] > 0 and vram["loads"] > 0
-    assert vram["cpu_hybrid"] == 0 and vram["fallbacks"] == 0
-    assert (vram["graph_replays"] > 0) == (slots >= 12 and routing == "exact")
-    np.testing.assert_array_equal(got, want)
+    _streamed_bits_equal_resident(path, want, 12, slots, host_mb, routing, postfetch, block)
 
 
 async def _run(s: Scheduler, req) -> list[int]:
