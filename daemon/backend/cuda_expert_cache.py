@@ -70,11 +70,12 @@ from .cuda_errors import CUDA_ERRORS
 from .cuda_weights import scatter_rows
 from .cuda_staged import Decision, StagedBatch, Timer, VRAMStats
 from .cuda_transfer import Event, Transfers, _check, _drv, pinned_empty
-from .offload import OffloadPolicy, parse_min_batch
+from .offload import CPUCostFit, OffloadPolicy, parse_min_batch
 
 log = logging.getLogger("moed.device")
 
 STALE_S = 5.0  # an in-flight copy not done this long after it was issued is taken as failed
+_FIT_ROWS = 8  # steps of at most this many rows refit the CPU's cost (its per-token model is a decode GEMV's)
 _HISTORY = 512  # per layer: the last steps' expert sets, for the Belady replay in stats (kept short: it
 # replays in Python on every stats call, ~3 s for 48 layers of 512 steps)
 
@@ -152,6 +153,7 @@ class VRAMExpertCache:
         self.host = host
         self.backend = backend
         self.offload = policy
+        self._cpu_fit = CPUCostFit()  # the CPU's cost as steps measure it (auto refits the policy with it)
         self.postfetch = postfetch
         self.block_on_miss = block_on_miss
         self.max_transfers = max_transfers
@@ -502,7 +504,11 @@ class VRAMExpertCache:
                 t0 = time.perf_counter()
                 pairs, yc = self.cpu_pairs(self.x_host(T, layout.n_embd), d.routed, d.cpu, d.host_batch, layout,
                                            kind, alpha, limit)
-                vl.stats.cpu_ms += (time.perf_counter() - t0) * 1e3
+                spent = time.perf_counter() - t0
+                vl.stats.cpu_ms += spent * 1e3
+                if self.offload.min_batch is None and T <= _FIT_ROWS:  # the cost model learns the CPU's real cost
+                    self._cpu_fit.observe(pairs.size * vl.layout.expert_nbytes, spent)
+                    self.offload = self._cpu_fit.refit(self.offload)
                 out = self.cpu_out(P, layout.n_embd)
                 padded = np.full(P, -1, np.int32)
                 padded[:pairs.size] = pairs

@@ -702,3 +702,19 @@ def test_calibration_measures_the_cpu_experts_rate_and_fixed_cost(caches):
     assert h2d == 25e9 if SIM else 1e9 < h2d < 1e12
     assert 0 < cpu < float("inf") and 0 <= fixed < 1.0
     assert "+ " in OffloadPolicy(None, h2d, cpu, fixed).describe()
+
+
+def test_auto_refits_the_cpu_cost_from_the_steps(caches, reference):
+    """Seeded with a CPU far faster than any machine's, the cost model sends the first misses to the
+    CPU; their measured time then replaces the seed (tokens x bytes over seconds, one call)."""
+    from daemon.backend.offload import OffloadPolicy
+
+    seed = OffloadPolicy(None, h2d_bytes_per_s=1e9, cpu_bytes_per_s=1e18)
+    cache, model = caches(2, seed)
+    np.testing.assert_allclose(moe_out(model, [[0, 1]]), reference([[0, 1]]), rtol=5e-2, atol=5e-3)
+    assert cache.stats()["cpu_hybrid"] == 2
+    fit = cache.offload
+    assert fit.min_batch is None and fit.h2d_bytes_per_s == 1e9
+    assert 0 < fit.cpu_bytes_per_s < 1e13 and fit.cpu_call_s == 0.0  # one call: through the origin
+    spent_s = cache.stats()["cpu_ms"] / 1e3
+    assert fit.cpu_bytes_per_s == pytest.approx(2 * cache.layout(0).expert_nbytes / spent_s, rel=1e-6)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from daemon.backend.offload import OffloadPolicy, parse_min_batch
+from daemon.backend.offload import CPUCostFit, OffloadPolicy, parse_min_batch
 from daemon.errors import ConfigError
 
 MIB = 2**20
@@ -162,3 +162,47 @@ def test_describe_names_the_mode():
     assert "25.0 GB/s (42 us/MiB)" in auto
     assert "5.0 GB/s per token (210 us/MiB a token)" in auto
     assert "+ 30 us a layer" in OffloadPolicy(None, 25e9, 5e9, cpu_call_s=30e-6).describe()
+
+
+# -- the CPU's cost, refit from the steps -------------------------------------------------------
+
+def test_the_fit_recovers_a_fixed_cost_and_a_rate():
+    fit = CPUCostFit()
+    assert fit.fit() is None
+    for w in [1, 2, 3, 4, 1, 3] * 3:  # calls of 1-4 MiB a token: 200 us + w / (2 GiB/s)
+        fit.observe(w * MIB, 200e-6 + w * MIB / (2 * GIB))
+    rate, fixed = fit.fit()
+    assert rate == pytest.approx(2 * GIB, rel=1e-6) and fixed == pytest.approx(200e-6, rel=1e-6)
+
+
+def test_calls_of_one_weight_or_too_few_count_every_second_per_byte():
+    fit = CPUCostFit()
+    fit.observe(MIB, 1e-3)
+    assert fit.fit() == pytest.approx((MIB / 1e-3, 0.0))
+    for _ in range(10):
+        fit.observe(MIB, 1e-3)  # no spread in weight: nothing separates the fixed cost
+    assert fit.fit() == pytest.approx((MIB / 1e-3, 0.0))
+
+
+def test_older_calls_weigh_less():
+    fit = CPUCostFit(half_life=4)
+    for _ in range(50):
+        fit.observe(MIB, 10e-3)  # a slow spell
+    for _ in range(50):
+        fit.observe(MIB, 1e-3)
+    rate, _ = fit.fit()
+    assert rate == pytest.approx(MIB / 1e-3, rel=1e-2)  # the slow spell weighs 2**-12.5 per call now
+
+
+def test_a_refit_policy_sends_fewer_misses_to_a_cpu_slower_than_calibrated():
+    # calibrated: the CPU 16x the copy rate, so six single-token misses mostly go to the CPU;
+    # measured in the steps: 10 ms for a 1 MiB expert, ~10x its copy at 1 GiB/s: none go
+    seeded = OffloadPolicy(None, h2d_bytes_per_s=GIB, cpu_bytes_per_s=16 * GIB)
+    misses = {e: 1 for e in range(6)}
+    assert len(seeded.on_cpu(misses, MIB)) >= 4
+    fit = CPUCostFit()
+    fit.observe(MIB, 10e-3)
+    refit = fit.refit(seeded)
+    assert refit.cpu_bytes_per_s == pytest.approx(MIB / 10e-3) and refit.h2d_bytes_per_s == GIB
+    assert refit.on_cpu(misses, MIB) == set()
+    assert CPUCostFit().refit(seeded) is seeded  # nothing seen: unchanged
