@@ -16,8 +16,7 @@ def test_chunked_prefill_equals_single_steps(T):
     o_seq, M_seq = recurrent(q, k, v, g, beta, M)
     o_ch, M_ch = chunked(q, k, v, g, beta, M)
     # order effects only (measured: 1e-7 to 7e-7 of the max here): q scaled before vs after
-    # the dot, exp of cumulative-sum
-    # differences vs products of per-token exps, the triangular solve
+    # the dot, exp of cumulative-sum differences vs products of per-token exps, the solve
     np.testing.assert_allclose(o_ch, o_seq, rtol=0, atol=1e-5 * np.abs(o_seq).max())
     np.testing.assert_allclose(M_ch, M_seq, rtol=0, atol=1e-5 * np.abs(M_seq).max())
 
