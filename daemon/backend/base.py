@@ -11,7 +11,8 @@ rows as a step holding that sequence alone would (batch invariance).
 
 Legend: T = rows of the step, S = sequences, D = hidden size, K = a linear's input length,
 N = its output length, H = query heads, Hkv = key/value heads, Dh = key head size, Dv = value
-head size, E = experts, A = experts used per row, P = T*A (row, expert) pairs, F = expert FFN size.
+head size, E = experts, A = experts used per row, P = T*A (row, expert) pairs, F = expert FFN size,
+C = conv channels, Kc = conv kernel, Hk/Hv = delta-net key/value heads, Dk/Dv = their sizes.
 """
 
 from __future__ import annotations
@@ -173,6 +174,40 @@ class Backend(Protocol):
 
     def sigmoid_gate(self, y: Array, z: Array) -> Array:
         """y [T, N] * sigmoid(z [T, 1]) (a shared expert's gate)."""
+        ...
+
+    def sigmoid_mul(self, y: Array, z: Array) -> Array:
+        """y [T, N] * sigmoid(z), z [T, N] or [T, 1] (ggml_sigmoid, then ggml_mul: the gated
+        attention's output gate, qwen3next's shared-expert gate)."""
+        ...
+
+    def split_heads(self, x: Array, n_head: int, parts: int) -> list[Array]:
+        """x [T, H*parts*d], each head holding `parts` pieces of d values one after another ->
+        `parts` contiguous arrays [T, H, d], piece i of every head (qwen3next's query + gate
+        projection: parts 2; its b + a projection per key head: parts 2, d = Hv/Hk)."""
+        ...
+
+    # -- Gated DeltaNet (hybrid families; docs/qwen3next.md) -------------------------------------
+
+    def conv_silu(self, layer: int, x: Array, weight: Array, step: Step) -> Array:
+        """silu of each sequence's causal depthwise convolution: x [T, C], weight [C, Kc] f32.
+        Each sequence's conv state (layer `layer` of its cache: its previous Kc-1 inputs) comes
+        first, and is replaced by the last Kc-1 inputs. out[t, c] = silu(sum_i in[t+i, c] *
+        weight[c, i]) over the Kc inputs ending at row t. -> [T, C]"""
+        ...
+
+    def gated_delta_net(self, layer: int, qkv: Array, b: Array, a: Array, dt_bias: Array, ssm_a: Array,
+                        step: Step, ssm: Any, eps: float) -> Array:
+        """The gated delta rule over each sequence's rows, its state in layer `layer` of its cache.
+        qkv [T, C]: the conv output, q [Hk*Dk] | k [Hk*Dk] | v [Hv*Dv], head-major; b, a [T, Hv];
+        dt_bias, ssm_a [Hv]; ssm: the model's Ssm (dims, key-head pairing); eps: the RMS eps.
+        q and k are l2-normed per head, beta = sigmoid(b), g = softplus(a + dt_bias) * ssm_a,
+        then per row, for value head h with key head kh: M = M*exp(g); M += (beta*(v - M k)) k^T;
+        o = (M q) / sqrt(Dv), with M [Dv, Dk] the state. -> o [T, Hv, Dv]"""
+        ...
+
+    def gated_rms_norm(self, x: Array, weight: Array, z: Array, eps: float) -> Array:
+        """rms_norm of x [T, H, D] per head, times weight [D], times silu(z [T, H*D]) -> [T, H*D]."""
         ...
 
     def add(self, a: Array, b: Array) -> Array:

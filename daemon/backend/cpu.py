@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 from numba.typed import List
 
-from ..kernels import ops
+from ..kernels import ops, ssm as ssm_k
 from ..kernels.matmul import Prepared, linear_prepared, prepare
 from ..kernels.quants import dequantize
 from . import cpu_experts
@@ -88,7 +88,7 @@ class CPUBackend:
         return [self.upload(w) for w in weights]
 
     def new_cache(self, hp, n_ctx: int) -> KVCache:
-        return KVCache(hp.n_layer, hp.n_head_kv, hp.head_dim, hp.head_dim_v, n_ctx)
+        return KVCache(hp.n_layer, hp.n_head_kv, hp.head_dim, hp.head_dim_v, n_ctx, hp.ssm, hp.recurrent)
 
     def to_host(self, x: np.ndarray) -> np.ndarray:
         return x
@@ -221,6 +221,42 @@ class CPUBackend:
     def sigmoid_gate(self, y, z) -> np.ndarray:
         with np.errstate(invalid="ignore", divide="ignore"):  # llama.cpp: silu(z) / z = sigmoid(z)
             return y * (ops.silu(np.ascontiguousarray(z)) / z)
+
+    def sigmoid_mul(self, y, z) -> np.ndarray:
+        return ssm_k.sigmoid_mul(np.ascontiguousarray(y), np.ascontiguousarray(z))
+
+    def split_heads(self, x, n_head, parts) -> list[np.ndarray]:
+        x = x.reshape(x.shape[0], n_head, parts, -1)  # [T, H, parts, d]
+        return [np.ascontiguousarray(x[:, :, i]) for i in range(parts)]
+
+    # -- Gated DeltaNet ----------------------------------------------------------------------------
+
+    def conv_silu(self, layer, x, weight, step: Step) -> np.ndarray:
+        convs, _ = self._step_states(step)
+        out = np.empty(x.shape, np.float32)
+        ssm_k.conv_silu(np.ascontiguousarray(x), weight, step.offsets, convs, step.caches[0].layers[layer].slot, out)
+        return out
+
+    def gated_delta_net(self, layer, qkv, b, a, dt_bias, ssm_a, step: Step, ssm, eps) -> np.ndarray:
+        _, states = self._step_states(step)
+        out = np.empty((qkv.shape[0], ssm.n_v_head, ssm.head_v), np.float32)  # [T, Hv, Dv]
+        ssm_k.gated_delta_net(qkv, np.ascontiguousarray(b), np.ascontiguousarray(a), dt_bias, ssm_a, step.offsets,
+                              states, step.caches[0].layers[layer].slot, ssm.n_k_head, ssm.tiled, np.float32(eps),
+                              out)
+        return out
+
+    def gated_rms_norm(self, x, weight, z, eps) -> np.ndarray:
+        return ssm_k.gated_rms_norm(x, weight, np.ascontiguousarray(z), np.float32(eps))
+
+    @staticmethod
+    def _step_states(step: Step) -> tuple[List, List]:
+        """The conv and recurrent stores of the step's sequences ([L, ...] each) as numba Lists,
+        built once per step."""
+        states = step.memo.get("states")
+        if states is None:
+            stores = [c.states for c in step.caches]
+            states = step.memo["states"] = (List([s.conv for s in stores]), List([s.ssm for s in stores]))
+        return states
 
     def add(self, a, b) -> np.ndarray:
         return a + b

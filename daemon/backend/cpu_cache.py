@@ -1,15 +1,19 @@
-"""The CPU backend's KV cache: float32 keys and values (holding f16 values in "ggml" numerics, as
-llama.cpp's f16 KV cache), grown on demand up to n_ctx.
+"""The CPU backend's sequence caches: float32 keys and values (holding f16 values in "ggml"
+numerics, as llama.cpp's f16 KV cache), grown on demand up to n_ctx; and for a hybrid family's
+Gated DeltaNet layers, float32 conv and recurrent states of a fixed size (zero for a new sequence).
 
-All layers of one sequence live in one KVStore, so that a decode step hands the attention kernel
-one array per sequence (a numba typed List built once per step, not per layer); each layer's
-KVLayer owns the writes to and reads of its slice.
+All attention layers of one sequence live in one KVStore, and all its recurrent layers in one
+StateStore, so that a step hands a kernel one array per sequence (a numba typed List built once
+per step, not per layer); each layer's cache object owns its slice (`slot`).
 
-Legend: L = layers, C = cells (positions) allocated, Hkv = key/value heads, Dh = key head size,
-Dv = value head size, T = rows written.
+Legend: L = layers of the kind, C = cells (positions) allocated, Hkv = key/value heads, Dh = key
+head size, Dv = value head size, T = rows written; Ch = conv channels, Kc = conv kernel, Hv = value
+heads, Dk / Dvs = the delta net's key / value head sizes.
 """
 
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 
@@ -73,13 +77,47 @@ class KVLayer:
         return self.store.v[self.slot, :end]
 
 
-class KVCache(SequenceCache):
-    """A sequence whose every layer is a KVLayer of one KVStore. k, v: the store's arrays
-    [L, C, Hkv, Dh|Dv] (for inspection; they are replaced when the store grows)."""
+class StateStore:
+    """conv [L, Ch, Kc-1] and ssm [L, Hv, Dvs, Dk] f32 of one sequence: each recurrent layer's
+    previous Kc-1 conv inputs and its delta-rule state M (M[j] = column j of S), zero at first."""
 
-    def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, head_dim_v: int, n_ctx: int):
-        self.store = KVStore(n_layer, n_head_kv, head_dim, head_dim_v, n_ctx)
-        super().__init__([KVLayer(self.store, il) for il in range(n_layer)], n_ctx)
+    def __init__(self, n_layer: int, ssm):
+        self.conv = np.zeros((n_layer, ssm.conv_channels, ssm.conv_kernel - 1), np.float32)
+        self.ssm = np.zeros((n_layer, ssm.n_v_head, ssm.head_v, ssm.head_k), np.float32)
+
+
+class StateLayer:
+    """Layer `slot` of a sequence's StateStore: any number of positions in a fixed size."""
+
+    capacity = sys.maxsize
+
+    def __init__(self, store: StateStore, slot: int):
+        self.store = store
+        self.slot = slot
+
+    def reserve(self, n: int) -> None:
+        pass
+
+
+class KVCache(SequenceCache):
+    """A sequence: a KVLayer of one KVStore per attention layer, and (hybrid families: the layers
+    `recurrent` marks, with dimensions `ssm`) a StateLayer of one StateStore per recurrent layer.
+    k, v: the KV store's arrays [L, C, Hkv, Dh|Dv] (for inspection; replaced when it grows)."""
+
+    def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, head_dim_v: int, n_ctx: int,
+                 ssm=None, recurrent: tuple[bool, ...] = ()):
+        kinds = [bool(recurrent) and recurrent[il] for il in range(n_layer)]
+        self.store = KVStore(kinds.count(False), n_head_kv, head_dim, head_dim_v, n_ctx)
+        self.states = StateStore(kinds.count(True), ssm) if any(kinds) else None
+        layers, n_attn, n_rec = [], 0, 0
+        for rec in kinds:
+            if rec:
+                layers.append(StateLayer(self.states, n_rec))
+                n_rec += 1
+            else:
+                layers.append(KVLayer(self.store, n_attn))
+                n_attn += 1
+        super().__init__(layers, n_ctx)
 
     @property
     def k(self) -> np.ndarray:

@@ -24,6 +24,12 @@ class Family:
     ffn_norm: str = "ffn_norm"  # tensor name of the norm before the FFN
     glu_alpha: float = 1.702
     glu_limit: float = 7.0
+    shexp_gate: str = "silu_div"  # the shared expert's sigmoid gate: "silu_div" (qwen2moe) or "sigmoid"
+    # the layer builder (layers.decoder_layer when None): (tensors, hparams, family, il) -> Layer
+    build_layer: Callable | None = None
+    # the last layer runs on every row and the rows whose logits are wanted are taken after the
+    # output norm (qwen3next), not before the last FFN (llama.cpp's other graphs)
+    last_layer_all_rows: bool = False
 
 
 _REGISTRY: dict[str, Family] = {}
@@ -36,7 +42,7 @@ def register(family: Family) -> Family:
 
 def family_for(arch: str) -> Family:
     from ..errors import UnsupportedError
-    from . import gptoss, llama, olmoe, qwen2moe, qwen3moe  # noqa: F401  (register themselves)
+    from . import gptoss, llama, olmoe, qwen2moe, qwen3moe, qwen3next  # noqa: F401  (register themselves)
 
     try:
         return _REGISTRY[arch]

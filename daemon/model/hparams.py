@@ -33,6 +33,27 @@ class Rope:
 
 
 @dataclass(frozen=True)
+class Ssm:
+    """A Gated DeltaNet layer's dimensions (qwen3next, qwen35moe; docs/qwen3next.md)."""
+
+    conv_kernel: int  # Kc (ssm.conv_kernel)
+    n_k_head: int  # Hk (ssm.group_count)
+    n_v_head: int  # Hv (ssm.time_step_rank)
+    head_k: int  # Dk (ssm.state_size)
+    head_v: int  # Dv (ssm.inner_size / time_step_rank; equal to Dk)
+    tiled: bool  # value head h reads key head h % Hk (qwen35moe); else h // (Hv/Hk) (qwen3next)
+
+    @property
+    def conv_channels(self) -> int:
+        """C: the convolved q, k and v channels, 2*Hk*Dk + Hv*Dv."""
+        return 2 * self.n_k_head * self.head_k + self.n_v_head * self.head_v
+
+    @property
+    def v_dim(self) -> int:
+        return self.n_v_head * self.head_v
+
+
+@dataclass(frozen=True)
 class HParams:
     arch: str
     n_vocab: int
@@ -53,10 +74,15 @@ class HParams:
     expert_weights_scale: float = 0.0  # 0 = not applied
     sliding_window: int = 0
     swa_layers: tuple[bool, ...] = field(default_factory=tuple)
+    ssm: Ssm | None = None  # the Gated DeltaNet layers' dimensions (hybrid families)
+    recurrent: tuple[bool, ...] = field(default_factory=tuple)  # per layer: a Gated DeltaNet layer
 
     @property
     def is_moe(self) -> bool:
         return self.n_expert > 0
+
+    def is_recurrent(self, il: int) -> bool:
+        return bool(self.recurrent) and self.recurrent[il]
 
 
 def read_hparams(g: GGUFFile, arch: str, *, neox: bool, **extra) -> HParams:
@@ -202,3 +228,38 @@ def _read_rope(g: GGUFFile, arch: str, head_dim: int, neox: bool) -> Rope:
         raise GGUFError(f"metadata {arch}.rope.freq_base = {base} and {arch}.rope.scaling.original_context_length = "
                         f"{n_ctx_orig} give no finite YaRN correction range")
     return Rope(n_dims, base, neox, freq_scale, ext_factor, attn_factor, corr)
+
+
+def read_ssm(g: GGUFFile, arch: str, n_layer: int, *, tiled: bool) -> tuple[Ssm, tuple[bool, ...]]:
+    """The Gated DeltaNet dimensions and which layers are recurrent (llama.cpp's
+    load_arch_hparams of qwen3next / qwen35moe), checked for consistency: the graph needs
+    inner_size = time_step_rank * state_size and value heads a multiple of key heads."""
+    def key(name: str) -> str:
+        return f"{arch}.{name}"
+
+    dims = {name: g.get(key(name), int) for name in
+            ("ssm.conv_kernel", "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank", "ssm.group_count")}
+    for name, value in dims.items():
+        if value <= 0:
+            raise GGUFError(f"metadata {key(name)} must be positive, got {value}")
+    inner, state, rank, groups = (dims["ssm.inner_size"], dims["ssm.state_size"], dims["ssm.time_step_rank"],
+                                  dims["ssm.group_count"])
+    if inner % rank or inner // rank != state:
+        raise GGUFError(f"metadata {key('ssm.state_size')} = {state} must equal {key('ssm.inner_size')} / "
+                        f"{key('ssm.time_step_rank')} = {inner} / {rank} (the value head size)")
+    if rank % groups:
+        raise GGUFError(f"metadata {key('ssm.group_count')} = {groups} must divide {key('ssm.time_step_rank')} = "
+                        f"{rank} (value heads share key heads)")
+    ssm = Ssm(dims["ssm.conv_kernel"], groups, rank, state, inner // rank, tiled)
+    layers = g.get(key("attention.recurrent_layers"), np.ndarray, None)
+    if layers is not None:
+        if layers.size < n_layer:
+            raise GGUFError(f"metadata {key('attention.recurrent_layers')} has {layers.size} entries for "
+                            f"{n_layer} layers")
+        recurrent = tuple(bool(v) for v in layers.reshape(-1)[:n_layer])
+    else:
+        interval = g.get(key("full_attention_interval"), int, 4)
+        if interval <= 0:
+            raise GGUFError(f"metadata {key('full_attention_interval')} must be positive, got {interval}")
+        recurrent = tuple((il + 1) % interval != 0 for il in range(n_layer))
+    return ssm, recurrent

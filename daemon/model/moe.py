@@ -23,7 +23,8 @@ class SharedExpert:
     gate: QWeight
     up: QWeight
     down: QWeight
-    gate_inp: QWeight | None  # sigmoid gate (qwen2moe); None = always on
+    gate_inp: QWeight | None  # [1, D]: the gate's logit per row; None = always on
+    gate_kind: str = "silu_div"  # sigmoid(z) as silu(z) / z (llama.cpp's qwen2moe); "sigmoid" (qwen3next)
 
 
 @dataclass(frozen=True)
@@ -95,5 +96,6 @@ def dense_ffn(gate: QWeight, up: QWeight, down: QWeight, x, backend: Backend, st
 def shared_expert(sh: SharedExpert, x, backend: Backend, step: Step | None = None):
     y = dense_ffn(sh.gate, sh.up, sh.down, x, backend, step)
     if sh.gate_inp is not None:
-        y = backend.sigmoid_gate(y, backend.linear(x, sh.gate_inp, step))  # gate [T, 1]
+        z = backend.linear(x, sh.gate_inp, step)  # [T, 1]
+        y = backend.sigmoid_mul(y, z) if sh.gate_kind == "sigmoid" else backend.sigmoid_gate(y, z)
     return y

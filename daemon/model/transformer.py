@@ -1,4 +1,5 @@
-"""The decoder every supported family shares: attention + (dense FFN | MoE), pre-norm residual.
+"""The model: embeddings, the layers a family's builder assembles (daemon/model/layers.py), the
+output norm and head; and the pass over a step's rows, shared by every family.
 
 Legend: T = rows (tokens) in the step, S = sequences, D = hidden size, H = query heads,
 Hkv = key/value heads, Dh = head size, Dv = value head size, V = vocabulary.
@@ -10,8 +11,6 @@ CPU rounding; "float32") are its option.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from ..backend import Backend, CPUBackend, SequenceCache, Step
@@ -20,39 +19,9 @@ from ..storage.experts import ExpertProvider, ResidentExperts
 from ..storage.gguf import GGUFFile
 from .family import Family, family_for
 from .hparams import HParams
-from .moe import MoE, SharedExpert, dense_ffn, moe_forward
-from .weights import QWeight, TensorSource
-
-
-@dataclass(frozen=True)
-class Attention:
-    norm: np.ndarray  # [D]
-    wq: QWeight  # [H*Dh, D]
-    wk: QWeight  # [Hkv*Dh, D]
-    wv: QWeight  # [Hkv*Dv, D]
-    wo: QWeight  # [D, H*Dv]
-    bq: np.ndarray | None
-    bk: np.ndarray | None
-    bv: np.ndarray | None
-    bo: np.ndarray | None
-    q_norm: np.ndarray | None  # [Dh] per head, or [H*Dh] whole projection
-    k_norm: np.ndarray | None
-    sinks: np.ndarray | None  # [H]
-    window: int  # 0 = full attention
-
-
-@dataclass(frozen=True)
-class DenseFFN:
-    gate: QWeight
-    up: QWeight
-    down: QWeight
-
-
-@dataclass(frozen=True)
-class Layer:
-    attn: Attention
-    ffn_norm: np.ndarray  # [D]
-    ffn: DenseFFN | MoE
+from .layers import decoder_layer
+from .moe import MoE, dense_ffn, moe_forward
+from .weights import TensorSource
 
 
 class _Uploaded:
@@ -91,7 +60,8 @@ class Transformer:
         self.output_norm = up.vector("output_norm.weight", hp.n_embd)
         self.output = (up.matrix("output.weight", hp.n_embd, hp.n_vocab) if src.has("output.weight")
                        else self.tok_embd)
-        self.layers = [self._load_layer(up, il) for il in range(hp.n_layer)]
+        build = self.family.build_layer or decoder_layer
+        self.layers = [build(up, hp, self.family, il) for il in range(hp.n_layer)]
         moe_layers = [il for il, layer in enumerate(self.layers) if isinstance(layer.ffn, MoE)]
         self.moe_layers = moe_layers
         F = hp.n_ff_exp or hp.n_ff
@@ -114,48 +84,6 @@ class Transformer:
     def numerics(self) -> str | None:
         """The CPU backend's numerics ("ggml" or "float32"); None on another backend."""
         return getattr(self.backend, "numerics", None)
-
-    # -- loading ------------------------------------------------------------------------------
-
-    def _load_layer(self, src: _Uploaded, il: int) -> Layer:
-        hp, fam, p = self.hp, self.family, f"blk.{il}."
-        D, H, Hkv, Dh, Dv = hp.n_embd, hp.n_head, hp.n_head_kv, hp.head_dim, hp.head_dim_v
-        qk_len = {"head": Dh, "full": None}.get(fam.qk_norm)
-        wq, wk, wv = src.matrices((p + "attn_q.weight", D, H * Dh), (p + "attn_k.weight", D, Hkv * Dh),
-                                  (p + "attn_v.weight", D, Hkv * Dv))
-        attn = Attention(
-            norm=src.vector(p + "attn_norm.weight", D),
-            wq=wq, wk=wk, wv=wv,  # one upload group: `linears` may apply them in one launch
-            wo=src.matrix(p + "attn_output.weight", H * Dv, D),
-            bq=src.optional_vector(p + "attn_q.bias", H * Dh),
-            bk=src.optional_vector(p + "attn_k.bias", Hkv * Dh),
-            bv=src.optional_vector(p + "attn_v.bias", Hkv * Dv),
-            bo=src.optional_vector(p + "attn_output.bias", D),
-            q_norm=src.vector(p + "attn_q_norm.weight", qk_len or H * Dh) if fam.qk_norm else None,
-            k_norm=src.vector(p + "attn_k_norm.weight", qk_len or Hkv * Dh) if fam.qk_norm else None,
-            sinks=src.optional_vector(p + "attn_sinks.weight", H),
-            window=hp.sliding_window if hp.swa_layers and hp.swa_layers[il] else 0,
-        )
-        ffn_norm = src.vector(p + fam.ffn_norm + ".weight", D)
-        if src.has(p + "ffn_gate_inp.weight"):
-            F = hp.n_ff_exp or hp.n_ff
-            shared = None
-            if src.has(p + "ffn_gate_shexp.weight"):
-                Fs = hp.n_ff_shexp or F
-                shared = SharedExpert(
-                    gate=src.matrix(p + "ffn_gate_shexp.weight", D, Fs),
-                    up=src.matrix(p + "ffn_up_shexp.weight", D, Fs),
-                    down=src.matrix(p + "ffn_down_shexp.weight", Fs, D),
-                    gate_inp=(src.matrix(p + "ffn_gate_inp_shexp.weight", D, 1)
-                              if src.has(p + "ffn_gate_inp_shexp.weight") else None))
-            ffn = MoE(layer=il, router=src.matrix(p + "ffn_gate_inp.weight", D, hp.n_expert),
-                      router_bias=src.optional_vector(p + "ffn_gate_inp.bias", hp.n_expert),
-                      n_used=hp.n_expert_used, weights_scale=hp.expert_weights_scale, shared=shared)
-        else:
-            ffn = DenseFFN(gate=src.matrix(p + "ffn_gate.weight", D, hp.n_ff),
-                           up=src.matrix(p + "ffn_up.weight", D, hp.n_ff),
-                           down=src.matrix(p + "ffn_down.weight", hp.n_ff, D))
-        return Layer(attn, ffn_norm, ffn)
 
     # -- running -------------------------------------------------------------------------------
 
@@ -244,12 +172,13 @@ class Transformer:
                                                     for il in self.moe_layers]),
                                   (len(self.moe_layers), step.T, hp.n_expert_used), np.int32)
         x = B.embed(self.tok_embd, step.tokens, step)  # [T, D]
-        h = B.rms_norm(x, self.layers[0].attn.norm, eps)  # each layer's input normed: [T, D]
+        h = B.rms_norm(x, self.layers[0].attn_norm, eps)  # each layer's input normed: [T, D]
+        trim_last = not step.all_logits and not self.family.last_layer_all_rows
         for il, layer in enumerate(self.layers):
             if hooks is not None:
                 hooks.layer_input(il, x)
-            a = self._attention(il, layer.attn, h, step)
-            if il == hp.n_layer - 1 and not step.all_logits:
+            a = layer.mixer.forward(self, il, h, step)
+            if il == hp.n_layer - 1 and trim_last:
                 # as llama.cpp: the last FFN runs on output rows only, one per sequence
                 x, step = B.take_rows(B.add(x, a), step.last_rows()), step.outputs()
                 h = B.rms_norm(x, layer.ffn_norm, eps)
@@ -267,28 +196,8 @@ class Transformer:
                 f = dense_ffn(d.gate, d.up, d.down, h, B, step,
                               observe=None if obs is None else (lambda a, b, il=il: obs(il, a, b)))
             # the residual add and the next layer's norm (the output norm after the last)
-            nxt = self.layers[il + 1].attn.norm if il + 1 < hp.n_layer else self.output_norm
+            nxt = self.layers[il + 1].attn_norm if il + 1 < hp.n_layer else self.output_norm
             x, h = B.add_rms_norm(x, f, nxt, eps)
+        if not step.all_logits and step.T != step.S:  # the last layer ran on every row
+            h, step = B.take_rows(h, step.last_rows()), step.outputs()
         return B.linear(h, self.output, step)  # [T, V]
-
-    def _attention(self, il: int, a: Attention, x, step: Step):
-        """x: [T, D] (normed) -> the attention block's output [T, D]."""
-        B, hp, fam = self.backend, self.hp, self.family
-        T = x.shape[0]
-        H, Hkv, Dh, Dv = hp.n_head, hp.n_head_kv, hp.head_dim, hp.head_dim_v
-        xa = B.prepare(x)  # converted once per weight type, shared by q, k and v
-        # q [T, H*Dh], k [T, Hkv*Dh], v [T, Hkv*Dv]
-        q, k, v = B.linears(xa, [a.wq, a.wk, a.wv], step, [a.bq, a.bk, a.bv])
-        eps = hp.rms_eps
-        if fam.qk_norm == "full":
-            q = B.rms_norm(q, a.q_norm, eps)
-            k = B.rms_norm(k, a.k_norm, eps)
-        q = q.reshape(T, H, Dh)
-        k = k.reshape(T, Hkv, Dh)
-        v = v.reshape(T, Hkv, Dv)
-        if fam.qk_norm == "head":  # per-head norms, then RoPE
-            q, k = B.rope_qk(q, k, step, hp.rope, a.q_norm, a.k_norm, eps)
-        else:
-            q, k = B.rope_qk(q, k, step, hp.rope)
-        out = B.attention(il, q, k, v, step, 1.0 / np.sqrt(Dh), a.window, a.sinks)  # [T, H, Dv]
-        return B.linear(out.reshape(T, H * Dv), a.wo, step, a.bo)

@@ -188,7 +188,7 @@ def test_forward_batch_needs_solo_rows(fixture_dir):
     from daemon.kernels.matmul import linear_prepared, prepare
 
     with GGUFFile(fixture_path("qwen3moe", "Q4_K", fixture_dir)) as g:
-        w = Transformer(g).layers[0].attn.wq
+        w = Transformer(g).layers[0].mixer.wq
     x = np.random.default_rng(2).standard_normal((9, w.n_in)).astype(np.float32)
     xp = prepare(x, w.ggml_type)
     tiled = linear_prepared(xp, w.raw, w.ggml_type, w.n_in)
