@@ -4,8 +4,9 @@ Legend: T = rows of one call, S = sequences, C = conv channels, Kc = conv kernel
 Hk / Hv = key / value heads, Dk / Dv = key / value head size, L = a sequence's recurrent layers.
 
 ggml computes every op here in float32 with libm's expf/logf, so these kernels do too:
-* the conv sums its Kc products with FMA from 0 (ggml_compute_forward_ssm_conv_f32, whose
-  `sumf += s * c` gcc contracts), then silu (ggml_vec_silu_f32: the SIMD exp on groups of 8);
+* the conv sums its Kc products from 0, each product rounded, then added (not fused: checked
+  bit for bit against llama.cpp's `sumf += s * c` in ggml_compute_forward_ssm_conv_f32), then
+  silu (ggml_vec_silu_f32: the SIMD exp on groups of 8);
 * the delta rule is the fused op's token-by-token loop (ggml_compute_forward_gated_delta_net),
   with ggml_vec_dot_f32's AVX2 order for M·k and M·q, and FMA for the rank-1 update;
 * the l2 norm is ggml_rms_norm with eps/Dk, then a scale by 1/sqrt(Dk).
@@ -46,7 +47,7 @@ def conv_silu(x, weight, offsets, convs, slot, out):
                 for i in range(Kc):
                     j = t + i  # index into [state | rows]
                     v = state[c, j] if j < Kc - 1 else x[r0 + j - (Kc - 1), c]
-                    acc = fma32(v, weight[c, i], acc)
+                    acc = _F32(acc + _F32(v * weight[c, i]))
                 out[r0 + t, c] = acc
             # the new state: the last Kc-1 inputs of [state | rows]
             total = Kc - 1 + n

@@ -14,14 +14,15 @@ from daemon.storage.gguf import GGUFFile
 
 
 def rewrite_gguf(src: str | Path, dst: str | Path, *, set_keys: Mapping[str, tuple[Any, Any]] = (),
-                 rename: Mapping[str, str] = (), last: Sequence[str] = ()) -> Path:
-    """Write `src` to `dst` with set_keys {key: (GGUFValueType, value)} added or replaced, tensors
-    renamed ({old: new}), and the tensors named in `last` moved to the end of the data section."""
+                 rename: Mapping[str, str] = (), last: Sequence[str] = (), drop: Sequence[str] = ()) -> Path:
+    """Write `src` to `dst` with set_keys {key: (GGUFValueType, value)} added or replaced, the keys
+    in `drop` left out, tensors renamed ({old: new}), and the tensors named in `last` moved to the
+    end of the data section."""
     set_keys, rename = dict(set_keys), dict(rename)
     with GGUFFile(src) as g:
         w = gguf.GGUFWriter(str(dst), g.architecture)
         for key, value in g.metadata.items():
-            if key == "general.architecture" or key.startswith("GGUF.") or key in set_keys:
+            if key == "general.architecture" or key.startswith("GGUF.") or key in set_keys or key in drop:
                 continue
             vtype, sub = g.value_type(key)
             if vtype == gguf.GGUFValueType.ARRAY:
