@@ -23,7 +23,7 @@ from daemon.storage.gguf import GGUFFile
 from daemon.storage.pack import write_pack
 from tests.fixtures.build import fixture_path
 
-CASES = [("qwen3moe", "Q8_0"), ("gpt-oss", "MXFP4")]
+CASES = [("qwen3moe", "Q8_0"), ("gpt-oss", "MXFP4"), ("qwen3next", "Q8_0")]
 MODES = ["exact", "approx", "speculative", "all"]
 PROMPT = [5, 17, 200, 3, 96, 411]
 N_GEN = 5

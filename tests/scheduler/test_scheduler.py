@@ -5,8 +5,10 @@ decode step, keep-alive, single-flight loads, load errors, the bounded queue."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -435,3 +437,46 @@ def test_compile_is_reported_only_when_the_warm_up_is_slow():
         load_engine(factory, "m.gguf", {}, lambda *r: reports.append(r), compile_notice=0.1)
         assert [r for r in reports if r[0] == "compile"] == want
         assert reports[:2] == [("load", 0.0, ""), ("load", 25.0, "reading")] and ("load", 100.0, "") in reports
+
+
+@pytest.fixture(scope="module")
+def hybrid_model(fixture_dir) -> str:
+    return str(fixture_path("qwen3next", "Q8_0", fixture_dir))
+
+
+async def test_hybrid_model_batches_like_solo_and_cancel_frees_its_state(sched, hybrid_model):
+    """qwen3next (Gated DeltaNet layers: a conv and a recurrent state per sequence): sequences that
+    join and leave a running batch get their solo tokens, and a cancelled sequence's state goes
+    with its cache."""
+    ps = prompts(5)
+    lengths = [4 + 3 * i for i in range(5)]
+    solo = [await run(sched, Generate(i + 1, hybrid_model, tokens=p, max_tokens=n, options=GREEDY))
+            for i, (p, n) in enumerate(zip(ps, lengths))]
+
+    async def staggered(i):
+        await asyncio.sleep(0.01 * (i % 3))
+        return await run(sched, Generate(100 + i, hybrid_model, tokens=ps[i], max_tokens=lengths[i],
+                                         options=GREEDY))
+
+    together = await asyncio.gather(*(staggered(i) for i in range(5)))
+    batcher = sched.registry.find(hybrid_model).batcher
+    assert batcher.peak_batch > 1
+    assert [t for _, t, _ in together] == [t for _, t, _ in solo]
+
+    chunks = []
+    task = asyncio.create_task(sched.generate(Generate(200, hybrid_model, tokens=[3, 4], max_tokens=3000),
+                                              chunks.append, time.perf_counter_ns()))
+    async with asyncio.timeout(30):
+        while len(chunks) < 3:
+            await asyncio.sleep(0.001)
+    seq = next(s for s in batcher._active if s.id == 200)
+    states = weakref.ref(seq.cache.states)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    async with asyncio.timeout(10):
+        while seq.cache is not None or seq in batcher._active:
+            await asyncio.sleep(0.001)
+    gc.collect()
+    assert states() is None
+    assert sched.inflight == 0 and batcher.active == 0
