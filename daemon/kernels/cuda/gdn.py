@@ -1,0 +1,386 @@
+"""Gated DeltaNet on the device (qwen3next, qwen35moe; docs/qwen3next.md "Gated DeltaNet"):
+the causal conv with its rolling state, the fused gated delta rule, the gated RMSNorm, and the
+small elementwise ops of the hybrid families (sigmoid gate, head split).
+
+Legend: T = rows of the call, S = sequences, C = conv channels (2*Hk*Dk + Hv*Dv), Kc = conv
+kernel width, Hk / Hv = key / value heads, Dk / Dv = their sizes, NR = recurrent layers of the
+model, SL = sequence slots of the state pool, D = a normed head's size, P = parts of a head.
+
+State layout (a GPU cache object owns these arrays and hands out slots, cuda_cache.py):
+    conv:  f32 [SL, NR, C, Kc-1]      the previous Kc-1 inputs of every channel, oldest first
+    state: f32 [SL, NR, Hv, Dv, Dk]   M = S^T per value head: row j over values, keys contiguous
+A call's rows are grouped by sequence: sequence s has rows offsets[s]..offsets[s+1]-1 (a decode
+step: row s alone, no offsets array), and its state is slot slots[first row] of layer `layer`.
+
+Kernels:
+- conv_silu: one thread per (channel, sequence), over its sequence's rows in order with the Kc
+  inputs in registers; reads the old state first and writes the last Kc-1 inputs back (which
+  may partly be old state when the sequence has fewer rows than Kc-1). x is read once, coalesced
+  over channels. out = silu(sum_{i=0}^{Kc-1} in[t+i] * w[c, i]) summed from 0 in ascending i.
+- gated_delta_net: grid (Hv, S, Dv / rows per block). A group of LW lanes (LW = Dk rounded up to
+  a power of two, at most 32: one warp for the real Dk = 128) owns one value row j of M, each
+  lane holding Dk/LW keys of it in registers (loaded coalesced: lanes over consecutive keys)
+  for the whole call; the dot products over keys are lane-group butterflies (ptx.warp_sum). Per
+  row: the group l2-norms q and k of its key head itself (rms_norm with eps/Dk, then times
+  1/sqrt(Dk), as ggml's build_gdn_l2_norm), beta = sigmoid(b), decay = exp(softplus(a +
+  dt_bias) * ssm_a), then M_j *= decay; delta = (v_j - M_j.k) * beta; M_j += k * delta;
+  o_j = (M_j.q) * 1/sqrt(Dv). The next row's inputs are loaded before the current row is
+  computed, so a prefill's sequential chain waits on memory once, not once per row. The state
+  is written back once at the end. A decode step of one sequence with Hv = 32, Dv = 128 is 1024
+  blocks of 4 warps, each reading 2 KiB of state: the 2 MiB of a layer is read and written once,
+  spread over the whole GPU. Prefill is sequential over a sequence's rows, parallel over heads,
+  sequences and value rows.
+- gated_rms_norm: one block per (head, row): rms_norm over D (mean of squares, 1/sqrt(mean +
+  eps)), times weight, times silu(z), rounded in that order (ggml: rms_norm, mul, mul).
+- sigmoid_mul: y * 1/(1 + exp(-z)), z per element or one per row.
+- split_heads: a copy of [T, H, P, d] into P arrays [T, H, d] (one output buffer [P, T, H, d]).
+
+Numerics: float32 throughout, expf/logf of the device (the CPU's silu is ggml's SIMD exp, its
+sums of squares double, its dot products SIMD-ordered): the GPU agrees to f32 rounding, not bit
+for bit. Every reduction is a fixed butterfly order: the same inputs give the same bits on every
+run, and a sequence's results do not depend on the other sequences of the call.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda
+
+from .device import block_sum, placeholder, sigmoid
+from .launch import launch
+from .ptx import warp_sum
+
+_F32 = np.float32
+_THREADS = 128  # elementwise kernels; and the conv's channels per block
+_GDN_THREADS = 128  # threads of a delta-net block (4 warps): 128 / LW value rows each
+_MAX_THREADS = 1024
+_HELD = 8  # values of a normed head each thread holds: heads up to 8192 values
+
+
+def _grid(n: int) -> int:
+    return (n + _THREADS - 1) // _THREADS
+
+
+def lanes(dk: int) -> int:
+    """Lanes that share one value row of the state: Dk rounded up to a power of two, <= 32."""
+    lw = 1
+    while lw < dk and lw < 32:
+        lw *= 2
+    return lw
+
+
+# -- conv ------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _conv_kernel(KC: int):
+    """The conv kernel for kernel width KC (a constant: the window lives in registers)."""
+    KS = max(KC - 1, 1)  # local arrays need a positive size; only KC-1 entries are used
+
+    @cuda.jit
+    def conv(x, w, conv_state, layer, slots, offsets, has_offsets, out):
+        """x, out: f32 [T, C]; w: f32 [C, KC]; conv_state: f32 [SL, NR, C, KC-1]; slots: int32
+        [T]; offsets: int32 [S+1] (read when has_offsets, else sequence s is row s).
+        Grid (ceil(C / threads), S)."""
+        c = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        s = cuda.blockIdx.y
+        C = x.shape[1]
+        if c >= C:
+            return
+        r0 = s
+        r1 = s + 1
+        if has_offsets:
+            r0 = offsets[s]
+            r1 = offsets[s + 1]
+        slot = slots[r0]
+        win = cuda.local.array(KS, np.float32)  # the KC-1 inputs before the current row, oldest first
+        ws = cuda.local.array(KC, np.float32)
+        for i in range(KC - 1):
+            win[i] = conv_state[slot, layer, c, i]
+        for i in range(KC):
+            ws[i] = w[c, i]
+        for t in range(r0, r1):
+            cur = x[t, c]
+            acc = np.float32(0.0)
+            for i in range(KC - 1):
+                acc += win[i] * ws[i]
+            acc += cur * ws[KC - 1]
+            out[t, c] = acc / (np.float32(1.0) + math.exp(-acc))
+            for i in range(KC - 2):
+                win[i] = win[i + 1]
+            if KC > 1:
+                win[KC - 2] = cur
+        for i in range(KC - 1):
+            conv_state[slot, layer, c, i] = win[i]
+
+    return conv
+
+
+def _rows_of(slots, offsets, n_seq: int, T: int):
+    """(offsets, has_offsets) for a launch: offsets None = one row per sequence."""
+    if offsets is None:
+        if n_seq != T:
+            raise ValueError(f"{n_seq} sequences of one row each need {n_seq} rows, got {T}")
+        return placeholder(np.int32), False
+    if offsets.shape != (n_seq + 1,):
+        raise ValueError(f"offsets {offsets.shape} for {n_seq} sequences")
+    return offsets, True
+
+
+def conv_silu(x, weight, conv_state, layer: int, slots, offsets, n_seq: int, out, stream=0) -> None:
+    """out = silu(causal depthwise conv of each sequence's rows of x, after its conv state), and
+    the state moved on by the sequence's rows.
+
+    x, out: device f32 [T, C]; weight: f32 [C, Kc]; conv_state: f32 [SL, NR, C, Kc-1] (layer
+    `layer` of slot slots[first row] per sequence, updated in place); slots: int32 [T];
+    offsets: int32 [n_seq + 1] row offsets of the sequences, or None when each has one row."""
+    T, C = x.shape
+    KC = weight.shape[1]
+    if weight.shape[0] != C or out.shape != (T, C) or conv_state.shape[2:] != (C, KC - 1) or slots.shape[0] != T:
+        raise ValueError(f"conv_silu: x {x.shape}, weight {weight.shape}, state {conv_state.shape}, "
+                         f"out {out.shape}, slots {slots.shape}")
+    offsets, has = _rows_of(slots, offsets, n_seq, T)
+    if T and C:
+        launch(_conv_kernel(KC), (_grid(C), n_seq), _THREADS, stream, x, weight, conv_state, int(layer), slots,
+               offsets, has, out)
+
+
+# -- the gated delta rule --------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _gdn_kernel(DK: int):
+    """The delta-net kernel for key size DK (a constant: each lane's keys live in registers)."""
+    LW = lanes(DK)
+    R = (DK + LW - 1) // LW  # keys per lane
+
+    @cuda.jit(device=True, inline=True)
+    def load_row(qkv, b, a, t, h, q0, k0, v0, lane, qs, ks):
+        """Row t's q and k of this lane (qs, ks), and its v_j, b and a."""
+        for u in range(R):
+            i = lane + u * LW
+            qv = np.float32(0.0)
+            kv = np.float32(0.0)
+            if i < DK:
+                qv = qkv[t, q0 + i]
+                kv = qkv[t, k0 + i]
+            qs[u] = qv
+            ks[u] = kv
+        return qkv[t, v0], b[t, h], a[t, h]
+
+    @cuda.jit
+    def gdn(qkv, b, a, dt_bias, ssm_a, state, layer, slots, offsets, has_offsets, n_k_head, tiled, eps_k, k_scale,
+            o_scale, out):
+        """qkv: f32 [T, C]; b, a: f32 [T, Hv]; dt_bias, ssm_a: f32 [Hv]; state: f32 [SL, NR, Hv,
+        Dv, DK]; slots: int32 [T]; offsets: int32 [S+1] (read when has_offsets); eps_k: eps/DK;
+        k_scale: 1/sqrt(DK); o_scale: 1/sqrt(Dv); out: f32 [T, Hv, Dv].
+        Grid (Hv, S, ceil(Dv / (threads / LW))); lanes tid % LW of group tid // LW hold row j."""
+        h = cuda.blockIdx.x
+        s = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        lane = tid % LW
+        j = cuda.blockIdx.z * (cuda.blockDim.x // LW) + tid // LW
+        Hv = out.shape[1]
+        Dv = out.shape[2]
+        live = j < Dv
+        jj = j if live else Dv - 1  # a spare group computes row Dv-1 and writes nothing: every lane
+        #                             of the block takes part in the butterflies
+        kh = h % n_k_head if tiled else h // (Hv // n_k_head)
+        Kd = n_k_head * DK
+        q0 = kh * DK
+        k0 = Kd + kh * DK
+        v0 = 2 * Kd + h * Dv + jj
+        r0 = s
+        r1 = s + 1
+        if has_offsets:
+            r0 = offsets[s]
+            r1 = offsets[s + 1]
+        slot = slots[r0]
+
+        m = cuda.local.array(R, np.float32)  # this lane's keys of row j of M
+        for u in range(R):
+            i = lane + u * LW
+            m[u] = state[slot, layer, h, jj, i] if i < DK else np.float32(0.0)
+        dtb = dt_bias[h]
+        sa = ssm_a[h]
+        qs = cuda.local.array(R, np.float32)
+        ks = cuda.local.array(R, np.float32)
+        nq = cuda.local.array(R, np.float32)  # the next row's inputs, loaded ahead
+        nk = cuda.local.array(R, np.float32)
+        nv, nb, na = load_row(qkv, b, a, r0, h, q0, k0, v0, lane, nq, nk)
+        for t in range(r0, r1):
+            for u in range(R):
+                qs[u] = nq[u]
+                ks[u] = nk[u]
+            vj = nv
+            bt = nb
+            at = na
+            if t + 1 < r1:
+                nv, nb, na = load_row(qkv, b, a, t + 1, h, q0, k0, v0, lane, nq, nk)
+            # l2 norms of q and k: ggml_rms_norm(x, eps/DK), then times 1/sqrt(DK)
+            sq = np.float32(0.0)
+            sk = np.float32(0.0)
+            for u in range(R):
+                sq += qs[u] * qs[u]
+                sk += ks[u] * ks[u]
+            sq = warp_sum(sq, LW)
+            sk = warp_sum(sk, LW)
+            q_norm = np.float32(1.0) / math.sqrt(sq / np.float32(DK) + eps_k)
+            k_norm = np.float32(1.0) / math.sqrt(sk / np.float32(DK) + eps_k)
+            beta = sigmoid(bt)
+            x = at + dtb
+            if x <= np.float32(20.0):
+                x = math.log(np.float32(1.0) + math.exp(x))
+            decay = math.exp(x * sa)
+            dot = np.float32(0.0)
+            for u in range(R):
+                qs[u] = (qs[u] * q_norm) * k_scale
+                ks[u] = (ks[u] * k_norm) * k_scale
+                m[u] *= decay
+                dot += m[u] * ks[u]
+            dot = warp_sum(dot, LW)
+            delta = (vj - dot) * beta
+            dot = np.float32(0.0)
+            for u in range(R):
+                m[u] += ks[u] * delta
+                dot += m[u] * qs[u]
+            dot = warp_sum(dot, LW)
+            if live and lane == 0:
+                out[t, h, j] = dot * o_scale
+        if live:
+            for u in range(R):
+                i = lane + u * LW
+                if i < DK:
+                    state[slot, layer, h, j, i] = m[u]
+
+    return gdn
+
+
+def gated_delta_net(qkv, b, a, dt_bias, ssm_a, state, layer: int, slots, offsets, n_seq: int, n_k_head: int,
+                    head_k: int, tiled: bool, eps: float, out, stream=0) -> None:
+    """The gated delta rule over each sequence's rows (see the module doc).
+
+    qkv: device f32 [T, C] (q [Hk*Dk] | k [Hk*Dk] | v [Hv*Dv], head-major); b, a: f32 [T, Hv];
+    dt_bias, ssm_a: f32 [Hv]; state: f32 [SL, NR, Hv, Dv, Dk], layer `layer` of slot slots[first
+    row] per sequence, updated in place; slots: int32 [T]; offsets: int32 [n_seq + 1] or None
+    (one row per sequence); tiled: value head h reads key head h % Hk (else h // (Hv/Hk));
+    eps: the RMS eps of the l2 norms. out: f32 [T, Hv, Dv]."""
+    T, C = qkv.shape
+    _, _, Hv, Dv, Dk = state.shape
+    if (Dk != head_k or C != 2 * n_k_head * Dk + Hv * Dv or Hv % n_k_head or b.shape != (T, Hv)
+            or a.shape != (T, Hv) or dt_bias.shape != (Hv,) or ssm_a.shape != (Hv,) or out.shape != (T, Hv, Dv)
+            or slots.shape[0] != T):
+        raise ValueError(f"gated_delta_net: qkv {qkv.shape}, b {b.shape}, a {a.shape}, state {state.shape}, "
+                         f"Hk {n_k_head}, Dk {head_k}, out {out.shape}")
+    offsets, has = _rows_of(slots, offsets, n_seq, T)
+    if not T:
+        return
+    lw = lanes(Dk)
+    threads = min(_GDN_THREADS, -(-(Dv * lw) // 32) * 32)  # a multiple of 32 (whole warps)
+    rows = threads // lw
+    eps_k = _F32(eps) / _F32(Dk)
+    k_scale = _F32(1.0) / np.sqrt(_F32(Dk))
+    o_scale = _F32(1.0) / np.sqrt(_F32(Dv))
+    launch(_gdn_kernel(Dk), (Hv, n_seq, -(-Dv // rows)), threads, stream, qkv, b, a, dt_bias, ssm_a, state,
+           int(layer), slots, offsets, has, int(n_k_head), bool(tiled), _F32(eps_k), _F32(k_scale), _F32(o_scale),
+           out)
+
+
+# -- gated RMSNorm, sigmoid gate, head split -------------------------------------------------
+
+
+@cuda.jit
+def _gated_rms_norm(x, w, z, eps, out):
+    """x: f32 [T, H, D]; w: f32 [D]; z, out: f32 [T, H*D]. Grid (H, T) blocks."""
+    buf = cuda.shared.array(32, np.float32)
+    h = cuda.blockIdx.x
+    t = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    D = x.shape[2]
+    xs = cuda.local.array(_HELD, np.float32)
+    acc = np.float32(0.0)
+    for u in range(_HELD):
+        i = tid + u * nt
+        v = x[t, h, i] if i < D else np.float32(0.0)
+        xs[u] = v
+        acc += v * v
+    total = block_sum(acc, buf, tid, nt)
+    scale = np.float32(1.0) / math.sqrt(total / np.float32(D) + eps)
+    for u in range(_HELD):
+        i = tid + u * nt
+        if i < D:
+            g = z[t, h * D + i]
+            out[t, h * D + i] = ((xs[u] * scale) * w[i]) * (g / (np.float32(1.0) + math.exp(-g)))
+
+
+def _norm_threads(n: int) -> int:
+    t = 32
+    while t * _HELD < n and t < _MAX_THREADS:
+        t *= 2
+    if t * _HELD < n:
+        raise ValueError(f"gated_rms_norm: heads of {n} values exceed {_MAX_THREADS * _HELD}")
+    return t
+
+
+def gated_rms_norm(x, weight, z, eps: float, out, stream=0) -> None:
+    """out = rms_norm(x) * weight * silu(z) per head. x: device f32 [T, H, D]; weight: [D];
+    z, out: f32 [T, H*D] (out may be z, or x's buffer)."""
+    T, H, D = x.shape
+    if weight.shape != (D,) or z.shape != (T, H * D) or out.shape != (T, H * D):
+        raise ValueError(f"gated_rms_norm: x {x.shape}, weight {weight.shape}, z {z.shape}, out {out.shape}")
+    if T * H * D:
+        launch(_gated_rms_norm, (H, T), _norm_threads(D), stream, x, weight, z, _F32(eps), out)
+
+
+@cuda.jit
+def _sigmoid_mul(y, z, per_row, out):
+    """out = y * sigmoid(z). y, out: f32 [T, N]; z: f32 [T, N], or [T, 1] (per_row)."""
+    idx = cuda.grid(1)
+    T, N = y.shape
+    if idx >= T * N:
+        return
+    t = idx // N
+    n = idx - t * N
+    g = z[t, 0] if per_row else z[t, n]
+    out[t, n] = y[t, n] * sigmoid(g)
+
+
+def sigmoid_mul(y, z, out, stream=0) -> None:
+    """out = y * (1 / (1 + exp(-z))). y, out: device f32 [T, N]; z: [T, N] or [T, 1] (broadcast
+    over the row)."""
+    T, N = y.shape
+    if out.shape != (T, N) or z.shape not in ((T, N), (T, 1)):
+        raise ValueError(f"sigmoid_mul: y {y.shape}, z {z.shape}, out {out.shape}")
+    if T * N:
+        launch(_sigmoid_mul, _grid(T * N), _THREADS, stream, y, z, z.shape[1] == 1 and N != 1, out)
+
+
+@cuda.jit
+def _split_heads(x, out):
+    """x: f32 [T, H*P*d]; out: f32 [P, T, H, d]: out[p, t, h, i] = x[t, (h*P + p)*d + i]."""
+    idx = cuda.grid(1)
+    P, T, H, d = out.shape
+    row = H * P * d
+    if idx >= T * row:
+        return
+    t = idx // row
+    r = idx - t * row
+    h = r // (P * d)
+    p = (r // d) % P
+    out[p, t, h, r % d] = x[t, r]
+
+
+def split_heads(x, out, stream=0) -> None:
+    """out[p] = piece p of every head of x. x: device f32 [T, H*P*d]; out: f32 [P, T, H, d]."""
+    P, T, H, d = out.shape
+    if x.shape != (T, H * P * d):
+        raise ValueError(f"split_heads: x {x.shape}, out {out.shape}")
+    if x.size:
+        launch(_split_heads, _grid(x.size), _THREADS, stream, x, out)
+
+
+__all__ = ["conv_silu", "gated_delta_net", "gated_rms_norm", "sigmoid_mul", "split_heads", "lanes"]
