@@ -44,8 +44,18 @@ def test_fixture_layer_mix_and_shapes(fixture_dir):
     assert f["qwen3next.rope.dimension_count"].contents() == c.rope_dim < c.head_dim
 
 
+@pytest.mark.parametrize("wtype", ["F32", "F16", "Q8_0", "Q4_K"])
+def test_fixture_types(wtype, fixture_dir):
+    """Matrices have the fixture's type; ssm_conv1d (asserted by llama.cpp), the router and every
+    1-D tensor stay F32. The default widths (256-wide rows) let every matrix be a K-quant."""
+    r = gguf.GGUFReader(fixture_path("qwen3next", wtype, fixture_dir))
+    for t in r.tensors:
+        f32 = len(t.shape) == 1 or "ssm_conv1d" in t.name or t.name.endswith("ffn_gate_inp.weight")
+        assert t.tensor_type.name == ("F32" if f32 else wtype), t.name
+
+
 @pytest.mark.llamacpp
-@pytest.mark.parametrize("wtype", ["F32", "F16", "Q8_0"])
+@pytest.mark.parametrize("wtype", ["F32", "F16", "Q8_0", "Q4_K"])
 def test_llama_cpp_runs_qwen3next(wtype, fixture_dir, needs_llamacpp):
     """llama.cpp accepts the file (it rejects files with tensors it did not ask for, so the
     layer kinds it derives from the metadata match ours) and gives finite, deterministic,
