@@ -2,7 +2,9 @@
 
 Every weight lives in VRAM, repacked at upload (cuda_weights.py); every expert too
 (cuda_experts.DeviceExperts, built by the engine); each sequence owns a slot of the model's KV
-pool (cuda_cache.py). Arrays passed between ops are device arrays; host numpy arrays are accepted
+pool (cuda_cache.py), which for a hybrid family (qwen3next, qwen35moe) holds KV for the
+attention layers and the conv + delta-rule states of the Gated DeltaNet layers (their ops:
+daemon/kernels/cuda/gdn.py, taking the step's slots and offsets as attention does). Arrays passed between ops are device arrays; host numpy arrays are accepted
 too and copied to the device (tests, tools), and host QWeights or expert stacks are uploaded on
 each call (correct, slow: the engine uploads everything at load).
 
@@ -39,6 +41,7 @@ from numba import cuda
 from ..errors import DeviceError
 from ..kernels.cuda import attention as attn
 from ..kernels.cuda import embed as embed_k
+from ..kernels.cuda import gdn
 from ..kernels.cuda import glu as glu_k
 from ..kernels.cuda import mmq, mmvq, norm, rope as rope_k, router as router_k
 from ..kernels.cuda.device import SIM
@@ -211,14 +214,21 @@ class CUDABackend:
 
     @_guarded
     def new_cache(self, hp, n_ctx: int) -> DeviceKVCache:
+        """A slot of the model's pool: KV for every layer, or for a hybrid family KV for its
+        attention layers and conv + delta-rule states (zeroed for the new sequence, in stream
+        order) for its recurrent ones."""
         key = (hp.n_layer, hp.n_head_kv, hp.head_dim, hp.head_dim_v)
+        hybrid = any(hp.recurrent)
+        if hybrid:
+            key += (hp.ssm, tuple(hp.recurrent))
         pool = self._pools.get(key)
         if pool is None:
-            pool = self._pools[key] = KVPool(*key, slots=self.max_slots, on_grow=self._kv_grew)
-        return DeviceKVCache(pool, n_ctx)
+            pool = self._pools[key] = KVPool(*key[:4], slots=self.max_slots, on_grow=self._kv_grew,
+                                             ssm=hp.ssm if hybrid else None, recurrent=hp.recurrent if hybrid else ())
+        return DeviceKVCache(pool, n_ctx, self.stream)
 
     def _kv_grew(self, delta: int) -> None:
-        self.bytes["kv"] += delta
+        self.bytes["kv"] += delta  # KV and, for a hybrid family, the recurrent states
         self.graphs.clear()  # they hold the old pool's addresses
 
     @_guarded
@@ -570,15 +580,15 @@ class CUDABackend:
     @_guarded
     def attention(self, layer, q, k, v, step: Step, scale, window, sinks):
         q, k, v = self._dev(q), self._dev(k), self._dev(v)
-        pool: KVPool = step.caches[0].pool
-        slots = step.memo.get("slots")  # once per step, not per layer
-        if slots is None:
-            slots = self._memo_ints(step, "slots", self._row_slots(step))
+        cache = step.caches[0]
+        pool: KVPool = cache.pool
+        slots = self._step_slots(step)
         positions = self._memo_ints(step, "positions", step.positions)
         max_cells = step.memo.get("max_cells")
         if max_cells is None:
             max_cells = step.memo["max_cells"] = int(step.positions.max()) + 1
-        kc, vc = pool.k[layer], pool.v[layer]
+        ia = cache.layers[layer].layer  # the pool's index of this attention layer (il in a non-hybrid model)
+        kc, vc = pool.k[ia], pool.v[ia]
         attn.kv_append(k, v, slots, positions, kc, vc, stream=self.stream)
         T, H, _ = q.shape
         Dv = vc.shape[3]
@@ -615,6 +625,64 @@ class CUDABackend:
         y = self._dev(y)
         out = self._empty(y.shape, _F32)
         glu_k.sigmoid_gate(y, self._dev(z), out, stream=self.stream)
+        return out
+
+    @_guarded
+    def sigmoid_mul(self, y, z):
+        y, z = self._dev(y), self._dev(z)
+        out = self._empty(y.shape, _F32)  # [T, N]
+        gdn.sigmoid_mul(y, z, out, stream=self.stream)
+        return out
+
+    @_guarded
+    def split_heads(self, x, n_head, parts):
+        """One copy launch into one buffer [parts, T, H, d]; the parts are its (contiguous) slices."""
+        x = self._dev(x)
+        T, N = x.shape
+        d = N // (n_head * parts)
+        if d * n_head * parts != N:
+            raise ValueError(f"split_heads: {N} values are not {n_head} heads of {parts} equal parts")
+        out = self._empty((parts, T, n_head, d), _F32)
+        gdn.split_heads(x, out, stream=self.stream)
+        return [out[p:p + 1].reshape(T, n_head, d) for p in range(parts)]
+
+    # -- Gated DeltaNet ----------------------------------------------------------------------------
+
+    @_guarded
+    def conv_silu(self, layer, x, weight, step: Step):
+        x = self._dev(x)
+        cache = step.caches[0]
+        out = self._empty(x.shape, _F32)  # [T, C]
+        gdn.conv_silu(x, self._dev(weight), cache.pool.conv, cache.layers[layer].index, self._step_slots(step),
+                      self._step_offsets(step), step.S, out, stream=self.stream)
+        return out
+
+    @_guarded
+    def gated_delta_net(self, layer, qkv, b, a, dt_bias, ssm_a, step: Step, ssm, eps):
+        qkv, b, a = self._dev(qkv), self._dev(b), self._dev(a)
+        cache = step.caches[0]
+        T, Hv = qkv.shape[0], ssm.n_v_head
+        if b.shape != (T, Hv):  # e.g. [T, Hk, r] from split_heads
+            b = b.reshape(T, Hv)
+        if a.shape != (T, Hv):
+            a = a.reshape(T, Hv)
+        out = self._empty((T, Hv, ssm.head_v), _F32)  # [T, Hv, Dv]
+        gdn.gated_delta_net(qkv, b, a, self._dev(dt_bias), self._dev(ssm_a), cache.pool.state,
+                            cache.layers[layer].index, self._step_slots(step), self._step_offsets(step), step.S,
+                            ssm.n_k_head, ssm.head_k, ssm.tiled, eps, out, stream=self.stream)
+        return out
+
+    @_guarded
+    def gated_rms_norm(self, x, weight, z, eps):
+        x, z = self._dev(x), self._dev(z)
+        T, D = x.shape[0], weight.shape[0]
+        if x.ndim == 2:  # [T, H*D]
+            x = x.reshape(T, x.shape[1] // D, D)
+        N = x.shape[1] * D
+        if z.shape != (T, N):
+            z = z.reshape(T, N)
+        out = self._empty((T, N), _F32)  # [T, H*D]
+        gdn.gated_rms_norm(x, self._dev(weight), z, eps, out, stream=self.stream)
         return out
 
     @_guarded
@@ -690,6 +758,20 @@ class CUDABackend:
         if step is not None:
             step.memo[key] = dev
         return dev
+
+    def _step_slots(self, step: Step):
+        """The step's row slots on the device (int32 [T]), made once per step (a graph's input
+        buffer when the step runs as one)."""
+        slots = step.memo.get("slots")
+        if slots is None:
+            slots = self._memo_ints(step, "slots", self._row_slots(step))
+        return slots
+
+    def _step_offsets(self, step: Step):
+        """The step's sequence offsets on the device (int32 [S+1]), once per step; None for a
+        step of one row per sequence (a decode step: the kernels need none, so a graph of it has
+        no offsets to feed)."""
+        return None if step.one_row_each else self._memo_ints(step, "offsets", step.offsets)
 
     @staticmethod
     def _row_slots(step: Step) -> np.ndarray:

@@ -1,23 +1,37 @@
-"""The CUDA backend's KV cache: a per-model pool of sequence slots in VRAM, one f16 array pair per
-layer in the slot layout of daemon/kernels/cuda/attention.py:
+"""The CUDA backend's sequence caches: a per-model pool of sequence slots in VRAM, one f16 array
+pair per attention layer in the slot layout of daemon/kernels/cuda/attention.py:
 
-    k[il]: f16 [S, Hkv, C, Dh]    v[il]: f16 [S, Hkv, C, Dv]
+    k[ia]: f16 [S, Hkv, C, Dh]    v[ia]: f16 [S, Hkv, C, Dv]
 
-A sequence (DeviceKVCache) owns one slot index, the same in every layer, from creation until it
-is garbage-collected (the scheduler drops a finished sequence's cache: the slot is free again).
-A decode step hands the attention kernel each row's slot, so one launch reads every sequence of
-the step. Stale cells of a reused slot are never read: a sequence writes cell j before any of
-its rows can see it.
+and, for a hybrid family (qwen3next, qwen35moe), every Gated DeltaNet layer's f32 state in the
+layout of daemon/kernels/cuda/gdn.py, all recurrent layers in one array of each kind:
+
+    conv:  f32 [S, NR, Ch, Kc-1]    state: f32 [S, NR, Hv, Dvs, Dk]
+
+`ia` is the attention layer's ordinal among the model's attention layers (every layer in a
+non-hybrid model), `ir` a recurrent layer's among the recurrent ones; a sequence's layer cache
+of model layer il carries it (DeviceKVLayer.layer, DeviceStateLayer.index).
+
+A sequence (DeviceKVCache) owns one slot index, the same in every layer and in both kinds of
+arrays, from creation until it is garbage-collected (the scheduler drops a finished sequence's
+cache: the slot is free again). A decode step hands the kernels each row's slot, so one launch
+reads every sequence of the step. Stale cells of a reused slot are never read: a sequence writes
+cell j before any of its rows can see it. The recurrent states are read from the first row on,
+so a sequence's slot is zeroed when it takes the slot (one memset of the slot's conv and state
+slices, in the backend's stream order).
 
 The pool grows on demand: slots double when all are taken, cells double (from FIRST_CELLS) up
-to the largest n_ctx asked for, as the CPU cache grows; growing copies the cells on the device.
+to the largest n_ctx asked for, as the CPU cache grows; growing copies the cells and states on
+the device.
 
-Legend: L = layers, S = slots, C = cells (positions) per slot, Hkv = key/value heads, Dh = key
-head size, Dv = value head size.
+Legend: L = attention layers, NR = recurrent layers, S = slots, C = cells (positions) per slot,
+Hkv = key/value heads, Dh = key head size, Dv = value head size; Ch = conv channels, Kc = conv
+kernel, Hv = the delta net's value heads, Dk / Dvs = its key / value head sizes.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 
@@ -29,6 +43,7 @@ from ..errors import DeviceError
 from ..kernels.cuda.device import SIM
 from .cache import SequenceCache
 from .cuda_errors import CUDA_ERRORS
+from .cuda_graphs import _check, _drv
 
 # cells allocated up front (fewer if n_ctx is smaller): the CPU cache's 256; under the simulator,
 # which runs every device thread in Python, 16 so that tests cross a growth on few rows
@@ -51,15 +66,22 @@ def _copy_cells(old, new):
 
 
 class KVPool:
-    """Every layer's KV arrays for S sequence slots of C cells. on_grow(delta_bytes) is told of
-    each reallocation (the backend's VRAM tally)."""
+    """Every attention layer's KV arrays for S sequence slots of C cells, and (ssm given, the
+    layers `recurrent` marks) every recurrent layer's conv and delta-rule states for the same
+    slots. on_grow(delta_bytes) is told of each reallocation (the backend's VRAM tally)."""
 
     def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, head_dim_v: int, slots: int = FIRST_SLOTS,
-                 on_grow=None):
-        self.shape = (n_layer, n_head_kv, head_dim, head_dim_v)
+                 on_grow=None, ssm=None, recurrent: tuple[bool, ...] = ()):
+        # per model layer: True = a recurrent layer (kinds are all False for a non-hybrid model)
+        self.kinds = tuple(bool(recurrent) and bool(recurrent[il]) for il in range(n_layer))
+        self.ssm = ssm if any(self.kinds) else None
+        self.n_recurrent = self.kinds.count(True)
+        self.shape = (self.kinds.count(False), n_head_kv, head_dim, head_dim_v)  # attention layers
         self.on_grow = on_grow or (lambda _delta: None)
         self.k: list = []  # [L] device f16 [S, Hkv, C, Dh]
         self.v: list = []
+        self.conv = None  # hybrid: device f32 [S, NR, Ch, Kc-1]
+        self.state = None  # hybrid: device f32 [S, NR, Hv, Dvs, Dk]
         self.slots = 0
         self.cells = 0
         self.max_ctx = 0  # the largest n_ctx of a sequence so far: cells never grow past it
@@ -69,16 +91,24 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        return sum(int(a.nbytes) for a in self.k) + sum(int(a.nbytes) for a in self.v)
+        states = 0 if self.conv is None else int(self.conv.nbytes) + int(self.state.nbytes)
+        return sum(int(a.nbytes) for a in self.k) + sum(int(a.nbytes) for a in self.v) + states
+
+    def state_shapes(self, slots: int) -> tuple[tuple, tuple]:
+        """The conv and delta-rule state arrays' shapes for `slots` slots (hybrid pools)."""
+        m = self.ssm
+        return ((slots, self.n_recurrent, m.conv_channels, m.conv_kernel - 1),
+                (slots, self.n_recurrent, m.n_v_head, m.head_v, m.head_k))
 
     def acquire(self, n_ctx: int) -> int:
-        """A free slot for a sequence of up to n_ctx positions."""
+        """A free slot for a sequence of up to n_ctx positions (its recurrent states, if any, hold
+        what its previous owner left: clear_states)."""
         self.max_ctx = max(self.max_ctx, n_ctx)
         with self._lock:
             if self._free:
                 return self._free.pop()
         first = min(n_ctx, FIRST_CELLS)
-        if not self.k:
+        if not self.slots:
             self._resize(self._want_slots, first)
         else:
             self._resize(2 * self.slots, max(self.cells, first))
@@ -94,18 +124,32 @@ class KVPool:
         if n > self.cells:
             self._resize(self.slots, min(self.max_ctx, max(n, 2 * self.cells)))
 
+    def clear_states(self, slot: int, stream=0) -> None:
+        """Zero slot `slot`'s conv and delta-rule states (a sequence taking the slot starts from
+        zero), in `stream`'s order (0: done on return)."""
+        if self.conv is not None:
+            for a in (self.conv, self.state):
+                _zero_slot(a, slot, stream)
+
     def _resize(self, slots: int, cells: int) -> None:
         L, Hkv, Dh, Dv = self.shape
         before = self.nbytes
         old_k, old_v = self.k, self.v
+        conv, state = self.conv, self.state
         try:
             k = [_grown(old_k[il] if old_k else None, (slots, Hkv, cells, Dh)) for il in range(L)]
             v = [_grown(old_v[il] if old_v else None, (slots, Hkv, cells, Dv)) for il in range(L)]
+            if self.ssm is not None and slots != self.slots:
+                conv_shape, state_shape = self.state_shapes(slots)
+                conv, state = _grown_slots(conv, conv_shape), _grown_slots(state, state_shape)
         except CUDA_ERRORS as e:  # the pool stays as it was
             need = 2 * L * slots * Hkv * cells * (Dh + Dv)
+            if self.ssm is not None:
+                need += 4 * sum(int(np.prod(shape)) for shape in self.state_shapes(slots))
             raise DeviceError(f"the KV cache cannot grow to {slots} sequences x {cells} positions "
                               f"({need / 2**20:,.0f} MiB, from {before / 2**20:,.0f} MiB): {e}") from e
         self.k, self.v = k, v
+        self.conv, self.state = conv, state
         with self._lock:
             self._free.extend(range(slots - 1, self.slots - 1, -1))  # new slots, lowest first out
         self.slots, self.cells = slots, cells
@@ -124,8 +168,34 @@ def _grown(old, shape):
     return new
 
 
+def _grown_slots(old, shape):
+    """A zeroed f32 array of `shape` [S, ...] holding `old` [S_old, ...] (or None) in its first
+    slots: a contiguous prefix, one device-to-device copy."""
+    new = cuda.device_array(shape, np.float32)
+    if new.nbytes:
+        driver.device_memset(new, 0, new.nbytes)
+    if old is not None and old.nbytes:
+        new[:old.shape[0]].copy_to_device(old)
+    return new
+
+
+def _zero_slot(a, slot: int, stream=0) -> None:
+    """a[slot] = 0 (a: a C-contiguous device array [S, ...]) in stream order; stream 0: done on return."""
+    n = int(a.strides[0])
+    if not n:
+        return
+    if SIM:
+        a[slot].copy_to_device(np.zeros(a.shape[1:], a.dtype))
+    elif stream:
+        _check(_drv().cuMemsetD8Async(int(a.gpu_data.device_pointer) + slot * n, 0, n, int(stream.handle)))
+    else:
+        _check(_drv().cuMemsetD8(int(a.gpu_data.device_pointer) + slot * n, 0, n))
+        cuda.synchronize()
+
+
 class DeviceKVLayer:
-    """Layer `layer` of a sequence in a KVPool (the pool's arrays hold its cells)."""
+    """Attention layer `layer` (its ordinal among the model's attention layers: the index into the
+    pool's k and v) of a sequence in a KVPool (the pool's arrays hold its cells)."""
 
     def __init__(self, pool: KVPool, layer: int):
         self.pool = pool
@@ -139,11 +209,40 @@ class DeviceKVLayer:
         self.pool.reserve(n)
 
 
-class DeviceKVCache(SequenceCache):
-    """A sequence in a KVPool: slot `slot` of every layer, given back when this object goes."""
+class DeviceStateLayer:
+    """Recurrent layer `index` (its ordinal among the model's recurrent layers: the index into the
+    pool's conv and state arrays' second axis) of a sequence in a KVPool: any number of positions
+    in a fixed size."""
 
-    def __init__(self, pool: KVPool, n_ctx: int):
+    capacity = sys.maxsize
+
+    def __init__(self, pool: KVPool, index: int):
+        self.pool = pool
+        self.index = index
+
+    def reserve(self, n: int) -> None:
+        pass
+
+
+class DeviceKVCache(SequenceCache):
+    """A sequence in a KVPool: slot `slot` of every layer, given back when this object goes.
+    layers[il]: a DeviceKVLayer for an attention layer, a DeviceStateLayer for a recurrent one
+    (its states zeroed on the way in, in `stream`'s order)."""
+
+    def __init__(self, pool: KVPool, n_ctx: int, stream=0):
         self.pool = pool
         self.slot = pool.acquire(n_ctx)
         weakref.finalize(self, pool.release, self.slot)
-        super().__init__([DeviceKVLayer(pool, il) for il in range(pool.shape[0])], n_ctx)
+        if pool.ssm is None:
+            layers = [DeviceKVLayer(pool, il) for il in range(pool.shape[0])]
+        else:
+            pool.clear_states(self.slot, stream)
+            layers, n_attn, n_rec = [], 0, 0
+            for rec in pool.kinds:
+                if rec:
+                    layers.append(DeviceStateLayer(pool, n_rec))
+                    n_rec += 1
+                else:
+                    layers.append(DeviceKVLayer(pool, n_attn))
+                    n_attn += 1
+        super().__init__(layers, n_ctx)
