@@ -2,7 +2,7 @@
 both load, of any size, with the special tokens and chat template of a model family.
 
     make_vocab(n_vocab=512)      (tokens, types, merges) of the test fixtures (tests/fixtures/build.py)
-    family_vocab(family, n)      a Vocab of exactly n tokens for "gpt-oss", "qwen" or "mistral"
+    family_vocab(family, n)      a Vocab of exactly n tokens for "gpt-oss", "qwen", "qwen35" or "mistral"
 
 The merges are trained on a fixed English text (a few hundred of them), so prompts tokenize into
 words and pieces of words. Every other id is filled: the family's special tokens at the ids the
@@ -152,6 +152,9 @@ _GPT_OSS_NAMED = {199998: "<|startoftext|>", 199999: "<|endoftext|>", 200002: "<
                   200003: "<|constrain|>", 200005: "<|channel|>", 200006: "<|start|>",
                   200007: "<|end|>", 200008: "<|message|>", 200012: "<|call|>"}
 _QWEN_NAMED = {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>"}
+# Qwen3.5's 248k vocabulary: the same three first specials from 248044 (bos = pad = <|endoftext|>,
+# eos = <|im_end|> in published GGUFs), pre-tokenizer "qwen35"
+_QWEN35_NAMED = {248044: "<|endoftext|>", 248045: "<|im_start|>", 248046: "<|im_end|>"}
 
 
 def _family(name: str, n_vocab: int) -> Family:
@@ -165,6 +168,11 @@ def _family(name: str, n_vocab: int) -> Family:
         base = min(151643, n_vocab - 32)
         named = {base + i - 151643: t for i, t in _QWEN_NAMED.items()}
         return Family("qwen2", _CHATML, {**named, **_reserved(base, base + 26, named)},
+                      bos=base, eos=base + 2, pad=base, add_bos=False)
+    if name == "qwen35":
+        base = min(248044, n_vocab - 40)
+        named = {base + i - 248044: t for i, t in _QWEN35_NAMED.items()}
+        return Family("qwen35", _CHATML, {**named, **_reserved(base, base + 33, named)},
                       bos=base, eos=base + 2, pad=base, add_bos=False)
     if name == "mistral":
         return Family("default", _INST, {0: "<unk>", 1: "<s>", 2: "</s>"}, bos=1, eos=2, pad=0, add_bos=True)

@@ -34,6 +34,9 @@ CHUNK_BYTES = 16 << 20
 HEADER_ALLOWANCE = 32 << 20  # metadata (a 200k-token vocabulary is ~5 MB) and tensor table
 REPORT_EVERY_S = 0.25
 NORM_JITTER, BIAS_STD, SINK_MEAN, SINK_STD = 0.1, 0.2, 1.0, 1.0
+# Gated DeltaNet: dt_bias ~ N(-2, 0.5) and A log-uniform in [0.5, 4] (ssm_a = -A, the file holds
+# -exp(A_log)): per-token decay exp(-A * softplus(a + dt_bias)) mostly 0.5..0.95, as the test fixtures
+DT_MEAN, DT_STD, A_MIN, A_MAX = -2.0, 0.5, 0.5, 4.0
 
 
 def synth(out: str | os.PathLike, like: str, type: str | None = None, seed: int = 0, force: bool = False,
@@ -116,7 +119,7 @@ def _header(path: Path, pl: Plan, seed: int) -> gguf.GGUFWriter:
     w.add_description(f"random weights shaped like {pl.name} ({pl.type}), seed {seed}: moed synth")
     w.add_file_type(FILE_TYPE[pl.type])
     for key, kind, value in metadata(pl):
-        {"u32": w.add_uint32, "f32": w.add_float32, "str": w.add_string}[kind](key, value)
+        {"u32": w.add_uint32, "f32": w.add_float32, "str": w.add_string, "i32s": w.add_array}[kind](key, value)
     w.add_string("tokenizer.ggml.model", "gpt2")
     w.add_string("tokenizer.ggml.pre", fam.pre)
     w.add_array("tokenizer.ggml.tokens", vocab.tokens)
@@ -159,4 +162,8 @@ def _floats(t: Tensor, rng: np.random.Generator) -> np.ndarray:
         return BIAS_STD * z
     if t.init == "sink":
         return SINK_MEAN + SINK_STD * z
+    if t.init == "dt":
+        return DT_MEAN + DT_STD * z
+    if t.init == "ssm_a":
+        return -np.exp(rng.uniform(np.log(A_MIN), np.log(A_MAX), t.shape)).astype(np.float32)
     return z * np.float32(t.gain / np.sqrt(t.shape[-1]))
