@@ -93,6 +93,16 @@ def test_llama_cpp_rejects_all_attention_qwen3next(fixture_dir, needs_llamacpp):
 
 
 @pytest.mark.llamacpp
+@pytest.mark.parametrize("arch", ["qwen3next", "qwen35moe"])
+def test_llama_cpp_rejects_a_hybrid_without_attention_layer(arch, fixture_dir, needs_llamacpp):
+    """n_layer < full_attention_interval leaves only recurrent layers; llama.cpp 0.3.36 aborts
+    (GGML_ASSERT(buffer) allocating the empty KV cache), as for the all-attention case."""
+    path = fixture_path(arch, "Q8_0", fixture_dir, n_layer=3)
+    with pytest.raises(LlamaReferenceError, match=r"GGML_ASSERT\(buffer\)"):
+        reference_logits(path, text_tokens(n=8))
+
+
+@pytest.mark.llamacpp
 @pytest.mark.parametrize("wtype,atol", [("Q8_0", 0.0), ("F32", 1e-4)])
 def test_llama_cpp_decode_matches_prefill(wtype, atol, fixture_dir, needs_llamacpp):
     """Decoding one token per step (conv and recurrent state carried in llama.cpp's cache)
