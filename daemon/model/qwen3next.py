@@ -8,7 +8,9 @@ FFN norm is `post_attention_norm`. qwen35moe differs only in its delta-net b/a p
 matrices instead of one grouped by key head) and in pairing value head h with key head h % Hk.
 """
 
-from ..errors import GGUFError
+import numpy as np
+
+from ..errors import GGUFError, UnsupportedError
 from ..storage.gguf import GGUFFile
 from .attention import Attention
 from .deltanet import GatedDeltaNet
@@ -19,13 +21,37 @@ from .layers import Layer, load_ffn
 
 def _hparams(arch: str, tiled: bool):
     def read(g: GGUFFile) -> HParams:
-        n_layer = block_count(g, arch)
+        # multi-token-prediction blocks come after the trunk; the main pass does not run them
+        n_mtp = g.get(f"{arch}.nextn_predict_layers", int, 0)
+        n_layer = block_count(g, arch) - n_mtp
+        if n_mtp < 0 or n_layer <= 0:
+            raise GGUFError(f"metadata {arch}.nextn_predict_layers = {n_mtp} must be in 0..{arch}.block_count - 1")
         ssm, recurrent = read_ssm(g, arch, n_layer, tiled=tiled)
-        hp = read_hparams(g, arch, neox=True, ssm=ssm, recurrent=recurrent)
+        hp = read_hparams(g, arch, neox=True, ssm=ssm, recurrent=recurrent, n_layer=n_layer,
+                          swa_layers=(False,) * n_layer)
         if hp.n_expert <= 0:
             raise GGUFError(f"metadata {arch}.expert_count must be positive: {arch} has routed experts in every layer")
+        if arch == "qwen35moe":
+            _check_imrope(g, arch, hp.rope.n_dims)
         return hp
     return read
+
+
+def _check_imrope(g: GGUFFile, arch: str, n_rot: int) -> None:
+    """qwen35moe's IMRoPE on text gives the t, h and w sections the token's position and the e
+    section position 0 (llama.cpp's llm_graph_input_pos): it is NEOX, which moed runs, when
+    every rotated pair falls in t, h or w (the converter's [11, 11, 10, 0]); refuse the others."""
+    key = f"{arch}.rope.dimension_sections"
+    sec = [int(v) for v in g.get(key, np.ndarray).reshape(-1)]
+    if len(sec) < 4 or min(sec) < 0 or not any(sec[:3]):
+        raise GGUFError(f"metadata {key} = {sec} must hold 4 non-negative sections, the first three not all 0")
+    total = sum(sec[:4])
+    for i in range(n_rot // 2):
+        s = i % total
+        if not (s % 3 == 0 and s < 3 * sec[0] or s % 3 == 1 and s < 3 * sec[1] or s % 3 == 2 and s < 3 * sec[2]):
+            raise UnsupportedError(f"metadata {key} = {sec[:4]}: rotated pair {i} of {n_rot // 2} falls outside the "
+                                   "t/h/w sections (text positions rotate only those); moed supports sections "
+                                   "that cover every pair, such as [11, 11, 10, 0]")
 
 
 def _layer(src, hp, family, il: int) -> Layer:

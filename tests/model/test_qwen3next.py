@@ -29,10 +29,11 @@ def moed_logits(path, tokens) -> np.ndarray:
 
 
 @pytest.mark.llamacpp
-@pytest.mark.parametrize("arch,wtype", [(a, w) for a in ARCHS for w in ("F32", "F16", "Q8_0")])
+@pytest.mark.parametrize("arch,wtype", [(a, w) for a in ARCHS for w in ("F32", "F16", "Q8_0", "Q4_K")])
 def test_logits_bit_identical_to_llamacpp(arch, wtype, fixture_dir, needs_llamacpp):
     """Every position of a 48-token prefill, bit for bit: the conv, the delta rule, the gated
-    norm and the gated attention in llama.cpp's CPU order."""
+    norm and the gated attention in llama.cpp's CPU order (Q4_K: the K-quant fixtures are
+    256 wide; qwen35moe: value heads paired with key heads h % Hk, IMRoPE as NEOX)."""
     path = fixture_path(arch, wtype, fixture_dir)
     tokens = text_tokens()
     ref = reference_logits(path, tokens)
@@ -184,3 +185,34 @@ def test_wrong_conv_shape_is_named(tmp_path, fixture_dir):
     """A conv kernel the metadata does not describe (ssm.conv_kernel 5 against a {4, C} tensor)."""
     with pytest.raises(GGUFError, match=r"ssm_conv1d\.weight"):
         _load(tmp_path, fixture_dir, set_keys={"qwen3next.ssm.conv_kernel": (VT.UINT32, 5)})
+
+
+@pytest.mark.parametrize("sections,ok", [([3, 3, 2, 0], True), ([1, 1, 1, 0], True), ([8, 0, 0, 0], False),
+                                         ([2, 2, 2, 2], False), ([0, 0, 0, 4], False)])
+def test_qwen35moe_rope_sections_outside_text_positions_are_refused(tmp_path, fixture_dir, sections, ok):
+    """IMRoPE on text is NEOX only when every rotated pair is in the t, h or w section (the
+    e section gets position 0 in llama.cpp): other sections are refused, naming the key."""
+    from daemon.errors import UnsupportedError
+    src = fixture_path("qwen35moe", "Q8_0", fixture_dir)
+    dst = rewrite_gguf(src, tmp_path / "m.gguf",
+                       set_keys={"qwen35moe.rope.dimension_sections": (VT.ARRAY, sections)})
+    with GGUFFile(dst) as g:
+        if ok:
+            Transformer(g)
+        else:
+            with pytest.raises((UnsupportedError, GGUFError), match=r"qwen35moe\.rope\.dimension_sections"):
+                Transformer(g)
+
+
+@pytest.mark.llamacpp
+def test_multi_token_prediction_blocks_are_not_run(tmp_path, fixture_dir, needs_llamacpp):
+    """`nextn_predict_layers` blocks follow the trunk and the main pass skips them, as llama.cpp:
+    the 8-layer fixture with its last block marked MTP gives the 7-layer fixture's logits (the
+    builder draws each tensor from its own name's seed, so the first 7 blocks are the same)."""
+    src = fixture_path("qwen3next", "Q8_0", fixture_dir, n_layer=8)
+    dst = rewrite_gguf(src, tmp_path / "mtp.gguf", set_keys={"qwen3next.nextn_predict_layers": (VT.UINT32, 1)})
+    tokens = text_tokens(n=24)
+    with GGUFFile(dst) as g:
+        assert Transformer(g).hp.n_layer == 7
+    ref = reference_logits(fixture_path("qwen3next", "Q8_0", fixture_dir, n_layer=7), tokens)
+    np.testing.assert_array_equal(moed_logits(dst, tokens), ref)
