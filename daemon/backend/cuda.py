@@ -4,9 +4,10 @@ Every weight lives in VRAM, repacked at upload (cuda_weights.py); every expert t
 (cuda_experts.DeviceExperts, built by the engine); each sequence owns a slot of the model's KV
 pool (cuda_cache.py), which for a hybrid family (qwen3next, qwen35moe) holds KV for the
 attention layers and the conv + delta-rule states of the Gated DeltaNet layers (their ops:
-daemon/kernels/cuda/gdn.py, taking the step's slots and offsets as attention does). Arrays passed between ops are device arrays; host numpy arrays are accepted
-too and copied to the device (tests, tools), and host QWeights or expert stacks are uploaded on
-each call (correct, slow: the engine uploads everything at load).
+daemon/kernels/cuda/gdn.py, taking the step's slots and offsets as attention does). Arrays
+passed between ops are device arrays; host numpy arrays are accepted too and copied to the device
+(tests, tools), and host QWeights or expert stacks are uploaded on each call (correct, slow: the
+engine uploads everything at load).
 
 Kernel choice per matmul: the GEMV (mmvq, one pass over the weights for up to 16 rows) for up
 to MAX_COLS rows of a sequence, the tiled matmul (mmq) for more rows of quantized weights whose

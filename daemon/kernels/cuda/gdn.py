@@ -278,15 +278,20 @@ def gated_delta_net(qkv, b, a, dt_bias, ssm_a, state, layer: int, slots, offsets
     offsets, has = _rows_of(slots, offsets, n_seq, T)
     if not T:
         return
+    threads, blocks, eps_k, k_scale, o_scale = _gdn_config(Dk, Dv, float(eps))
+    launch(_gdn_kernel(Dk), (Hv, n_seq, blocks), threads, stream, qkv, b, a, dt_bias, ssm_a, state, int(layer), slots,
+           offsets, has, int(n_k_head), bool(tiled), eps_k, k_scale, o_scale, out)
+
+
+@functools.lru_cache(maxsize=64)
+def _gdn_config(Dk: int, Dv: int, eps: float):
+    """(threads, blocks per head, eps/Dk, 1/sqrt(Dk), 1/sqrt(Dv)) of a delta-net launch, each
+    rounded in f32 as ggml does (worked out once: a decode step launches this every layer)."""
     lw = lanes(Dk)
     threads = min(_GDN_THREADS, -(-(Dv * lw) // 32) * 32)  # a multiple of 32 (whole warps)
-    rows = threads // lw
-    eps_k = _F32(eps) / _F32(Dk)
-    k_scale = _F32(1.0) / np.sqrt(_F32(Dk))
-    o_scale = _F32(1.0) / np.sqrt(_F32(Dv))
-    launch(_gdn_kernel(Dk), (Hv, n_seq, -(-Dv // rows)), threads, stream, qkv, b, a, dt_bias, ssm_a, state,
-           int(layer), slots, offsets, has, int(n_k_head), bool(tiled), _F32(eps_k), _F32(k_scale), _F32(o_scale),
-           out)
+    blocks = -(-Dv // (threads // lw))
+    return (threads, blocks, _F32(_F32(eps) / _F32(Dk)), _F32(_F32(1.0) / np.sqrt(_F32(Dk))),
+            _F32(_F32(1.0) / np.sqrt(_F32(Dv))))
 
 
 # -- gated RMSNorm, sigmoid gate, head split -------------------------------------------------

@@ -223,7 +223,8 @@ def test_gated_rms_norm():
     out = cuda.to_device(np.full((T, H * D), np.nan, np.float32))
     gdn.gated_rms_norm(*_dev(x, w, z), EPS, out)
     xd = x.astype(np.float64)
-    want = (xd / np.sqrt((xd * xd).mean(-1, keepdims=True) + EPS) * w).reshape(T, H * D) * (z / (1 + np.exp(-z.astype(np.float64))))
+    normed = (xd / np.sqrt((xd * xd).mean(-1, keepdims=True) + EPS) * w).reshape(T, H * D)
+    want = normed * (z / (1 + np.exp(-z.astype(np.float64))))
     np.testing.assert_allclose(out.copy_to_host(), want, rtol=2e-6, atol=1e-6)
 
 
