@@ -47,6 +47,12 @@ def _host(b, x):
     return np.asarray(b.to_host(x))
 
 
+def _pool_host(b, a) -> np.ndarray:
+    """A pool array on the host, once the backend's stream (which writes and zeroes it) is done."""
+    b.stream.synchronize()
+    return a.copy_to_host()
+
+
 # -- the cache -------------------------------------------------------------------------------
 
 
@@ -87,7 +93,7 @@ def test_attention_of_a_hybrid_model_uses_its_kv_layer(cuda_backend):
     k = rng.standard_normal((1, 1, 8)).astype(np.float32)
     q = rng.standard_normal((1, 2, 8)).astype(np.float32)
     out = b.attention(1, q, k, k, Step.append([np.zeros(1, np.int64)], [c], True), 1.0, 0, None)
-    assert np.array_equal(c.pool.k[0].copy_to_host()[c.slot, 0, 0], k[0, 0].astype(np.float16))
+    assert np.array_equal(_pool_host(b, c.pool.k[0])[c.slot, 0, 0], k[0, 0].astype(np.float16))
     np.testing.assert_allclose(_host(b, out), np.broadcast_to(k.astype(np.float16), (1, 2, 8)), rtol=1e-6)
 
 
@@ -121,12 +127,12 @@ def test_a_reused_slot_starts_from_zero_state(cuda_backend):
     slot, pool = first.slot, first.pool
     x, bb, aa = _gdn_inputs(rng, 2)
     _run_layer(b, 2, Step.append([np.zeros(2, np.int64)], [first], True), x, bb, aa, weights)
-    assert np.abs(pool.state.copy_to_host()[slot, 1]).max() > 0 and np.abs(pool.conv.copy_to_host()[slot, 1]).max() > 0
+    assert np.abs(_pool_host(b, pool.state)[slot, 1]).max() > 0 and np.abs(_pool_host(b, pool.conv)[slot, 1]).max() > 0
     del first
     gc.collect()
     again = b.new_cache(hp, 16)
     assert again.slot == slot
-    assert not pool.state.copy_to_host()[slot].any() and not pool.conv.copy_to_host()[slot].any()
+    assert not _pool_host(b, pool.state)[slot].any() and not _pool_host(b, pool.conv)[slot].any()
     fresh = b.new_cache(hp, 16)
     assert fresh.slot != slot
     x, bb, aa = _gdn_inputs(rng, 3)
@@ -149,11 +155,11 @@ def test_states_are_kept_when_the_pool_grows(cuda_backend):
     assert pool.slots == 4
     x, bb, aa = _gdn_inputs(rng, 4)
     _run_layer(b, 0, Step.append([np.zeros(1, np.int64)] * 4, caches, True), x, bb, aa, weights)
-    conv, state = pool.conv.copy_to_host(), pool.state.copy_to_host()
+    conv, state = _pool_host(b, pool.conv), _pool_host(b, pool.state)
     caches.append(b.new_cache(hp, 16))
     assert pool.slots == 8 and caches[-1].slot >= 4
-    assert np.array_equal(pool.conv.copy_to_host()[:4], conv) and np.array_equal(pool.state.copy_to_host()[:4], state)
-    assert not pool.state.copy_to_host()[4:].any()
+    assert np.array_equal(_pool_host(b, pool.conv)[:4], conv) and np.array_equal(_pool_host(b, pool.state)[:4], state)
+    assert not _pool_host(b, pool.state)[4:].any()
     assert b.bytes["kv"] == pool.nbytes
 
 
@@ -196,8 +202,8 @@ def test_delta_net_ops_match_the_cpu_backend(cuda_backend, tiled):
     pool = caches[gpu][0].pool
     for s in range(2):
         stores, slot = caches[cpu][s].states, caches[gpu][s].slot
-        np.testing.assert_allclose(pool.state.copy_to_host()[slot], stores.ssm, rtol=RTOL, atol=ATOL)
-        np.testing.assert_allclose(pool.conv.copy_to_host()[slot], stores.conv, rtol=0, atol=0)
+        np.testing.assert_allclose(_pool_host(gpu, pool.state)[slot], stores.ssm, rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(_pool_host(gpu, pool.conv)[slot], stores.conv, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("per_row", [False, True])
