@@ -15,6 +15,7 @@ moed run on the GPU (gpu.moed).
 
 from __future__ import annotations
 
+import os
 import resource
 import time
 
@@ -89,12 +90,18 @@ def llama(spec: dict) -> dict:
         _context_sequences(conc)
     run = _llama_pass if conc == 1 else _llama_batch_pass
 
+    # llama.cpp's repacked CPU buffers copy the weights into RAM: a file larger than half the free
+    # memory would not load (an 80B Q4_K_M needs 35 GB of them), so it runs from its mapping
+    repack = os.path.getsize(spec["model"]) < _mem_available() // 2
+    if not repack:
+        _no_extra_buffers()
+
     def load():
         return Llama(model_path=spec["model"], n_ctx=conc * max(256, len(seqs[0]) + n + 8),
                      n_threads=spec["threads"], n_threads_batch=spec["threads"],
                      n_batch=max(512, sum(map(len, seqs))), flash_attn=False, verbose=False, seed=0)
 
-    row: dict = {}
+    row: dict = {"llama_repack": repack}
     if spec["cold"]:
         warm = load()
         run(warm, seqs, 2)
@@ -188,3 +195,25 @@ def run(spec: dict) -> dict:
 
         return gpu.moed(spec)
     return (moed if spec["engine"] == "moed" else llama)(spec)
+
+
+def _mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _no_extra_buffers() -> None:
+    """Plain CPU buffers for the models this process loads (llama_model_params.use_extra_bufts)."""
+    import llama_cpp.llama as mod
+
+    default = mod.llama_cpp.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    mod.llama_cpp.llama_model_default_params = params
