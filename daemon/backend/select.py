@@ -84,7 +84,11 @@ def estimate_vram(gguf, hp, n_ctx: int) -> VRAMEstimate:
             experts += size
         else:
             weights += size
-    kv = hp.n_layer * hp.n_head_kv * (hp.head_dim + hp.head_dim_v) * 2 * n_ctx
+    n_recurrent = sum(hp.recurrent)  # hybrids: KV only in the attention layers, fixed f32 states in the others
+    kv = (hp.n_layer - n_recurrent) * hp.n_head_kv * (hp.head_dim + hp.head_dim_v) * 2 * n_ctx
+    if n_recurrent:
+        m = hp.ssm
+        kv += n_recurrent * 4 * (m.conv_channels * (m.conv_kernel - 1) + m.n_v_head * m.head_v * m.head_k)
     rows = PREFILL_ROWS
     attention = rows * hp.n_head * (-(-n_ctx // 128)) * (hp.head_dim_v + 2) * 4
     widest = max(hp.n_embd, hp.n_ff, hp.n_ff_exp * max(hp.n_expert_used, 1), hp.n_head * hp.head_dim)

@@ -105,6 +105,22 @@ def test_vram_estimate_counts_what_the_backend_stores(small_moe):
     assert est.total == est.weights + est.experts + est.kv_per_sequence + est.scratch
 
 
+
+def test_vram_estimate_of_a_hybrid_counts_kv_and_recurrent_states(fixture_dir):
+    """qwen3next: f16 KV only in its one attention layer, and per recurrent layer the f32 conv
+    state [C, Kc-1] and delta-rule state [Hv, Dv, Dk] the CUDA pool stores."""
+    from tests.fixtures.build import fixture_config, fixture_path
+
+    c = fixture_config("qwen3next")
+    with GGUFFile(fixture_path("qwen3next", "Q8_0", fixture_dir)) as g:
+        hp = family_for(g.architecture).read_hparams(g)
+        est = sel.estimate_vram(g, hp, 100)
+    Dk, Hk, Hv, Kc = c.ssm_state_size, c.ssm_group_count, c.ssm_time_step_rank, c.ssm_conv_kernel
+    C = 2 * Hk * Dk + Hv * Dk
+    kv = 1 * c.n_head_kv * 2 * c.head_dim * 2 * 100  # one attention layer, f16 k and v
+    states = 3 * 4 * (C * (Kc - 1) + Hv * Dk * Dk)  # three delta-net layers, f32
+    assert est.kv_per_sequence == kv + states
+
 @needs_cuda
 def test_engine_on_cuda_reports_device_and_vram(small_moe, caplog):
     from daemon.engine import Engine
