@@ -94,7 +94,7 @@ def llama(spec: dict) -> dict:
     # memory would not load (an 80B Q4_K_M needs 35 GB of them), so it runs from its mapping
     repack = os.path.getsize(spec["model"]) < _mem_available() // 2
     if not repack:
-        _no_extra_buffers()
+        _llama_defaults("model", use_extra_bufts=False)  # plain CPU buffers
 
     def load():
         return Llama(model_path=spec["model"], n_ctx=conc * max(256, len(seqs[0]) + n + 8),
@@ -122,16 +122,24 @@ def llama(spec: dict) -> dict:
 
 def _context_sequences(n: int) -> None:
     """Llama takes no n_seq_max: give its contexts room for n sequences (each n_ctx / n long)."""
+    _llama_defaults("context", n_seq_max=n)
+
+
+def _llama_defaults(kind: str, **fields) -> None:
+    """Set fields of llama.cpp's default `kind` ("model" or "context") params for the Llama
+    objects this process makes (Llama takes no argument for them)."""
     import llama_cpp.llama as mod
 
-    default = mod.llama_cpp.llama_context_default_params
+    name = f"llama_{kind}_default_params"
+    default = getattr(mod.llama_cpp, name)
 
     def params():
         p = default()
-        p.n_seq_max = n
+        for key, value in fields.items():
+            setattr(p, key, value)
         return p
 
-    mod.llama_cpp.llama_context_default_params = params
+    setattr(mod.llama_cpp, name, params)
 
 
 def _llama_pass(llm, seqs: list[list[int]], n_decode: int) -> dict:
@@ -203,17 +211,3 @@ def _mem_available() -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     return 0
-
-
-def _no_extra_buffers() -> None:
-    """Plain CPU buffers for the models this process loads (llama_model_params.use_extra_bufts)."""
-    import llama_cpp.llama as mod
-
-    default = mod.llama_cpp.llama_model_default_params
-
-    def params():
-        p = default()
-        p.use_extra_bufts = False
-        return p
-
-    mod.llama_cpp.llama_model_default_params = params

@@ -663,10 +663,6 @@ class CUDABackend:
         qkv, b, a = self._dev(qkv), self._dev(b), self._dev(a)
         cache = step.caches[0]
         T, Hv = qkv.shape[0], ssm.n_v_head
-        if b.shape != (T, Hv):  # e.g. [T, Hk, r] from split_heads
-            b = b.reshape(T, Hv)
-        if a.shape != (T, Hv):
-            a = a.reshape(T, Hv)
         out = self._empty((T, Hv, ssm.head_v), _F32)  # [T, Hv, Dv]
         gdn.gated_delta_net(qkv, b, a, self._dev(dt_bias), self._dev(ssm_a), cache.pool.state,
                             cache.layers[layer].index, self._step_slots(step), self._step_offsets(step), step.S,
@@ -676,12 +672,7 @@ class CUDABackend:
     @_guarded
     def gated_rms_norm(self, x, weight, z, eps):
         x, z = self._dev(x), self._dev(z)
-        T, D = x.shape[0], weight.shape[0]
-        if x.ndim == 2:  # [T, H*D]
-            x = x.reshape(T, x.shape[1] // D, D)
-        N = x.shape[1] * D
-        if z.shape != (T, N):
-            z = z.reshape(T, N)
+        T, N = z.shape  # x [T, H, D]
         out = self._empty((T, N), _F32)  # [T, H*D]
         gdn.gated_rms_norm(x, self._dev(weight), z, eps, out, stream=self.stream)
         return out
