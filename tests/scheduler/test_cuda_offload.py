@@ -4,8 +4,9 @@ logits are the same bits as with every expert resident, whatever the VRAM cache 
 cache size, the routing mode, Post-Fetch on or off and block-on-miss, and whether decode steps run
 eagerly or as graph segments (a cache holding a step's experts); with hybrid compute on they
 stay within the CPU/GPU tolerance; a tiny VRAM cache and a tiny host cache together serve 8
-concurrent requests, each getting its solo tokens. The same bit-identity on the demo MoE, when it
-has been built."""
+concurrent requests, each getting its solo tokens. The fixtures include a Gated DeltaNet hybrid
+(qwen3next: recurrent state beside the streamed experts). The same bit-identity on the demo MoE,
+when it has been built."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from ipc.protocol import Chunk, Generate, SamplingOptions
 from tests.fixtures.build import fixture_path
 from tests.kernels.cuda.conftest import SKIP_REASON
 
-CASES = [("qwen3moe", "Q8_0"), ("gpt-oss", "MXFP4")]
+CASES = [("qwen3moe", "Q8_0"), ("gpt-oss", "MXFP4"), ("qwen3next", "Q8_0")]  # qwen3next: a Gated DeltaNet hybrid
 PROMPT = [11, 57, 203, 9, 88]
 QUANT_TOL = 5e-2
 
@@ -177,12 +178,13 @@ async def _run(s: Scheduler, req) -> list[int]:
     return [t for r in replies if isinstance(r, Chunk) for t in r.tokens]
 
 
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen3next"])
 @pytest.mark.parametrize("slots", [1, 4])
-async def test_tiny_caches_serve_eight_concurrent_requests(fixture_dir, slots):
+async def test_tiny_caches_serve_eight_concurrent_requests(fixture_dir, slots, arch):
     """One VRAM slot per layer (or four: steps of one or two sequences run as graph segments, larger
     ones eagerly) and a host cache of about one expert: nothing deadlocks or stalls, every request
-    completes with its solo tokens."""
-    path = str(fixture_path("qwen3moe", "Q8_0", fixture_dir))
+    completes with its solo tokens (qwen3next: each sequence's recurrent state its own in the batch)."""
+    path = str(fixture_path(arch, "Q8_0", fixture_dir))
     settings = dict(device="cuda", gpu_cache_mb=_slots_mb(path, slots), expert_cache_limit_mb=0.02,
                     offload_min_batch="0")
     s = Scheduler(Settings.load(env={}, device="cuda"), factory=lambda p, **kw: Engine.load(p, **{**settings, **kw}),
