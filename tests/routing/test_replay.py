@@ -1,5 +1,6 @@
 """Replay simulator: hand-computed LRU/Belady counts, Belady optimality on random traces, budgets
-below one token's need, both file formats, malformed input, and the CLI."""
+below one token's need, both file formats, malformed input, and the CLI; the history-only
+predictors' recall, hand-computed."""
 
 import json
 import random
@@ -11,8 +12,8 @@ import pytest
 import zstandard
 
 from daemon.errors import RequestError
-from daemon.routing.replay import (POLICIES, capacity_from_mb, format_table, load_trace, simulate,
-                                   simulate_layer)
+from daemon.routing.replay import (POLICIES, capacity_from_mb, format_table, load_trace, predictor_recall,
+                                   simulate, simulate_layer)
 
 REAL = Path(__file__).resolve().parents[3] / "shared" / "traces"
 
@@ -182,3 +183,24 @@ def test_count_from_warms_the_cache_without_counting():
     assert (warm.hits, warm.misses) == (2, 0)  # only the warm steps counted
     tight = simulate_layer(seq, 1, "belady", count_from=2)
     assert (tight.hits, tight.misses) == (0, 2)  # one slot, alternating experts: nothing to keep
+
+
+def test_history_predictors_recall_hand_computed():
+    # layer 0 then layer 1, three tokens (worked out by hand in the comments)
+    trace = [[S(0, 1), S(1, 2), S(0, 1)],
+             [S(2, 3), S(0, 3), S(2, 3)]]
+    r = predictor_recall(trace)
+    # previous token: every step keeps one of its two experts
+    assert r["previous_token"]["per_layer"] == {0: 0.5, 1: 0.5} and r["previous_token"]["exact"] == 8
+    # frequent: t1 predicts {0,1} and {2,3} (1 right each); t2: uses [1,2,1] -> {1,0} (2 right) and
+    # [1,0,1,2] -> {3,0} (ties to the lower id: 1 right)
+    assert r["frequent"]["per_layer"] == {0: 0.75, 1: 0.5} and r["frequent"]["overall"] == 0.625
+    # next layer: t1 from {1,2}: only row 1 has counts (cols 2,3) -> {2,3}, 1 right; after it rows 1,2 gain
+    # cols 0,3; t2 from {0,1}: rows sum to [1,0,2,3] -> {3,2}, both right
+    assert r["next_layer"]["per_layer"] == {1: 0.75} and r["next_layer"]["exact"] == 4
+
+
+def test_history_predictors_on_a_repeating_trace_are_perfect():
+    trace = [[S(4, 7)] * 5, [S(1, 9)] * 5]
+    r = predictor_recall(trace)
+    assert all(r[p]["overall"] == 1.0 for p in r)
