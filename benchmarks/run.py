@@ -34,11 +34,13 @@ otherwise; --llama makes that an error).
 benchmarks/gpu_offload.py's measure(): the prompt prefilled, --warmup decode steps, then
 --decode-tokens timed steps. The routing column says "uniform" for a synthesized file's own router
 (random weights: close to uniform), "own router" for another file's, "replay NAME" for a trace.
-Then llama.cpp's CUDA build, `llama-bench -ngl 99 -ncmoe N -p 0 -n DECODE -r 3 -t THREADS -o json`,
+Then llama.cpp's CUDA build, `llama-bench -ngl 99 -ncmoe N -p PROMPT -n DECODE -r 3 -t THREADS -o json`,
 once per VRAM budget and thread count: N is the smallest --n-cpu-moe whose expert tensors left on
 the GPU (those of blocks N.., sizes as in the file) take at most the budget (E expert layers of B
 bytes: N = E - floor(budget / B)); --llama-ncmoe adds rows at other N. Each moed row has its decode
-ratio to the llama.cpp row of its budget and threads. The CPU mode's host-cache options (--cache-mb,
+and prefill ratios to the llama.cpp row of its budget and threads: moed's prefill cold (its first
+prompt, experts read from the file) and warm (the prompt again, experts in host memory), llama.cpp's
+from its mapping, warm after load. The CPU mode's host-cache options (--cache-mb,
 --routing, --concurrency, --cold, --llama) are refused with --device cuda, the GPU options without it.
 """
 
@@ -288,7 +290,8 @@ def gpu_llama_rows(args, model: str, blocks: dict[int, int]) -> list[dict]:
     budgets = [(mb, gpu.n_cpu_moe(blocks, int(mb * 2**20))) for mb in args.gpu_cache_mb]
     for threads, (mb, n) in itertools.product(args.threads, budgets + [(None, n) for n in args.llama_ncmoe]):
         if (n, threads) not in done:
-            done[n, threads] = gpu.llama_bench(args.llama_bench, model, n, args.decode_tokens, threads)
+            done[n, threads] = gpu.llama_bench(args.llama_bench, model, n, args.decode_tokens, threads,
+                                               args.prompt_tokens)
         layers, nbytes = gpu.on_gpu(blocks, n)
         row = {"engine": "llama.cpp", "threads": threads, "gpu_cache_mb": mb, "n_cpu_moe": n, "replay": "",
                "expert_layers_gpu": layers, "expert_bytes_gpu": nbytes,
@@ -299,13 +302,19 @@ def gpu_llama_rows(args, model: str, blocks: dict[int, int]) -> list[dict]:
 
 
 def add_gpu_derived(rows: list[dict]) -> None:
-    """Each moed row's decode tok/s over llama.cpp's at the same VRAM budget and threads."""
+    """Each moed row's decode and prefill tok/s (cold and warm) over llama.cpp's at the same VRAM budget
+    and threads."""
     llama = {(r["threads"], r["gpu_cache_mb"]): r for r in rows
              if r["engine"] == "llama.cpp" and r["gpu_cache_mb"] is not None and "error" not in r}
     for r in rows:
         ref = llama.get((r["threads"], r["gpu_cache_mb"]))
-        if r["engine"] == "moed" and "error" not in r and ref and r.get("decode_tok_s") and ref["decode_tok_s"]:
-            r["ratio_decode"] = r["decode_tok_s"] / ref["decode_tok_s"]
+        if r["engine"] != "moed" or "error" in r or not ref:
+            continue
+        for ratio, ours, theirs in (("ratio_decode", "decode_tok_s", "decode_tok_s"),
+                                    ("ratio_prefill", "prefill_tok_s", "prefill_tok_s"),
+                                    ("ratio_prefill_warm", "prefill_warm_tok_s", "prefill_tok_s")):
+            if r.get(ours) and ref.get(theirs):
+                r[ratio] = r[ours] / ref[theirs]
 
 
 def add_derived(rows: list[dict], dd_rate: float) -> None:

@@ -128,14 +128,14 @@ if {fail!r}:
     sys.exit(1)
 opt = {{k: v for k, v in zip(a[::2], a[1::2])}}
 want = ["-m", "-ngl", "-ncmoe", "-p", "-n", "-r", "-t", "-o"]
-assert a[::2] == want and opt["-ngl"] == "99" and opt["-p"] == "0" and opt["-r"] == "3" and opt["-o"] == "json", a
-n, gen = int(opt["-ncmoe"]), int(opt["-n"])
-print("[")
-print(json.dumps({{"build_commit": "fake", "backends": "CUDA", "gpu_info": "fake GPU", "model_filename": opt["-m"],
-                  "n_threads": int(opt["-t"]), "n_gpu_layers": 99, "n_cpu_moe": n, "n_prompt": 0, "n_gen": gen,
-                  "avg_ns": 1, "stddev_ns": 0, "avg_ts": 100.0 + n, "stddev_ts": 0.5,
-                  "samples_ns": [1, 1, 1], "samples_ts": [99.5, 100.0, 100.5]}}, indent=2))
-print("]")
+assert a[::2] == want and opt["-ngl"] == "99" and opt["-r"] == "3" and opt["-o"] == "json", a
+n, gen, pp = int(opt["-ncmoe"]), int(opt["-n"]), int(opt["-p"])
+test = {{"build_commit": "fake", "backends": "CUDA", "gpu_info": "fake GPU", "model_filename": opt["-m"],
+        "n_threads": int(opt["-t"]), "n_gpu_layers": 99, "n_cpu_moe": n, "avg_ns": 1, "stddev_ns": 0,
+        "samples_ns": [1, 1, 1]}}
+tests = [dict(test, n_prompt=pp, n_gen=0, avg_ts=1000.0 + n, stddev_ts=5.0)] if pp else []  # llama-bench: pp first
+tests.append(dict(test, n_prompt=0, n_gen=gen, avg_ts=100.0 + n, stddev_ts=0.5, samples_ts=[99.5, 100.0, 100.5]))
+print(json.dumps(tests, indent=2))
 '''
 
 
@@ -219,8 +219,9 @@ def test_gpu_mode_sizes_llama_bench_to_the_vram_budget(small_model, tmp_path):
         assert "error" not in r, r
         assert r["decode_tok_s"] == 100.0 + r["n_cpu_moe"] and r["decode_tok_s_stddev"] == 0.5
         assert r["n_gen"] == 4 and r["n_threads"] == 3 and r["n_cpu_moe_run"] == r["n_cpu_moe"]
+        assert r["prefill_tok_s"] == 1000.0 + r["n_cpu_moe"]  # its prefill test of the same prompt length
     calls = [json.loads(ln) for ln in log.read_text().splitlines()]
-    assert calls == [["-m", str(small_model), "-ngl", "99", "-ncmoe", str(n), "-p", "0", "-n", "4", "-r", "3",
+    assert calls == [["-m", str(small_model), "-ngl", "99", "-ncmoe", str(n), "-p", "4", "-n", "4", "-r", "3",
                       "-t", "3", "-o", "json"] for n in (5, 2, 0)]
     assert "105.00" in p.stdout and "0.50" in p.stdout  # llama.cpp's mean and stddev in the table
 
@@ -244,6 +245,10 @@ def test_a_failing_llama_bench_gives_an_error_row_and_ratios_only_where_measured
     rows = [dict(moed), ok]
     run.add_gpu_derived(rows)
     assert rows[0]["ratio_decode"] == pytest.approx(1.25)
+    assert "ratio_prefill" not in rows[0]  # neither side measured a prefill
+    rows = [moed | {"prefill_tok_s": 30.0, "prefill_warm_tok_s": 90.0}, ok | {"prefill_tok_s": 60.0}]
+    run.add_gpu_derived(rows)
+    assert (rows[0]["ratio_prefill"], rows[0]["ratio_prefill_warm"]) == (pytest.approx(0.5), pytest.approx(1.5))
     text = run.table.render(rows + [row], run.table.GPU_COLUMNS, run.table.GPU_TEXT_COLUMNS)
     assert "1.25" in text and "llama-bench failed" in text
 
@@ -254,3 +259,6 @@ def test_llama_bench_output_without_the_decode_test_is_an_error(tmp_path):
     exe.chmod(0o755)
     row = _module().gpu.llama_bench(str(exe), "m.gguf", 3, 16, 2)
     assert "printed no decode result (n_gen 16)" in row["error"]
+    exe.write_text(f"#!{sys.executable}\nprint('[{{\"n_prompt\": 0, \"n_gen\": 16, \"avg_ts\": 9, \"stddev_ts\": 1}}]')\n")
+    row = _module().gpu.llama_bench(str(exe), "m.gguf", 3, 16, 2, prompt=128)
+    assert "printed no prefill result (n_prompt 128)" in row["error"]

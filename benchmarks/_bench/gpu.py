@@ -60,9 +60,11 @@ def mib(nbytes: int) -> str:
     return f"{x:,.0f}" if x >= 10 else f"{x:.2f}"
 
 
-def llama_bench(binary: str, model: str, ncmoe: int, decode: int, threads: int) -> dict:
-    """One `llama-bench -o json` run: decode tok/s (avg_ts, stddev_ts over LLAMA_REPS repetitions)."""
-    argv = [binary, "-m", model, "-ngl", "99", "-ncmoe", str(ncmoe), "-p", "0", "-n", str(decode),
+def llama_bench(binary: str, model: str, ncmoe: int, decode: int, threads: int, prompt: int = 0) -> dict:
+    """One `llama-bench -o json` run: decode tok/s (avg_ts, stddev_ts over LLAMA_REPS repetitions), and with
+    prompt > 0 also its prefill test of that many tokens (prefill_tok_s; its experts come from the warm
+    mapping)."""
+    argv = [binary, "-m", model, "-ngl", "99", "-ncmoe", str(ncmoe), "-p", str(prompt), "-n", str(decode),
             "-r", str(LLAMA_REPS), "-t", str(threads), "-o", "json"]
     try:
         p = subprocess.run(argv, capture_output=True, text=True, timeout=LLAMA_TIMEOUT_S)
@@ -74,12 +76,18 @@ def llama_bench(binary: str, model: str, ncmoe: int, decode: int, threads: int) 
     try:
         tests = json.loads(p.stdout[p.stdout.index("["):])
         (test,) = [t for t in tests if t.get("n_gen") == decode and not t.get("n_prompt")]
-        return {"decode_tok_s": float(test["avg_ts"]), "decode_tok_s_stddev": float(test["stddev_ts"]),
-                "n_gen": test["n_gen"], "n_cpu_moe_run": test.get("n_cpu_moe"), "n_threads": test.get("n_threads"),
-                "samples_ts": test.get("samples_ts"), "gpu_info": test.get("gpu_info"),
-                "backends": test.get("backends"), "build_commit": test.get("build_commit"), "argv": argv[1:]}
+        row = {"decode_tok_s": float(test["avg_ts"]), "decode_tok_s_stddev": float(test["stddev_ts"]),
+               "n_gen": test["n_gen"], "n_cpu_moe_run": test.get("n_cpu_moe"), "n_threads": test.get("n_threads"),
+               "samples_ts": test.get("samples_ts"), "gpu_info": test.get("gpu_info"),
+               "backends": test.get("backends"), "build_commit": test.get("build_commit"), "argv": argv[1:]}
     except (ValueError, KeyError, TypeError, AttributeError):
         return {"error": f"llama-bench printed no decode result (n_gen {decode}) in its JSON: {p.stdout[-200:]!r}"}
+    if prompt:
+        pre = [t for t in tests if isinstance(t, dict) and t.get("n_prompt") == prompt and not t.get("n_gen")]
+        if len(pre) != 1 or not isinstance(pre[0].get("avg_ts"), (int, float)):
+            return {"error": f"llama-bench printed no prefill result (n_prompt {prompt}) in its JSON"}
+        row |= {"prefill_tok_s": float(pre[0]["avg_ts"]), "prefill_tok_s_stddev": float(pre[0].get("stddev_ts", 0.0))}
+    return row
 
 
 def moed(spec: dict) -> dict:
