@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ import numpy as np
 
 from ipc.protocol import Chat, Done, Generate, Message, SamplingOptions
 
+from . import heap
 from .backend import CPUBackend
 from .backend.select import select_backend
 from .config import Settings
@@ -117,6 +119,7 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.load_duration_ns = load_duration_ns
+        self._heap_release = None  # Engine.load: gives the frozen heap back (daemon.heap)
         self.last_stats = GenerationStats()
         self.n_ctx = min(settings.n_ctx, model.hp.n_ctx_train) if settings.n_ctx else model.hp.n_ctx_train
         self.vram = model.experts if getattr(model.experts, "tiered", False) else None  # VRAMExpertCache
@@ -174,9 +177,19 @@ class Engine:
                 cache.close()
             gguf.close()
             raise
-        return cls(gguf, cfg, model, tokenizer, time.perf_counter_ns() - t0)
+        engine = cls(gguf, cfg, model, tokenizer, time.perf_counter_ns() - t0)
+        heap.hold()
+        engine._heap_release = weakref.finalize(engine, heap.release)  # at close, or once dropped
+        return engine
 
     def close(self) -> None:
+        try:
+            self._close()
+        finally:
+            if self._heap_release is not None:
+                self._heap_release()  # runs once
+
+    def _close(self) -> None:
         if self.tracer is not None:
             self.tracer.close()  # writes what is not written yet, once
             self.tracer = None

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
+import weakref
 
 import pytest
 
@@ -130,3 +132,21 @@ def test_demand_reads_auto_follows_the_thread_count(monkeypatch):
     monkeypatch.setattr("numba.get_num_threads", lambda: 16)
     assert demand_reads(Settings.load({}, io_depth=8)) == "compute"
     assert demand_reads(Settings.load({"MOE_DEMAND_READS": "io"})) == "io"
+
+
+def test_a_loaded_model_is_kept_from_the_collector_and_freed_after_close(engine, smollm2):
+    """daemon.heap: a load freezes what is alive (a full collection no longer walks the model); a
+    close gives the frozen objects back, so a reference cycle among the closed engine's objects is
+    freed while another engine (the module's) stays loaded, and the next load freezes again."""
+    other = Engine.load(smollm2, n_ctx=64)
+    assert gc.get_freeze_count() > 0
+    other.model.cycle = other.model  # a cycle: refcounting alone never frees it
+    model = weakref.ref(other.model)
+    other.close()
+    assert gc.get_freeze_count() == 0
+    del other
+    gc.collect()
+    assert model() is None
+    assert "".join(engine.generate("Hi", max_tokens=2, temperature=0))  # the module's engine still serves
+    with Engine.load(smollm2, n_ctx=64):
+        assert gc.get_freeze_count() > 0

@@ -423,9 +423,11 @@ class VRAMExpertCache:
         if missing and not vl.capacity:
             self._warn("noslot", "MOE_GPU_CACHE_MB leaves no VRAM slot for a layer's experts (%.1f MiB each): "
                        "they compute on the CPU", self._device_expert_bytes(vl.layout) / 2**20)
-        for e in missing:
-            si = self._take(vl, e, prefetch=False) if vl.capacity else None
-            if si is None:  # no slot, or every slot held by this step (waves prevent it): the CPU computes it
+        claimed = self._claim_many(vl, len(missing)) if vl.capacity and missing else []
+        for e, si in zip(missing, claimed + [None] * (len(missing) - len(claimed))):
+            if si is not None:
+                self._own(vl, e, si, prefetch=False)
+            else:  # no slot, or every slot held by this step (waves prevent it): the CPU computes it
                 if vl.capacity:
                     self._warn("full", "a layer's VRAM slots were all in use: an expert computes on the CPU")
                 st.fallbacks += 1
@@ -690,11 +692,28 @@ class VRAMExpertCache:
         """A slot for expert e (claimed, now its own; pinned for a step's own miss), or None."""
         si = self._claim(vl, prefetch)
         if si is not None:
-            vl.where[e] = si
-            s = vl.slots[si]
-            s.expert, s.prefetched, s.used = e, prefetch, not prefetch
-            self._touch(vl, e, pin=not prefetch)
+            self._own(vl, e, si, prefetch)
         return si
+
+    def _own(self, vl: _VLayer, e: int, si: int, prefetch: bool) -> None:
+        vl.where[e] = si
+        s = vl.slots[si]
+        s.expert, s.prefetched, s.used = e, prefetch, not prefetch
+        self._touch(vl, e, pin=not prefetch)
+
+    def _claim_many(self, vl: _VLayer, n: int) -> list[int]:
+        """Slots for n experts of a step's own misses, as n _claim(prefetch=False) calls give them
+        (each claimed slot is pinned by its expert, so no later call's candidate), in one pass over
+        the slots: free ones in slot order, then the policy's least wanted unheld ones. Fewer than n
+        when the step holds the rest."""
+        free = [si for si, s in enumerate(vl.slots) if s.expert < 0 and s.pins == 0][:n]
+        if len(free) == n:
+            return free
+        cands = [s.expert for s in vl.slots if s.pins == 0 and s.expert >= 0]
+        for victim in vl.policy.victims(cands, vl.clock, n - len(free)):
+            free.append(vl.where[victim])
+            self._drop(vl, victim, evicted=True)
+        return free
 
     def _claim(self, vl: _VLayer, prefetch: bool) -> int | None:
         """A slot for a new expert: a free one, else the policy's victim among those no step holds

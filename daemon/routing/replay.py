@@ -20,6 +20,7 @@ Policies (`POLICIES`):
 
 from __future__ import annotations
 
+import heapq
 import io
 import json
 import math
@@ -138,14 +139,22 @@ class ReplayResult:
 
 
 class _Policy:
-    """Eviction bookkeeping for one layer's cache. `victim(candidates, t)` picks one to evict."""
+    """Eviction bookkeeping for one layer's cache: `rank(e, t)` orders candidates, least wanted first."""
 
     def __init__(self, seq: Sequence[frozenset[int]]) -> None:
         self.seq = seq
 
     def touch(self, e: int, t: int) -> None: ...
 
-    def victim(self, cands: list[int], t: int) -> int: ...
+    def rank(self, e: int, t: int): ...
+
+    def victim(self, cands: list[int], t: int) -> int:
+        return min(cands, key=lambda e: self.rank(e, t))
+
+    def victims(self, cands: list[int], t: int, n: int) -> list[int]:
+        """The n least wanted, in order: what n victim() calls give when each victim's slot goes to
+        an expert that is then no candidate (a rank depends on its own expert's history alone)."""
+        return heapq.nsmallest(n, cands, key=lambda e: self.rank(e, t))
 
 
 class _LRU(_Policy):
@@ -156,8 +165,8 @@ class _LRU(_Policy):
     def touch(self, e, t):
         self.last[e] = t
 
-    def victim(self, cands, t):
-        return min(cands, key=lambda e: (self.last[e], e))
+    def rank(self, e, t):
+        return self.last[e], e
 
 
 class _LRU2(_Policy):
@@ -169,8 +178,8 @@ class _LRU2(_Policy):
         prev = self.hist.get(e, (-1, -1))[1]
         self.hist[e] = (prev, t)
 
-    def victim(self, cands, t):
-        return min(cands, key=lambda e: (self.hist[e][0], self.hist[e][1], e))
+    def rank(self, e, t):
+        return self.hist[e][0], self.hist[e][1], e
 
 
 class _LFUDecay(_Policy):
@@ -188,8 +197,8 @@ class _LFUDecay(_Policy):
         self.score[e] = (self._now(e, t) + 1.0, t)
         self.last[e] = t
 
-    def victim(self, cands, t):
-        return min(cands, key=lambda e: (self._now(e, t), self.last[e], e))
+    def rank(self, e, t):
+        return self._now(e, t), self.last[e], e
 
 
 class _Belady(_Policy):
@@ -209,8 +218,8 @@ class _Belady(_Policy):
         self.ptr[e] = i
         return u[i] if i < len(u) else math.inf
 
-    def victim(self, cands, t):
-        return max(cands, key=lambda e: (self._next(e, t), -e))
+    def rank(self, e, t):  # farthest next use first (never again: -inf), then the lower id
+        return -self._next(e, t), e
 
 
 POLICIES = {"lru": _LRU, "belady": _Belady, "lfu-decay": _LFUDecay, "lru2": _LRU2}

@@ -204,3 +204,22 @@ def test_history_predictors_on_a_repeating_trace_are_perfect():
     trace = [[S(4, 7)] * 5, [S(1, 9)] * 5]
     r = predictor_recall(trace)
     assert all(r[p]["overall"] == 1.0 for p in r)
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_victims_are_the_victim_calls_in_order(policy):
+    """victims(n) = n victim() calls, each victim's slot taken by a new expert no longer a candidate."""
+    rng = random.Random(7)
+    seq = [frozenset(rng.sample(range(12), 3)) for _ in range(40)]
+    pol = POLICIES[policy](seq)
+    for t, need in enumerate(seq[:30]):
+        for e in sorted(need):
+            pol.touch(e, t)
+    cands = sorted({e for s in seq[:30] for e in s})
+    for n in (1, 3, len(cands)):
+        left, one_by_one = list(cands), []
+        for _ in range(n):
+            v = pol.victim(left, 30)
+            left.remove(v)
+            one_by_one.append(v)
+        assert pol.victims(cands, 30, n) == one_by_one
