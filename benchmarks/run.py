@@ -31,8 +31,8 @@ otherwise; --llama makes that an error).
 --device cuda: moed decodes on the GPU with a VRAM expert cache of each --gpu-cache-mb
 (MOE_GPU_CACHE_MB; the host expert cache unlimited, in pinned memory), for every replay, min-batch
 (MOE_OFFLOAD_MIN_BATCH), threads and --set value, each in a child process running
-benchmarks/gpu_offload.py's measure(): the prompt prefilled, --warmup decode steps, then
---decode-tokens timed steps. The routing column says "uniform" for a synthesized file's own router
+benchmarks/gpu_offload.py's measure(): the prompt prefilled (cold), --warmup decode steps, the prompt
+prefilled again into a fresh sequence (warm), then --decode-tokens timed steps. The routing column says "uniform" for a synthesized file's own router
 (random weights: close to uniform), "own router" for another file's, "replay NAME" for a trace.
 Then llama.cpp's CUDA build, `llama-bench -ngl 99 -ncmoe N -p PROMPT -n DECODE -r 3 -t THREADS -o json`,
 once per VRAM budget and thread count: N is the smallest --n-cpu-moe whose expert tensors left on
