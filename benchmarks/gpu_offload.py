@@ -8,8 +8,8 @@ For each (cache size, routing, MOE_OFFLOAD_MIN_BATCH) the model is loaded as the
 cuda:0 (MOE_GPU_CACHE_MB = the cache size; the host cache unlimited, in pinned memory), a prompt is
 prefilled (its experts read from the file: a cold host cache), --warmup tokens are decoded (the host
 cache and the VRAM cache fill), the prompt is prefilled again into a fresh sequence (warm: its
-experts in host memory), then --steps tokens are timed. Routing: `uniform` is the model's own router (a synthesized file's routing is close to
-uniform); a trace path replays real routing (MOE_ROUTING_REPLAY). Printed per run: decode tok/s;
+experts in host memory), then --steps tokens are timed. Routing: `uniform` is the model's own
+router (a synthesized file's routing is close to uniform); a trace path replays real routing (MOE_ROUTING_REPLAY). Printed per run: decode tok/s;
 the VRAM tier's hit rate against a Belady replay of the same requests at the same capacity; bytes
 copied per token and the bound they set at the copy bandwidth measured in the run; Post-Fetch
 overlap and fallback rate; and the time split of a step: CPU expert compute (host), copies (fetch

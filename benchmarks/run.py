@@ -32,16 +32,17 @@ otherwise; --llama makes that an error).
 (MOE_GPU_CACHE_MB; the host expert cache unlimited, in pinned memory), for every replay, min-batch
 (MOE_OFFLOAD_MIN_BATCH), threads and --set value, each in a child process running
 benchmarks/gpu_offload.py's measure(): the prompt prefilled (cold), --warmup decode steps, the prompt
-prefilled again into a fresh sequence (warm), then --decode-tokens timed steps. The routing column says "uniform" for a synthesized file's own router
-(random weights: close to uniform), "own router" for another file's, "replay NAME" for a trace.
+prefilled again into a fresh sequence (warm), then --decode-tokens timed steps. The routing column
+says "uniform" for a synthesized file's own router (random weights: close to uniform), "own
+router" for another file's, "replay NAME" for a trace.
 Then llama.cpp's CUDA build, `llama-bench -ngl 99 -ncmoe N -p PROMPT -n DECODE -r 3 -t THREADS -o json`,
 once per VRAM budget and thread count: N is the smallest --n-cpu-moe whose expert tensors left on
 the GPU (those of blocks N.., sizes as in the file) take at most the budget (E expert layers of B
 bytes: N = E - floor(budget / B)); --llama-ncmoe adds rows at other N. Each moed row has its decode
 and prefill ratios to the llama.cpp row of its budget and threads: moed's prefill cold (its first
 prompt, experts read from the file) and warm (the prompt again, experts in host memory), llama.cpp's
-from its mapping, warm after load. The CPU mode's host-cache options (--cache-mb,
---routing, --concurrency, --cold, --llama) are refused with --device cuda, the GPU options without it.
+from its mapping, warm after load. The CPU mode's host-cache options (--cache-mb, --routing,
+--concurrency, --cold, --llama) are refused with --device cuda, the GPU options without it.
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ landing inside a decode step every few dozen steps (docs/benchmarks.md). `hold()
 every object alive then into the collector's permanent generation (gc.freeze); objects made later,
 per request, are collected as usual. `release()` at a close, or when an engine is dropped
 unclosed, gives every frozen object back (gc.unfreeze), so that reference cycles among the engine's
-objects, weights included, are freed once it is gone. The engines still loaded are then walked again until the next load
-freezes them (a close cannot refreeze at once: the closing engine is still referenced then).
+objects, weights included, are freed once it is gone. The engines still loaded are then walked
+again until the next load freezes them (a close cannot refreeze at once: the closing engine is
+still referenced then).
 """
 
 from __future__ import annotations

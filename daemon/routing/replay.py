@@ -285,45 +285,36 @@ def predictor_recall(trace: Trace) -> dict[str, dict]:
     - frequent: layer L's most used experts over the tokens before (ties: lower id).
     Every predictor is scored from the second token on (the first has no history); next_layer
     predicts from the second MoE layer on, as speculative does.
-    -> {name: {"per_layer": {layer: recall}, "overall": recall, "exact": experts scored}}."""
+    -> {name: Recall.as_dict()}: per_layer, overall, predicted and exact counts."""
     import numpy as np
+
+    from .predict import Recall
 
     n_layer = len(trace)
     n_tok = min((len(seq) for seq in trace), default=0)
     n_exp = [max((max(s) for s in seq if s), default=-1) + 1 for seq in trace]
-    found = {p: [0] * n_layer for p in HISTORY_PREDICTORS}
-    exact = {p: [0] * n_layer for p in HISTORY_PREDICTORS}
+    recall = {p: Recall() for p in HISTORY_PREDICTORS}
     uses = [np.zeros(n, np.int64) for n in n_exp]
     follows = [np.zeros((n_exp[il], n_exp[il + 1]), np.int64) for il in range(n_layer - 1)]
 
     def top(score: np.ndarray, k: int) -> set[int]:
         return set(np.argsort(-score, kind="stable")[:k].tolist())
 
-    def add(name: str, il: int, predicted: set[int], need: frozenset[int]) -> None:
-        found[name][il] += len(predicted & need)
-        exact[name][il] += len(need)
-
     for t in range(n_tok):
         for il in range(n_layer):
-            need = trace[il][t]
+            need = set(trace[il][t])
             if t and need:
-                add("previous_token", il, set(trace[il][t - 1]), need)
-                add("frequent", il, top(uses[il], len(need)), need)
+                recall["previous_token"].add(il, set(trace[il][t - 1]), need)
+                recall["frequent"].add(il, top(uses[il], len(need)), need)
                 if il:
                     prev = sorted(trace[il - 1][t])
-                    add("next_layer", il, top(follows[il - 1][prev].sum(axis=0), len(need)), need)
+                    recall["next_layer"].add(il, top(follows[il - 1][prev].sum(axis=0), len(need)), need)
         for il in range(n_layer):  # learn from this token only after predicting it
             ids = sorted(trace[il][t])
             uses[il][ids] += 1
             if il + 1 < n_layer and ids and trace[il + 1][t]:
                 follows[il][np.ix_(ids, sorted(trace[il + 1][t]))] += 1
-    out = {}
-    for p in HISTORY_PREDICTORS:
-        scored = [il for il in range(n_layer) if exact[p][il]]
-        total = sum(exact[p])
-        out[p] = {"per_layer": {il: found[p][il] / exact[p][il] for il in scored},
-                  "overall": sum(found[p]) / total if total else 0.0, "exact": total}
-    return out
+    return {p: r.as_dict() for p, r in recall.items()}
 
 
 # -- capacity from sizes -----------------------------------------------------------------------
