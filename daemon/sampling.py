@@ -92,12 +92,22 @@ class Sampler:
 
 
 class StopMatcher:
-    """Holds back text that might begin a stop string; reports when one appears."""
+    """Holds back text that might begin a stop string; reports when one appears.
+
+    feed(text) -> what is safe to emit: on a stop, the text before the stop string that begins
+    first (in the held-back text plus `text`), and `stopped` is set; else all but the longest tail
+    that begins some stop string. An Aho-Corasick automaton over the stop strings (built once)
+    keeps that tail as its state, so a feed costs O(len(text)) amortized, whatever the number of
+    stops (a scan of every stop per token stalled every stream of the model: issue 25).
+    Characters are code points: the detokenizer never hands over half a UTF-8 character.
+    """
 
     def __init__(self, stops: list[str] | tuple[str, ...]):
-        self.stops = [s for s in stops if s]
-        self.pending = ""
+        self.stops = tuple(s for s in stops if s)  # "" is ignored, as llama.cpp's server does
+        self.pending = ""  # held back: always the string of trie node `_state`
         self.stopped = False
+        self._state = 0
+        self._goto, self._fail, self._depth, self._match = _automaton(self.stops)
 
     def feed(self, text: str) -> str:
         """Returns the text that is safe to emit now."""
@@ -105,21 +115,54 @@ class StopMatcher:
         if not self.stops:
             out, self.pending = self.pending, ""
             return out
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
+        goto, fail, match = self._goto, self._fail, self._match
+        s, first = self._state, None  # first: where the earliest-beginning stop begins
+        end = len(self.pending) - len(text)
+        for c in text:
+            end += 1
+            while s and c not in goto[s]:
+                s = fail[s]
+            s = goto[s].get(c, 0)
+            if match[s] and (first is None or end - match[s] < first):
+                first = end - match[s]  # the longest stop ending here begins earliest
+        if first is not None:
             self.stopped = True
-            out, self.pending = self.pending[:min(hits)], ""
+            out, self.pending, self._state = self.pending[:first], "", 0
             return out
-        hold = 0
-        for s in self.stops:
-            for n in range(min(len(s) - 1, len(self.pending)), 0, -1):
-                if self.pending.endswith(s[:n]):
-                    hold = max(hold, n)
-                    break
-        cut = len(self.pending) - hold
+        self._state = s
+        cut = len(self.pending) - self._depth[s]
         out, self.pending = self.pending[:cut], self.pending[cut:]
         return out
 
     def flush(self) -> str:
-        out, self.pending = self.pending, ""
+        out, self.pending, self._state = self.pending, "", 0
         return out
+
+
+def _automaton(stops: tuple[str, ...]) -> tuple[list[dict[str, int]], list[int], list[int], list[int]]:
+    """Aho-Corasick over stops (node 0 = the root): goto edges, failure links (the node of the
+    longest proper suffix that is also in the trie), depth (the node's string length) and match
+    (the length of the longest stop that is a suffix of the node's string; 0 = none)."""
+    goto: list[dict[str, int]] = [{}]
+    depth, match = [0], [0]
+    for stop in stops:
+        s = 0
+        for c in stop:
+            if c not in goto[s]:
+                goto[s][c] = len(goto)
+                goto.append({})
+                depth.append(depth[s] + 1)
+                match.append(0)
+            s = goto[s][c]
+        match[s] = len(stop)
+    fail = [0] * len(goto)
+    queue = list(goto[0].values())  # breadth first: a node's failure link is shallower than it
+    for s in queue:
+        for c, t in goto[s].items():
+            f = fail[s]
+            while f and c not in goto[f]:
+                f = fail[f]
+            fail[t] = goto[f].get(c, 0)
+            match[t] = match[t] or match[fail[t]]
+            queue.append(t)
+    return goto, fail, depth, match

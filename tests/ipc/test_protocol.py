@@ -9,6 +9,7 @@ import msgspec
 import pytest
 
 from ipc import errors
+from ipc.framing import MAX_FRAME
 from ipc.protocol import (
     PROTOCOL_VERSION,
     REPLIES,
@@ -32,6 +33,8 @@ from ipc.protocol import (
     PsReply,
     Reply,
     Request,
+    STOP_MAX_BYTES,
+    STOP_MAX_COUNT,
     SamplingOptions,
     Shutdown,
     Stats,
@@ -195,3 +198,64 @@ def test_progress_is_a_reply_of_the_requests_that_wait_and_bumps_the_version():
     for kind in (Generate, Chat, Load):
         assert REPLIES[kind][0] is Progress
     assert msgspec.msgpack.decode(encode(Progress(3, "load", 50.0, "reading"))) == ["r", 3, "load", 50.0, "reading"]
+
+
+# -- the stop list's bounds (issue 25, item 2): one request's list used to stall every stream ---
+
+def _stops(count: int, total_bytes: int) -> list[str]:
+    """count stop strings of total_bytes UTF-8 bytes in all, multi-byte characters included."""
+    per, extra = divmod(total_bytes, count)
+    stops = []
+    for k in range(count):
+        n = per + (k < extra)
+        stops.append("☃" * (n // 3) + "x" * (n % 3))  # ☃ is 3 bytes in UTF-8
+    assert sum(len(s.encode()) for s in stops) == total_bytes
+    return stops
+
+
+def _wire(kind: str, stop: list[str]) -> bytes:
+    if kind == "G":  # id, model, prompt, tokens, max_tokens, options, stop
+        return raw("G", 4, None, "p", None, 8, None, stop)
+    return raw("C", 4, [["user", "hi"]], None, 8, None, stop)  # id, messages, model, max_tokens, options, stop
+
+
+def _local(kind: str, stop: list[str]):
+    if kind == "G":
+        return Generate(4, prompt="p", max_tokens=8, stop=stop)
+    return Chat(4, [Message("user", "hi")], max_tokens=8, stop=stop)
+
+
+@pytest.mark.parametrize("kind", ["G", "C"])
+@pytest.mark.parametrize("stop", [
+    _stops(STOP_MAX_COUNT, STOP_MAX_COUNT),  # 64 strings
+    _stops(1, STOP_MAX_BYTES),  # 4096 bytes in one string
+    _stops(STOP_MAX_COUNT, STOP_MAX_BYTES),  # both at once
+    [""] * STOP_MAX_COUNT,  # empty strings are ignored (as llama.cpp's server does), but count
+], ids=["64 strings", "4096 bytes", "64 strings of 4096 bytes", "64 empty"])
+def test_a_stop_list_at_the_bounds_is_served(kind, stop):
+    assert decode_request(_wire(kind, stop)).stop == stop
+    assert _local(kind, stop).stop == stop
+
+
+@pytest.mark.parametrize("kind", ["G", "C"])
+@pytest.mark.parametrize("stop, why", [
+    (_stops(STOP_MAX_COUNT + 1, STOP_MAX_COUNT + 1), "at most 64"),  # 65 strings
+    ([""] * (STOP_MAX_COUNT + 1), "at most 64"),
+    (_stops(1, STOP_MAX_BYTES + 1), "4096 bytes"),  # 4097 bytes
+    (_stops(STOP_MAX_COUNT, STOP_MAX_BYTES + 1), "4096 bytes"),
+], ids=["65 strings", "65 empty", "4097 bytes", "64 strings of 4097 bytes"])
+def test_a_stop_list_past_the_bounds_is_bad_request(kind, stop, why):
+    with pytest.raises(ProtocolError) as e:
+        decode_request(_wire(kind, stop))
+    assert (e.value.code, e.value.request_id) == ("bad_request", 4)
+    with pytest.raises(ValueError, match=why):  # built in process (Engine.generate: RequestError)
+        _local(kind, stop)
+
+
+def test_the_probes_million_stop_strings_are_bad_request():
+    stop = ["☃%07d" % k for k in range(10**6)]  # an 11 MB frame, under the 16 MiB frame limit
+    data = _wire("G", stop)
+    assert 10 * 2**20 < len(data) < MAX_FRAME
+    with pytest.raises(ProtocolError) as e:
+        decode_request(data)
+    assert (e.value.code, e.value.request_id) == ("bad_request", 4)
