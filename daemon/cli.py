@@ -15,10 +15,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
-from .config import Settings
+from .config import Settings, span
 from .errors import MoedError
 
 
@@ -97,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         args.args += extra
     try:
+        _check_utf8(args)
         if args.command == "generate":
             return _generate(args)
         if args.command == "demo-model":
@@ -106,14 +108,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "trace":
             return _trace(args, parser)
         if args.command == "pack":
-            return _pack(args)
+            with _exit_on_signals():
+                return _pack(args)
         if args.command == "synth":
-            return _synth(args)
+            with _exit_on_signals():
+                return _synth(args)
         if args.command in DAEMON_COMMANDS:
             return _daemon_command(args)
         if args.command == "settings":
+            bounds = Settings.bounds()
             for name, env, default, doc in Settings.describe():
-                print(f"{env:<24} {name:<22} default {default!r:<10} {doc}")
+                rng = f"; range {span(bounds[name])}" if name in bounds else ""  # out of it: refused
+                print(f"{env:<24} {name:<22} default {default!r:<10} {doc}{rng}")
             return 0
     except MoedError as e:
         print(f"moed: error: {e}", file=sys.stderr)
@@ -121,7 +127,53 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except _Signalled as e:
+        print(f"\nmoed: stopped by signal {e.signum}", file=sys.stderr)
+        return 128 + e.signum
     return 2
+
+
+def _check_utf8(args) -> None:
+    """Refuse an argument that is not valid UTF-8 (a file name from a Latin-1 disk arrives with
+    surrogates): the wire, the tokenizer and the GGUF strings all take UTF-8."""
+    for value in vars(args).values():
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, str):
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError:
+                    shown = v.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+                    raise MoedError(f"'{shown}' is not valid UTF-8; moed takes UTF-8 names and text "
+                                    f"(rename the file)") from None
+
+
+class _Signalled(BaseException):
+    """SIGTERM or SIGHUP arrived: like KeyboardInterrupt, it unwinds through every `finally`."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _exit_on_signals():
+    """SIGTERM and SIGHUP raise _Signalled, as SIGINT raises KeyboardInterrupt, so that the
+    writers' `finally` blocks remove their partial output (synth's OUT.part, pack's .tmp)."""
+    import signal
+
+    sigs = (signal.SIGTERM, signal.SIGHUP)
+
+    def stop(signum, frame):
+        for sig in sigs:
+            signal.signal(sig, signal.SIG_IGN)  # once: let the clean-up finish
+        raise _Signalled(signum)
+
+    handlers = {sig: signal.signal(sig, stop) for sig in sigs}
+    try:
+        yield
+    finally:
+        for sig, old in handlers.items():
+            signal.signal(sig, old)
 
 
 def _generate(args) -> int:
@@ -293,6 +345,8 @@ def _add_daemon(sub) -> None:
     s.add_argument("--keep-alive", type=float, default=None,
                    help="seconds an idle model stays loaded (MOED_KEEP_ALIVE; default 300)")
     s.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    s.add_argument("--log", default=None, metavar="PATH",
+                   help="log to PATH instead of stderr (a private file; rotated to PATH.1 past 16 MiB)")
     r = sub.add_parser("run", help="generate through the daemon, starting one if none runs")
     r.add_argument("args", nargs="*", metavar="[MODEL] [PROMPT]",
                    help="a GGUF file (default: the demo MoE) and a prompt (default: interactive chat)")
@@ -332,17 +386,29 @@ def _serve(args) -> int:
 
     from .scheduler import Scheduler
 
-    logging.basicConfig(stream=sys.stderr, level=logging.DEBUG if args.verbose else logging.INFO,
+    handler = logging.StreamHandler(sys.stderr)
+    if args.log is not None:  # stdout and stderr go to the log, rotated past LOG_MAX_BYTES
+        from .logfile import RotatingStderr, open_log
+
+        fd = open_log(args.log)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        handler = RotatingStderr(args.log)
+    logging.basicConfig(handlers=[handler], level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s moed[%(process)d] %(levelname)s %(message)s")
     overrides = {"queue_size": args.queue_size, "max_batch": args.max_batch, "keep_alive": args.keep_alive}
     settings = Settings.load(**overrides)
-    return serve(args.socket, settings, Scheduler(settings))
+    return serve(_socket(args), settings, Scheduler(settings))
 
 
 def _socket(args) -> str:
     from ipc.client import default_socket_path
 
-    return args.socket or Settings.load().socket or default_socket_path()
+    # Absolute: the daemon runs in "/" and `moed stop` may run from another directory.
+    return os.path.abspath(args.socket or Settings.load().socket or default_socket_path())
 
 
 def _start_daemon(path: str, reply_timeout: float | None = None, timeout: float = 60.0):
@@ -355,6 +421,9 @@ def _start_daemon(path: str, reply_timeout: float | None = None, timeout: float 
     from ipc.errors import NotRunning, Timeout
     from ipc.server import prepare_socket_dir
 
+    from .logfile import open_log
+
+    path = os.path.abspath(path)  # the daemon runs in "/": a relative path would bind there
     client = Client(path, timeout=reply_timeout)
     try:
         client.connect()
@@ -363,15 +432,12 @@ def _start_daemon(path: str, reply_timeout: float | None = None, timeout: float 
         pass
     log_path = os.path.splitext(path)[0] + ".log"
     prepare_socket_dir(path, Settings.load())  # before the log goes there: no other user may write in it
-    print(f"moed: starting the daemon on {path} (log: {log_path})", file=sys.stderr)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # so `-m daemon.cli` imports from "/"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    try:  # never through a planted symbolic link
-        log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError as e:
-        raise MoedError(f"cannot open the daemon's log {log_path}: {e}") from None
+    log_fd = open_log(log_path)  # never a planted link, FIFO or file of another user
+    print(f"moed: starting the daemon on {path} (log: {log_path})", file=sys.stderr)
     with os.fdopen(log_fd, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "serve", "--socket", path],
+        proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "serve", "--socket", path, "--log", log_path],
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd="/", env=env,
                                 start_new_session=True, close_fds=True)
     deadline = time.monotonic() + timeout
@@ -389,11 +455,9 @@ def _start_daemon(path: str, reply_timeout: float | None = None, timeout: float 
 
 
 def _tail(path: str, n: int = 5) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            lines = f.read().splitlines()[-n:]
-    except OSError:
-        return ""
+    from .logfile import tail
+
+    lines = tail(path, n)  # as carefully opened as the log itself: a FIFO must not hang us
     return ":\n" + "\n".join(lines) if lines else ""
 
 

@@ -87,11 +87,12 @@ _BACKOFF_FIRST, _BACKOFF_MAX = 0.002, 0.1  # seconds between connects while the 
 
 
 def default_socket_path() -> str:
-    """$MOED_SOCKET, else $XDG_RUNTIME_DIR/moed.sock, else /tmp/moed-<uid>/moed.sock."""
+    """$MOED_SOCKET, else $XDG_RUNTIME_DIR/moed.sock, else /tmp/moed-<uid>/moed.sock; absolute
+    (a daemon started from here runs in "/")."""
     if path := os.environ.get("MOED_SOCKET"):
-        return path
+        return os.path.abspath(path)
     if runtime := os.environ.get("XDG_RUNTIME_DIR"):
-        return os.path.join(runtime, "moed.sock")
+        return os.path.join(os.path.abspath(runtime), "moed.sock")
     return f"/tmp/moed-{os.getuid()}/moed.sock"
 
 
@@ -189,6 +190,13 @@ def _deadline(timeout: float | None) -> float | None:
 
 def _left(deadline: float | None) -> float | None:
     return None if deadline is None else max(1e-3, deadline - time.monotonic())  # 0 would mean non-blocking
+
+
+def _timed_out(limit: str, seconds: float | None) -> Timeout:
+    """The Timeout for a wait that `limit` ("timeout" or "connect_timeout") bounded."""
+    if limit == "connect_timeout":
+        return Timeout(f"the daemon did not answer the handshake within connect_timeout={seconds:.3g} s")
+    return Timeout(f"no reply from the daemon within timeout={seconds:.3g} s")
 
 
 def _queue_full(path: str) -> Timeout:
@@ -355,7 +363,7 @@ class AsyncClient:
             hello = Hello(next(self._ids), PROTOCOL_VERSION)
             try:
                 queue = self._send(hello)
-                reply = await self._recv(queue, _left(deadline))
+                reply = await self._recv(queue, _left(deadline), "connect_timeout")
                 self._forget(hello.id)
                 self.server = _check_hello(reply)
             except BaseException:
@@ -426,12 +434,13 @@ class AsyncClient:
             raise NotRunning(f"connection to the daemon lost: {e}") from None
         return queue
 
-    async def _recv(self, queue: asyncio.Queue, timeout: float | None = ...) -> Reply:
+    async def _recv(self, queue: asyncio.Queue, timeout: float | None = ..., limit: str = "timeout") -> Reply:
+        """The next reply; `timeout` defaults to self.timeout, `limit` names it in the Timeout."""
         timeout = self.timeout if timeout is ... else timeout
         try:
             item = await asyncio.wait_for(queue.get(), timeout)
         except TimeoutError:
-            raise Timeout(f"no reply from the daemon within {timeout:.3g} s") from None
+            raise _timed_out(limit, getattr(self, limit)) from None
         if isinstance(item, BaseException):
             raise item
         return item
@@ -562,7 +571,7 @@ class Client:
         try:
             hello = Hello(next(self._ids), PROTOCOL_VERSION)
             self._send(hello)
-            self.server = _check_hello(self._recv(hello.id))
+            self.server = _check_hello(self._recv(hello.id, "connect_timeout"))
             self._forget(hello.id)
         except BaseException:
             self.close()
@@ -600,8 +609,9 @@ class Client:
             return error_for(reply.code, reply.message)
         return None
 
-    def _recv(self, id: int) -> Reply:
-        """The next reply to request `id`, buffering replies to other open requests."""
+    def _recv(self, id: int, limit: str = "timeout") -> Reply:
+        """The next reply to request `id`, buffering replies to other open requests. `limit` names
+        the setting the socket's timeout now comes from, for the Timeout."""
         while True:
             box = self._inbox.get(id)
             if box is None:
@@ -615,7 +625,7 @@ class Client:
                 reply = decode_reply(frame)
             except TimeoutError:
                 self.close()
-                raise Timeout(f"no reply from the daemon within {self.timeout} s") from None
+                raise _timed_out(limit, getattr(self, limit)) from None
             except OSError as e:
                 self.close()
                 raise NotRunning(f"connection to the daemon lost: {e}") from None

@@ -46,3 +46,19 @@ def test_pack_command_errors(fixture_dir, tmp_path, capsys):
     assert "moed: error:" in capsys.readouterr().err
     assert main(["pack", str(model), "--out", str(tmp_path / "x"), "--level", "30"]) == 1
     assert "level" in capsys.readouterr().err
+
+
+def test_pack_out_directory_is_refused_before_the_work(fixture_dir, tmp_path, capsys, monkeypatch):
+    from daemon.storage import pack
+
+    model = fixture_path("qwen3moe", "Q8_0", fixture_dir)
+    encoded = []
+    real = pack._encode
+    monkeypatch.setattr(pack, "_encode", lambda *a: encoded.append(1) or real(*a))
+    outdir = tmp_path / "packs"
+    outdir.mkdir()
+    assert main(["pack", str(model), "--out", str(outdir)]) == 1
+    err = capsys.readouterr().err
+    assert "moed: error:" in err and "is a directory" in err and "Is a directory" not in err
+    assert encoded == []  # nothing was packed first
+    assert os.listdir(outdir) == [] and sorted(os.listdir(tmp_path)) == ["packs"]

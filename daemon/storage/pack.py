@@ -79,6 +79,9 @@ def pack_path(model_path) -> str:
 def out_path(model_path, out=None) -> str:
     """Where a pack of model_path goes: `out`, or beside the model; never the model itself."""
     out = os.fspath(out) if out is not None else pack_path(model_path)
+    if os.path.isdir(out):  # checked before the work: os.replace would fail only at the end
+        example = os.path.join(out, os.path.basename(pack_path(model_path)))
+        raise ConfigError(f"{out} is a directory; name the pack file (e.g. {example})")
     if os.path.abspath(out) == os.path.abspath(model_path) or (
             os.path.exists(out) and os.path.samefile(out, model_path)):
         raise ConfigError(f"{out}: the pack would overwrite the model")

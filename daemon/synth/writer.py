@@ -45,12 +45,13 @@ def synth(out: str | os.PathLike, like: str, type: str | None = None, seed: int 
     pl = plan(like, type, **overrides)
     out = Path(out)
     part = out.with_name(out.name + ".part")
-    if out.exists() and not force:
-        raise SynthError(f"{out} exists; pass --force to overwrite it")
     if out.is_dir():
         raise SynthError(f"{out} is a directory")
-    _check_space(out.parent, pl.data_bytes + HEADER_ALLOWANCE)
+    if out.exists() and not force:
+        raise SynthError(f"{out} exists; pass --force to overwrite it")
     try:
+        _create(part)  # first: a read-only or missing directory says so, not "no space" (statvfs)
+        _check_space(out.parent, pl.data_bytes + HEADER_ALLOWANCE)
         _write(part, pl, seed, report)
         os.replace(part, out)
     except OSError as e:
@@ -59,6 +60,11 @@ def synth(out: str | os.PathLike, like: str, type: str | None = None, seed: int 
         with contextlib.suppress(OSError):  # also when the path never existed (no directory)
             part.unlink(missing_ok=True)
     return pl
+
+
+def _create(part: Path) -> None:
+    """Create (or empty) OUT.part now, so the real errno of an unwritable place is reported."""
+    os.close(os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK | os.O_CLOEXEC, 0o644))
 
 
 def _check_space(directory: Path, need: int) -> None:
