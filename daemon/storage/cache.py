@@ -445,18 +445,28 @@ class _IOThread:
         self._done = done
         self._claimed = claimed
         self._ready = threading.Event()
+        self._start_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="moed-expert-io", daemon=True)
         self._thread.start()
         self._ready.wait()
+        if self._start_error is not None:  # the loader gets it; waiting on, it would hang forever
+            self._thread.join()
+            raise self._start_error
 
     def _run(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.loop.set_default_executor(ThreadPoolExecutor(self.depth, thread_name_prefix="moed-read"))
-        self._queue: asyncio.PriorityQueue = asyncio.PriorityQueue()
-        self._reader = StoreReader(self._store)
-        self._open_error: BaseException | None = None
-        self.loop.run_until_complete(self._open())
-        self._workers = [self.loop.create_task(self._work()) for _ in range(self.depth)]
+        try:
+            self.loop = asyncio.new_event_loop()
+            self.loop.set_default_executor(ThreadPoolExecutor(self.depth, thread_name_prefix="moed-read"))
+            self._queue: asyncio.PriorityQueue = asyncio.PriorityQueue()
+            self._reader = StoreReader(self._store)
+            self._open_error: BaseException | None = None
+            self.loop.run_until_complete(self._open())
+            self._workers = [self.loop.create_task(self._work()) for _ in range(self.depth)]
+        except BaseException as e:  # e.g. MemoryError: hand it to __init__, free what was made
+            self._start_error = e
+            self._abandon()
+            self._ready.set()
+            return
         self._ready.set()
         self.loop.run_forever()
         for w in self._workers:
@@ -465,6 +475,24 @@ class _IOThread:
         self.loop.run_until_complete(self._reader.close())
         self.loop.run_until_complete(self.loop.shutdown_default_executor())
         self.loop.close()
+
+    def _abandon(self) -> None:
+        """After a failed start: cancel the workers made, close the reader, executor and loop."""
+        loop = getattr(self, "loop", None)
+        if loop is None:
+            return
+        try:
+            workers = getattr(self, "_workers", [])
+            for w in workers:
+                w.cancel()
+            loop.run_until_complete(asyncio.gather(*workers, return_exceptions=True))
+            if hasattr(self, "_reader"):
+                loop.run_until_complete(self._reader.close())
+            loop.run_until_complete(loop.shutdown_default_executor())
+        except Exception:  # noqa: BLE001 - the start's own error is the one to report
+            log.exception("cleaning up the expert I/O thread after a failed start")
+        finally:
+            loop.close()
 
     async def _open(self) -> None:
         try:

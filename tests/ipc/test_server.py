@@ -132,12 +132,18 @@ async def test_a_file_that_is_not_a_socket_is_left_alone(tmp_path):
     assert precious.read_bytes() == b"precious"
 
 
-async def test_peer_uid_is_checked(path):
+async def test_peer_uid_is_checked(path, monkeypatch):
+    import ipc.server
+
     async with make_server(path, allowed_uids=str(os.getuid() + 4242)):
-        with pytest.raises(Forbidden) as e:
+        async with AsyncClient(path) as c:  # the daemon's own user is always admitted (issue 25)
+            await c.health()
+        monkeypatch.setattr(ipc.server, "peer_cred", lambda sock: (os.getpid(), os.getuid() + 4243, 0))
+        with pytest.raises(Forbidden) as e:  # a user the list does not name is not
             async with AsyncClient(path) as c:
                 await c.health()
         assert e.value.code == "forbidden"
+        monkeypatch.undo()
     async with make_server(path, allowed_uids=f"{os.getuid() + 4242},{os.getuid()}"), AsyncClient(path) as c:
         await c.health()
 

@@ -661,3 +661,28 @@ def test_close_frees_the_experts_and_later_fetches_fail_cleanly(m, make):
     with pytest.raises(StorageError, match="closed"):
         c.fetch(0, [1])
     c.prefetch(0, [4])  # ignored, no error
+
+
+@pytest.mark.parametrize("where", ["StoreReader", "ThreadPoolExecutor"])
+def test_io_thread_that_fails_to_start_fails_the_cache_not_hangs_it(m, monkeypatch, where):
+    """Issue 25: an exception in the I/O thread before it is ready (MemoryError for a huge
+    io_depth) left the loader waiting forever; it must reach the loader, and leave no thread."""
+    import daemon.storage.cache as cache_mod
+
+    def boom(*a, **kw):
+        raise MemoryError("injected")
+    monkeypatch.setattr(cache_mod, where, boom)
+    before = {t.ident for t in threading.enumerate()}
+    out: list = []
+
+    def build():
+        try:
+            out.append(ExpertCache(m.store, 0.0, io_depth=4, demand_reads="io"))
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            out.append(e)
+    t = threading.Thread(target=build, daemon=True)
+    t.start()
+    t.join(60)  # a guard against the old hang, not a timing: the start fails at once
+    assert not t.is_alive(), "ExpertCache() still waiting for its I/O thread"
+    assert isinstance(out[0], MemoryError) and "injected" in str(out[0]), out
+    assert not [t for t in threading.enumerate() if t.ident not in before and t.name.startswith("moed-")]
