@@ -39,10 +39,10 @@ demo build, the load, the first kernel compile) gets the scheduler's Progress re
 running generations. A client that stops reading while more than WRITE_LIMIT bytes of replies pile
 up is disconnected.
 
-Peers other than the daemon's own user (or root) are held to what they could do themselves: a
-Load may not set a daemon-side path (Settings.path_settings()), and a Load/Generate/Chat may only
-name a model file that uid could read (by the mode bits of the file and every directory above it);
-else Error(id, "forbidden").
+Each request goes to the scheduler with its peer's uid and groups: the scheduler holds a user
+other than the daemon's own (or root) to what it could do itself (daemon/scheduler/access.py: no
+daemon-side path settings, no model file, named or the default, that it could not read), else
+Error(id, "forbidden").
 
 Shutdown (Shutdown request, SIGTERM, SIGINT): stop accepting, remove the socket, end every open
 request with Error("shutdown"), stop the models' compute threads (each finishes its current step),
@@ -67,7 +67,7 @@ import time
 from typing import TYPE_CHECKING
 
 from daemon.config import Settings, allowed_uid_set
-from daemon.errors import MoedError, SchedulerError, wire_error
+from daemon.errors import MoedError, wire_error
 
 from .client import default_socket_path, peer_cred
 from .errors import FrameTooLarge, ProtocolError, TruncatedFrame
@@ -103,13 +103,12 @@ if TYPE_CHECKING:
     from daemon.scheduler import Scheduler
 
 __all__ = ["BACKLOG", "WRITE_LIMIT", "Server", "SocketInUse", "UnsafeSocketPath", "peer_cred",
-           "prepare_socket_dir", "readable_by", "serve"]
+           "prepare_socket_dir", "serve"]
 
 log = logging.getLogger("moed.server")
 
 WRITE_LIMIT = 64 * 2**20  # reply bytes queued for one connection before it counts as not reading
 BACKLOG = max(socket.SOMAXCONN, 4096)  # connections the kernel queues before accept(); it caps this
-PATH_SETTINGS = Settings.path_settings()
 
 
 class SocketInUse(MoedError):
@@ -183,37 +182,6 @@ def _groups(uid: int, gid: int) -> frozenset[int]:
         return frozenset({gid})
 
 
-def _permits(st: os.stat_result, uid: int, gids: frozenset[int], owner: int, group: int, other: int) -> bool:
-    """The mode bits' answer for this user: the owner's bits, else the group's, else others'."""
-    if st.st_uid == uid:
-        return bool(st.st_mode & owner)
-    if st.st_gid in gids:
-        return bool(st.st_mode & group)
-    return bool(st.st_mode & other)
-
-
-def readable_by(path: str, uid: int, gids: frozenset[int]) -> bool:
-    """Whether the user could read the file at this resolved path: every directory above it
-    searchable and the file readable, by mode bits (ACLs are not consulted). A missing file whose
-    directory the user can search counts as readable: they could see it is missing themselves."""
-    parent = os.path.dirname(path)
-    dirs = [parent]
-    while dirs[-1] != os.path.dirname(dirs[-1]):
-        dirs.append(os.path.dirname(dirs[-1]))
-    for d in reversed(dirs):  # from "/" down: stop at the first the user may not search
-        try:
-            st = os.stat(d)
-        except FileNotFoundError:
-            return True
-        if not stat.S_ISDIR(st.st_mode) or not _permits(st, uid, gids, stat.S_IXUSR, stat.S_IXGRP, stat.S_IXOTH):
-            return False
-    try:
-        st = os.stat(path)  # stat, not open: a FIFO must not block here
-    except FileNotFoundError:
-        return True
-    return _permits(st, uid, gids, stat.S_IRUSR, stat.S_IRGRP, stat.S_IROTH)
-
-
 def _lock_holder(fd: int) -> str:
     """" (pid N)" from a held lock file (its holder wrote its pid there), or "" if unreadable."""
     try:
@@ -256,14 +224,14 @@ class _Open:
 
 
 class _Peer:
-    """Who is at the other end of a connection, as the kernel says (SO_PEERCRED)."""
+    """Who is at the other end of a connection, as the kernel says (SO_PEERCRED); handed to the
+    scheduler with each request (the uid and gids it checks access with)."""
 
-    __slots__ = ("gid", "trusted", "uid", "_gids")
+    __slots__ = ("gid", "uid", "_gids")
 
-    def __init__(self, uid: int | None, gid: int | None, trusted: bool):
+    def __init__(self, uid: int, gid: int):
         self.uid = uid
         self.gid = gid
-        self.trusted = trusted  # the daemon's own user or root: no per-request limits on paths
         self._gids: frozenset[int] | None = None
 
     @property
@@ -526,7 +494,7 @@ class Server:
             log.warning("refused a connection: %d are open (MOED_MAX_CONNECTIONS)", len(self.connections))
             return Error(None, "busy", f"the daemon has {len(self.connections)} connections open "
                                        f"(MOED_MAX_CONNECTIONS={self.max_connections}); retry later")
-        conn.peer = _Peer(uid, gid, trusted=uid in (self.uid, 0))
+        conn.peer = _Peer(uid, gid)
         return None
 
     async def _read_frame(self, reader: asyncio.StreamReader) -> bytes | None:
@@ -602,12 +570,11 @@ class Server:
     async def _handle(self, op: _Open, req: Request, received_ns: int) -> None:
         sched = self.scheduler
         try:
-            if not op.conn.peer.trusted:
-                self._check_peer_may(op.conn.peer, req, sched.resolve_path)
+            peer = op.conn.peer
             if isinstance(req, (Generate, Chat)):
-                await sched.generate(req, op.reply, received_ns)
+                await sched.generate(req, op.reply, received_ns, peer=peer)
             elif isinstance(req, Load):
-                model, load_ns = await sched.load(req.model, req.settings, req.keep_alive,
+                model, load_ns = await sched.load(req.model, req.settings, req.keep_alive, peer=peer,
                                                   progress=lambda *report: op.reply(Progress(req.id, *report)))
                 op.reply(Loaded(req.id, model.name, load_ns))
             elif isinstance(req, Unload):
@@ -631,22 +598,6 @@ class Server:
                 op.closed = True
                 if op.conn.open.get(op.id) is op:
                     del op.conn.open[op.id]
-
-    @staticmethod
-    def _check_peer_may(peer: _Peer, req: Request, resolve_path) -> None:
-        """A user other than the daemon's own gets nothing it could not get itself: no daemon-side
-        paths (the daemon would write where they say), no model file they cannot read (the daemon
-        would read it for them). SchedulerError("forbidden") otherwise."""
-        if isinstance(req, Load) and (paths := sorted(PATH_SETTINGS & req.settings.keys())):
-            raise SchedulerError("forbidden", f"{', '.join(paths)}: only the daemon's own user may set "
-                                              f"daemon-side paths")
-        name = req.model if isinstance(req, (Load, Generate, Chat)) else None
-        if name is None:  # the daemon's default model: its own choice
-            return
-        path = resolve_path(name)  # the file the scheduler would open (SchedulerError for a NUL)
-        if not readable_by(path, peer.uid, peer.gids):
-            raise SchedulerError("forbidden", f"uid {peer.uid} cannot read {name} itself, so the daemon "
-                                              f"will not read it for it")
 
     # -- shutdown ------------------------------------------------------------------------------
 

@@ -14,6 +14,13 @@
     unload(name) / close()
         stop the compute thread(s): unfinished sequences end with an error, the engine closes.
 
+At most `max_loaded` models are listed (MOED_MAX_LOADED_MODELS; loading ones count). A request for
+one more unloads the least recently used idle model (never one with a negative keep-alive), or
+waits until one is idle when all are in use or loading (the scheduler's queue bounds the waiters),
+or is refused as busy when every model is idle and pinned by a negative keep-alive. A model that
+will compute on the CPU is refused before its load if its resident bytes and cache limit exceed
+MemAvailable (capacity.py).
+
 A compute thread can also stop by itself: its model file changed on disk (ModelFileChanged), or,
 as a last line of defence, its loop broke. The registry then drops the model as if unloaded
 (`batcher.stopped` resolves; a request that comes first sees `batcher.stopping`), so the next
@@ -35,6 +42,7 @@ from ..config import Settings
 from ..errors import ConfigError, ModelError, MoedError, SchedulerError, wire_error
 from ..progress import COMPILE_NOTICE_S, COMPILING, Progress, Relay, Report, reported_if_slow
 from .batcher import Batcher
+from .capacity import check_host_memory, default_max_loaded, mem_available
 
 log = logging.getLogger("moed.scheduler")
 
@@ -74,6 +82,8 @@ def load_engine(factory: Callable[..., Any], path: str, settings: Mapping[str, A
 
 
 def resolve_path(name: str) -> str:
+    if not name.strip():  # "" would resolve to the daemon's working directory
+        raise SchedulerError("bad_request", "a model name cannot be empty")
     if "\0" in name:  # no file has one; os.path would raise ValueError
         raise SchedulerError("bad_request", "a model path cannot contain a NUL character")
     return os.path.realpath(os.path.expanduser(name))
@@ -93,6 +103,7 @@ class LoadedModel:
         self.expires_at: float | None = None  # unix seconds of the keep-alive unload
         self.timer: asyncio.TimerHandle | None = None
         self.unloading = False
+        self.last_used = time.monotonic()  # for the eviction of the least recently used
         self.arch = ""
         self.weights_bytes = 0  # non-expert tensors (resident)
 
@@ -134,7 +145,8 @@ def _device(engine) -> dict[str, Any]:
 
 class ModelRegistry:
     def __init__(self, factory: Callable[..., Any], *, keep_alive: float = 300.0, max_batch: int = 16,
-                 warm: bool = True):
+                 warm: bool = True, max_loaded: int = 0,
+                 available_memory: Callable[[], int | None] | None = mem_available):
         self.factory = factory  # Engine.load(path, progress=..., **settings)
         self.default_keep_alive = keep_alive
         self.max_batch = max_batch
@@ -142,6 +154,16 @@ class ModelRegistry:
         self.models: dict[str, LoadedModel] = {}  # resolved path -> model (loading or loaded)
         self._closing: dict[str, asyncio.Future] = {}  # path -> its previous instance stopping
         self.loads = 0  # loads started (tests: a model is loaded once)
+        self._max_loaded = max_loaded  # 0: default_max_loaded(), probed at the first need
+        self.available_memory = available_memory  # host bytes free now; None: no memory check
+        self._room = asyncio.Event()  # set (and replaced) when a model goes idle or is unlisted
+        self.evictions = 0
+
+    @property
+    def max_loaded(self) -> int:
+        if self._max_loaded <= 0:
+            self._max_loaded = default_max_loaded()
+        return self._max_loaded
 
     # -- lookup ----------------------------------------------------------------------------------
 
@@ -176,12 +198,17 @@ class ModelRegistry:
         if m is None:
             if not os.path.exists(path):
                 raise SchedulerError("not_found", f"no model file {name}")
+            m = await self._make_room(path)
+            if m is not None and settings and settings != m.settings:  # listed by another meanwhile
+                raise SchedulerError("busy", f"{m.name} is in use with other settings ({m.settings})")
+        if m is None:
             m = LoadedModel(name, path, settings, self.default_keep_alive, self.max_batch)
             m.batcher.stopped.add_done_callback(lambda _f, m=m: self._forget(m))
             self.models[path] = m
             self.loads += 1
             asyncio.get_running_loop().create_task(self._load(m))
         m.users += 1
+        m.last_used = time.monotonic()
         m.keep_alive = self.default_keep_alive if keep_alive is None else keep_alive
         self._stop_clock(m)
         t0 = time.perf_counter_ns()
@@ -201,6 +228,8 @@ class ModelRegistry:
             m.users -= 1
         if m.users > 0 or m.unloading or self.models.get(m.path) is not m:
             return
+        m.last_used = time.monotonic()
+        self._room_changed()
         self._stop_clock(m)
         ka = m.keep_alive
         if ka == 0:
@@ -223,6 +252,33 @@ class ModelRegistry:
             log.info("%s: idle for %gs, unloading", m.name, m.keep_alive)
             asyncio.get_running_loop().create_task(self._unload(m))
 
+    # -- the cap on loaded models --------------------------------------------------------------
+
+    async def _make_room(self, path: str) -> LoadedModel | None:
+        """Wait until one more model may be listed (see the module doc); the model of `path` if
+        another request listed it meanwhile, else None (the caller lists it with no await between)."""
+        while (m := self.models.get(path)) is None and len(self.models) >= self.max_loaded:
+            models = list(self.models.values())
+            idle = [x for x in models if x.loaded and x.users == 0 and not x.unloading]
+            evictable = [x for x in idle if x.keep_alive >= 0]
+            if evictable:
+                victim = min(evictable, key=lambda x: x.last_used)
+                log.info("%s: unloading the least recently used idle model, %s (MOED_MAX_LOADED_MODELS=%d)",
+                         path, victim.name, self.max_loaded)
+                self.evictions += 1
+                await self._unload(victim)
+            elif len(idle) == len(models):  # every one idle and kept forever: waiting cannot help
+                raise SchedulerError("busy", f"{len(models)} models are loaded with a negative keep-alive "
+                                             f"(MOED_MAX_LOADED_MODELS={self.max_loaded}); unload one first")
+            else:  # some are in use or loading: wait for one to go idle or away
+                await self._room.wait()
+        return m
+
+    def _room_changed(self) -> None:
+        """Wake the requests waiting in _make_room (each looks again)."""
+        self._room.set()
+        self._room = asyncio.Event()
+
     # -- load / unload -------------------------------------------------------------------------
 
     async def _load(self, m: LoadedModel) -> None:
@@ -233,6 +289,8 @@ class ModelRegistry:
         t0 = time.perf_counter_ns()
 
         def job(_engine):
+            if self.available_memory is not None:
+                check_host_memory(m.path, m.settings, self.available_memory)
             engine = load_engine(self.factory, m.path, m.settings, m.progress, self.warm)
             try:
                 gguf = getattr(engine, "gguf", None)
@@ -252,6 +310,7 @@ class ModelRegistry:
             log.warning("loading %s failed: %s", m.path, err)
             if self.models.get(m.path) is m:
                 del self.models[m.path]
+                self._room_changed()
             m.batcher.stop()
             m.ready.set_exception(err)
             return
@@ -303,6 +362,7 @@ class ModelRegistry:
         listed = self.models.get(m.path) is m
         if listed:
             del self.models[m.path]
+            self._room_changed()
         return listed
 
     async def close(self, code: str = "shutdown", message: str = "the daemon is shutting down") -> None:

@@ -1,17 +1,20 @@
 """The scheduler: what the daemon does with each request, independent of the wire.
 
-    generate(req, emit, received_ns)   serve a Generate/Chat to its end; emit(reply) gets Progress
+    generate(req, emit, received_ns, peer)  serve a Generate/Chat to its end; emit(reply) gets Progress
                                        while the request waits for its model (the demo build, the
                                        load, the kernel compile), each Chunk, then Done or Error.
                                        Raises SchedulerError before the stream
                                        starts (busy, not_found, model_error, ...). Cancelling the task
                                        that runs it cancels the sequence (within one decode step).
-    load(name, settings, keep_alive, progress) / unload / ps / stats / close
-    resolve_path(name)                 the file a model name stands for (the server checks peers' access)
+    load(name, settings, keep_alive, progress, peer) / unload / ps / stats / close
 
-Bounded queue: at most `queue_size` generation requests are held at once, whether waiting for a
-model to load, waiting for a place in the batch (`max_batch` per model) or decoding; one more is
-refused with SchedulerError("busy") at once.
+`peer` is who asked (uid and gids, as the server learnt them; None = in-process, trusted): a
+peer other than the daemon's own user gets only what it could get itself (access.py), the
+default model included, whatever server the request came through.
+
+Bounded queue: at most `queue_size` generation requests and loads are held at once, whether waiting
+for room under MOED_MAX_LOADED_MODELS (models.py), for a model to load, for a place in the batch
+(`max_batch` per model) or decoding; one more is refused with SchedulerError("busy") at once.
 
 Text work is done here, before a sequence reaches its model's compute thread: the chat template
 and the tokenizer run on TextThreads (two daemon threads), so a long prompt or a slow template
@@ -37,6 +40,7 @@ from ipc.protocol import Chat, Done, Error, Generate, Progress
 from ..config import Settings
 from ..progress import Relay, Renderer, Report
 from ..errors import MoedError, SchedulerError
+from .access import Peer, check_model, check_settings
 from .models import LoadedModel, ModelRegistry, resolve_path
 from .sequence import Sequence, error_reply, prompt_ids
 
@@ -122,7 +126,8 @@ class Scheduler:
         self.settings = settings
         self.queue_size = max(1, settings.queue_size)
         self.registry = ModelRegistry(factory or _engine_load, keep_alive=settings.keep_alive,
-                                      max_batch=settings.max_batch, warm=warm)
+                                      max_batch=settings.max_batch, warm=warm,
+                                      max_loaded=settings.max_loaded_models)
         self._default_model_fn = default_model or _demo_model
         self._default_future: asyncio.Future | None = None
         self._default_progress: Relay | None = None  # the demo build's reports
@@ -132,20 +137,23 @@ class Scheduler:
 
     # -- generation ----------------------------------------------------------------------------
 
-    async def generate(self, req: Generate | Chat, emit: Callable[[Any], None], received_ns: int) -> None:
+    async def generate(self, req: Generate | Chat, emit: Callable[[Any], None], received_ns: int,
+                       peer: Peer | None = None) -> None:
         if self.closing:
             raise SchedulerError("shutdown", "the daemon is shutting down")
-        if self.inflight >= self.queue_size:
-            raise SchedulerError("busy", f"{self.inflight} generation requests are queued or running "
-                                         f"(MOED_QUEUE_SIZE={self.queue_size}); retry later")
-        self.inflight += 1
+        if req.model is not None:  # a named file: refused before it takes a place in the queue
+            check_model(peer, resolve_path(req.model), req.model)
+        self._enqueue()
         model: LoadedModel | None = None
         seq: Sequence | None = None
         def progress(phase: str, percent: float | None, message: str) -> None:
             emit(Progress(req.id, phase, percent, message))
 
         try:
-            name = req.model or await self.default_model(progress)
+            name = req.model
+            if name is None:  # the default is the daemon's choice, but read for this peer all the same
+                name = await self.default_model(progress)
+                check_model(peer, name, "the default model")
             model, load_ns = await self.registry.acquire(name, keep_alive=req.keep_alive, progress=progress)
             try:
                 ids = await self._prompt_ids(req, model)
@@ -180,6 +188,12 @@ class Scheduler:
             self.inflight -= 1
             if model is not None:
                 self.registry.release(model)
+
+    def _enqueue(self) -> None:
+        if self.inflight >= self.queue_size:
+            raise SchedulerError("busy", f"{self.inflight} requests are queued or running "
+                                         f"(MOED_QUEUE_SIZE={self.queue_size}); retry later")
+        self.inflight += 1
 
     async def _prompt_ids(self, req: Generate | Chat, model: LoadedModel) -> list[int]:
         """The request's token ids, checked (sequence.prompt_ids), prepared off the compute thread."""
@@ -218,20 +232,21 @@ class Scheduler:
     # -- models --------------------------------------------------------------------------------
 
     async def load(self, name: str, settings: dict[str, Any] | None = None, keep_alive: float | None = None,
-                   progress: Report | None = None) -> tuple[LoadedModel, int]:
+                   progress: Report | None = None, peer: Peer | None = None) -> tuple[LoadedModel, int]:
         if self.closing:
             raise SchedulerError("shutdown", "the daemon is shutting down")
-        model, load_ns = await self.registry.acquire(name, settings, keep_alive, progress)
+        check_settings(peer, settings)
+        check_model(peer, resolve_path(name), name)
+        self._enqueue()  # it may wait for room (MOED_MAX_LOADED_MODELS): a place in the queue
+        try:
+            model, load_ns = await self.registry.acquire(name, settings, keep_alive, progress)
+        finally:
+            self.inflight -= 1
         self.registry.release(model)  # keep-alive starts now (0: unloaded right away)
         return model, load_ns
 
     async def unload(self, name: str) -> None:
         await self.registry.unload(name)
-
-    @staticmethod
-    def resolve_path(name: str) -> str:
-        """The file a model name stands for: the one a Load of it opens (SchedulerError for a NUL)."""
-        return resolve_path(name)
 
     def ps(self) -> list[dict[str, Any]]:
         return [m.info() for m in self.registry.models.values() if self._serving(m)]

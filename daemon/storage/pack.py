@@ -236,12 +236,16 @@ def write_pack(model_path, out=None, *, level: int = 3, min_saving: float = 0.10
                 os.fchmod(f.fileno(), 0o644)  # readable like the model beside it, not mkstemp's 0600
                 offset = _align(_header_size(len(keys)))
                 window = deque()  # zstd releases the GIL: compress ahead in the pool, write in order
-                for key in keys:
-                    window.append((key, pool.submit(encode, key)))
-                    if len(window) >= 2 * workers:
+                try:
+                    for key in keys:
+                        window.append((key, pool.submit(encode, key)))
+                        if len(window) >= 2 * workers:
+                            offset = _write_one(f, window.popleft(), offset, entries, layouts, report, bar)
+                    while window:
                         offset = _write_one(f, window.popleft(), offset, entries, layouts, report, bar)
-                while window:
-                    offset = _write_one(f, window.popleft(), offset, entries, layouts, report, bar)
+                except BaseException:  # an error, Ctrl-C or the CLI's SIGTERM: skip the queued work
+                    pool.shutdown(cancel_futures=True)
+                    raise
                 f.seek(0)
                 f.write(_header(size, head_hash, sample_hash, level, entries))
                 f.flush()

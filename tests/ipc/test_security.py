@@ -608,3 +608,26 @@ async def test_one_connection_past_the_cap_is_busy_and_closed(path):
                 except Busy:
                     await asyncio.sleep(0.01)
         b.close()
+
+
+# -- the default model is checked like a named one (issue 25, item 4) ---------------------------------
+
+async def test_default_model_is_checked_for_other_users_as_a_named_one(path, shared_dir, monkeypatch):
+    """uid 4242 naming no model used to be served from a file it could not read (a 0600 default);
+    the scheduler now checks the default as it checks a named file, for every server."""
+    monkeypatch.setattr(ipc.server, "peer_cred", lambda sock: (os.getpid(), OTHER, OTHER))
+    secret = os.path.join(shared_dir, "default.gguf")
+    with open(secret, "w") as f:
+        f.write("root:$6$secret")
+    os.chmod(secret, 0o600)
+    cfg = Settings.load(env={}, allowed_uids=str(OTHER))
+    sched = Scheduler(cfg, factory=Factory(), default_model=lambda _progress: secret)
+    async with Server(path, cfg, scheduler=sched, close_timeout=T), AsyncClient(path, timeout=T) as c:
+        for request in (c.generate([1, 2], max_tokens=1), c.chat([{"role": "user", "content": "hi"}], max_tokens=1)):
+            with pytest.raises(Forbidden) as e:
+                async for _ in request:
+                    pass
+            assert secret not in str(e.value) and "default model" in str(e.value)
+        with pytest.raises(Forbidden):
+            await c.load(secret)
+        assert sched.registry.loads == 0

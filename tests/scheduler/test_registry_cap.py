@@ -1,0 +1,183 @@
+"""MOED_MAX_LOADED_MODELS (issue 25, item 13): past the cap the least recently used idle model is
+unloaded, never one kept with a negative keep-alive; while every model is busy a request waits in
+the bounded queue (busy when it is full); a load that cannot fit in host memory is refused with the
+sizes. Fake engines: no numba, no model files beyond a few bytes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from daemon.config import Settings
+from daemon.scheduler import ModelRegistry, Scheduler, SchedulerError
+from daemon.scheduler import capacity
+from tests.fixtures.build import fixture_path
+
+
+class FakeEngine:
+    def __init__(self, path: str, log: list):
+        self.path = path
+        self.log = log
+
+    def close(self) -> None:
+        self.log.append(("closed", self.path))
+
+
+class Factory:
+    """Engine.load's stand-in: records each load and close in order."""
+
+    def __init__(self):
+        self.log: list[tuple[str, str]] = []
+
+    def __call__(self, path, progress=None, **settings):
+        self.log.append(("loaded", path))
+        return FakeEngine(path, self.log)
+
+
+@pytest.fixture
+def files(tmp_path) -> list[str]:
+    out = []
+    for name in "abcde":
+        p = tmp_path / f"{name}.gguf"
+        p.write_bytes(b"x")
+        out.append(str(p))
+    return out
+
+
+def registry(max_loaded: int, factory=None, **kw) -> ModelRegistry:
+    return ModelRegistry(factory or Factory(), warm=False, max_loaded=max_loaded, available_memory=None, **kw)
+
+
+async def use(reg: ModelRegistry, path: str, keep_alive: float | None = None) -> None:
+    m, _ = await reg.acquire(path, keep_alive=keep_alive)
+    reg.release(m)
+
+
+async def test_past_the_cap_the_least_recently_used_idle_model_is_unloaded(files):
+    a, b, c = files[:3]
+    reg = registry(2)
+    try:
+        await use(reg, a)
+        await use(reg, b)
+        await use(reg, a)  # a is now the more recently used
+        await use(reg, c)
+        assert sorted(reg.models) == sorted([a, c])
+        assert ("closed", b) in reg.factory.log and ("closed", a) not in reg.factory.log
+        assert reg.factory.log.index(("closed", b)) < reg.factory.log.index(("loaded", c))  # room first
+    finally:
+        await reg.close()
+
+
+async def test_a_model_kept_forever_is_never_evicted(files):
+    a, b, c, d = files[:4]
+    reg = registry(2)
+    try:
+        await use(reg, a, keep_alive=-1)  # the oldest, but pinned
+        await use(reg, b)
+        await use(reg, c, keep_alive=-1)
+        assert sorted(reg.models) == sorted([a, c])  # b went, though a is older
+        with pytest.raises(SchedulerError) as e:  # both idle and pinned: waiting could never help
+            await use(reg, d)
+        assert e.value.code == "busy" and "MOED_MAX_LOADED_MODELS=2" in str(e.value)
+        assert sorted(reg.models) == sorted([a, c])
+    finally:
+        await reg.close()
+
+
+async def test_when_every_model_is_busy_a_load_waits_for_one_to_go_idle(files):
+    a, b = files[:2]
+    reg = registry(1)
+    try:
+        held, _ = await reg.acquire(a)  # a request is decoding on it
+        waiting = asyncio.create_task(reg.acquire(b))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not waiting.done() and list(reg.models) == [a]
+        reg.release(held)
+        m, _ = await asyncio.wait_for(waiting, 30)
+        assert m.path == b and list(reg.models) == [b]
+        log = reg.factory.log
+        assert log.index(("closed", a)) < log.index(("loaded", b))
+        reg.release(m)
+    finally:
+        await reg.close()
+
+
+async def test_a_second_request_for_the_same_model_joins_the_waiting_one(files):
+    a, b = files[:2]
+    reg = registry(1)
+    try:
+        held, _ = await reg.acquire(a)
+        first, second = asyncio.create_task(reg.acquire(b)), asyncio.create_task(reg.acquire(b))
+        await asyncio.sleep(0)
+        reg.release(held)
+        (m1, _), (m2, _) = await asyncio.wait_for(asyncio.gather(first, second), 30)
+        assert m1 is m2 and reg.loads == 2
+    finally:
+        await reg.close()
+
+
+async def test_while_every_model_is_busy_loads_wait_in_the_bounded_queue(files):
+    a, b, c = files[:3]
+    sched = Scheduler(Settings.load(env={}, max_loaded_models=1, queue_size=1), factory=Factory(), warm=False)
+    sched.registry.available_memory = None
+    try:
+        held, _ = await sched.registry.acquire(a)  # busy, outside the queue
+        waiting = asyncio.create_task(sched.load(b))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not waiting.done() and sched.inflight == 1
+        with pytest.raises(SchedulerError) as e:  # the queue is full: busy at once
+            await sched.load(c)
+        assert e.value.code == "busy"
+        sched.registry.release(held)
+        model, _ = await asyncio.wait_for(waiting, 30)
+        assert model.path == b and sched.inflight == 0
+    finally:
+        await sched.close()
+
+
+def test_the_setting_reaches_the_registry_and_zero_is_three_per_gpu(monkeypatch):
+    s = Settings.load(env={"MOED_MAX_LOADED_MODELS": "5"})
+    assert ModelRegistry(Factory(), max_loaded=s.max_loaded_models).max_loaded == 5
+    monkeypatch.setattr(capacity, "gpu_count", lambda: 0)
+    assert ModelRegistry(Factory()).max_loaded == 3
+    monkeypatch.setattr(capacity, "gpu_count", lambda: 2)
+    assert ModelRegistry(Factory()).max_loaded == 6
+
+
+# -- host memory ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gguf(fixture_dir) -> str:
+    return str(fixture_path("qwen3moe", "Q8_0", fixture_dir))
+
+
+async def test_a_load_that_cannot_fit_in_host_memory_is_refused_with_the_sizes(gguf):
+    factory = Factory()
+    reg = ModelRegistry(factory, warm=False, available_memory=lambda: 1000)
+    try:
+        with pytest.raises(SchedulerError) as e:
+            await reg.acquire(gguf, {"device": "cpu"})
+        assert e.value.code == "model_error"
+        assert "needs about" in str(e.value) and "0 MiB is available" in str(e.value)
+        assert factory.log == [] and reg.models == {}
+        reg.available_memory = lambda: 2**36  # 64 GiB: the fixture's few MiB fit ...
+        with pytest.raises(SchedulerError) as e:  # ... but not a 1 TB expert cache limit
+            await reg.acquire(gguf, {"device": "cpu", "expert_cache_limit_mb": 10**6})
+        assert "expert cache limit 1,000,000 MiB" in str(e.value) and factory.log == []
+        m, _ = await reg.acquire(gguf, {"device": "cpu"})
+        assert factory.log == [("loaded", gguf)]
+        reg.release(m)
+    finally:
+        await reg.close()
+
+
+def test_mem_available_reads_proc_meminfo(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       16000000 kB\nMemFree:         1000 kB\nMemAvailable:    2048 kB\n")
+    assert capacity.mem_available(str(meminfo)) == 2048 * 1024
+    meminfo.write_text("MemTotal:       16000000 kB\n")  # a kernel older than 3.14
+    assert capacity.mem_available(str(meminfo)) is None
+    assert capacity.mem_available(str(tmp_path / "missing")) is None
