@@ -17,6 +17,8 @@ from ipc import Client
 from ipc.testing import MockServer
 from tests.ipc.test_security import OTHER, as_root
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def moed(*args, timeout=600):
     return subprocess.run([sys.executable, "-m", "daemon.cli", *args], capture_output=True, text=True, timeout=timeout)
@@ -72,7 +74,7 @@ def test_run_refuses_a_fifo_at_the_log_path_without_blocking(shared_dir):
     sock = os.path.join(shared_dir, "moed.sock")
     os.mkfifo(os.path.join(shared_dir, "moed.log"), 0o666)  # another user's trap: open() would block
     out = subprocess.run([sys.executable, "-m", "daemon.cli", "run", "hi"], capture_output=True, text=True,
-                         timeout=60, env={**os.environ, "MOED_SOCKET": sock})
+                         timeout=60, env={**os.environ, "MOED_SOCKET": sock}, cwd=ROOT)
     assert out.returncode == 1 and "moed: error:" in out.stderr
     assert os.path.join(shared_dir, "moed.log") in out.stderr and "MOED_SOCKET" in out.stderr
     assert "starting" not in out.stderr and not os.path.exists(sock)
@@ -174,6 +176,6 @@ def test_a_non_utf8_file_name_is_no_traceback(tmp_path):
     bad = os.path.join(os.fsencode(tmp_path), BAD)
     open(bad, "wb").close()
     out = subprocess.run([os.fsencode(sys.executable), b"-m", b"daemon.cli", b"generate", bad, b"hi"],
-                         capture_output=True, timeout=120)
+                         capture_output=True, timeout=120, cwd=ROOT)
     assert out.returncode == 1 and b"Traceback" not in out.stderr
     assert b"moed: error:" in out.stderr and b"not valid UTF-8" in out.stderr
