@@ -2,12 +2,11 @@
 
     default_max_loaded()     MOED_MAX_LOADED_MODELS=0: 3 per GPU, or 3 without one (as Ollama)
     mem_available()          MemAvailable of /proc/meminfo, bytes (None where there is none)
-    check_host_memory(path, settings, available)
-                             before a load that will compute on the CPU: its resident (non-expert)
-                             tensors plus its expert cache limit must fit in what is available, else
-                             SchedulerError("model_error") with the sizes. An unlimited cache
-                             (EXPERT_CACHE_LIMIT_MB=0) counts as 0: it grows on demand. On a GPU the
-                             backend's own VRAM estimate decides (daemon/backend/select.py).
+    host_need(path, settings) -> HostNeed | None
+                             what a load that will compute on the CPU holds in host memory: its
+                             resident (non-expert) tensors plus its expert cache limit (an unlimited
+                             cache, EXPERT_CACHE_LIMIT_MB=0, counts as 0: it grows on demand). None
+                             on a GPU, where the backend's VRAM estimate decides (backend/select.py).
 
 Nothing here imports numba: the GPU count comes from libcuda alone, as select.py's probe does.
 """
@@ -15,7 +14,8 @@ Nothing here imports numba: the GPU count comes from libcuda alone, as select.py
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from ..config import Settings
@@ -61,21 +61,28 @@ def _on_cpu(cfg: Settings) -> bool:
     return cfg.device == "auto" and gpu_count() == 0  # with a GPU, auto decides by VRAM at load
 
 
-def check_host_memory(path: str, settings: Mapping[str, Any], available: Callable[[], int | None]) -> None:
+@dataclass(frozen=True)
+class HostNeed:
+    resident: int  # non-expert tensors, bytes
+    cache: int  # the expert cache limit, bytes
+
+    @property
+    def total(self) -> int:
+        return self.resident + self.cache
+
+    def refusal(self, path: str, free: int) -> SchedulerError:
+        return SchedulerError("model_error", f"{path} needs about {_mib(self.total)} of host memory (weights "
+                                             f"{_mib(self.resident)}, expert cache limit {_mib(self.cache)}), "
+                                             f"but {_mib(free)} is available; unload a model, or lower "
+                                             f"EXPERT_CACHE_LIMIT_MB")
+
+
+def host_need(path: str, settings: Mapping[str, Any]) -> HostNeed | None:
     cfg = Settings.load(**settings)  # as Engine.load reads them: environment, then the Load's
     if not _on_cpu(cfg):
-        return
-    free = available()
-    if free is None:
-        return
+        return None
     from ..storage.gguf import GGUFFile  # the header only: no tensor data is read
 
     with GGUFFile(path) as gguf:
         resident = sum(t.nbytes for name, t in gguf.tensors.items() if "_exps." not in name)
-    cache = int(cfg.expert_cache_limit_mb * 2**20)
-    need = resident + cache
-    if need > free:
-        raise SchedulerError("model_error", f"{path} needs about {_mib(need)} of host memory (weights "
-                                            f"{_mib(resident)}, expert cache limit {_mib(cache)}), but "
-                                            f"{_mib(free)} is available; unload a model, or lower "
-                                            f"EXPERT_CACHE_LIMIT_MB")
+    return HostNeed(resident, int(cfg.expert_cache_limit_mb * 2**20))

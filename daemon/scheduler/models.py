@@ -18,8 +18,9 @@ At most `max_loaded` models are listed (MOED_MAX_LOADED_MODELS; loading ones cou
 one more unloads the least recently used idle model (never one with a negative keep-alive), or
 waits until one is idle when all are in use or loading (the scheduler's queue bounds the waiters),
 or is refused as busy when every model is idle and pinned by a negative keep-alive. A model that
-will compute on the CPU is refused before its load if its resident bytes and cache limit exceed
-MemAvailable (capacity.py).
+will compute on the CPU must fit in MemAvailable (its resident bytes and cache limit, capacity.py,
+less what the models still loading will take): idle models are unloaded, least recently used
+first, to make room; if it still does not fit it is refused with the sizes, before its load.
 
 A compute thread can also stop by itself: its model file changed on disk (ModelFileChanged), or,
 as a last line of defence, its loop broke. The registry then drops the model as if unloaded
@@ -42,7 +43,7 @@ from ..config import Settings
 from ..errors import ConfigError, ModelError, MoedError, SchedulerError, wire_error
 from ..progress import COMPILE_NOTICE_S, COMPILING, Progress, Relay, Report, reported_if_slow
 from .batcher import Batcher
-from .capacity import check_host_memory, default_max_loaded, mem_available
+from .capacity import HostNeed, default_max_loaded, host_need, mem_available
 
 log = logging.getLogger("moed.scheduler")
 
@@ -104,6 +105,7 @@ class LoadedModel:
         self.timer: asyncio.TimerHandle | None = None
         self.unloading = False
         self.last_used = time.monotonic()  # for the eviction of the least recently used
+        self.host_bytes = 0  # host memory its load will take (capacity.HostNeed), until it is loaded
         self.arch = ""
         self.weights_bytes = 0  # non-expert tensors (resident)
 
@@ -198,11 +200,12 @@ class ModelRegistry:
         if m is None:
             if not os.path.exists(path):
                 raise SchedulerError("not_found", f"no model file {name}")
-            m = await self._make_room(path)
+            m, need = await self._make_room(path, settings)
             if m is not None and settings and settings != m.settings:  # listed by another meanwhile
                 raise SchedulerError("busy", f"{m.name} is in use with other settings ({m.settings})")
         if m is None:
             m = LoadedModel(name, path, settings, self.default_keep_alive, self.max_batch)
+            m.host_bytes = need.total if need is not None else 0
             m.batcher.stopped.add_done_callback(lambda _f, m=m: self._forget(m))
             self.models[path] = m
             self.loads += 1
@@ -254,25 +257,47 @@ class ModelRegistry:
 
     # -- the cap on loaded models --------------------------------------------------------------
 
-    async def _make_room(self, path: str) -> LoadedModel | None:
-        """Wait until one more model may be listed (see the module doc); the model of `path` if
-        another request listed it meanwhile, else None (the caller lists it with no await between)."""
-        while (m := self.models.get(path)) is None and len(self.models) >= self.max_loaded:
+    async def _make_room(self, path: str,
+                         settings: Mapping[str, Any]) -> tuple[LoadedModel | None, HostNeed | None]:
+        """Wait until one more model may be listed (see the module doc): (the model of `path` if
+        another request listed it meanwhile, else None: the caller lists it with no await between;
+        the host memory its load needs, None when not checked)."""
+        need = None
+        if self.available_memory is not None:
+            try:  # the GGUF header, off the event loop
+                need = await asyncio.to_thread(host_need, path, settings)
+            except Exception:  # noqa: BLE001 - not a model file: its load says why, as before
+                need = None
+        while (m := self.models.get(path)) is None:
             models = list(self.models.values())
             idle = [x for x in models if x.loaded and x.users == 0 and not x.unloading]
             evictable = [x for x in idle if x.keep_alive >= 0]
-            if evictable:
-                victim = min(evictable, key=lambda x: x.last_used)
-                log.info("%s: unloading the least recently used idle model, %s (MOED_MAX_LOADED_MODELS=%d)",
-                         path, victim.name, self.max_loaded)
-                self.evictions += 1
-                await self._unload(victim)
-            elif len(idle) == len(models):  # every one idle and kept forever: waiting cannot help
-                raise SchedulerError("busy", f"{len(models)} models are loaded with a negative keep-alive "
-                                             f"(MOED_MAX_LOADED_MODELS={self.max_loaded}); unload one first")
-            else:  # some are in use or loading: wait for one to go idle or away
-                await self._room.wait()
-        return m
+            victim = min(evictable, key=lambda x: x.last_used) if evictable else None
+            if len(models) >= self.max_loaded:
+                if victim is not None:
+                    log.info("%s: unloading the least recently used idle model, %s (MOED_MAX_LOADED_MODELS=%d)",
+                             path, victim.name, self.max_loaded)
+                    self.evictions += 1
+                    await self._unload(victim)
+                elif len(idle) == len(models):  # every one idle and kept forever: waiting cannot help
+                    raise SchedulerError("busy", f"{len(models)} models are loaded with a negative keep-alive "
+                                                 f"(MOED_MAX_LOADED_MODELS={self.max_loaded}); unload one first")
+                else:  # some are in use or loading: wait for one to go idle or away
+                    await self._room.wait()
+                continue
+            free = self.available_memory() if need is not None else None
+            if free is not None:
+                free -= sum(x.host_bytes for x in models if not x.loaded)  # loads under way take theirs yet
+                if need.total > free:
+                    if victim is None:
+                        raise need.refusal(path, max(free, 0))
+                    log.info("%s: unloading the least recently used idle model, %s, to make room in host memory",
+                             path, victim.name)
+                    self.evictions += 1
+                    await self._unload(victim)
+                    continue
+            break
+        return m, need
 
     def _room_changed(self) -> None:
         """Wake the requests waiting in _make_room (each looks again)."""
@@ -289,8 +314,6 @@ class ModelRegistry:
         t0 = time.perf_counter_ns()
 
         def job(_engine):
-            if self.available_memory is not None:
-                check_host_memory(m.path, m.settings, self.available_memory)
             engine = load_engine(self.factory, m.path, m.settings, m.progress, self.warm)
             try:
                 gguf = getattr(engine, "gguf", None)

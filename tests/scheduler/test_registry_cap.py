@@ -1,11 +1,13 @@
 """MOED_MAX_LOADED_MODELS (issue 25, item 13): past the cap the least recently used idle model is
 unloaded, never one kept with a negative keep-alive; while every model is busy a request waits in
 the bounded queue (busy when it is full); a load that cannot fit in host memory is refused with the
-sizes. Fake engines: no numba, no model files beyond a few bytes."""
+sizes, after idle models were unloaded to make room. Fake engines: no numba; the memory tests read
+the header of a fixture GGUF."""
 
 from __future__ import annotations
 
 import asyncio
+import shutil
 
 import pytest
 
@@ -49,8 +51,8 @@ def registry(max_loaded: int, factory=None, **kw) -> ModelRegistry:
     return ModelRegistry(factory or Factory(), warm=False, max_loaded=max_loaded, available_memory=None, **kw)
 
 
-async def use(reg: ModelRegistry, path: str, keep_alive: float | None = None) -> None:
-    m, _ = await reg.acquire(path, keep_alive=keep_alive)
+async def use(reg: ModelRegistry, path: str, keep_alive: float | None = None, settings=None) -> None:
+    m, _ = await reg.acquire(path, settings, keep_alive=keep_alive)
     reg.release(m)
 
 
@@ -149,6 +151,9 @@ def test_the_setting_reaches_the_registry_and_zero_is_three_per_gpu(monkeypatch)
 
 # -- host memory ----------------------------------------------------------------------------------
 
+CPU = {"device": "cpu"}  # the host-memory check is for models that compute on the CPU
+
+
 @pytest.fixture(scope="module")
 def gguf(fixture_dir) -> str:
     return str(fixture_path("qwen3moe", "Q8_0", fixture_dir))
@@ -181,3 +186,25 @@ def test_mem_available_reads_proc_meminfo(tmp_path):
     meminfo.write_text("MemTotal:       16000000 kB\n")  # a kernel older than 3.14
     assert capacity.mem_available(str(meminfo)) is None
     assert capacity.mem_available(str(tmp_path / "missing")) is None
+
+
+async def test_idle_models_are_unloaded_to_make_room_in_host_memory(gguf, tmp_path):
+    a, b, c = (str(tmp_path / f"{n}.gguf") for n in "abc")
+    for p in (a, b, c):
+        shutil.copyfile(gguf, p)
+    factory = Factory()
+    reg = ModelRegistry(factory, warm=False)
+    reg.available_memory = lambda: 2**36 if not reg.models else 1000  # room for one model at a time
+    try:
+        await use(reg, a, settings=CPU)
+        await use(reg, b, settings=CPU)  # a is idle: unloaded first, then b fits
+        assert list(reg.models) == [b]
+        assert factory.log == [("loaded", a), ("closed", a), ("loaded", b)]
+        m, _ = await reg.acquire(b, keep_alive=-1)
+        reg.release(m)  # b is now kept forever: never unloaded, not even for memory
+        with pytest.raises(SchedulerError) as e:
+            await reg.acquire(c, CPU)
+        assert e.value.code == "model_error" and "needs about" in str(e.value)
+        assert list(reg.models) == [b] and ("loaded", c) not in factory.log
+    finally:
+        await reg.close()
