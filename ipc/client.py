@@ -24,7 +24,9 @@ Timeouts: `connect_timeout` bounds connecting plus the handshake; `timeout` boun
 each reply (inactivity, not the whole generation; None = wait forever). On Timeout an
 AsyncClient cancels the generation and keeps the connection; a Client closes its connection
 (the next call reconnects), since a frame may have been cut in half. A connect that finds the
-daemon's listen queue full (EAGAIN) is retried with a short backoff until connect_timeout.
+daemon's listen queue full (EAGAIN) is retried with a short backoff until connect_timeout. The
+Timeout's message names the limit that fired (a stopped daemon fails the handshake on
+connect_timeout, not on timeout).
 
 Who is listening: right after connecting, before a byte is sent, the client reads the server's
 uid from the kernel (SO_PEERCRED). It must be the client's own uid, root, or `expected_uid=`
