@@ -6,7 +6,7 @@
     moed trace replay TRACE --cache-experts N  simulate expert-cache policies on a routing trace
     moed trace record MODEL PROMPT --out PATH  generate greedily and record the routing per token
     moed pack [MODEL] [--level N] [--force]  write the expert pack beside the model (the demo MoE by default)
-    moed serve [--socket PATH]              run the daemon in the foreground (logs to stderr)
+    moed serve [--socket PATH] [--log PATH] run the daemon in the foreground (logs to stderr, or PATH)
     moed run [MODEL] [PROMPT]               generate through the daemon (started if none runs);
                                             an interactive chat without PROMPT
     moed ps | moed stats [MODEL] [--json] | moed stop   loaded models, expert-cache stats, stop the daemon
