@@ -43,7 +43,7 @@ from ..config import Settings
 from ..errors import ConfigError, ModelError, MoedError, SchedulerError, wire_error
 from ..progress import COMPILE_NOTICE_S, COMPILING, Progress, Relay, Report, reported_if_slow
 from .batcher import Batcher
-from .capacity import HostNeed, default_max_loaded, host_need, mem_available
+from .capacity import HostNeed, ResidentBytes, default_max_loaded, host_need, mem_available, resident_bytes
 
 log = logging.getLogger("moed.scheduler")
 
@@ -158,6 +158,7 @@ class ModelRegistry:
         self.loads = 0  # loads started (tests: a model is loaded once)
         self._max_loaded = max_loaded  # 0: default_max_loaded(), probed at the first need
         self.available_memory = available_memory  # host bytes free now; None: no memory check
+        self.resident = ResidentBytes()  # files' non-expert bytes, for the check
         self._room = asyncio.Event()  # set (and replaced) when a model goes idle or is unlisted
         self.evictions = 0
 
@@ -265,7 +266,7 @@ class ModelRegistry:
         need = None
         if self.available_memory is not None:
             try:  # the GGUF header, off the event loop
-                need = await asyncio.to_thread(host_need, path, settings)
+                need = await asyncio.to_thread(host_need, path, settings, self.resident)
             except Exception:  # noqa: BLE001 - not a model file: its load says why, as before
                 need = None
         while (m := self.models.get(path)) is None:
@@ -319,7 +320,9 @@ class ModelRegistry:
                 gguf = getattr(engine, "gguf", None)
                 if gguf is not None:
                     m.arch = gguf.architecture
-                    m.weights_bytes = sum(t.nbytes for n, t in gguf.tensors.items() if "_exps." not in n)
+                    m.weights_bytes = resident_bytes(gguf.tensors)
+                    ident = gguf.identity  # the file as read: a reload of it needs no header parse
+                    self.resident.put((ident.dev, ident.ino, ident.size, ident.mtime_ns), m.weights_bytes)
             except BaseException:
                 engine.close()
                 raise

@@ -7,6 +7,7 @@ the header of a fixture GGUF."""
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 
 import pytest
@@ -206,5 +207,32 @@ async def test_idle_models_are_unloaded_to_make_room_in_host_memory(gguf, tmp_pa
             await reg.acquire(c, CPU)
         assert e.value.code == "model_error" and "needs about" in str(e.value)
         assert list(reg.models) == [b] and ("loaded", c) not in factory.log
+    finally:
+        await reg.close()
+
+
+async def test_a_reload_reads_the_resident_size_without_parsing_the_header_again(gguf, tmp_path, monkeypatch):
+    import daemon.storage.gguf as reader
+
+    path = str(tmp_path / "m.gguf")
+    shutil.copyfile(gguf, path)
+    opened = []
+
+    class Counted(reader.GGUFFile):
+        def __init__(self, p):
+            opened.append(p)
+            super().__init__(p)
+
+    monkeypatch.setattr(reader, "GGUFFile", Counted)
+    reg = ModelRegistry(Factory(), warm=False, available_memory=lambda: 2**36)
+    try:
+        for _ in range(3):  # loaded and unloaded three times: one parse
+            await use(reg, path, settings=CPU)
+            await reg.unload(path)
+        assert reg.loads == 3 and opened == [path]
+        st = os.stat(path)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # another file now, for all it knows
+        await use(reg, path, settings=CPU)
+        assert reg.loads == 4 and opened == [path, path]
     finally:
         await reg.close()
