@@ -115,3 +115,18 @@ def test_readable_by_follows_owner_group_and_other_bits(shared):
     os.chmod(d, 0o755)
     assert readable_by(str(d / "missing.gguf"), OTHER, frozenset())  # they can see it is missing
     assert stat.S_IMODE(os.stat(f).st_mode) == 0o644
+
+
+async def test_the_only_loaded_model_as_the_default_is_checked_too(private):
+    """The issue's repro: the daemon's user loads a 0600 model; another user's model=None request
+    would be served from it, the only loaded model."""
+    s = scheduler("/nonexistent/demo.gguf")
+    try:
+        await s.load(private)  # the daemon's own user
+        for req in (Generate(1, None, tokens=[1], max_tokens=1), Chat(2, [Message("user", "hi")], None, max_tokens=1)):
+            with pytest.raises(SchedulerError) as e:
+                await s.generate(req, lambda r: None, 0, peer=Peer(OTHER))
+            assert e.value.code == "forbidden" and private not in str(e.value)
+        assert s.inflight == 0 and s.registry.find(private).users == 0
+    finally:
+        await s.close()
