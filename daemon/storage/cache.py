@@ -472,6 +472,9 @@ class _IOThread:
         for w in self._workers:
             w.cancel()
         self.loop.run_until_complete(asyncio.gather(*self._workers, return_exceptions=True))
+        # a cancelled task's traceback holds its frame, and the frame self: drop the tasks, or the
+        # last read's views keep the arenas until a full collection (issue 25)
+        self._workers = []
         self.loop.run_until_complete(self._reader.close())
         self.loop.run_until_complete(self.loop.shutdown_default_executor())
         self.loop.close()
@@ -526,3 +529,4 @@ class _IOThread:
         if self._thread.is_alive():
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join()
+        self._done = self._claimed = None  # the cache's methods: no cycle once stopped
