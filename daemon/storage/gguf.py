@@ -24,9 +24,10 @@ a GGUFError too), metadata values are decoded into Python objects (numeric array
 arrays), and `tensor_data` / `read_range` return copies read with pread, their length checked.
 
 The file is opened only if it is a regular file, and without blocking (a FIFO or device at the
-path is refused before it is opened). Its identity (device, inode, size, mtime) is recorded at
-open (`FileIdentity`); every later read checks it, so a model file truncated, rewritten or
-replaced while loaded gives ModelFileChanged instead of other bytes than were validated.
+path is refused before it is opened). Its identity (device, inode, size, mtime, ctime, and a
+content fingerprint: fingerprint.py) is recorded at open (`FileIdentity`); every later read checks
+it, so a model file truncated, rewritten or replaced while loaded gives ModelFileChanged instead
+of other bytes than were validated (a new ctime alone: only if the sampled content differs).
 
 No error message contains bytes read from a file that is not known to be a GGUF file: a
 daemon's error text must not disclose the start of whatever file a client names.
@@ -38,14 +39,17 @@ import errno
 import os
 import stat
 import struct
+import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from daemon.errors import GGUFError, ModelError, ModelFileChanged, StorageError
+
+from .fingerprint import Fingerprint, sample_ranges
 
 __all__ = [
     "FileIdentity",
@@ -189,19 +193,29 @@ def open_regular(path: str) -> tuple[int, os.stat_result]:
     return fd, st
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class FileIdentity:
-    """A file as it was when it was loaded. `check` raises ModelFileChanged once it is not."""
+    """A file as it was when it was loaded. `check` raises ModelFileChanged once it is not.
+
+    ctime_ns: the last status-change time at which the content was known to be as loaded. A
+    newer ctime with the same size and mtime (chmod, link, rename, or a rewrite that set the
+    mtime back) is settled by the content: hashed again and compared with `fingerprint`, then
+    remembered either way, so each ctime costs one hash. No fingerprint (a pack, whose every read
+    is checked against its crc32): a ctime change alone is no change."""
 
     path: str
     dev: int
     ino: int
     size: int
     mtime_ns: int
+    ctime_ns: int = 0
+    fingerprint: Fingerprint | None = None
+    _bad_ctime_ns: int | None = field(default=None, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
     def of(cls, path: str, st: os.stat_result) -> FileIdentity:
-        return cls(path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        return cls(path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
     def changes(self, fd: int | None = None) -> str:
         """What changed, or "" if nothing did. fd: a descriptor open on the file, whose size and
@@ -215,7 +229,7 @@ class FileIdentity:
                 return f"cannot stat the open file: {e.strerror or e}"
             if (st.st_dev, st.st_ino) != (self.dev, self.ino):
                 notes.append("the open file is another file")
-            notes += self._content_changes(st)
+            notes += self._content_changes(st, fd)
         try:
             pst = os.stat(self.path)
         except FileNotFoundError:
@@ -229,14 +243,42 @@ class FileIdentity:
                 notes += self._content_changes(pst)
         return "; ".join(notes)
 
-    def _content_changes(self, st: os.stat_result) -> list[str]:
+    def _content_changes(self, st: os.stat_result, fd: int | None = None) -> list[str]:
         if st.st_size < self.size:
             return [f"truncated from {self.size} to {st.st_size} bytes"]
         if st.st_size > self.size:
             return [f"grew from {self.size} to {st.st_size} bytes"]
         if st.st_mtime_ns != self.mtime_ns:
             return ["modified: its modification time changed"]
+        if st.st_ctime_ns != self.ctime_ns and self.fingerprint is not None:
+            return self._verify(st.st_ctime_ns, fd)
         return []
+
+    def _verify(self, ctime_ns: int, fd: int | None) -> list[str]:
+        changed = ["modified: its content changed (its size and modification time did not)"]
+        with self._lock:  # one hash per ctime, however many threads check at once
+            if ctime_ns == self.ctime_ns:
+                return []
+            if ctime_ns == self._bad_ctime_ns:
+                return changed
+            try:
+                same = self._matches(fd)
+            except OSError as e:
+                return [f"cannot read it to check its content: {e.strerror or e}"]
+            if not same:
+                self._bad_ctime_ns = ctime_ns
+                return changed
+            self.ctime_ns = ctime_ns  # the stat came first: a later change has a later ctime
+            return []
+
+    def _matches(self, fd: int | None) -> bool:
+        if fd is not None:
+            return self.fingerprint.matches(fd)
+        fd, st = open_regular(self.path)
+        try:
+            return (st.st_dev, st.st_ino) == (self.dev, self.ino) and self.fingerprint.matches(fd)
+        finally:
+            os.close(fd)
 
     def check(self, fd: int | None = None, context: str = "") -> None:
         """Raise ModelFileChanged naming the file and what changed, if anything did.
@@ -374,6 +416,8 @@ class GGUFFile:
                     f"{self.path}: file too small for a GGUF header ({self.file_size} bytes, need at least {_HEADER_BYTES})"
                 )
             self._parse()
+            self.identity.fingerprint = Fingerprint.take(fd, sample_ranges(self.file_size, self.data_offset,
+                                                                           self.tensors.values()))
             self.identity.check(fd, "while its header was read")
         except BaseException:
             self.close()

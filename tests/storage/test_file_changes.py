@@ -119,6 +119,64 @@ def test_overwritten_expert_bytes_fail_the_request(model):
         assert not np.array_equal(engine.forward(PROMPT), before)
 
 
+def test_rewrite_that_restores_the_mtime_fails_the_request(model):
+    """Issue 25: reverse an expert tensor's bytes in place and set the old mtime back. Only the
+    ctime shows it; the content, checked against the fingerprint taken at load, decides."""
+    with _load(model) as engine:
+        engine.forward(PROMPT)
+        st0 = os.stat(model)  # as loaded
+        ti = engine.gguf.tensor_info("blk.1.ffn_down_exps.weight")
+        data = np.fromfile(model, np.uint8, ti.nbytes, offset=ti.offset)
+        _overwrite(model, ti.offset, data[::-1].tobytes(), bump_mtime=False)
+        os.utime(model, ns=(st0.st_atime_ns, st0.st_mtime_ns))
+        _wait_ctime_after(model, st0.st_ctime_ns)
+        assert os.stat(model).st_mtime_ns == st0.st_mtime_ns
+        for _ in range(2):
+            with pytest.raises(ModelFileChanged, match=r"m\.gguf \(modified: its content changed"):
+                engine.forward(PROMPT)
+
+
+def test_rewrite_that_restores_the_mtime_under_a_pack_fails_the_request(model):
+    """The same rewrite of the GGUF while its pack serves the experts: the pack's source check."""
+    pack.write_pack(model)
+    with _load(model, expert_pack=True) as engine:
+        assert engine.stats()["cache"]["source"] == "pack"
+        engine.forward(PROMPT)
+        st0 = os.stat(model)
+        ti = engine.gguf.tensor_info("blk.1.ffn_down_exps.weight")
+        _overwrite(model, ti.offset, b"\0" * 64, bump_mtime=False)
+        os.utime(model, ns=(st0.st_atime_ns, st0.st_mtime_ns))
+        _wait_ctime_after(model, st0.st_ctime_ns)
+        with pytest.raises(ModelFileChanged, match=r"m\.gguf \(modified: its content changed"):
+            engine.forward(PROMPT)
+
+
+def test_status_changes_with_the_same_content_keep_serving(model, tmp_path):
+    """chmod, a hard link, a rename away and back, a touch that sets the times back: the ctime
+    moves, the bytes do not, and the model keeps serving the same logits."""
+    with _load(model) as engine:
+        a = engine.forward(PROMPT)
+        st = os.stat(model)
+        for change in (lambda: os.chmod(model, 0o640), lambda: os.link(model, tmp_path / "link.gguf"),
+                       lambda: os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns))):
+            before = os.stat(model).st_ctime_ns
+            change()
+            _wait_ctime_after(model, before)
+            assert np.array_equal(engine.forward(PROMPT), a)
+        assert engine.gguf.identity.ctime_ns == os.stat(model).st_ctime_ns  # re-verified once, then cheap
+
+
+def _wait_ctime_after(path, before):
+    """Coarse file-system clocks may give a change the ctime of the one before it: touch again
+    (a chmod to the same mode) until it moves, so the test sees a ctime change every time."""
+    mode = os.stat(path).st_mode & 0o7777
+    for _ in range(1000):
+        if os.stat(path).st_ctime_ns != before:
+            return
+        os.chmod(path, mode)
+    pytest.fail("the ctime did not move")
+
+
 def test_replaced_file_fails_the_request(model, tmp_path):
     other = tmp_path / "other.gguf"
     shutil.copyfile(model, other)
