@@ -39,7 +39,7 @@ UID_MAX = 2**32 - 2  # uid_t is 32 bits and (uid_t)-1 means "no user"
 
 def _check_uids(spec: str) -> str | None:
     # ASCII digits only: int() would also take "1_000", "-1" and other scripts' digits ("\u0660" is 0).
-    if not re.fullmatch(r" *[0-9]+ *(?:, *[0-9]+ *)*", spec):
+    if not re.fullmatch(r" *[0-9]{1,10} *(?:, *[0-9]{1,10} *)*", spec):  # 10 digits: uid_t's, and int() can take them
         return "expected user ids (ASCII digits) separated by commas, e.g. 1000,1001"
     bad = [u for u in spec.split(",") if int(u) > UID_MAX]
     return f"{bad[0].strip()} is not a user id (at most {UID_MAX})" if bad else None

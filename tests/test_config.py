@@ -121,7 +121,8 @@ def test_max_frame_minimum_holds_a_stats_reply():
 
 
 @pytest.mark.parametrize("spec", [",", " ", " , ", "-1", "1_000", "\u0660", "1000,", ",1000", "1000,,1001",
-                                  "1000;1001", "+5", "4294967295", "99999999999", "1000 1001", "\t1000"])
+                                  "1000;1001", "+5", "4294967295", "99999999999", "1000 1001", "\t1000",
+                                  "1" * 5000])  # past int()'s 4300 digits: a ValueError, not a ConfigError
 def test_bad_allowed_uids_fail_at_start(spec):
     with pytest.raises(ConfigError, match="MOED_ALLOWED_UIDS"):
         Settings.load(env={"MOED_ALLOWED_UIDS": spec})
