@@ -264,7 +264,8 @@ def _coerce(f, value: Any, source: str) -> Any:
     return out
 
 
-_NUMBER = {int: r"[+-]?[0-9]+", float: r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|[+-]?(?:nan|inf|infinity)"}
+_NUMBER = {int: r"[+-]?[0-9]+",
+           float: r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|[+-]?(?:nan|inf|infinity)"}
 
 
 def span(bounds: tuple[float, float] | None) -> str:
