@@ -77,6 +77,7 @@ from ipc.protocol import PROTOCOL_VERSION, Chunk, Error, Progress, decode_reply 
 FIXTURE = ("qwen3moe", "Q8_0")
 DEMO_NAME = "smollm2-135m-moe-e16k12.gguf"  # daemon/demo.py: the demo model's cache file name
 N_CTX = 128
+EXECUTOR_THREADS = min(32, (os.cpu_count() or 1) + 4)  # asyncio's default executor's idle threads stay
 CODES = {"bad_frame", "bad_request", "bad_version", "busy", "not_found", "model_error", "cancelled",
          "shutdown", "forbidden", "internal"}
 SUCCESS = {"G": "Done", "C": "Done", "L": "Loaded", "U": "Ok", "P": "PsReply", "S": "StatsReply",
@@ -242,6 +243,13 @@ def _stop(rng: random.Random) -> list:
     return [f"☃{k:07d}" for k in range(n)] if rng.random() < 0.7 else ["x" * 5000] * rng.choice((1, 10))
 
 
+def _stop_invalid(stop: list) -> str:
+    """The stop list's bound (issue 25, item 2; ipc/protocol.py "Limits"): 64 strings, 4 KiB in all."""
+    if len(stop) > 64 or sum(len(x.encode()) for x in stop) > 4096:
+        return f"a stop list of {len(stop)} strings, {sum(len(x.encode()) for x in stop)} bytes"
+    return ""
+
+
 def _keep_alive(rng: random.Random) -> float | None:
     return None if rng.random() < 0.5 else rng.choice((0.0, -1.0, 1e-9, 0.5, 300.0) + FLOATS)
 
@@ -266,7 +274,7 @@ def _settings(rng: random.Random, pools: Pools) -> tuple[dict, str]:
             v = rng.choice((1, "", 0.5))
             why = why or f"daemon setting {key}"
         else:
-            key = rng.choice(sorted(set(SETTINGS) - DAEMON_SETTINGS))
+            key = rng.choice(sorted(PATH_SETTINGS) if rng.random() < 0.15 else sorted(set(SETTINGS) - DAEMON_SETTINGS))
             if key in PATH_SETTINGS:
                 v = rng.choice(pools.paths).replace("%d", str(rng.randrange(100)))
             else:
@@ -349,8 +357,9 @@ def make_case(index: int, seed: int, pools: Pools) -> Case:
             why = "neither prompt nor tokens"
         max_tokens = _max_tokens(rng)
         options, bad = _options(rng)
-        why = why or bad or ("max_tokens < 0" if max_tokens < 0 else "")
-        case.msg = ["G", 0, model, prompt, tokens, max_tokens, options, _stop(rng), _keep_alive(rng),
+        stop = _stop(rng)
+        why = why or bad or ("max_tokens < 0" if max_tokens < 0 else "") or _stop_invalid(stop)
+        case.msg = ["G", 0, model, prompt, tokens, max_tokens, options, stop, _keep_alive(rng),
                     rng.random() < 0.3]
         case.must_fail = why
         if rng.random() < 0.15:
@@ -360,9 +369,9 @@ def make_case(index: int, seed: int, pools: Pools) -> Case:
         msgs, why = _messages(rng)
         max_tokens = _max_tokens(rng)
         options, bad = _options(rng)
-        case.msg = ["C", 0, msgs, _model(rng, pools, none=True), max_tokens, options, _stop(rng),
-                    _keep_alive(rng)]
-        case.must_fail = why or bad or ("max_tokens < 0" if max_tokens < 0 else "")
+        stop = _stop(rng)
+        case.msg = ["C", 0, msgs, _model(rng, pools, none=True), max_tokens, options, stop, _keep_alive(rng)]
+        case.must_fail = why or bad or ("max_tokens < 0" if max_tokens < 0 else "") or _stop_invalid(stop)
         if rng.random() < 0.1:
             case.cancel_after = rng.choice((0.0, 0.01, 0.1))
     elif r < 0.57:
@@ -472,14 +481,25 @@ class Daemon:
                                      preexec_fn=cap if mem_gb > 0 else None)
         self.pid = self.proc.pid
 
-    def rss_kb(self) -> int | None:
+    def status(self, key: str) -> int | None:
+        """A number from /proc/PID/status: VmRSS (kB), Threads."""
         try:
             for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1])
         except OSError:
             return None
         return None
+
+    def threads(self) -> str:
+        """Each thread's name and what the kernel says it waits in (wchan), counted."""
+        seen: Counter = Counter()
+        for task in Path(f"/proc/{self.pid}/task").glob("*"):
+            try:
+                seen[f"{(task / 'comm').read_text().strip()} in {(task / 'wchan').read_text().strip() or '-'}"] += 1
+            except OSError:
+                pass
+        return ", ".join(f"{n}x {k}" for k, n in seen.most_common())
 
     def log_text(self) -> str:
         try:
@@ -538,7 +558,8 @@ class Run:
     seed: int
     results: list[Result] = field(default_factory=list)
     extra: list[Result] = field(default_factory=list)  # defects of the run itself (crash, log, leak, ...)
-    rss: list[tuple[float, int, int]] = field(default_factory=list)  # (t, results so far, kB)
+    rss: list[tuple[float, int, int, int]] = field(default_factory=list)  # (t, results so far, kB, threads)
+    threads: dict[str, int] = field(default_factory=dict)  # at start, and after the models are unloaded
     wall_s: float = 0.0
     stopped_early: str = ""
     max_growth: float = 10.0
@@ -859,6 +880,7 @@ async def fuzz(opts) -> Run:
     t0 = time.monotonic()
     try:
         await _start(daemon, opts.start_timeout)
+        run.threads["start"] = daemon.status("Threads")
         indices = opts.only if opts.only else range(opts.requests)
         todo = iter(indices)
         total = len(indices)
@@ -917,9 +939,9 @@ async def fuzz(opts) -> Run:
                                             "last cases: " + " | ".join(recent)))
                     stop.set()
                     return
-                kb = daemon.rss_kb()
-                if kb:
-                    run.rss.append((time.monotonic() - t0, len(run.results), kb))
+                kb, threads = daemon.status("VmRSS"), daemon.status("Threads")
+                if kb and threads:
+                    run.rss.append((time.monotonic() - t0, len(run.results), kb, threads))
                 if opts.progress and time.monotonic() - last >= opts.progress:
                     last = time.monotonic()
                     print(_progress(run, total, last - t0), flush=True)
@@ -934,7 +956,7 @@ async def fuzz(opts) -> Run:
             if t.exception() is not None and daemon.proc.poll() is None:
                 raise t.exception()
         if daemon.proc.poll() is None:
-            await _settle(run, daemon)
+            await _settle(run, daemon, opts.thread_margin)
             await _shutdown(run, daemon, pools, opts.deadline)
         mon.cancel()
         await asyncio.gather(mon, return_exceptions=True)
@@ -948,6 +970,11 @@ async def fuzz(opts) -> Run:
             shutil.copyfile(daemon.log_path, opts.log)
         shutil.rmtree(scratch, ignore_errors=True)
     mem = run.memory()
+    if mem["samples"] and mem["peak_mb"] > opts.max_rss_mb:
+        at = max(run.rss, key=lambda p: p[2])
+        run.extra.append(Result(-1, "daemon", "memory", "memory",
+                                f"RSS peaked at {mem['peak_mb']:.0f} MB (limit --max-rss-mb {opts.max_rss_mb:g}) "
+                                f"after {at[1]} cases; the cases around then: see the JSON results"))
     if mem["judged"] and mem["mb_per_1000_requests"] > opts.max_growth:
         run.extra.append(Result(-1, "daemon", "memory", "memory",
                                 f"RSS grew {mem['mb_per_1000_requests']:.1f} MB per 1000 requests over the last "
@@ -970,7 +997,7 @@ async def _start(daemon: Daemon, timeout: float) -> None:
             await asyncio.sleep(0.1)
 
 
-async def _settle(run: Run, daemon: Daemon) -> None:
+async def _settle(run: Run, daemon: Daemon, margin: int) -> None:
     """After the run: no sequence may stay active (a cancelled or orphaned one leaked)."""
     why = await _alive(daemon.sock)
     if why:
@@ -983,9 +1010,24 @@ async def _settle(run: Run, daemon: Daemon) -> None:
         writer.close()
         active = {m.name: m.active for m in getattr(ps, "models", []) if m.active}
         if not active:
-            return
+            break
         await asyncio.sleep(0.25)
-    run.extra.append(Result(-1, "daemon", "leak", "leak", f"sequences still active 10 s after the run: {active}"))
+    else:
+        run.extra.append(Result(-1, "daemon", "leak", "leak", f"sequences still active 10 s after the run: {active}"))
+        return
+    # every model unloaded, the daemon holds the threads it started with (a blocked one leaks)
+    reader, writer = await _open(daemon.sock)
+    for k, m in enumerate(getattr(ps, "models", [])):
+        writer.write(frame(encode(["U", 10 + k, m.name])))
+        await asyncio.wait_for(_read_reply(reader), 60)
+    writer.close()
+    for _ in range(40):
+        await asyncio.sleep(0.25)
+        run.threads["end"] = daemon.status("Threads") or 0
+        if run.threads["end"] <= run.threads["start"] + margin:
+            return
+    run.extra.append(Result(-1, "daemon", "leak", "leak", f"{run.threads['end']} threads once every model was "
+                            f"unloaded, {run.threads['start']} at start (--thread-margin {margin}): {daemon.threads()}"))
 
 
 async def _shutdown(run: Run, daemon: Daemon, pools: Pools, deadline: float) -> None:
@@ -1071,6 +1113,8 @@ def summary(run: Run, opts) -> str:
                          f"{mem['mb_per_1000_requests']:+.1f} MB per 1000 requests, {mem['mb_per_minute']:+.1f} MB/min"
                          if "mb_per_minute" in mem else "too few samples")
                      + ("" if mem["judged"] else " (not judged: the last half spans < 1000 requests)"))
+        lines.append(f"daemon threads: {run.threads.get('start')} at start, peak {max(p[3] for p in run.rss)}, "
+                     f"{run.threads.get('end', '?')} once every model was unloaded at the end")
     defects = run.defects()
     lines.append(f"defects: {len(defects)}" + (" (" + ", ".join(f"{k} {v}" for k, v in
                                                                 Counter(r.defect for r in defects).items()) + ")"
@@ -1090,7 +1134,8 @@ def summary(run: Run, opts) -> str:
 
 def to_json(run: Run, opts) -> dict:
     return {"seed": run.seed, "wall_s": run.wall_s, "connections": opts.connections, "window": opts.window,
-            "stopped_early": run.stopped_early, "memory": run.memory(),
+            "stopped_early": run.stopped_early, "memory": run.memory(), "threads": run.threads,
+            "rss_samples": run.rss,
             "counts": dict(Counter(r.outcome for r in run.results)),
             "defects": [dataclasses.asdict(r) for r in run.defects()],
             "results": [dataclasses.asdict(r) for r in run.results]}
@@ -1106,7 +1151,11 @@ def parse_args(argv=None):
     ap.add_argument("--window", type=int, default=4, help="cases in flight per connection")
     ap.add_argument("--deadline", type=float, default=120.0, help="seconds for a final reply before a hang")
     ap.add_argument("--max-growth", type=float, default=10.0, help="MB of RSS per 1000 requests (last half)")
-    ap.add_argument("--mem-gb", type=float, default=8.0, help="the daemon's address-space cap (0 = none)")
+    ap.add_argument("--max-rss-mb", type=float, default=2048.0, help="the daemon's RSS may never exceed this")
+    ap.add_argument("--thread-margin", type=int, default=EXECUTOR_THREADS + 2,
+                    help="threads the daemon may hold, once every model is unloaded, beyond those at start "
+                         "(default: asyncio's default executor, which keeps its idle threads, and 2)")
+    ap.add_argument("--mem-gb", type=float, default=4.0, help="the daemon's address-space cap (0 = none)")
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--fixture-dir", default=str(Path(tempfile.gettempdir()) / "moed-fuzz-fixtures"))
     ap.add_argument("--only", type=lambda s: [int(x) for x in s.split(",")], help="replay these cases only")

@@ -1,0 +1,138 @@
+"""The protocol fuzzer (benchmarks/fuzz_protocol.py): its cases are reproducible, its own model of
+the protocol's refusals agrees with ipc.protocol, its classifier tells each defect from an expected
+error, and a 200-case run against the real daemon ends with no defect."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import math
+import random
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from ipc.errors import ProtocolError
+from ipc.protocol import Chunk, Done, Error, Loaded, Progress, PsReply, decode_request
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load_fuzzer():
+    name = "fuzz_protocol"
+    if name not in sys.modules:  # dataclasses look their module up in sys.modules
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "fuzz_protocol.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+fuzz = _load_fuzzer()
+
+
+@pytest.fixture
+def pools(tmp_path):
+    fixture = tmp_path / "model.gguf"
+    fixture.write_bytes(b"GGUF" + bytes(8192))  # the pools only copy it
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    return fuzz.Pools(scratch, fixture)
+
+
+def test_a_case_depends_only_on_the_seed_and_its_index(pools):
+    a = [fuzz.make_case(i, 7, pools) for i in range(300)]
+    b = [fuzz.make_case(i, 7, pools) for i in reversed(range(300))][::-1]
+    assert [fuzz.encode(c.msg) if c.kind not in ("garbage",) else c.msg for c in a] == \
+           [fuzz.encode(c.msg) if c.kind not in ("garbage",) else c.msg for c in b]
+    other = [fuzz.make_case(i, 8, pools) for i in range(300)]
+    assert [c.msg for c in a] != [c.msg for c in other]
+    kinds = {c.kind for c in a}
+    assert {"G", "C", "L", "U", "X", "P", "S", "H", "V"} <= kinds  # every request type
+    assert len(kinds & set(fuzz.SCENES)) >= 8
+
+
+def test_must_fail_agrees_with_the_protocol_decoder(pools):
+    """For the field-level refusals the fuzzer predicts (ipc.protocol's own checks: options out of
+    range, max_tokens < 0, prompt and tokens both or neither, empty messages), decode_request
+    refuses exactly the requests the fuzzer says must fail."""
+    checked = 0
+    for i in range(3000):
+        case = fuzz.make_case(i, 3, pools)
+        if case.kind not in ("G", "C") or (case.must_fail and "setting" in case.must_fail):
+            continue
+        msg = list(case.msg)
+        msg[1] = 1
+        try:
+            decode_request(fuzz.encode(msg))
+            refused = False
+        except ProtocolError:
+            refused = True
+        assert refused == bool(case.must_fail), (case.must_fail, case.describe())
+        checked += 1
+    assert checked > 1000
+
+
+def test_option_rules():
+    assert fuzz._option_invalid("temperature", math.nan)
+    assert fuzz._option_invalid("top_p", 0.0)
+    assert fuzz._option_invalid("seed", 2**64)
+    assert fuzz._option_invalid("top_k", True)
+    assert not fuzz._option_invalid("min_p", 1.0)
+    assert not fuzz._option_invalid("seed", None)
+
+
+def _case(kind="G", must_fail=""):
+    return fuzz.Case(1, kind, ["G", 5, None, "hi", None, 4, None, [], None, False], must_fail)
+
+
+@pytest.mark.parametrize("replies, eof, hung, outcome", [
+    ([Progress(5, "load"), Chunk(5, "a"), Done(5)], False, False, "ok"),
+    ([Error(5, "busy", "full")], False, False, "busy"),
+    ([Error(5, "internal", "ZeroDivisionError")], False, False, "internal"),
+    ([Error(5, "oops", "")], False, False, "protocol"),  # not a documented code
+    ([Chunk(5, "a")], False, True, "hang"),
+    ([Chunk(5, "a")], True, False, "protocol"),  # closed mid-stream
+    ([Done(5), Chunk(5, "late")], False, False, "protocol"),
+    ([Done(5), Error(5, "cancelled")], False, False, "protocol"),
+    ([Loaded(5, "m")], False, False, "protocol"),  # the wrong reply type
+    ([("undecodable", "x")], False, False, "protocol"),
+])
+def test_classify(replies, eof, hung, outcome):
+    case = _case()
+    res = fuzz.classify(case, case.msg, replies, eof, hung, 0.1)
+    assert res.outcome == outcome
+    assert bool(res.defect) == (outcome in fuzz.DEFECTS)
+
+
+def test_an_invalid_request_answered_with_success_is_a_defect():
+    case = _case(must_fail="max_tokens < 0")
+    assert fuzz.classify(case, case.msg, [Done(5)], False, False, 0.1).defect == "accepted"
+    assert fuzz.classify(case, case.msg, [Error(5, "bad_request")], False, False, 0.1).defect == ""
+    ps = fuzz.Case(2, "P", ["P", 5])
+    assert fuzz.classify(ps, ps.msg, [PsReply(5)], False, False, 0.1).outcome == "ok"
+
+
+def test_memory_slope_is_judged_over_the_last_half():
+    run = fuzz.Run(0)
+    run.rss = [(t, t * 10, 100_000 + (0 if t < 200 else (t - 200) * 1024), 5) for t in range(400)]
+    mem = run.memory()
+    assert mem["judged"]  # the last half spans 2000 requests
+    assert mem["mb_per_1000_requests"] == pytest.approx(100.0)  # 1 MB a sample, 10 requests a sample
+    run.rss = [(t, t, 100_000, 5) for t in range(100)]
+    assert not run.memory()["judged"]
+
+
+@pytest.mark.usefixtures("warm_kernels")
+def test_a_short_run_against_the_daemon_has_no_defect(fixture_dir, tmp_path):
+    opts = fuzz.parse_args(["--requests", "200", "--seed", "2024", "--fixture-dir", str(fixture_dir),
+                            "--deadline", "60", "--progress", "0", "--json", str(tmp_path / "fuzz.json")])
+    run = asyncio.run(fuzz.fuzz(opts))
+    report = fuzz.summary(run, opts)
+    assert len(run.results) == 200, report
+    assert not run.defects(), report
+    outcomes = {r.outcome for r in run.results}
+    assert "ok" in outcomes and "bad_request" in outcomes  # it reached the models and the checks
