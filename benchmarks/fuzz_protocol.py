@@ -139,7 +139,7 @@ class Pools:
 
     def __init__(self, scratch: Path, fixture: Path):
         self.scratch = scratch
-        for name in ("a.gguf", "b.gguf"):
+        for name in ("a.gguf", "b.gguf", "c.gguf"):
             shutil.copyfile(fixture, scratch / name)
         demo = scratch / "cache" / "moed"
         demo.mkdir(parents=True)
@@ -153,11 +153,18 @@ class Pools:
         (scratch / "dir").mkdir()
         s = str(scratch)
         self.good = [f"{s}/a.gguf", f"{s}/b.gguf", "a.gguf", f"{s}/link.gguf"]  # "a.gguf": relative to the cwd
+        self.settled = f"{s}/c.gguf"  # Loads with settings go here most often: less often busy with others
         self.bad = ["", "/", s, f"{s}/dir", f"{s}/fifo", "/dev/zero", "/dev/null", f"{s}/notgguf.txt",
                     f"{s}/trunc.gguf", f"{s}/missing.gguf", f"{s}/loop1", f"{s}/a.gguf\0x", "\0",
                     "x" * 5000, "/" + "a/" * 3000, ".", "~", "\n"]
-        self.paths = ["", "/", s, f"{s}/fifo", "/dev/null", "/dev/full", "/dev/zero", f"{s}/notgguf.txt",
-                      f"{s}/missing.json", f"{s}/out-%d.json", "\0"]  # for path settings
+        os.symlink("/dev/null", scratch / "null-link")
+        # Path settings. A trace output is written by a rename over its path (daemon/routing/tracer.py),
+        # so it only ever names paths in the scratch dir: renamed over /dev/null, it would replace the
+        # device for the whole machine when the daemon runs as root. A replay trace is only read.
+        self.write_paths = ["", s, f"{s}/fifo", f"{s}/null-link", f"{s}/notgguf.txt", f"{s}/missing.json",
+                            f"{s}/out-%d.json", f"{s}/dir/x.json.zst", f"{s}/nodir/x.json", "\0"]
+        self.read_paths = ["", "/", s, f"{s}/fifo", "/dev/null", "/dev/zero", f"{s}/notgguf.txt", f"{s}/a.gguf",
+                           f"{s}/missing.json", f"{s}/null-link", "\0"]
 
 
 def _ri(rng: random.Random) -> int:
@@ -264,7 +271,7 @@ def _settings(rng: random.Random, pools: Pools) -> tuple[dict, str]:
     out, why = {}, ""
     if rng.random() < 0.45:
         return out, why
-    for _ in range(rng.randrange(1, 4)):
+    for _ in range(1 if rng.random() < 0.6 else rng.randrange(2, 4)):
         r = rng.random()
         if r < 0.07:
             key, v = rng.choice(("n_ctxx", "", "\0", "N_CTX", "x" * 1000)), 1
@@ -276,7 +283,8 @@ def _settings(rng: random.Random, pools: Pools) -> tuple[dict, str]:
         else:
             key = rng.choice(sorted(PATH_SETTINGS) if rng.random() < 0.15 else sorted(set(SETTINGS) - DAEMON_SETTINGS))
             if key in PATH_SETTINGS:
-                v = rng.choice(pools.paths).replace("%d", str(rng.randrange(100)))
+                paths = pools.read_paths if key == "routing_replay" else pools.write_paths  # only it is read-only
+                v = rng.choice(paths).replace("%d", str(rng.randrange(100)))
             else:
                 v = _setting_value(rng, SETTINGS[key])
             bad = _setting_invalid(SETTINGS[key], v)
@@ -377,7 +385,8 @@ def make_case(index: int, seed: int, pools: Pools) -> Case:
     elif r < 0.57:
         case.kind = "L"
         settings, why = _settings(rng, pools)
-        case.msg = ["L", 0, _model(rng, pools, none=False), settings, _keep_alive(rng)]
+        model = pools.settled if settings and rng.random() < 0.6 else _model(rng, pools, none=False)
+        case.msg = ["L", 0, model, settings, _keep_alive(rng)]
         case.must_fail = why
     elif r < 0.63:
         case.kind = "U"
