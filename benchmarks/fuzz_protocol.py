@@ -54,6 +54,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import socket
 import struct
@@ -85,6 +86,12 @@ SUCCESS = {"G": "Done", "C": "Done", "L": "Loaded", "U": "Ok", "P": "PsReply", "
 STREAMING = {"G": (Chunk, Progress), "C": (Chunk, Progress), "L": (Progress,)}
 DEFECTS = ("internal", "crash", "hang", "unresponsive", "protocol", "accepted", "log", "leak", "memory",
            "shutdown")
+# A load that fails with an exception the reader did not name is wrapped as model_error
+# ("loading PATH failed: TypeError: ...", daemon/scheduler/models.py _error_for_load): these types
+# are bugs (or, for MemoryError, a read without a bound), whatever the code says.
+BUG_IN_LOAD = re.compile(r"failed: (TypeError|AttributeError|NameError|KeyError|IndexError|ZeroDivisionError|"
+                         r"AssertionError|UnboundLocalError|ValueError|OverflowError|MemoryError|RecursionError|"
+                         r"RuntimeError|NotImplementedError|UnicodeError|UnicodeDecodeError|UnicodeEncodeError):")
 BAD_UTF8 = b"\xff\xfe\xed\xa0\x80\xc0\xafxyz"  # invalid UTF-8 of the marker's length
 MARKER = "QBADUTF8QQ"  # replaced by BAD_UTF8 in the encoded body
 assert len(MARKER.encode()) == len(BAD_UTF8)
@@ -621,6 +628,8 @@ def classify(case: Case, msg: list, replies: list, eof: bool, hung: bool, secs: 
             return _defect(res, "protocol", f"unknown error code {final.code!r}: {final.message[:200]}")
         if final.code == "internal":
             return _defect(res, "internal", final.message[:500])
+        if final.code == "model_error" and BUG_IN_LOAD.search(final.message):
+            return _defect(res, "internal", f"a bug reported as model_error: {final.message[:500]}")
         res.outcome = final.code
         res.detail = final.message[:200]
         return res

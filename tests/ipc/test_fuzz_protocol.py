@@ -100,6 +100,8 @@ def _case(kind="G", must_fail=""):
     ([Done(5), Error(5, "cancelled")], False, False, "protocol"),
     ([Loaded(5, "m")], False, False, "protocol"),  # the wrong reply type
     ([("undecodable", "x")], False, False, "protocol"),
+    ([Error(5, "model_error", "loading /m.gguf failed: TypeError: f() missing 1 argument")], False, False, "internal"),
+    ([Error(5, "model_error", "/m.gguf: not a GGUF file")], False, False, "model_error"),
 ])
 def test_classify(replies, eof, hung, outcome):
     case = _case()
