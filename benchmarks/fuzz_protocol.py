@@ -18,13 +18,16 @@ a connection-level scene on a connection of its own: undecodable bodies, invalid
 nesting, unknown tags, extra fields, wrong types, requests before Hello, a wrong protocol version
 and requests after the daemon closed, a huge length prefix, a truncated frame, a half-closed
 socket, a disconnect mid-stream, a duplicate id, a flood of generations on one connection.
-Shutdown is sent once, at the end. --connections long-lived connections each keep up to --window
+Shutdown is sent once, at the end.
+Path settings name only paths in the scratch dir, except the replay trace's (only read): a trace
+output is renamed over its path, and over /dev/null it would replace the device for the machine. --connections long-lived connections each keep up to --window
 cases in flight (the replay of one case, --only, is exact; a run's interleaving is not).
 
 Every case is classified by its final reply: `ok` (the documented success reply), or the Error's
 code (bad_request, busy, not_found, model_error, cancelled, ...: expected), or a defect:
 
-    internal    an Error with code "internal" (a bug in the daemon)
+    internal    an Error with code "internal" (a bug in the daemon), or a model_error that wraps a
+                Python error a bug raises (TypeError, KeyError, MemoryError, ...: BUG_IN_LOAD)
     crash       the daemon process exited
     hang        no final reply within --deadline seconds (the daemon must then still answer
                 Health and Ps on a fresh connection, else the run stops: `unresponsive`)
@@ -34,10 +37,12 @@ code (bad_request, busy, not_found, model_error, cancelled, ...: expected), or a
                 empty messages, an unknown setting, ...) answered with success
     log         the daemon logged an exception no reply carried (an asyncio task or callback
                 error) or a compute thread that stopped by itself
-    leak        after the run, Ps shows sequences still active
+    leak        after the run, Ps shows sequences still active, or, once every model is unloaded,
+                the daemon holds more threads than at start (beyond --thread-margin)
     memory      daemon RSS (/proc/PID/status, sampled every 0.5 s) grows over the last half of
                 the run by more than --max-growth MB per 1000 requests (judged only when that half
-                spans at least 1000 requests; glibc arenas make shorter runs noisy)
+                spans at least 1000 requests; glibc arenas make shorter runs noisy), or peaks
+                above --max-rss-mb (2048) at any time
     shutdown    Shutdown did not end open streams with "shutdown", or the daemon did not exit 0
 
 It prints progress, a summary (cases by type and outcome, memory), and every defect with its
