@@ -36,6 +36,7 @@ from typing import Any
 
 from ipc.protocol import Error
 
+from .. import heap
 from ..errors import ModelFileChanged, MoedError, RequestError, wire_error
 from .sequence import Sequence
 
@@ -294,6 +295,7 @@ class Batcher:
             except Exception:
                 log.exception("closing %s failed", self.name)
             self.engine = None
+            heap.trim()  # the engine's buffers are freed now, not at its close: give their pages back
         log.debug("%s: compute thread ended (close took %.3fs)", self.name, time.perf_counter() - t0)
         self._post(self._resolve, self.stopped, True, None)
 
