@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -170,6 +171,7 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(30)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
