@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import weakref
 
 import numpy as np
 from numba import cuda
@@ -28,6 +29,17 @@ from .cuda_graphs import _check, _drv  # the driver (imported on first use) and 
 log = logging.getLogger("moed.device")
 
 _pinned_warned = False
+_pinned_live = [0]  # page-locked bytes whose buffers are alive (benchmarks/leak.py)
+
+
+def pinned_bytes() -> int:
+    """Page-locked host bytes made by pinned_empty and not yet dropped (numba may hold a dropped
+    buffer in its deallocation queue a while longer)."""
+    return _pinned_live[0]
+
+
+def _unpinned(n: int) -> None:
+    _pinned_live[0] -= n
 
 
 def pinned_empty(shape, dtype=np.uint8) -> np.ndarray:
@@ -37,7 +49,14 @@ def pinned_empty(shape, dtype=np.uint8) -> np.ndarray:
     if SIM:
         return np.empty(shape, dtype)
     try:
-        return cuda.pinned_array(shape, dtype)
+        arr = cuda.pinned_array(shape, dtype)
+        owner = arr.base if arr.base is not None else arr  # numba's buffer: views keep it, not arr
+        try:
+            weakref.finalize(owner, _unpinned, arr.nbytes)
+            _pinned_live[0] += arr.nbytes
+        except TypeError:  # an owner without weak references: not counted
+            pass
+        return arr
     except Exception as e:  # noqa: BLE001  (out of lockable memory: serve from pageable memory)
         if not _pinned_warned:
             _pinned_warned = True
