@@ -49,7 +49,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from .errors import ClientError, Impostor, NotRunning, ProtocolError, Timeout, error_for
+from .errors import BadRequest, ClientError, Impostor, NotRunning, ProtocolError, Timeout, error_for
 from .framing import MAX_FRAME, pack_frame, read_frame, recv_frame, send_frame
 from .protocol import (
     PROTOCOL_VERSION,
@@ -100,20 +100,32 @@ def default_socket_path() -> str:
 
 # -- shared between the two clients -------------------------------------------------------------
 
+@contextlib.contextmanager
+def _refused_locally():
+    """A request the daemon would refuse (the structs check themselves: ValueError, TypeError, a
+    KeyError for a message without a role) fails here as the daemon's reply would: BadRequest."""
+    try:
+        yield
+    except (ValueError, TypeError, KeyError) as e:
+        raise BadRequest(f"invalid request: {e}", code="bad_request") from None
+
+
 def _options(options: SamplingOptions | Mapping[str, Any] | None) -> SamplingOptions | None:
     return SamplingOptions(**options) if isinstance(options, Mapping) else options
 
 
 def _generate(id: int, prompt: str | Sequence[int], model, max_tokens, options, stop, keep_alive,
               raw) -> Generate:
-    text, tokens = (prompt, None) if isinstance(prompt, str) else (None, [int(t) for t in prompt])
-    return Generate(id, model, text, tokens, max_tokens, _options(options), list(stop), keep_alive, raw)
+    with _refused_locally():
+        text, tokens = (prompt, None) if isinstance(prompt, str) else (None, [int(t) for t in prompt])
+        return Generate(id, model, text, tokens, max_tokens, _options(options), list(stop), keep_alive, raw)
 
 
 def _chat(id: int, messages: Iterable[Message | Mapping[str, str]], model, max_tokens, options,
           stop, keep_alive) -> Chat:
-    msgs = [m if isinstance(m, Message) else Message(m["role"], m["content"]) for m in messages]
-    return Chat(id, msgs, model, max_tokens, _options(options), list(stop), keep_alive)
+    with _refused_locally():
+        msgs = [m if isinstance(m, Message) else Message(m["role"], m["content"]) for m in messages]
+        return Chat(id, msgs, model, max_tokens, _options(options), list(stop), keep_alive)
 
 
 def _expect(reply: Reply, kind: type):

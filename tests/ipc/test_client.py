@@ -12,6 +12,7 @@ import pytest
 
 from ipc import (
     AsyncClient,
+    BadRequest,
     Busy,
     Cancelled,
     Client,
@@ -345,6 +346,20 @@ def test_sync_error_mapping(sync_server):
         with pytest.raises(ModelError):
             c.load("missing.gguf")
         assert c.health().version == "mock"
+
+
+@pytest.mark.parametrize("bad", [{"stop": ["x"] * 65}, {"options": {"top_p": 2.0}},
+                                 {"messages": [{"content": "no role"}]}])
+def test_a_request_the_daemon_would_refuse_is_bad_request_before_sending(sync_server, bad):
+    # the CLI reports BadRequest (a ClientError) as `moed: error:`; a bare ValueError was a traceback
+    with Client(sync_server.path) as c:
+        sent = len(sync_server.requests)
+        with pytest.raises(BadRequest) as e:
+            if "messages" in bad:
+                list(c.chat(bad["messages"]))
+            else:
+                list(c.generate("x", **bad))
+        assert e.value.code == "bad_request" and len(sync_server.requests) == sent
 
 
 def test_sync_not_running(path):
