@@ -9,7 +9,7 @@ import pytest
 from daemon import Engine
 from daemon.demo import _assign_balanced, balanced_kmeans, build_demo_model, find_source_model, fit_router
 from daemon.storage.gguf import GGUFFile
-from tests.fixtures.reference import reference_logits
+from tests.fixtures.reference import reference_greedy, reference_logits
 
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
         "combined movable metal type with an oil-based ink and a wooden press. Within decades, "
@@ -79,12 +79,22 @@ def test_top12_of_16_keeps_most_predictions(demo_models, smollm2):
 
 
 @pytest.mark.llamacpp
-def test_demo_logits_match_llamacpp(demo_models, needs_llamacpp):
+def test_demo_logits_identical_to_llamacpp(demo_models, needs_llamacpp):
+    """Every prompt row, then 16 greedy decode steps (each step's last row only, as a
+    generation computes it, in both), bit for bit."""
     path = demo_models[1]
     with Engine.load(path) as e:
         ids = e.tokenize(TEXT)[:64]
         ours = e.forward(ids)
-    ref = reference_logits(path, ids)
-    assert np.linalg.norm(ours - ref) / np.linalg.norm(ref) < 5e-2
-    top = ours.argmax(1)
-    assert (ref.max(1) - ref[np.arange(len(ref)), top] <= 0.01).mean() >= 0.98
+        model = e.model
+        cache = model.new_cache(len(ids) + 16)
+        logits = model.forward(ids, cache)[-1]
+        tokens, rows = [], []
+        for _ in range(16):
+            rows.append(logits)
+            tokens.append(int(np.argmax(logits)))
+            logits = model.forward([tokens[-1]], cache)[-1]
+    np.testing.assert_array_equal(ours, reference_logits(path, ids))
+    ref_tokens, ref_rows = reference_greedy(path, ids, 16, return_logits=True, logits_all=False)
+    assert tokens == ref_tokens
+    np.testing.assert_array_equal(np.stack(rows), ref_rows)
