@@ -593,7 +593,11 @@ class Run:
         pts = self.rss
         out = {"samples": len(pts), "first_mb": pts[0][2] / 1024 if pts else None,
                "last_mb": pts[-1][2] / 1024 if pts else None, "peak_mb": max(p[2] for p in pts) / 1024 if pts else None}
-        half = pts[len(pts) // 2:]
+        n = pts[-1][1] if pts else 0
+        # the last half by requests, up to the first sample with every result in (later ones only
+        # wait on hung requests, with no work to grow on)
+        end = next((k for k, p in enumerate(pts) if p[1] >= n), len(pts) - 1)
+        half = [p for p in pts[:end + 1] if p[1] >= n / 2]
         if len(half) >= 4:
             out["mb_per_1000_requests"] = _slope([p[1] for p in half], [p[2] / 1024 for p in half]) * 1000
             out["mb_per_minute"] = _slope([p[0] for p in half], [p[2] / 1024 for p in half]) * 60
