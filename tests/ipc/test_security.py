@@ -27,6 +27,7 @@ import ipc.server
 from daemon.config import Settings
 from daemon.engine import Engine
 from daemon.scheduler import Scheduler
+from daemon.scheduler.access import readable_by
 from ipc import (
     AsyncClient,
     BadRequest,
@@ -42,12 +43,14 @@ from ipc.errors import error_for
 from ipc.framing import pack_frame, read_frame
 from ipc.protocol import (
     PROTOCOL_VERSION,
+    Chat,
     Chunk,
     Error,
     Generate,
     Health,
     HealthReply,
     Hello,
+    Message,
     Ok,
     decode_reply,
     encode,
@@ -608,6 +611,151 @@ async def test_one_connection_past_the_cap_is_busy_and_closed(path):
                 except Busy:
                     await asyncio.sleep(0.01)
         b.close()
+
+
+# -- docs/security.md's claims, each against the defence it names ---------------------------------------
+
+async def test_a_connection_that_leaves_its_replies_unread_is_closed(path, monkeypatch):
+    """"Replies nobody reads": past WRITE_LIMIT bytes queued for a connection, it is closed. The
+    rule at 64 KiB here (a flood of Health replies fills that fast; the server pauses reading a
+    connection only past 1 MiB, so the flood goes on until the limit acts)."""
+    assert ipc.server.WRITE_LIMIT == 64 * 2**20  # the figure docs/security.md states
+    monkeypatch.setattr(ipc.server, "WRITE_LIMIT", 64 * 2**10)
+    async with make_server(path) as server:
+        hog = await Raw.open(path)
+        other = await Raw.open(path)
+        batch = pack_frame(encode(Health(2))) * 1000
+        sent = 0
+        async with asyncio.timeout(T):  # without the limit the server stops reading: the drain hangs
+            while len(server.connections) == 2:
+                assert sent < 10**6, "the server never closed the connection"
+                try:
+                    await hog.send_bytes(batch)
+                except ConnectionError:
+                    break
+                sent += 1000
+                await asyncio.sleep(0)
+            while len(server.connections) == 2:
+                await asyncio.sleep(0.01)
+        await other.send(Health(3))  # the other connection goes on
+        assert isinstance(await other.recv(), HealthReply)
+        try:
+            while isinstance(r := await hog.recv(), HealthReply):  # what the server had written, then
+                pass
+            assert r is None  # EOF: closed
+        except ConnectionResetError:  # closed with requests of ours unread: the kernel resets it
+            pass
+        hog.close()
+        other.close()
+
+
+@as_root
+async def test_a_socket_directory_behind_another_users_symlink_is_refused(shared_dir):
+    real = os.path.join(shared_dir, "real")
+    os.mkdir(real, 0o700)  # ours and safe: only the link is another user's
+    link = os.path.join(shared_dir, "link")
+    os.symlink(real, link)
+    os.lchown(link, OTHER, OTHER)
+    path = os.path.join(link, "moed.sock")
+    with pytest.raises(UnsafeSocketPath, match=f"{link} is a symbolic link of uid {OTHER}"):
+        await make_server(path).start()
+    assert os.listdir(real) == []  # no socket, no lock
+    os.lchown(link, os.geteuid(), os.getegid())  # our own link to our own directory is fine
+    async with make_server(path), AsyncClient(path, timeout=T) as c:
+        await c.health()
+
+
+@as_root
+def test_readable_by_follows_the_group_bits(shared_dir):
+    """Mode bits as the kernel reads them: the owner's, else the group's (any of the peer's groups),
+    else others'. A file and a directory open to group 4300 only."""
+    group = 4300
+    d = os.path.join(shared_dir, "team")
+    os.mkdir(d)
+    os.chown(d, OTHER, group)
+    os.chmod(d, 0o711)  # first the file's bits: everyone may search the directory
+    f = os.path.join(d, "model.gguf")
+    with open(f, "wb") as fh:
+        fh.write(b"GGUF")
+    os.chown(f, OTHER, group)
+    os.chmod(f, 0o040)  # readable by its group only (not even by its owner)
+    assert readable_by(f, STRANGER, frozenset({STRANGER, group}))  # a supplementary group
+    assert readable_by(f, STRANGER, frozenset({group}))
+    assert not readable_by(f, STRANGER, frozenset({STRANGER}))  # outside the group: others' bits
+    assert not readable_by(f, OTHER, frozenset({group}))  # the owner gets the owner's bits, not the group's
+    os.chmod(f, 0o044)  # then the directory's: a readable file
+    os.chmod(d, 0o710)  # searchable by its group only
+    assert readable_by(f, STRANGER, frozenset({group}))
+    assert not readable_by(f, STRANGER, frozenset({STRANGER}))
+    os.chmod(d, 0o701)  # searchable by others, not by its group: a member gets the group's bits
+    assert not readable_by(f, STRANGER, frozenset({group}))
+    assert readable_by(f, STRANGER, frozenset({STRANGER}))
+
+
+async def test_forbidden_says_the_same_whether_the_file_exists_or_not(path, shared_dir, monkeypatch):
+    """A peer that may not search a directory learns nothing about what is in it."""
+    monkeypatch.setattr(ipc.server, "peer_cred", lambda sock: (os.getpid(), OTHER, OTHER))
+    hidden = os.path.join(shared_dir, "hidden")
+    os.mkdir(hidden, 0o700)
+    there, missing = os.path.join(hidden, "a.gguf"), os.path.join(hidden, "b.gguf")
+    with open(there, "wb") as f:
+        f.write(b"GGUF")
+    os.chmod(there, 0o644)
+    texts = {}
+    async with make_server(path, allowed_uids=str(OTHER)), AsyncClient(path, timeout=T) as c:
+        for name in (there, missing):
+            calls = {"load": lambda: c.load(name),
+                     "generate": lambda: tokens_of(c.generate([1, 2], model=name, max_tokens=1)),
+                     "chat": lambda: tokens_of(c.chat([{"role": "user", "content": "hi"}], model=name,
+                                                      max_tokens=1))}
+            for what, call in calls.items():
+                with pytest.raises(ClientError) as e:
+                    await call()
+                texts.setdefault(what, []).append((type(e.value).__name__, e.value.code,
+                                                   str(e.value).replace(name, "NAME")))
+    for what, (a, b) in texts.items():
+        assert a == b, what
+        assert a[:2] == ("Forbidden", "forbidden"), a
+
+
+async def tokens_of(stream) -> list:
+    return [r async for r in stream]
+
+
+@pytest.mark.usefixtures("warm_kernels")  # it loads a model: compile outside the time limits
+async def test_shutdown_does_not_wait_for_a_template_render(path, model):
+    """A render that never ends on its own (held here until the test's end): the shutdown ends the
+    request and completes anyway, and the render's thread is a daemon thread, so the process's exit
+    does not wait for it either."""
+    started, release, threads = threading.Event(), threading.Event(), []
+
+    def render_forever(*args, **kwargs):
+        threads.append(threading.current_thread())
+        started.set()
+        release.wait()
+        return "hi"
+
+    server = make_server(path)
+    await server.start()
+    try:
+        await server.scheduler.load(model)
+        engine = server.scheduler.registry.find(model).engine
+        engine.gguf.metadata["tokenizer.chat_template"] = "{{ messages[0].content }}"  # a template: it renders
+        engine.apply_chat_template = render_forever
+        raw = await Raw.open(path)
+        await raw.send(Chat(2, [Message("user", "hi")], model, 2))
+        assert await asyncio.to_thread(started.wait, T)
+        async with asyncio.timeout(T):  # only a hang guard: a shutdown that waited for the render ends here
+            await server.shutdown()
+            r = await raw.recv()
+        assert (r.id, r.code) == (2, "shutdown")
+        assert not release.is_set() and threads[0].is_alive()  # the render still runs, and the shutdown is done
+        assert threads[0].daemon
+        raw.close()
+    finally:
+        release.set()
+        if not server.stopping:  # (a shutdown cut short by the guard is not waited for again)
+            await server.shutdown()
 
 
 # -- the default model is checked like a named one (issue 25, item 4) ---------------------------------

@@ -103,19 +103,23 @@ def slow_reads(monkeypatch):
     """Every expert read takes `delay` seconds more, so a read is reliably still in flight, on
     the I/O threads (read_sync) and on the compute thread (ParallelReader.read) alike."""
     orig, orig_parallel = StoreReader.read_sync, ParallelReader.read
-    calls = []
+    calls, done = [], []  # reads begun, reads whose bytes are in place
 
     def slow(self, fd, layer, expert, dests):
         calls.append((layer, expert))
         time.sleep(slow.delay)
-        return orig(self, fd, layer, expert, dests)
+        out = orig(self, fd, layer, expert, dests)
+        done.append((layer, expert))
+        return out
 
     def slow_parallel(self, layer, experts, dests):
         calls.extend((layer, e) for e in experts)
         time.sleep(slow.delay)
-        return orig_parallel(self, layer, experts, dests)
+        out = orig_parallel(self, layer, experts, dests)
+        done.extend((layer, e) for e in experts)
+        return out
     slow.delay = 0.2
-    slow.calls = calls
+    slow.calls, slow.done = calls, done
     monkeypatch.setattr(StoreReader, "read_sync", slow)
     monkeypatch.setattr(ParallelReader, "read", slow_parallel)
     return slow
@@ -309,12 +313,9 @@ def test_bytes_read_is_misses_plus_prefetches(m, make):
 def test_demand_shares_an_in_flight_prefetch(m, make, slow_reads):
     c = make()
     c.prefetch(0, [2, 5])
-    deadline = time.monotonic() + 5
-    while len(slow_reads.calls) < 2 and time.monotonic() < deadline:  # the I/O thread took both
-        time.sleep(0.001)
-    t0 = time.monotonic()
+    assert wait_for(lambda: len(slow_reads.calls) == 2, timeout=60)  # the I/O thread took both
     with c.fetch(0, [5, 2]) as b:
-        assert time.monotonic() - t0 > 0.05  # it had to wait for the reads already under way
+        assert sorted(slow_reads.done) == [(0, 2), (0, 5)]  # it waited for the reads already under way
         m.check(b, 0, [2, 5])
     s = L(c, 0)
     assert s["loads"] == 2 and s["bytes_read"] == 2 * m.expert_bytes[0]
