@@ -1,5 +1,5 @@
 """moed synth: full-size plans match the published models; small files load and run in moed and
-llama.cpp with finite logits; bad input leaves nothing behind."""
+llama.cpp with finite logits, bit-identical in both; bad input leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import gguf
 from daemon import Engine
 from daemon.cli import main
-from daemon.errors import SynthError, UnsupportedError
+from daemon.errors import SynthError
 from daemon.synth import PRESETS, plan, synth
 from daemon.synth import writer
 from daemon.synth.presets import metadata, use_more_bits
@@ -52,13 +52,8 @@ def quiet(*_):
 
 
 def load(path, name):
-    """Engine.load(path); a hybrid preset's test skips while moed raises UnsupportedError for its arch."""
-    try:
-        return Engine.load(path)
-    except UnsupportedError:
-        if name not in HYBRIDS:
-            raise
-        pytest.skip("moed runs qwen3next from issue 14's model work")
+    """Engine.load(path): every preset, the hybrids included, must load (an UnsupportedError fails)."""
+    return Engine.load(path)
 
 
 # -- full size, without writing the data ------------------------------------------------------
@@ -273,10 +268,20 @@ def test_llamacpp_runs_a_small_file_as_moed_does(small_files, name, needs_llamac
     ids = reference_tokenize(path, PROMPT)
     ref = reference_logits(path, ids)
     assert np.isfinite(ref).all() and 0.5 < ref.std() < 20
-    assert len(reference_greedy(path, ids, 3)) == 3
-    with load(path, name) as e:  # the llama.cpp half runs even while moed cannot load the arch
+    ref_tokens, ref_rows = reference_greedy(path, ids, 3, return_logits=True, logits_all=False)
+    with load(path, name) as e:
         ours = e.forward(ids)
-    np.testing.assert_allclose(ours, ref, atol=1e-2 * float(np.abs(ref).max()))
+        model = e.model
+        cache = model.new_cache(len(ids) + 3)
+        logits = model.forward(ids, cache)[-1]  # the last row only, as a generation (and llama.cpp here)
+        tokens, rows = [], []
+        for _ in range(3):
+            rows.append(logits)
+            tokens.append(int(np.argmax(logits)))
+            logits = model.forward([tokens[-1]], cache)[-1]
+    np.testing.assert_array_equal(ours, ref)  # every prompt row, bit for bit
+    assert tokens == ref_tokens
+    np.testing.assert_array_equal(np.stack(rows), ref_rows)
 
 
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gpt-oss-120b", "mixtral-8x7b"] + HYBRIDS)
