@@ -9,11 +9,12 @@ and not yet collected) must not be frozen with it, or it is never freed (issue 2
 objects a load/unload cycle on a tiny fixture, with no plateau). Objects made later, per request,
 are collected as usual. `release()` at a close, or when an engine is dropped
 unclosed, gives every frozen object back (gc.unfreeze), so that reference cycles among the engine's
-objects, weights included, are freed once it is gone. The engines still loaded are then walked
-again until the next load freezes them (a close cannot refreeze at once: the closing engine is
-still referenced then).
+objects, weights included, are freed once it is gone. A close cannot refreeze at once (the closing
+engine is still referenced then): `settle()`, once the daemon's compute thread has dropped the
+engine, collects and freezes the engines still loaded again, so they are not walked by every full
+collection until the next load.
 
-Both also give the C heap's free pages back to the system (glibc's malloc_trim; nothing elsewhere):
+All three give the C heap's free pages back to the system (glibc's malloc_trim; nothing elsewhere):
 an engine's large buffers come from the malloc arena of the thread that made them (each load has
 new threads), and glibc keeps a freed chunk inside an arena resident, so RSS rose in steps of an
 expert cache's arena as loads went round the arenas (+128 KB a cycle over 200 cycles, issue 25).
@@ -39,19 +40,38 @@ def _malloc_trim():
 _trim = _malloc_trim()
 
 
+_held = [0]  # engines loaded: hold() without its release()
+
+
 def hold() -> None:
     """After a load: collect (one pause at a load, so no garbage is frozen), then freeze."""
     with _lock:
-        gc.collect()
-        trim()
-        gc.freeze()
+        _held[0] += 1
+        _freeze()
 
 
 def release() -> None:
     """At a close: unfreeze, and give back what the close freed."""
     with _lock:
+        _held[0] -= 1
         gc.unfreeze()
         trim()
+
+
+def settle() -> None:
+    """A closed engine is dropped: freeze the engines still loaded again (after a collection, which
+    frees the dropped one's cycles); with none loaded, only give the freed pages back."""
+    with _lock:
+        if _held[0] > 0:
+            _freeze()
+        else:
+            trim()
+
+
+def _freeze() -> None:
+    gc.collect()
+    trim()
+    gc.freeze()
 
 
 def trim() -> None:

@@ -295,7 +295,7 @@ class Batcher:
             except Exception:
                 log.exception("closing %s failed", self.name)
             self.engine = None
-            heap.trim()  # the engine's buffers are freed now, not at its close: give their pages back
+            heap.settle()  # it is gone now: refreeze the other models, give the freed pages back
         log.debug("%s: compute thread ended (close took %.3fs)", self.name, time.perf_counter() - t0)
         self._post(self._resolve, self.stopped, True, None)
 
