@@ -318,11 +318,10 @@ async def test_queue_full_is_busy(path, model):
         raw = await Raw.open(path)
         for i in (2, 3):  # one decoding, one waiting for a place in the batch
             await raw.send(Generate(i, model, tokens=[1, i], max_tokens=3000))
-        t0 = time.monotonic()
         await raw.send(Generate(4, model, tokens=[1], max_tokens=1))
         while (r := await raw.recv()).id != 4:
-            assert isinstance(r, Chunk)
-        assert (r.code, time.monotonic() - t0 < 5) == ("busy", True)
+            assert isinstance(r, Chunk)  # at once: 2 and 3 (up to 3000 tokens) have not ended before it
+        assert r.code == "busy"
         with pytest.raises(Busy):  # through the client library too
             await tokens_of(c.generate([1], model=model, max_tokens=1))
         raw.close()
