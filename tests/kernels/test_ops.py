@@ -7,7 +7,7 @@ Three kinds of references:
 - plain float64 formulas, compared with a tolerance (rms_norm, RoPE, attention);
 - libggml itself (the llama-cpp-python build the fixtures use), called through ctypes on the
   same inputs and compared bit for bit; skipped when that library is missing or was not built
-  for plain AVX2 (AVX512 builds use other SIMD widths).
+  for plain AVX2 (AVX512 builds use other SIMD widths), failed instead when `CI` is set.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import pytest
 from numba import njit
 
 from daemon.kernels import ops
+from tests.conftest import needs_reference
 
 f32 = np.float32
 
@@ -105,7 +106,7 @@ def _libm_expf():
 
 
 EXPF = _libm_expf()
-needs_libm = pytest.mark.skipif(EXPF is None, reason="no C libm expf to compare with")
+needs_libm = needs_reference(EXPF is not None, "no C libm expf to compare with")
 
 
 def hsum8_ref(v):
@@ -602,7 +603,7 @@ class _Ggml:
 
 
 GGML = _ggml()
-needs_ggml = pytest.mark.skipif(GGML is None, reason="llama-cpp-python's libggml (AVX2 build) not available")
+needs_ggml = needs_reference(GGML is not None, "llama-cpp-python's libggml (AVX2 build) not available")
 
 
 @needs_ggml

