@@ -243,7 +243,10 @@ def test_sigterm_writes_the_expert_usage_json(sock, model, tmp_path):
             proc.send_signal(signal.SIGTERM)
         assert proc.wait(T) == 0, proc.stderr.read()
         d = json.loads(out.read_text())
-        assert d["forward_passes"] >= 2 and d["activations"] > 0  # the prefill and a decode step at least
+        # 3 prompt tokens in one prefill pass, then 1 decode pass for the 2nd token (the last sampled token
+        # is never fed): exactly 2 passes over 4 tokens; the load's warm-up pass must not be counted
+        assert (d["forward_passes"], d["total_tokens"]) == (2, 4), d
+        assert d["activations"] > 0
         assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # no temp file left
     finally:
         if proc.poll() is None:
