@@ -18,10 +18,11 @@ a connection-level scene on a connection of its own: undecodable bodies, invalid
 nesting, unknown tags, extra fields, wrong types, requests before Hello, a wrong protocol version
 and requests after the daemon closed, a huge length prefix, a truncated frame, a half-closed
 socket, a disconnect mid-stream, a duplicate id, a flood of generations on one connection.
-Shutdown is sent once, at the end.
-Path settings name only paths in the scratch dir, except the replay trace's (only read): a trace
-output is renamed over its path, and over /dev/null it would replace the device for the machine. --connections long-lived connections each keep up to --window
+Shutdown is sent once, at the end. --connections long-lived connections each keep up to --window
 cases in flight (the replay of one case, --only, is exact; a run's interleaving is not).
+
+Path settings name only paths in the scratch dir, except the replay trace's (only read): a trace
+output is renamed over its path, and over /dev/null it would replace the device for the machine.
 
 Every case is classified by its final reply: `ok` (the documented success reply), or the Error's
 code (bad_request, busy, not_found, model_error, cancelled, ...: expected), or a defect:
