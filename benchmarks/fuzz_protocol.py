@@ -809,7 +809,8 @@ async def play_scene(case: Case, sock: str, deadline: float) -> Result:
                 writer.write_eof()
             reps, eof, hung = await _collect(reader, lambda r: False, deadline)
             if _codes(reps) != ["bad_frame"] or not eof:
-                return _scene_defect(res, reps, eof, hung, f"expected Error bad_frame then EOF, got {reps!r}, eof={eof}")
+                return _scene_defect(res, reps, eof, hung,
+                                     f"expected Error bad_frame then EOF, got {reps!r}, eof={eof}")
             return _scene_ok(res, "bad_frame")
         if case.kind == "half_close":
             writer.write(frame(encode(m)))
@@ -1055,7 +1056,8 @@ async def _settle(run: Run, daemon: Daemon, margin: int) -> None:
         if run.threads["end"] <= run.threads["start"] + margin:
             return
     run.extra.append(Result(-1, "daemon", "leak", "leak", f"{run.threads['end']} threads once every model was "
-                            f"unloaded, {run.threads['start']} at start (--thread-margin {margin}): {daemon.threads()}"))
+                            f"unloaded, {run.threads['start']} at start (--thread-margin {margin}): "
+                            f"{daemon.threads()}"))
 
 
 async def _shutdown(run: Run, daemon: Daemon, pools: Pools, deadline: float) -> None:
@@ -1124,7 +1126,8 @@ def _progress(run: Run, total: int, elapsed: float) -> str:
 def summary(run: Run, opts) -> str:
     n = len(run.results)
     lines = [f"{n} cases (seed {run.seed}, {opts.connections} connections) in {run.wall_s:.1f} s "
-             f"({n / max(run.wall_s, 1e-9):.1f}/s)" + (f"; stopped early: {run.stopped_early}" if run.stopped_early else "")]
+             f"({n / max(run.wall_s, 1e-9):.1f}/s)"
+             + (f"; stopped early: {run.stopped_early}" if run.stopped_early else "")]
     by: dict[str, Counter] = defaultdict(Counter)
     for r in run.results:
         by[r.kind][r.outcome] += 1
