@@ -574,6 +574,7 @@ class _Ggml:
         self.soft_max_ext = fn(base, "ggml_soft_max_ext", P, P, P, P, F, F)
         self.add_sinks = fn(base, "ggml_soft_max_add_sinks", None, P, P)
         self.mul_mat = fn(base, "ggml_mul_mat", P, P, P, P)
+        self.mul_mat_id = fn(base, "ggml_mul_mat_id", P, P, P, P, P)
         self.swiglu_split = fn(base, "ggml_swiglu_split", P, P, P, P)
         self.swiglu_oai = fn(base, "ggml_swiglu_oai", P, P, P, P, F, F)
         self.rms_norm = fn(base, "ggml_rms_norm", P, P, P, F)
@@ -586,6 +587,13 @@ class _Ggml:
         try:
             ts = []
             for a in arrays:
+                if isinstance(a, tuple):  # (raw uint8 bytes, ggml type, ne): a tensor of any type
+                    raw, qt, ne = a
+                    t = self.nt[len(ne)](ctx, qt, *ne)
+                    assert self.nbytes(t) == raw.nbytes
+                    ctypes.memmove(self.data(t), np.ascontiguousarray(raw).ctypes.data, raw.nbytes)
+                    ts.append(t)
+                    continue
                 a = np.ascontiguousarray(a)
                 t = self.nt[a.ndim](ctx, {np.float32: 0, np.float16: 1, np.int32: 26}[a.dtype.type], *a.shape[::-1])
                 ctypes.memmove(self.data(t), a.ctypes.data, a.nbytes)
@@ -671,6 +679,44 @@ def test_attention_equals_libggml(T, start, H, Hkv, window, has_sinks):
     extra = (sinks,) if has_sinks else ()
     want = G.run(build, kf, q.transpose(1, 0, 2), mask, vf, *extra, shape=(H, T, Dh)).transpose(1, 0, 2)
     assert same(ops.attention(q, k, v, pos, scale, window, sinks, True), want)
+
+
+MUL_MAT_TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4"]
+
+
+@needs_ggml
+@pytest.mark.parametrize("name", MUL_MAT_TYPES)
+def test_mul_mat_equals_libggml(name):
+    """matmul.linear ("ggml" numerics) against ggml_mul_mat (and one expert of ggml_mul_mat_id)
+    itself, bit for bit, for every weight
+    type moed supports: activation quantization to the vec_dot type, the integer block dots, the
+    scale combination and the summation order. Row counts 1, 3, 8 and 17 cross the switches
+    between llama.cpp's paths (vec_dot, tinyBLAS for >= 2 float rows, tiled K-quants for >= 8);
+    13 output rows (N % 4 != 0) keep float weights off tinyBLAS."""
+    from gguf import GGMLQuantizationType
+    from gguf import quants as gq
+
+    from daemon.kernels import matmul as M
+    from daemon.kernels import quants as Q
+    from tests.kernels.test_quants import random_blocks
+
+    qt, K = int(getattr(Q, name)), 512
+    rng = np.random.default_rng(qt)
+    for N in (12, 13):
+        if qt in Q.FLOAT_TYPES:  # random bytes would be NaN / inf now and then
+            w = (rng.standard_normal((N, K)) * 0.1).astype(np.float32)
+            raw = np.ascontiguousarray(gq.quantize(w, GGMLQuantizationType(qt))).view(np.uint8).reshape(N, -1)
+        else:  # random codes, finite scales
+            raw = random_blocks(qt, (N,), K, rng)
+        for T in (1, 3, 8, 17):
+            x = rng.standard_normal((T, K)).astype(np.float32)
+            x[0, 32:64] = 0.0  # an all-zero activation block (scale 0)
+            want = GGML.run(GGML.mul_mat, (raw, qt, (K, N)), x, shape=(T, N))
+            assert same(M.linear(x, raw, qt, K), want), (name, N, T)
+            # one expert of a MUL_MAT_ID (no tinyBLAS there) with all T rows routed to it
+            ids = np.zeros((T, 1), np.int32)
+            want = GGML.run(GGML.mul_mat_id, (raw, qt, (K, N, 1)), x[:, None, :], ids, shape=(T, N))
+            assert same(M.linear(x, raw, qt, K, expert=True), want), (name, N, T, "expert")
 
 
 def test_moe_mix_is_the_float32_chain_in_top_k_order():
