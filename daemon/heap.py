@@ -26,6 +26,7 @@ import ctypes
 import ctypes.util
 import gc
 import threading
+from collections.abc import Callable
 
 _lock = threading.Lock()
 
@@ -58,14 +59,18 @@ def release() -> None:
         trim()
 
 
-def settle() -> None:
-    """A closed engine is dropped: freeze the engines still loaded again (after a collection, which
-    frees the dropped one's cycles); with none loaded, only give the freed pages back."""
+def settle(dropped: Callable[[], object] | None = None) -> None:
+    """A closed engine is dropped (`dropped`: a weak reference to it): freeze the engines still
+    loaded again, after a collection, which frees the dropped one's cycles. With none loaded,
+    collect only if the engine outlived its last reference (a cycle: its buffers, VRAM included,
+    would wait for the collector's next full collection); give the freed pages back."""
     with _lock:
         if _held[0] > 0:
             _freeze()
-        else:
-            trim()
+            return
+        if dropped is not None and dropped() is not None:
+            gc.collect()
+        trim()
 
 
 def _freeze() -> None:

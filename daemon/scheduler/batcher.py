@@ -30,6 +30,7 @@ import asyncio
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -162,6 +163,7 @@ class Batcher:
                         self._post(self._resolve, fut, True, fn(self.engine))
                     except BaseException as e:  # noqa: BLE001 - handed to the awaiting request
                         self._post(self._resolve, fut, False, e)
+                jobs = fn = fut = None  # the load's future holds the engine: not past its unload
                 try:
                     self._advance(new)
                 except Exception as e:  # a bug outside every guard: its sequences fail, the loop goes on
@@ -294,8 +296,12 @@ class Batcher:
                 self.engine.close()
             except Exception:
                 log.exception("closing %s failed", self.name)
+            try:
+                dropped = weakref.ref(self.engine)
+            except TypeError:  # a test's stand-in
+                dropped = None
             self.engine = None
-            heap.settle()  # it is gone now: refreeze the other models, give the freed pages back
+            heap.settle(dropped)  # it is gone now: refreeze the other models, give the freed pages back
         log.debug("%s: compute thread ended (close took %.3fs)", self.name, time.perf_counter() - t0)
         self._post(self._resolve, self.stopped, True, None)
 

@@ -121,3 +121,31 @@ async def test_an_unload_freezes_the_models_still_loaded_again(model, tmp_path):
         await s.close()
         gc.unfreeze()
     assert frozen > 10_000, f"{frozen} objects frozen with a model loaded"
+
+
+async def test_an_unloaded_engine_in_a_reference_cycle_is_freed_at_its_unload(model):
+    """A model whose engine is in a reference cycle (a backend's objects may be) gives its memory,
+    VRAM included, back at its unload, not at the collector's next full collection."""
+    import gc
+    import weakref
+
+    from daemon.scheduler import Scheduler
+    from tests.scheduler.test_scheduler import Factory, settings
+
+    engines = []
+
+    def cyclic(path, **kw):
+        engine = Factory()(path, **kw)
+        engine.itself = engine
+        engines.append(weakref.ref(engine))
+        return engine
+    s = Scheduler(settings(), factory=cyclic)
+    gc.disable()  # only the daemon's own collections count
+    try:
+        m, _ = await s.load(model, keep_alive=0)
+        await m.batcher.stopped
+        alive = engines[0]() is not None
+    finally:
+        gc.enable()
+        await s.close()
+    assert not alive
