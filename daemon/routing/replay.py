@@ -38,18 +38,45 @@ LFU_DECAY = 0.95  # best of 0.7..0.98 on the two real traces (tuned on them: opt
 # -- loading -----------------------------------------------------------------------------------
 
 
-def _read_text(path: str) -> str:
-    if path.endswith(".zst"):
-        import zstandard
+MAX_TRACE_BYTES = 64 * 2**20  # on disk, and again decompressed: the biggest shipped trace is 0.3 MB
+_CHUNK = 2**20
 
-        try:
-            with open(path, "rb") as f:
-                data = zstandard.ZstdDecompressor().stream_reader(f).read()
-        except zstandard.ZstdError as e:
-            raise RequestError(f"{path}: not a valid zstd file ({e})") from None
-        return data.decode("utf-8", errors="strict")
-    with open(path, "r", encoding="utf-8") as f:
-        return f.read()
+
+def _too_big(path: str, what: str) -> RequestError:
+    return RequestError(f"{path}: trace {what} {MAX_TRACE_BYTES // 2**20} MiB (MAX_TRACE_BYTES); not reading it")
+
+
+def _read_bounded(read, path: str, what: str) -> bytes:
+    """read(n) until EOF, refusing more than MAX_TRACE_BYTES."""
+    parts, n = [], 0
+    while chunk := read(_CHUNK):
+        n += len(chunk)
+        if n > MAX_TRACE_BYTES:
+            raise _too_big(path, what)
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def _read_text(path: str) -> str:
+    """The trace's text. Opened as model files are (a FIFO or device is never read: one would block
+    the load forever, /dev/zero would fill memory), with its size bounded before and after zstd."""
+    from ..storage.gguf import open_regular
+
+    fd, st = open_regular(path)
+    with open(fd, "rb", closefd=True) as f:
+        os.set_blocking(fd, True)
+        if st.st_size > MAX_TRACE_BYTES:
+            raise _too_big(path, "file is larger than")
+        data = _read_bounded(f.read, path, "file is larger than")
+        if path.endswith(".zst"):
+            import zstandard
+
+            try:
+                data = _read_bounded(zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)).read, path,
+                                     "decompresses to more than")
+            except zstandard.ZstdError as e:
+                raise RequestError(f"{path}: not a valid zstd file ({e})") from None
+    return data.decode("utf-8", errors="strict")
 
 
 def load_trace(path: str | os.PathLike) -> Trace:
