@@ -38,6 +38,9 @@ attached), and when it is garbage-collected (its engine dropped unclosed); each 
 counts not yet written, so a close after the exit's write (or the other way round) rewrites
 nothing. A failed end write is reported on stderr, not raised. SIGKILL or a crash writes nothing;
 since every write is a rename of a complete temp file, the file is never left half-written.
+The output path must be nothing yet or a regular file (not a symbolic link): anything else (a
+FIFO, a device, a directory) is refused with ConfigError when the tracer is made (a Load's settings)
+and again at each write, since a rename would replace it. The file is private (0600).
 
 Skew: max_over_mean is the busiest expert's count over the mean count (1.0 = perfectly even);
 entropy is the Shannon entropy of the layer's expert distribution over log(n_expert) (1.0 = even,
@@ -50,6 +53,7 @@ import atexit
 import contextlib
 import json
 import os
+import stat
 import sys
 import tempfile
 import threading
@@ -58,6 +62,8 @@ from collections.abc import Callable
 from typing import TextIO
 
 import numpy as np
+
+from ..errors import ConfigError
 
 PROJECTIONS = ("gate", "up", "down")
 TOP_N = 10
@@ -79,6 +85,8 @@ class ExpertUsageTracer:
                  output: str | os.PathLike = "", log: TextIO | None = None) -> None:
         self.stats, self.names, self.per_layer = bool(stats), bool(names), bool(per_layer)
         self.output = os.fspath(output) if output else ""
+        if self.output:
+            check_output_path(self.output)  # at load, not only at the end: a bad path fails the Load
         self._log = log
         self.moe_layers: list[int] | None = None  # known once attached to a model
         self.n_expert = 0
@@ -275,19 +283,41 @@ class ExpertUsageTracer:
         return path
 
 
+def check_output_path(path: str) -> None:
+    """ConfigError unless `path` may be replaced by a rename: nothing there, or a regular file (not
+    a symbolic link). A rename would swap a FIFO, a device (as root:
+    /dev/null itself) or a link for our file. Checked when the setting is given and at each write."""
+    def refuse(why: str) -> ConfigError:
+        return ConfigError(f"MOE_EXPERT_TRACE_OUTPUT: {path} {why}; not writing the expert usage there")
+
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:  # a missing directory fails the write, reported at the end
+        return
+    except OSError as e:
+        raise refuse(f"cannot be checked ({e.strerror or e})") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise refuse("is a symbolic link")
+    if not stat.S_ISREG(st.st_mode):
+        raise refuse("exists and is not a regular file")
+
+
 def _write_atomically(path: str, data: bytes) -> None:
-    """`data` (zstandard-compressed for a `.zst` path) to `path` via a temp file and a rename."""
+    """`data` (zstandard-compressed for a `.zst` path) to `path` via a temp file and a rename. The
+    temp file is mkstemp's (same directory, O_EXCL|O_NOFOLLOW, 0600: the counts name the model's
+    routing, private like the daemon's log)."""
     if path.endswith(".zst"):
         import zstandard
 
         data = zstandard.ZstdCompressor(level=10).compress(data)
+    check_output_path(path)
     fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp",
                                dir=os.path.dirname(os.path.abspath(path)))
     try:
-        os.fchmod(fd, 0o644)  # mkstemp's 0600 would make the trace private
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             os.fsync(f.fileno())  # the rename must not land before the data (a system crash)
+        check_output_path(path)  # again just before the rename: the window is the rename's alone
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

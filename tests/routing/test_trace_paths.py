@@ -126,11 +126,6 @@ def test_a_trace_output_swapped_for_a_fifo_after_the_check_is_refused_at_write_t
     assert stat.S_ISFIFO(os.lstat(out).st_mode) and os.listdir(tmp_path) == ["usage.json"]
 
 
-def test_a_trace_output_in_a_missing_directory_is_refused_early(tmp_path):
-    with pytest.raises(ConfigError, match="no directory"):
-        ExpertUsageTracer(output=str(tmp_path / "missing" / "usage.json"))
-
-
 def test_the_trace_output_replaces_a_regular_file_and_is_private(tmp_path):
     out = tmp_path / "usage.json"
     out.write_text("old")
