@@ -124,8 +124,9 @@ class Engine:
         self.n_ctx = min(settings.n_ctx, model.hp.n_ctx_train) if settings.n_ctx else model.hp.n_ctx_train
         self.vram = model.experts if getattr(model.experts, "tiered", False) else None  # VRAMExpertCache
         self.cache = model.experts if isinstance(model.experts, ExpertCache) else getattr(self.vram, "host", None)
-        try:  # a bad trace fails the load; the engine owns the file and the cache it was given
+        try:  # a bad trace or trace output fails the load; the engine owns the file and cache it was given
             self.routing_replay = RoutingReplay.from_settings(settings, model)
+            self.tracer = ExpertUsageTracer.from_settings(settings) if model.moe_layers else None
         except BaseException:
             (self.vram or self.cache or gguf).close()
             gguf.close()
@@ -139,7 +140,6 @@ class Engine:
         self.prefetcher = (Prefetcher(model, self.vram or self.cache, self.routing,
                                       settings.routing_verbose).attach(model)
                            if self.cache is not None else None)
-        self.tracer = ExpertUsageTracer.from_settings(settings) if model.moe_layers else None
         if self.tracer is not None:
             self.tracer.attach(model)
 

@@ -57,6 +57,21 @@ def _read_bounded(read, path: str, what: str) -> bytes:
     return b"".join(parts)
 
 
+def check_trace_path(path: str | os.PathLike) -> None:
+    """RequestError unless `path` is a regular file within MAX_TRACE_BYTES: what load_trace_ids
+    refuses before reading (the registry asks before it unloads a model to make room)."""
+    from ..storage.gguf import open_regular
+
+    path = os.fspath(path)
+    try:
+        fd, st = open_regular(path)
+    except OSError as e:
+        raise RequestError(f"cannot read trace {path}: {e.strerror or e}") from None
+    os.close(fd)
+    if st.st_size > MAX_TRACE_BYTES:
+        raise _too_big(path, "file is larger than")
+
+
 def _read_text(path: str) -> str:
     """The trace's text. Opened as model files are (a FIFO or device is never read: one would block
     the load forever, /dev/zero would fill memory), with its size bounded before and after zstd."""

@@ -10,6 +10,8 @@
                              The resident bytes come from `known` (ResidentBytes: files loaded or
                              read before, by identity) or from the GGUF header (about 0.25 s for a
                              49k-token vocabulary on a busy 2-core machine).
+    check_model_file(path, known) -> resident bytes
+                             the header check alone (raises as the load would), on CPU or GPU
 
 Nothing here imports numba: the GPU count comes from libcuda alone, as select.py's probe does.
 """
@@ -113,6 +115,13 @@ def host_need(path: str, settings: Mapping[str, Any], known: ResidentBytes | Non
     cfg = Settings.load(**settings)  # as Engine.load reads them: environment, then the Load's
     if not _on_cpu(cfg):
         return None
+    return HostNeed(check_model_file(path, known), int(cfg.expert_cache_limit_mb * 2**20))
+
+
+def check_model_file(path: str, known: ResidentBytes | None = None) -> int:
+    """The file's resident bytes, read from its GGUF header (or from `known`, a stat): raises as the
+    load would (ModelError, GGUFError, OSError) for what is not a regular file, not GGUF, or a header
+    or tensor data that runs past the file's end."""
     st = os.stat(path)
     resident = known.get(st) if known is not None else None
     if resident is None:
@@ -122,4 +131,4 @@ def host_need(path: str, settings: Mapping[str, Any], known: ResidentBytes | Non
             resident = resident_bytes(gguf.tensors)
         if known is not None:
             known.put(known.key(st), resident)
-    return HostNeed(resident, int(cfg.expert_cache_limit_mb * 2**20))
+    return resident

@@ -22,6 +22,10 @@ will compute on the CPU must fit in MemAvailable (its resident bytes and cache l
 less what the models still loading will take): idle models are unloaded, least recently used
 first, to make room; if it still does not fit it is refused with the sizes, before its load.
 
+Before a model is unloaded to make room, or a place awaited, the load's cheap refusals are checked
+(check_load: the model file's GGUF header, the path settings), so a Load that cannot load costs no
+other model its place.
+
 A compute thread can also stop by itself: its model file changed on disk (ModelFileChanged), or,
 as a last line of defence, its loop broke. The registry then drops the model as if unloaded
 (`batcher.stopped` resolves; a request that comes first sees `batcher.stopping`), so the next
@@ -40,10 +44,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..config import Settings
-from ..errors import ConfigError, ModelError, MoedError, SchedulerError, wire_error
+from ..errors import ConfigError, ModelError, MoedError, RequestError, SchedulerError, wire_error
 from ..progress import COMPILE_NOTICE_S, COMPILING, Progress, Relay, Report, reported_if_slow
+from ..routing.replay import check_trace_path
+from ..routing.tracer import check_output_path
 from .batcher import Batcher
-from .capacity import HostNeed, ResidentBytes, default_max_loaded, host_need, mem_available, resident_bytes
+from .capacity import (HostNeed, ResidentBytes, check_model_file, default_max_loaded, host_need, mem_available,
+                       resident_bytes)
 
 log = logging.getLogger("moed.scheduler")
 
@@ -58,6 +65,21 @@ def _error_for_load(path: str, e: BaseException) -> SchedulerError:
     if not isinstance(e, MoedError):  # a failure the reader did not name: still the file's
         e = ModelError(f"loading {path} failed: {type(e).__name__}: {e}")
     return SchedulerError(*wire_error(e))
+
+
+def check_load(path: str, settings: Mapping[str, Any], known: ResidentBytes | None = None) -> None:
+    """What the load would refuse at once, raised as the load raises it: the model file (a regular
+    file with a whole GGUF header, capacity.check_model_file) and the path settings (a replay trace
+    that is a regular file of bounded size, a trace output that a rename may replace)."""
+    check_model_file(path, known)
+    cfg = Settings.load(**settings)  # as Engine.load reads them: environment, then the Load's
+    if cfg.routing_replay:
+        try:
+            check_trace_path(cfg.routing_replay)
+        except RequestError as e:
+            raise ConfigError(f"MOE_ROUTING_REPLAY: {e}") from None
+    if cfg.expert_trace_output:
+        check_output_path(cfg.expert_trace_output)
 
 
 LOAD_STEPS = 4  # Engine.load's progress messages: reading, experts, model, tokenizer
@@ -264,6 +286,7 @@ class ModelRegistry:
         another request listed it meanwhile, else None: the caller lists it with no await between;
         the host memory its load needs, None when not checked)."""
         need = None
+        checked = False
         if self.available_memory is not None:
             try:  # the GGUF header, off the event loop
                 need = await asyncio.to_thread(host_need, path, settings, self.resident)
@@ -275,6 +298,9 @@ class ModelRegistry:
             evictable = [x for x in idle if x.keep_alive >= 0]
             victim = min(evictable, key=lambda x: x.last_used) if evictable else None
             if len(models) >= self.max_loaded:
+                if not checked and (victim is not None or len(idle) < len(models)):
+                    checked = await self._check_load(path, settings)
+                    continue  # the check awaited: look again
                 if victim is not None:
                     log.info("%s: unloading the least recently used idle model, %s (MOED_MAX_LOADED_MODELS=%d)",
                              path, victim.name, self.max_loaded)
@@ -292,6 +318,9 @@ class ModelRegistry:
                 if need.total > free:
                     if victim is None:
                         raise need.refusal(path, max(free, 0))
+                    if not checked:
+                        checked = await self._check_load(path, settings)
+                        continue
                     log.info("%s: unloading the least recently used idle model, %s, to make room in host memory",
                              path, victim.name)
                     self.evictions += 1
@@ -299,6 +328,16 @@ class ModelRegistry:
                     continue
             break
         return m, need
+
+    async def _check_load(self, path: str, settings: Mapping[str, Any]) -> bool:
+        """check_load off the event loop, before a model is unloaded or a place awaited for this
+        load: one that would fail at once costs no other model its place. -> True, else raises the
+        load's SchedulerError."""
+        try:
+            await asyncio.to_thread(check_load, path, settings, self.resident)
+        except Exception as e:  # noqa: BLE001 - told to the requester as its load's failure
+            raise _error_for_load(path, e) from None
+        return True
 
     def _room_changed(self) -> None:
         """Wake the requests waiting in _make_room (each looks again)."""

@@ -134,3 +134,14 @@ def test_the_trace_output_replaces_a_regular_file_and_is_private(tmp_path):
     assert stat.S_IMODE(os.stat(out).st_mode) == 0o600
     assert os.listdir(tmp_path) == ["usage.json"]
 
+
+
+def test_a_bad_trace_output_fails_the_load(fixture_dir, tmp_path):
+    from daemon.engine import Engine
+    from tests.fixtures.build import fixture_path
+
+    fifo = tmp_path / "usage.json"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match="MOE_EXPERT_TRACE_OUTPUT.*not a regular file"):
+        Engine.load(fixture_path("qwen3moe", "Q8_0", fixture_dir), expert_trace_output=str(fifo))
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)

@@ -1,8 +1,8 @@
 """MOED_MAX_LOADED_MODELS (issue 25, item 13): past the cap the least recently used idle model is
 unloaded, never one kept with a negative keep-alive; while every model is busy a request waits in
 the bounded queue (busy when it is full); a load that cannot fit in host memory is refused with the
-sizes, after idle models were unloaded to make room. Fake engines: no numba; the memory tests read
-the header of a fixture GGUF."""
+sizes, after idle models were unloaded to make room; a file that cannot load unloads none. Fake
+engines: no numba; the model files are copies of a fixture GGUF, whose header is read."""
 
 from __future__ import annotations
 
@@ -39,11 +39,12 @@ class Factory:
 
 
 @pytest.fixture
-def files(tmp_path) -> list[str]:
+def files(tmp_path, gguf) -> list[str]:
+    """Five copies of a real GGUF: a load that unloads another checks the file's header first."""
     out = []
     for name in "abcde":
         p = tmp_path / f"{name}.gguf"
-        p.write_bytes(b"x")
+        shutil.copyfile(gguf, p)
         out.append(str(p))
     return out
 
@@ -234,5 +235,69 @@ async def test_a_reload_reads_the_resident_size_without_parsing_the_header_again
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # another file now, for all it knows
         await use(reg, path, settings=CPU)
         assert reg.loads == 4 and opened == [path, path]
+    finally:
+        await reg.close()
+
+
+# -- a Load that cannot load costs no other model its place (protocol fuzzer, issue 25) ----------
+
+
+def unloadable(kind: str, gguf: str, tmp_path) -> str:
+    if kind == "devnull":
+        return "/dev/null"
+    if kind == "directory":
+        return str(tmp_path)
+    p = tmp_path / f"{kind}.gguf"
+    if kind == "truncated":  # a whole header, tensor data cut short
+        p.write_bytes(open(gguf, "rb").read()[: os.path.getsize(gguf) // 2])
+    else:  # not_gguf
+        p.write_bytes(b"not a model" * 100)
+    return str(p)
+
+
+@pytest.mark.parametrize("kind", ["devnull", "directory", "truncated", "not_gguf"])
+async def test_a_file_that_cannot_load_unloads_no_idle_model(gguf, tmp_path, kind):
+    a = str(tmp_path / "a.gguf")
+    shutil.copyfile(gguf, a)
+    bad = unloadable(kind, gguf, tmp_path)
+    reg = registry(1)
+    try:
+        await use(reg, a)  # idle, and the only place is taken
+        with pytest.raises(SchedulerError) as e:
+            await asyncio.wait_for(use(reg, bad), 60)
+        assert e.value.code == "model_error"
+        assert list(reg.models) == [a] and reg.factory.log == [("loaded", a)] and reg.evictions == 0
+    finally:
+        await reg.close()
+
+
+async def test_a_file_that_cannot_load_does_not_wait_for_a_place(gguf, tmp_path):
+    a = str(tmp_path / "a.gguf")
+    shutil.copyfile(gguf, a)
+    reg = registry(1)
+    try:
+        held, _ = await reg.acquire(a)  # in use: a good file would wait for it
+        with pytest.raises(SchedulerError) as e:
+            await asyncio.wait_for(reg.acquire("/dev/null"), 60)
+        assert e.value.code == "model_error" and list(reg.models) == [a]
+        reg.release(held)
+    finally:
+        await reg.close()
+
+
+@pytest.mark.parametrize("setting", ["routing_replay", "expert_trace_output"])
+async def test_a_bad_path_setting_unloads_no_idle_model(gguf, tmp_path, setting):
+    a, b = str(tmp_path / "a.gguf"), str(tmp_path / "b.gguf")
+    shutil.copyfile(gguf, a)
+    shutil.copyfile(gguf, b)
+    fifo = str(tmp_path / "fifo")
+    os.mkfifo(fifo)
+    reg = registry(1)
+    try:
+        await use(reg, a)
+        with pytest.raises(SchedulerError) as e:
+            await asyncio.wait_for(use(reg, b, settings={setting: fifo}), 60)
+        assert "not a regular file" in str(e.value)
+        assert list(reg.models) == [a] and reg.factory.log == [("loaded", a)]
     finally:
         await reg.close()
