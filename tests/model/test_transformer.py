@@ -46,7 +46,7 @@ def test_incremental_decode_equals_one_pass_float32(arch, fixture_dir):
 @pytest.mark.llamacpp
 @pytest.mark.parametrize("arch,wtype", [(a, ("Q4_K", "F16")[i % 2]) for i, a in enumerate(ARCHS)])
 def test_incremental_decode_bit_identical_to_llamacpp(arch, wtype, fixture_dir, needs_llamacpp):
-    """"ggml" numerics: the same split in llama.cpp (one llama_decode per step) gives the same
+    """In "ggml" numerics the same split in llama.cpp (one llama_decode per step) gives the same
     logits, every row, bit for bit. F16 and K-quant weights are the types whose summation order
     depends on the step's row count (tinyBLAS / tiled kernels), so a row here can differ from
     one pass over the whole sequence in its last bits, as llama.cpp's does."""
