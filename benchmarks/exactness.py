@@ -19,11 +19,11 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from daemon import Engine  # noqa: E402
-from tests.fixtures.build import fixture_path  # noqa: E402
+from tests.fixtures.build import WTYPES, fixture_path  # noqa: E402
 from tests.fixtures.reference import reference_logits  # noqa: E402
 
 CASES = [(a, t) for a in ("llama", "llama-moe", "qwen3moe", "qwen2moe", "olmoe", "gpt-oss")
-         for t in ("F16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")] + [("gpt-oss", "MXFP4")]
+         for t in WTYPES if t != "MXFP4"] + [("gpt-oss", "MXFP4")]
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
         "combined movable metal type with an oil-based ink and a wooden press. Within decades, printers "
         "across Europe were producing books faster and more cheaply than ever before.")
