@@ -5,11 +5,10 @@ care and kept to a bounded size.
     RotatingStderr(path)                  a logging handler on stderr that rotates the file
 
 The socket may live in a sticky shared directory such as /tmp, where another user can plant a
-FIFO (open() would block forever), a symbolic link (we would write where they point) or their own
-0666 file (they would read the model paths and errors we log). So the log is opened O_NOFOLLOW |
-O_NONBLOCK and kept only if it is a regular file of the daemon's user with one link; anything
-else is refused (MoedError naming the path and MOED_SOCKET). A file of ours that others may read
-or write is made 0600.
+FIFO, a symbolic link or their own 0666 file (they would read the model paths and errors we log).
+So the log is opened as the lock file is (ipc.ownfile: O_NOFOLLOW|O_NONBLOCK, a regular file of
+the daemon's user with one link, made 0600); anything else is refused (MoedError naming the path
+and MOED_SOCKET).
 
 Size: when the file passes LOG_MAX_BYTES it is renamed to PATH.log.1 (replacing the older one)
 and a fresh PATH.log is opened onto stdout and stderr, so that logging, warnings and a crash's
@@ -20,17 +19,16 @@ cap holds either way.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import stat
 import sys
+
+from ipc.ownfile import NotOurFile, open_own
 
 from .errors import MoedError
 
 LOG_MAX_BYTES = 16 * 2**20  # per file; one old file (.1) is kept
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
-_WRITE_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+_WRITE_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT
 
 
 def _refuse(path: str, why: str) -> MoedError:
@@ -40,30 +38,13 @@ def _refuse(path: str, why: str) -> MoedError:
 
 def open_log(path: str, write: bool = True) -> int:
     """A blocking fd on the log at `path` (created 0600 when writing), or MoedError if it is not a
-    regular file of ours with one link. Never follows a link, never blocks on a FIFO."""
+    regular file of ours with one link (ipc.ownfile). Never follows a link, never blocks on a FIFO."""
     try:
-        fd = os.open(path, _WRITE_FLAGS if write else _READ_FLAGS, 0o600)
+        return open_own(path, _WRITE_FLAGS if write else os.O_RDONLY)
+    except NotOurFile as e:
+        raise _refuse(path, str(e)) from None
     except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise _refuse(path, "is a symbolic link; not following it") from None
-        if e.errno == errno.ENXIO:  # a FIFO with no reader (O_NONBLOCK|O_WRONLY)
-            raise _refuse(path, "is not a regular file") from None
         raise MoedError(f"cannot open the daemon's log {path}: {e.strerror or e}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise _refuse(path, "is not a regular file")
-        if st.st_uid != os.geteuid():
-            raise _refuse(path, f"belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})")
-        if st.st_nlink != 1:
-            raise _refuse(path, "has other hard links; not writing to it")
-        if write and stat.S_IMODE(st.st_mode) & 0o077:
-            os.fchmod(fd, 0o600)  # ours, but others could read the model paths we log
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 def tail(path: str, n: int = 5, max_bytes: int = 8192) -> list[str]:

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import fcntl
 import logging
 import os
@@ -72,6 +71,7 @@ from daemon.errors import MoedError, wire_error
 from .client import default_socket_path, peer_cred
 from .errors import FrameTooLarge, ProtocolError, TruncatedFrame
 from .framing import pack_frame, read_frame
+from .ownfile import NotOurFile, open_own
 from .protocol import (
     PROTOCOL_VERSION,
     Cancel,
@@ -371,24 +371,12 @@ class Server:
     def _take_lock(self, lock: str) -> int:
         """flock the lock file for the daemon's lifetime and write our pid into it; never follow
         a link or truncate a file that is not a private lock of ours."""
-        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
         try:
-            fd = os.open(lock, flags, 0o600)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise UnsafeSocketPath(f"the lock file {lock} is a symbolic link; not following it "
-                                       f"(remove it if you made it)") from None
-            raise
+            fd = open_own(lock, os.O_RDWR | os.O_CREAT, self.uid)
+        except NotOurFile as e:
+            raise UnsafeSocketPath(f"the lock file {lock} {e}; remove it if you made it, or use a directory "
+                                   f"of your own (MOED_SOCKET)") from None
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise UnsafeSocketPath(f"the lock file {lock} is not a regular file")
-            if st.st_uid != self.uid:
-                raise UnsafeSocketPath(f"the lock file {lock} belongs to uid {st.st_uid}, not to this user "
-                                       f"(uid {self.uid}); remove it, or use a directory of your own")
-            if st.st_nlink != 1:
-                raise UnsafeSocketPath(f"the lock file {lock} has other hard links; not writing to it "
-                                       f"(remove it if you made it)")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
