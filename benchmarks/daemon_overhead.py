@@ -44,6 +44,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from _bench.daemon import start_daemon  # noqa: E402  (benchmarks/ is sys.path[0] for a script)
+
 PROMPTS = [
     "The history of the printing press begins",
     "In the middle of the ocean there is",
@@ -76,25 +78,6 @@ def in_process_run(engine, ids: list[int], tokens: int) -> float:
     list(engine.generate(ids, tokens, temperature=0))
     s = engine.last_stats
     return s.eval_duration / max(s.eval_count, 1) / 1e6
-
-
-def start_daemon(sock: str, max_batch: int) -> subprocess.Popen:
-    from ipc import Client, NotRunning
-
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "serve", "--socket", sock,
-                             "--max-batch", str(max_batch), "--queue-size", str(max(64, max_batch))],
-                            env=env, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            with Client(sock) as c:
-                c.health()
-            return proc
-        except NotRunning:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the daemon did not start") from None
-            time.sleep(0.05)
 
 
 def daemon_run(client, path: str, ids: list[int], tokens: int) -> tuple[float, float, int]:
@@ -242,7 +225,8 @@ def main() -> None:
     prompts = [prompts[i % len(prompts)] for i in range(max(levels))]
     with tempfile.TemporaryDirectory(prefix="moed-bench-") as tmp:
         sock = os.path.join(tmp, "moed.sock")
-        proc = start_daemon(sock, max(levels))
+        n = max(levels)
+        proc = start_daemon(sock, "--max-batch", str(n), "--queue-size", str(max(64, n)))
         try:
             with Client(sock, timeout=600) as c:
                 c.load(path, keep_alive=-1, **settings)

@@ -26,13 +26,14 @@ import asyncio
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from _bench.daemon import start_daemon  # noqa: E402  (benchmarks/ is sys.path[0] for a script)
 
 PROMPT = [1, 17, 42, 99, 7, 3, 250, 12]  # token ids (the fixture has no chat template to apply)
 
@@ -45,24 +46,6 @@ def largest_allowed() -> list[str]:
 
 def probes() -> list[str]:
     return ["☃%07d" % k for k in range(10**6)]
-
-
-def start_daemon(sock: str) -> subprocess.Popen:
-    from ipc import Client, NotRunning
-
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "serve", "--socket", sock],
-                            env=env, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            with Client(sock) as c:
-                c.health()
-            return proc
-        except NotRunning:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the daemon did not start") from None
-            time.sleep(0.05)
 
 
 async def victim(sock: str, model: str, tokens: int) -> float:
