@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -69,6 +71,15 @@ def smollm2() -> Path:
 def needs_llamacpp():
     if not llama_cpp_available():
         missing_reference("llama-cpp-python is not installed (pip install -e '.[test]')")
+
+
+@pytest.fixture
+def shared_dir():
+    """A 0755 directory under /tmp that other users can reach (pytest's tmp_path is under a 0700 one)."""
+    d = tempfile.mkdtemp(prefix="moed-t-", dir="/tmp")
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -63,20 +63,20 @@ def test_settings_states_the_ranges():
 # -- the daemon's log and socket path (`moed run` starts a daemon) -------------------------------
 
 @pytest.fixture
-def shared_dir():
+def sticky_dir():
     d = tempfile.mkdtemp(prefix="moed-t-", dir="/tmp")  # sticky and open to all, as /tmp: the docs allow it
     os.chmod(d, 0o1777)
     yield d
     shutil.rmtree(d, ignore_errors=True)
 
 
-def test_run_refuses_a_fifo_at_the_log_path_without_blocking(shared_dir):
-    sock = os.path.join(shared_dir, "moed.sock")
-    os.mkfifo(os.path.join(shared_dir, "moed.log"), 0o666)  # another user's trap: open() would block
+def test_run_refuses_a_fifo_at_the_log_path_without_blocking(sticky_dir):
+    sock = os.path.join(sticky_dir, "moed.sock")
+    os.mkfifo(os.path.join(sticky_dir, "moed.log"), 0o666)  # another user's trap: open() would block
     out = subprocess.run([sys.executable, "-m", "daemon.cli", "run", "hi"], capture_output=True, text=True,
                          timeout=60, env={**os.environ, "MOED_SOCKET": sock}, cwd=ROOT)
     assert out.returncode == 1 and "moed: error:" in out.stderr
-    assert os.path.join(shared_dir, "moed.log") in out.stderr and "MOED_SOCKET" in out.stderr
+    assert os.path.join(sticky_dir, "moed.log") in out.stderr and "MOED_SOCKET" in out.stderr
     assert "starting" not in out.stderr and not os.path.exists(sock)
 
 
@@ -97,19 +97,19 @@ def _no_spawn(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("plant", [pytest.param("foreign_0666", marks=as_root), "hard_link"])
-def test_start_daemon_refuses_a_planted_log_file(shared_dir, monkeypatch, plant):
-    log = os.path.join(shared_dir, "moed.log")
-    with open(os.path.join(shared_dir, "theirs"), "w") as f:
+def test_start_daemon_refuses_a_planted_log_file(sticky_dir, monkeypatch, plant):
+    log = os.path.join(sticky_dir, "moed.log")
+    with open(os.path.join(sticky_dir, "theirs"), "w") as f:
         f.write("planted\n")
     if plant == "foreign_0666":
-        os.rename(os.path.join(shared_dir, "theirs"), log)
+        os.rename(os.path.join(sticky_dir, "theirs"), log)
         os.chmod(log, 0o666)
         os.chown(log, OTHER, OTHER)
     else:
-        os.link(os.path.join(shared_dir, "theirs"), log)
+        os.link(os.path.join(sticky_dir, "theirs"), log)
     calls = _no_spawn(monkeypatch)
     with pytest.raises(MoedError) as e:
-        _start_daemon(os.path.join(shared_dir, "moed.sock"), timeout=1)
+        _start_daemon(os.path.join(sticky_dir, "moed.sock"), timeout=1)
     assert log in str(e.value) and "MOED_SOCKET" in str(e.value)
     assert calls == []
     with open(log) as f:

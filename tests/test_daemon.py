@@ -13,7 +13,6 @@ import sys
 import tempfile
 import time
 
-import shutil
 import stat
 
 import pytest
@@ -168,14 +167,6 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
-
-
-@pytest.fixture
-def shared_dir():
-    d = tempfile.mkdtemp(prefix="moed-t-", dir="/tmp")  # reachable by other users, unlike tmp_path
-    os.chmod(d, 0o755)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @as_root

@@ -17,7 +17,6 @@ import shutil
 import signal
 import socket
 import stat
-import tempfile
 import threading
 
 import pytest
@@ -63,15 +62,6 @@ from tests.ipc.raw import Raw
 T = 60  # seconds before a test fails rather than hangs
 OTHER, STRANGER = 4242, 4243  # uids of other local users (no such accounts needed)
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as other users")
-
-
-@pytest.fixture
-def shared_dir():
-    """A directory under /tmp that other users can reach (pytest's tmp_path is 0700)."""
-    d = tempfile.mkdtemp(prefix="moed-t-", dir="/tmp")
-    os.chmod(d, 0o755)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

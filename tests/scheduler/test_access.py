@@ -6,9 +6,7 @@ directories above). Fake engines: no numba."""
 from __future__ import annotations
 
 import os
-import shutil
 import stat
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,18 +39,9 @@ class Factory:
 
 
 @pytest.fixture
-def shared():
-    """A directory under /tmp that other users can reach (pytest's tmp_path is under a 0700 one)."""
-    d = tempfile.mkdtemp(prefix="moed-t-", dir="/tmp")
-    os.chmod(d, 0o755)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def private(shared) -> str:
+def private(shared_dir) -> str:
     """A 0600 file of the daemon's user in a searchable directory."""
-    p = os.path.join(shared, "private.gguf")
+    p = os.path.join(shared_dir, "private.gguf")
     with open(p, "wb") as f:
         f.write(b"x")
     os.chmod(p, 0o600)
@@ -97,8 +86,8 @@ async def test_the_daemon_user_and_in_process_callers_are_trusted(private):
     check_settings(Peer(OTHER), {"n_ctx": 512})
 
 
-def test_readable_by_follows_owner_group_and_other_bits(shared):
-    d = Path(shared)
+def test_readable_by_follows_owner_group_and_other_bits(shared_dir):
+    d = Path(shared_dir)
     f = d / "m.gguf"
     f.write_bytes(b"x")
     st = os.stat(f)
