@@ -12,7 +12,8 @@
     ├── Busy               "busy": the daemon's request queue, this connection's share of it, or
     │                      its connections are full; retry later
     ├── BadRequest         "bad_request": the daemon refused the request as invalid (a prompt
-    │   │                  longer than the context, a bad setting, ...); retrying will not help
+    │   │                  longer than the context, a bad setting, ...), or the client's structs
+    │   │                  did before sending (a stop list past its bounds, ...); retrying will not help
     │   └── Forbidden      "forbidden": this user may not do that (connect, set a daemon-side
     │                      path, name a model file it cannot read itself)
     ├── ModelError         "model_error" (failed to load or run), "not_found" (no such model)
@@ -65,7 +66,8 @@ class Busy(ClientError):
 
 
 class BadRequest(ClientError):
-    """The daemon refused the request as invalid; the same request will fail again."""
+    """The request is invalid (refused by the daemon, or by the client before sending); the same
+    request will fail again."""
 
 
 class Forbidden(BadRequest):
