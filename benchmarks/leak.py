@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -53,7 +54,7 @@ def probe(cuda: bool) -> dict:
     out = {"rss_bytes": rss, "gc_objects": len(gc.get_objects()) + gc.get_freeze_count(),
            "pinned_bytes": transfer.pinned_bytes() if transfer is not None else 0,
            "threads": threading.active_count(), "fds": len(os.listdir("/proc/self/fd"))}
-    if cuda:
+    if cuda and os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":  # the simulator has no device memory
         from numba import cuda as nc
 
         out["vram_free_bytes"] = int(nc.current_context().get_memory_info()[0])
@@ -69,7 +70,12 @@ def serve(sock: str, cuda: bool) -> int:
 
     def answer():
         for _line in sys.stdin:
-            answers.write(json.dumps(probe(cuda)) + "\n")
+            try:
+                row = probe(cuda)
+            except Exception as e:  # noqa: BLE001 - the client reports it, rather than wait forever
+                row = {"error": f"{type(e).__name__}: {e}"}
+            answers.write(json.dumps(row) + "\n")
+        os.kill(os.getpid(), signal.SIGTERM)  # stdin closed: the benchmark is gone, stop the daemon
     threading.Thread(target=answer, name="leak-probe", daemon=True).start()
     return main(["serve", "--socket", sock])
 
@@ -90,7 +96,10 @@ class Daemon:
         line = self.proc.stdout.readline()
         if not line:
             raise SystemExit("the daemon exited")
-        return json.loads(line)
+        row = json.loads(line)
+        if "error" in row:
+            raise SystemExit(f"the daemon's probe failed: {row['error']}")
+        return row
 
     def stop(self) -> None:
         self.proc.terminate()
