@@ -4,15 +4,13 @@ error, and a 200-case run against the real daemon ends with no defect."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
+import importlib
 import importlib.util
 import math
-import random
 import sys
 from pathlib import Path
 
-import msgspec
 import pytest
 
 from ipc.errors import ProtocolError
@@ -32,6 +30,7 @@ def _load_fuzzer():
 
 
 fuzz = _load_fuzzer()
+cases = importlib.import_module("_fuzz.cases")  # on sys.path once the fuzzer is loaded
 
 
 @pytest.fixture
@@ -40,19 +39,19 @@ def pools(tmp_path):
     fixture.write_bytes(b"GGUF" + bytes(8192))  # the pools only copy it
     scratch = tmp_path / "scratch"
     scratch.mkdir()
-    return fuzz.Pools(scratch, fixture)
+    return cases.Pools(scratch, fixture)
 
 
 def test_a_case_depends_only_on_the_seed_and_its_index(pools):
-    a = [fuzz.make_case(i, 7, pools) for i in range(300)]
-    b = [fuzz.make_case(i, 7, pools) for i in reversed(range(300))][::-1]
-    assert [fuzz.encode(c.msg) if c.kind not in ("garbage",) else c.msg for c in a] == \
-           [fuzz.encode(c.msg) if c.kind not in ("garbage",) else c.msg for c in b]
-    other = [fuzz.make_case(i, 8, pools) for i in range(300)]
+    a = [cases.make_case(i, 7, pools) for i in range(300)]
+    b = [cases.make_case(i, 7, pools) for i in reversed(range(300))][::-1]
+    assert [cases.encode(c.msg) if c.kind not in ("garbage",) else c.msg for c in a] == \
+           [cases.encode(c.msg) if c.kind not in ("garbage",) else c.msg for c in b]
+    other = [cases.make_case(i, 8, pools) for i in range(300)]
     assert [c.msg for c in a] != [c.msg for c in other]
     kinds = {c.kind for c in a}
     assert {"G", "C", "L", "U", "X", "P", "S", "H", "V"} <= kinds  # every request type
-    assert len(kinds & set(fuzz.SCENES)) >= 8
+    assert len(kinds & set(cases.SCENES)) >= 8
 
 
 def test_must_fail_agrees_with_the_protocol_decoder(pools):
@@ -61,13 +60,13 @@ def test_must_fail_agrees_with_the_protocol_decoder(pools):
     refuses exactly the requests the fuzzer says must fail."""
     checked = 0
     for i in range(3000):
-        case = fuzz.make_case(i, 3, pools)
+        case = cases.make_case(i, 3, pools)
         if case.kind not in ("G", "C") or (case.must_fail and "setting" in case.must_fail):
             continue
         msg = list(case.msg)
         msg[1] = 1
         try:
-            decode_request(fuzz.encode(msg))
+            decode_request(cases.encode(msg))
             refused = False
         except ProtocolError:
             refused = True
@@ -77,16 +76,16 @@ def test_must_fail_agrees_with_the_protocol_decoder(pools):
 
 
 def test_option_rules():
-    assert fuzz._option_invalid("temperature", math.nan)
-    assert fuzz._option_invalid("top_p", 0.0)
-    assert fuzz._option_invalid("seed", 2**64)
-    assert fuzz._option_invalid("top_k", True)
-    assert not fuzz._option_invalid("min_p", 1.0)
-    assert not fuzz._option_invalid("seed", None)
+    assert cases._option_invalid("temperature", math.nan)
+    assert cases._option_invalid("top_p", 0.0)
+    assert cases._option_invalid("seed", 2**64)
+    assert cases._option_invalid("top_k", True)
+    assert not cases._option_invalid("min_p", 1.0)
+    assert not cases._option_invalid("seed", None)
 
 
 def _case(kind="G", must_fail=""):
-    return fuzz.Case(1, kind, ["G", 5, None, "hi", None, 4, None, [], None, False], must_fail)
+    return cases.Case(1, kind, ["G", 5, None, "hi", None, 4, None, [], None, False], must_fail)
 
 
 @pytest.mark.parametrize("replies, eof, hung, outcome", [
@@ -114,7 +113,7 @@ def test_an_invalid_request_answered_with_success_is_a_defect():
     case = _case(must_fail="max_tokens < 0")
     assert fuzz.classify(case, case.msg, [Done(5)], False, False, 0.1).defect == "accepted"
     assert fuzz.classify(case, case.msg, [Error(5, "bad_request")], False, False, 0.1).defect == ""
-    ps = fuzz.Case(2, "P", ["P", 5])
+    ps = cases.Case(2, "P", ["P", 5])
     assert fuzz.classify(ps, ps.msg, [PsReply(5)], False, False, 0.1).outcome == "ok"
 
 
