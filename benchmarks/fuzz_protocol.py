@@ -9,8 +9,9 @@ relative name and a symlink; a copy stands in for the demo model (XDG_CACHE_HOME
 scratch directory), so `model=None` is served fast. It runs with MOE_N_CTX=128 and one thread, so
 any max_tokens, however absurd, ends within 128 tokens; most cases ask for 0..16 tokens.
 
-Case I depends only on --seed and I. Each is one request of a type the protocol knows (Hello,
-Load, Unload, Generate, Chat, Cancel, Ps, Stats, Health) with field values drawn from the absurd
+Case I depends only on --seed and I (benchmarks/_fuzz/cases.py draws it). Each is one request of
+a type the protocol knows (Hello, Load, Unload, Generate, Chat, Cancel, Ps, Stats, Health) with
+field values drawn from the absurd
 (huge, negative, zero, NaN and inf numbers; empty, enormous, NUL-laden and template-like strings;
 long lists; unknown, daemon-only and out-of-range settings; model names that are empty, "/", a
 directory, a FIFO, /dev/zero, a non-GGUF file, a truncated GGUF, missing, NUL-laden, too long), or
