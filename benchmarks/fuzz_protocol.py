@@ -605,9 +605,10 @@ async def fuzz(opts) -> Run:
                 raise t.exception()
         if daemon.proc.poll() is None:
             await _settle(run, daemon, opts.thread_margin)
-            await _shutdown(run, daemon, pools, opts.deadline)
-        mon.cancel()
+        mon.cancel()  # before our own Shutdown: its exit 0 is no crash (_shutdown judges it)
         await asyncio.gather(mon, return_exceptions=True)
+        if daemon.proc.poll() is None:
+            await _shutdown(run, daemon, pools, opts.deadline)
         if daemon.proc.poll() not in (None, 0) and not any(r.defect == "crash" for r in run.extra):
             run.extra.append(Result(-1, "daemon", "crash", "crash", f"exit status {daemon.proc.poll()}"))
     finally:
