@@ -60,7 +60,7 @@ def _read_bounded(read, path: str, what: str) -> bytes:
 def check_trace_path(path: str | os.PathLike) -> None:
     """RequestError unless `path` is a regular file within MAX_TRACE_BYTES: what load_trace_ids
     refuses before reading (the registry asks before it unloads a model to make room)."""
-    from ..storage.gguf import open_regular
+    from ..storage.identity import open_regular
 
     path = os.fspath(path)
     try:
@@ -75,7 +75,7 @@ def check_trace_path(path: str | os.PathLike) -> None:
 def _read_text(path: str) -> str:
     """The trace's text. Opened as model files are (a FIFO or device is never read: one would block
     the load forever, /dev/zero would fill memory), with its size bounded before and after zstd."""
-    from ..storage.gguf import open_regular
+    from ..storage.identity import open_regular
 
     fd, st = open_regular(path)
     with open(fd, "rb", closefd=True) as f:

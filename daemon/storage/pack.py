@@ -47,7 +47,8 @@ from dataclasses import dataclass, field
 
 from ..errors import ConfigError, ModelError, StorageError
 from .experts import PROJECTIONS, ExpertLayout
-from .gguf import FileIdentity, GGUFFile, ggml_type_name, open_regular
+from .gguf import GGUFFile, ggml_type_name
+from .identity import FileIdentity, open_regular
 from .store import ExpertLocation, ExpertStore, expert_layouts
 
 __all__ = ["PACK_SUFFIX", "PackError", "PackReport", "TypeStats", "open_pack", "out_path", "pack_path",

@@ -23,7 +23,7 @@ import numpy as np
 from numba import njit, prange, types
 
 from ..errors import ModelFileChanged, StorageError
-from .gguf import open_regular
+from .identity import open_regular
 from .store import ExpertStore, StoreReader, no_readahead
 
 CHUNK = 1 << 19  # bytes: small enough that a few experts spread over 16 threads

@@ -25,7 +25,7 @@ import aiofiles.os
 
 from ..errors import GGUFError, ModelFileChanged, StorageError
 from .experts import PROJECTIONS, ExpertLayout
-from .gguf import FileIdentity, open_regular
+from .identity import FileIdentity, open_regular
 
 
 @dataclass(frozen=True)
