@@ -5,16 +5,12 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
 from daemon.cli import main
 from tests.fixtures.build import fixture_path
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.interrupt import interrupt_mid_write
 
 
 def test_pack_command(fixture_dir, tmp_path, capsys):
@@ -80,21 +76,6 @@ def test_a_signal_mid_pack_removes_the_temporary_file(tmp_path, sig):
     synth(model, "mixtral-8x7b", n_layer=1, n_expert=4, n_expert_used=2, n_embd=1024, n_ff_exp=4096, n_head=8,
           report=lambda *a: None)
     # ~28 MB of experts: long enough to catch it mid-pack
-    proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "pack", str(model)], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 120
-        while not (tmp := [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]):
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline, "the temporary pack never appeared"
-            time.sleep(0.001)
-        proc.send_signal(signal.SIGSTOP)  # hold it mid-pack: then the signal surely finds the file
-        assert os.path.exists(tmp_path / tmp[0]) and not os.path.exists(str(model) + ".moepack")
-        proc.send_signal(sig)
-        proc.send_signal(signal.SIGCONT)
-        assert proc.wait(60) == 128 + sig
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    interrupt_mid_write(["pack", str(model)], lambda: any(n.endswith(".tmp") for n in os.listdir(tmp_path)),
+                        lambda: os.path.exists(str(model) + ".moepack"), sig)
     assert os.listdir(tmp_path) == ["m.gguf"]

@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
 from daemon.cli import main
 from daemon.synth import writer
+from tests.interrupt import interrupt_mid_write
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--like", "mixtral-8x7b", "--layers", "1", "--experts", "2", "--used", "1", "--hidden", "256", "--ff", "256",
         "--heads", "2"]
 # About 200 MB of expert data: long enough to catch the process mid-write
@@ -26,24 +23,8 @@ BIG = ["--like", "mixtral-8x7b", "--layers", "2", "--experts", "4", "--used", "2
 def test_a_signal_mid_write_removes_the_part_file(tmp_path, sig):
     out = tmp_path / "x.gguf"
     part = tmp_path / "x.gguf.part"
-    proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "synth", str(out), *BIG], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 120
-        while not part.exists():
-            assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline, "OUT.part never appeared"
-            time.sleep(0.001)
-        proc.send_signal(signal.SIGSTOP)  # hold it mid-write: then the signal surely finds OUT.part
-        assert part.exists() and not out.exists()
-        proc.send_signal(sig)
-        proc.send_signal(signal.SIGCONT)
-        assert proc.wait(60) == 128 + sig
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert f"stopped by signal {int(sig)}" in proc.stderr.read().decode()
+    err = interrupt_mid_write(["synth", str(out), *BIG], part.exists, out.exists, sig)
+    assert f"stopped by signal {int(sig)}" in err
     assert os.listdir(tmp_path) == []
 
 
