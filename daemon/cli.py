@@ -116,10 +116,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in DAEMON_COMMANDS:
             return _daemon_command(args)
         if args.command == "settings":
-            bounds = Settings.bounds()
-            for name, env, default, doc in Settings.describe():
+            bounds, rows = Settings.bounds(), Settings.describe()
+            w_env, w_name = (max(len(r[i]) for r in rows) for i in (1, 0))  # aligned however long
+            for name, env, default, doc in rows:
                 rng = f"; range {span(bounds[name])}" if name in bounds else ""  # out of it: refused
-                print(f"{env:<24} {name:<22} default {default!r:<10} {doc}{rng}")
+                print(f"{env:<{w_env}} {name:<{w_name}} default {default!r:<10} {doc}{rng}")
             return 0
     except MoedError as e:
         print(f"moed: error: {e}", file=sys.stderr)

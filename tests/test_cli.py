@@ -60,6 +60,11 @@ def test_settings_states_the_ranges():
     assert "range" not in rows["MOE_NUMERICS"]
 
 
+def test_settings_columns_line_up():
+    out = moed("settings")  # MOED_MAX_REQUESTS_PER_CONNECTION once pushed its row out of line
+    assert len({line.index(" default ") for line in out.stdout.splitlines() if line.strip()}) == 1
+
+
 # -- the daemon's log and socket path (`moed run` starts a daemon) -------------------------------
 
 @pytest.fixture
