@@ -6,30 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
 from ipc.errors import ProtocolError
 from ipc.protocol import Chunk, Done, Error, Loaded, Progress, PsReply, decode_request
+from tests.bench_script import load_script
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load_fuzzer():
-    name = "fuzz_protocol"
-    if name not in sys.modules:  # dataclasses look their module up in sys.modules
-        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "fuzz_protocol.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-fuzz = _load_fuzzer()
+fuzz = load_script("fuzz_protocol")
 cases = importlib.import_module("_fuzz.cases")  # on sys.path once the fuzzer is loaded
 
 

@@ -4,30 +4,15 @@ with no crash, no hang and every failure a MoedError."""
 
 from __future__ import annotations
 
-import importlib.util
 import struct
-import sys
-from pathlib import Path
 
 import gguf
 import pytest
 
+from tests.bench_script import load_script
 from tests.fixtures.build import fixture_path
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load_fuzzer():
-    name = "fuzz_gguf"
-    if name not in sys.modules:  # dataclasses look their module up in sys.modules
-        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "fuzz_gguf.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-fuzz = _load_fuzzer()
+fuzz = load_script("fuzz_gguf")
 SEEDS = ["qwen3moe:Q8_0", "gpt-oss:MXFP4", "llama-moe:Q4_K"]
 
 
