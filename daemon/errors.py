@@ -8,10 +8,13 @@
     │   ├── StorageError       expert bytes could not be read (file truncated, I/O error)
     │   │   └── ModelFileChanged   the model file changed on disk while loaded (the model unloads)
     │   └── DeviceError        the GPU failed: no usable device, out of memory, a CUDA error
-    ├── RequestError           a bad request: prompt, token ids or sampling options
+    ├── RequestError           a bad request: prompt, token ids, sampling options, a replay trace
+    │                          that is no regular file or too large
     ├── SynthError             `moed synth` cannot write the model (bad option, no space, bad path)
     └── SchedulerError         the daemon cannot serve a request now; `.code` says why (busy,
                                not_found, forbidden, shutdown, ...)
+
+MoedError itself is raised where no subclass fits: the daemon's log file is unsafe (logfile.py).
 
 wire_error(exc) is the one mapping from an exception to the (code, message) of the Error reply
 that ends a request (ipc.protocol, "Error codes"): SchedulerError its own code, RequestError and
@@ -46,8 +49,9 @@ class StorageError(ModelError):
 
 class ModelFileChanged(StorageError):
     """The model file was truncated, replaced or rewritten while it was loaded (its size, mtime or
-    inode differ from what was loaded). The request fails and the model is unloaded: its weights
-    can no longer be trusted to match what was validated."""
+    inode differ from what was loaded, or, after its ctime moved, its sampled content: see
+    storage/identity.py). The request fails and the model is unloaded: its weights can no longer
+    be trusted to match what was validated."""
 
 
 class DeviceError(ModelError):
