@@ -1,4 +1,4 @@
-"""Helpers of benchmarks/run.py (one benchmark command, issue 11 item 3).
+"""Helpers of benchmarks/run.py (one benchmark command, issue 11 item 3) and of other benchmarks.
 
     disk.py      the file's O_DIRECT sequential read rate (`dd`-style), dropping its cached pages
     children.py  one configuration in a child process: moed or llama.cpp, prefill and decode timed
