@@ -9,7 +9,7 @@ client connection (ipc.Client):
   load      --cycles times Load(MODEL, keep_alive=0) then Unload (not_found is fine: keep_alive=0
             may have unloaded it already), waiting until Ps lists nothing;
   generate  --generate times Generate(MODEL, 4 tokens, keep_alive=0), then the same wait.
-After each cycle it reads, in the daemon: RSS; the objects its collector tracks (frozen included,
+After each cycle (once the daemon's compute threads have ended) it reads, in the daemon: RSS; the objects its collector tracks (frozen included,
 after a collection of the young generations only: a full one would free what leaked); page-locked
 host bytes alive (daemon.backend.cuda_transfer.pinned_bytes); threads; open descriptors; and, with
 --device cuda, the device's free memory (cuMemGetInfo, numba's get_memory_info). Prints every
@@ -47,6 +47,9 @@ def probe(cuda: bool) -> dict:
     """The daemon process's measures, taken on the probe thread."""
     import gc
 
+    deadline = time.monotonic() + 60  # Ps drops a model before its compute thread has closed it
+    while any(t.name.startswith("moed-compute") for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.005)
     with open("/proc/self/statm") as f:
         rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     gc.collect(1)
