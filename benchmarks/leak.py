@@ -144,14 +144,15 @@ def run_phase(name: str, n: int, cycle, daemon: Daemon, every: int) -> dict:
     rows = []
     t0 = time.perf_counter()
     for i in range(n):
+        t = time.perf_counter()
         cycle()
-        row = daemon.probe()
+        row = daemon.probe() | {"cycle_s": time.perf_counter() - t}
         rows.append(row)
         if i % every == 0 or i == n - 1:
             vram = f"  vram free {row['vram_free_bytes'] / 2**20:9.1f} MiB" if "vram_free_bytes" in row else ""
             print(f"{name} {i + 1:4d}: rss {row['rss_bytes'] / 2**20:8.1f} MiB  gc objects {row['gc_objects']:8d}"
                   f"  pinned {row['pinned_bytes'] / 2**20:7.1f} MiB  threads {row['threads']:3d}  fds {row['fds']:4d}"
-                  f"{vram}", flush=True)
+                  f"{vram}  ({row['cycle_s']:.2f} s)", flush=True)
     seconds = time.perf_counter() - t0
     slopes = {k: slope([r[k] for r in rows]) for k in MEASURES if rows and k in rows[0]}
     tail = min(n, 100)
