@@ -5,8 +5,8 @@ a million tracked Python objects. Each full collection walked them all: 0.37 s o
 landing inside a decode step every few dozen steps (docs/benchmarks.md). `hold()` after a load moves
 every object alive then into the collector's permanent generation (gc.freeze), after a full
 collection: what is garbage then (the previous engine's reference cycles, given back at its close
-and not yet collected) must not be frozen with it, or it is never freed (issue 25: +5 MB and +530
-objects a load/unload cycle on a tiny fixture, with no plateau). Objects made later, per request,
+and not yet collected) must not be frozen with it, or it is never freed (issue 25: +5 MB and +500
+tracked objects a load/unload cycle on a tiny fixture, +13 MB on the demo, with no plateau). Objects made later, per request,
 are collected as usual. `release()` at a close, or when an engine is dropped
 unclosed, gives every frozen object back (gc.unfreeze), so that reference cycles among the engine's
 objects, weights included, are freed once it is gone. A close cannot refreeze at once (the closing
@@ -15,9 +15,9 @@ engine, collects and freezes the engines still loaded again, so they are not wal
 collection until the next load.
 
 All three give the C heap's free pages back to the system (glibc's malloc_trim; nothing elsewhere):
-an engine's large buffers come from the malloc arena of the thread that made them (each load has
-new threads), and glibc keeps a freed chunk inside an arena resident, so RSS rose in steps of an
-expert cache's arena as loads went round the arenas (+128 KB a cycle over 200 cycles, issue 25).
+an engine's buffers come from the malloc arenas of the threads that made them (each load has new
+threads), and glibc keeps freed chunks resident. The top of a thread's arena stays as glibc's
+thresholds decide, so RSS still moves by a few MB from one load to the next, within a bound.
 """
 
 from __future__ import annotations
@@ -39,8 +39,6 @@ def _malloc_trim():
 
 
 _trim = _malloc_trim()
-
-
 _held = [0]  # engines loaded: hold() without its release()
 
 
