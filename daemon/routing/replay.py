@@ -57,40 +57,41 @@ def _read_bounded(read, path: str, what: str) -> bytes:
     return b"".join(parts)
 
 
-def check_trace_path(path: str | os.PathLike) -> None:
-    """RequestError unless `path` is a regular file within MAX_TRACE_BYTES: what load_trace_ids
-    refuses before reading (the registry asks before it unloads a model to make room)."""
+def _open_trace(path: str) -> int:
+    """A blocking fd on the trace, opened as model files are (a FIFO or device is never read: one
+    would block the load forever, /dev/zero would fill memory); RequestError if it is not a
+    regular file or is larger than MAX_TRACE_BYTES."""
     from ..storage.identity import open_regular
 
-    path = os.fspath(path)
     try:
         fd, st = open_regular(path)
     except OSError as e:
         raise RequestError(f"cannot read trace {path}: {e.strerror or e}") from None
-    os.close(fd)
     if st.st_size > MAX_TRACE_BYTES:
+        os.close(fd)
         raise _too_big(path, "file is larger than")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def check_trace_path(path: str | os.PathLike) -> None:
+    """What load_trace_ids refuses before reading (the registry asks before it unloads a model to
+    make room): RequestError unless `path` is a regular file within MAX_TRACE_BYTES."""
+    os.close(_open_trace(os.fspath(path)))
 
 
 def _read_text(path: str) -> str:
-    """The trace's text. Opened as model files are (a FIFO or device is never read: one would block
-    the load forever, /dev/zero would fill memory), with its size bounded before and after zstd."""
-    from ..storage.identity import open_regular
-
-    fd, st = open_regular(path)
-    with open(fd, "rb", closefd=True) as f:
-        os.set_blocking(fd, True)
-        if st.st_size > MAX_TRACE_BYTES:
-            raise _too_big(path, "file is larger than")
+    """The trace's text (_open_trace), its size bounded again as read and after zstd."""
+    with open(_open_trace(path), "rb", closefd=True) as f:
         data = _read_bounded(f.read, path, "file is larger than")
-        if path.endswith(".zst"):
-            import zstandard
+    if path.endswith(".zst"):
+        import zstandard
 
-            try:
-                data = _read_bounded(zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)).read, path,
-                                     "decompresses to more than")
-            except zstandard.ZstdError as e:
-                raise RequestError(f"{path}: not a valid zstd file ({e})") from None
+        try:
+            data = _read_bounded(zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)).read, path,
+                                 "decompresses to more than")
+        except zstandard.ZstdError as e:
+            raise RequestError(f"{path}: not a valid zstd file ({e})") from None
     return data.decode("utf-8", errors="strict")
 
 
