@@ -205,18 +205,19 @@ PATH_SETTINGS = Settings.path_settings()
 
 def _settings(rng: random.Random, pools: Pools) -> tuple[dict, str]:
     """Load settings, and why they are invalid ("" = maybe valid: ranges are the registry's)."""
-    out, why = {}, ""
+    out: dict = {}
+    reasons: dict = {}  # per key: a key drawn twice keeps only its last value, and that value's reason
     if rng.random() < 0.45:
-        return out, why
+        return out, ""
     for _ in range(1 if rng.random() < 0.6 else rng.randrange(2, 4)):
         r = rng.random()
         if r < 0.07:
             key, v = rng.choice(("n_ctxx", "", "\0", "N_CTX", "x" * 1000)), 1
-            why = why or f"unknown setting {brief(key)}"
+            reasons[key] = f"unknown setting {brief(key)}"
         elif r < 0.14:
             key = rng.choice(sorted(DAEMON_SETTINGS))
             v = rng.choice((1, "", 0.5))
-            why = why or f"daemon setting {key}"
+            reasons[key] = f"daemon setting {key}"
         else:
             key = rng.choice(sorted(PATH_SETTINGS) if rng.random() < 0.15 else sorted(set(SETTINGS) - DAEMON_SETTINGS))
             if key in PATH_SETTINGS:
@@ -224,10 +225,9 @@ def _settings(rng: random.Random, pools: Pools) -> tuple[dict, str]:
                 v = rng.choice(paths).replace("%d", str(rng.randrange(100)))
             else:
                 v = _setting_value(rng, SETTINGS[key])
-            bad = _setting_invalid(SETTINGS[key], v)
-            why = why or bad
+            reasons[key] = _setting_invalid(SETTINGS[key], v)
         out[key] = v
-    return out, why
+    return out, next((why for why in reasons.values() if why), "")
 
 
 def _setting_value(rng: random.Random, f):

@@ -60,6 +60,22 @@ def test_must_fail_agrees_with_the_protocol_decoder(pools):
     assert checked > 1000
 
 
+def test_a_load_setting_drawn_twice_is_judged_by_its_last_value(pools):
+    """Seed 0's case 9505 drew expert_trace_output twice, a NUL first and a valid path last: the
+    request sent the path, yet the fuzzer expected the NUL's refusal and reported a success as a
+    defect. The reason must come from the values that are sent."""
+    case = cases.make_case(9505, 0, pools)
+    assert case.kind == "L"
+    settings = case.msg[3]
+    assert not any("\0" in v for v in settings.values() if isinstance(v, str))
+    assert "NUL" not in case.must_fail
+    for i in range(3000):  # every settings-based reason names a value that is really sent
+        c = cases.make_case(i, 0, pools)
+        if c.kind == "L" and c.must_fail.endswith("has a NUL"):
+            name = c.must_fail.split()[0]
+            assert "\0" in c.msg[3][name], c.describe()
+
+
 def test_option_rules():
     assert cases._option_invalid("temperature", math.nan)
     assert cases._option_invalid("top_p", 0.0)
