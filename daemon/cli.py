@@ -398,11 +398,21 @@ def _serve(args) -> int:
         os.dup2(fd, 2)
         os.close(fd)
         handler = RotatingStderr(args.log)
-    logging.basicConfig(handlers=[handler], level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s moed[%(process)d] %(levelname)s %(message)s")
+    configure_logging(handler, args.verbose)
     overrides = {"queue_size": args.queue_size, "max_batch": args.max_batch, "keep_alive": args.keep_alive}
     settings = Settings.load(**overrides)
     return serve(_socket(args), settings, Scheduler(settings))
+
+
+def configure_logging(handler, verbose: bool) -> None:
+    """moed's own records (loggers "moed.*") at INFO; other libraries' at WARNING, so that
+    numba-cuda's per-free INFO records ("add pending dealloc": ~20,000 lines a run on a GPU) stay out
+    of the log. -v: everything at DEBUG."""
+    import logging
+
+    logging.basicConfig(handlers=[handler], format="%(asctime)s moed[%(process)d] %(levelname)s %(message)s")
+    logging.getLogger().setLevel(logging.DEBUG if verbose else logging.WARNING)
+    logging.getLogger("moed").setLevel(logging.DEBUG if verbose else logging.INFO)
 
 
 def _socket(args) -> str:

@@ -184,3 +184,37 @@ def test_a_non_utf8_file_name_is_no_traceback(tmp_path):
                          capture_output=True, timeout=120, cwd=ROOT)
     assert out.returncode == 1 and b"Traceback" not in out.stderr
     assert b"moed: error:" in out.stderr and b"not valid UTF-8" in out.stderr
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_the_daemons_log_keeps_other_libraries_at_warning(verbose):
+    """`moed serve`: moed's records at INFO, numba-cuda's per-free INFO records dropped (issue 26,
+    item 5); -v lets everything through at DEBUG."""
+    import logging
+
+    from daemon.cli import configure_logging
+
+    root, ours = logging.getLogger(), logging.getLogger("moed")
+    saved = root.level, ours.level, list(root.handlers)
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    try:
+        configure_logging(handler, verbose)
+        if handler not in root.handlers:  # pytest's own handlers made basicConfig a no-op
+            root.addHandler(handler)
+        logging.getLogger("numba.cuda.cudadrv.driver").info("add pending dealloc")
+        logging.getLogger("numba.cuda.cudadrv.driver").warning("a warning still shows")
+        logging.getLogger("moed.scheduler").info("loaded")
+        logging.getLogger("moed.scheduler").debug("step")
+    finally:
+        root.setLevel(saved[0])
+        ours.setLevel(saved[1])
+        for h in list(root.handlers):
+            if h not in saved[2]:
+                root.removeHandler(h)
+    messages = [r.getMessage() for r in seen]
+    if verbose:
+        assert messages == ["add pending dealloc", "a warning still shows", "loaded", "step"]
+    else:
+        assert messages == ["a warning still shows", "loaded"]

@@ -92,7 +92,7 @@ __all__ = [
     "Tokenizer",
 ]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("moed.tokenizer")
 
 
 class TokenType:
