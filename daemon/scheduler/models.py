@@ -302,10 +302,7 @@ class ModelRegistry:
                     checked = await self._check_load(path, settings)
                     continue  # the check awaited: look again
                 if victim is not None:
-                    log.info("%s: unloading the least recently used idle model, %s (MOED_MAX_LOADED_MODELS=%d)",
-                             path, victim.name, self.max_loaded)
-                    self.evictions += 1
-                    await self._unload(victim)
+                    await self._evict(victim, path, f"MOED_MAX_LOADED_MODELS={self.max_loaded}")
                 elif len(idle) == len(models):  # every one idle and kept forever: waiting cannot help
                     raise SchedulerError("busy", f"{len(models)} models are loaded with a negative keep-alive "
                                                  f"(MOED_MAX_LOADED_MODELS={self.max_loaded}); unload one first")
@@ -321,13 +318,15 @@ class ModelRegistry:
                     if not checked:
                         checked = await self._check_load(path, settings)
                         continue
-                    log.info("%s: unloading the least recently used idle model, %s, to make room in host memory",
-                             path, victim.name)
-                    self.evictions += 1
-                    await self._unload(victim)
+                    await self._evict(victim, path, "to make room in host memory")
                     continue
             break
         return m, need
+
+    async def _evict(self, victim: LoadedModel, path: str, why: str) -> None:
+        log.info("%s: unloading the least recently used idle model, %s (%s)", path, victim.name, why)
+        self.evictions += 1
+        await self._unload(victim)
 
     async def _check_load(self, path: str, settings: Mapping[str, Any]) -> bool:
         """check_load off the event loop, before a model is unloaded or a place awaited for this
