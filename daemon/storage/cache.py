@@ -464,23 +464,19 @@ class _IOThread:
             self._workers = [self.loop.create_task(self._work()) for _ in range(self.depth)]
         except BaseException as e:  # e.g. MemoryError: hand it to __init__, free what was made
             self._start_error = e
-            self._abandon()
+            try:
+                self._teardown()
+            except Exception:  # noqa: BLE001 - the start's own error is the one to report
+                log.exception("cleaning up the expert I/O thread after a failed start")
             self._ready.set()
             return
         self._ready.set()
         self.loop.run_forever()
-        for w in self._workers:
-            w.cancel()
-        self.loop.run_until_complete(asyncio.gather(*self._workers, return_exceptions=True))
-        # a cancelled task's traceback holds its frame, and the frame self: drop the tasks, or the
-        # last read's views keep the arenas until a full collection (issue 25)
-        self._workers = []
-        self.loop.run_until_complete(self._reader.close())
-        self.loop.run_until_complete(self.loop.shutdown_default_executor())
-        self.loop.close()
+        self._teardown()
 
-    def _abandon(self) -> None:
-        """After a failed start: cancel the workers made, close the reader, executor and loop."""
+    def _teardown(self) -> None:
+        """Cancel the workers, then close the reader, the executor and the loop (after a stop, or
+        what a failed start made of them)."""
         loop = getattr(self, "loop", None)
         if loop is None:
             return
@@ -489,11 +485,12 @@ class _IOThread:
             for w in workers:
                 w.cancel()
             loop.run_until_complete(asyncio.gather(*workers, return_exceptions=True))
+            # a cancelled task's traceback holds its frame, and the frame self: drop the tasks, or the
+            # last read's views keep the arenas until a full collection (issue 25)
+            self._workers = []
             if hasattr(self, "_reader"):
                 loop.run_until_complete(self._reader.close())
             loop.run_until_complete(loop.shutdown_default_executor())
-        except Exception:  # noqa: BLE001 - the start's own error is the one to report
-            log.exception("cleaning up the expert I/O thread after a failed start")
         finally:
             loop.close()
 
