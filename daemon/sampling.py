@@ -73,9 +73,7 @@ class Sampler:
         in the float32 range, so every difference below is finite; exp() of one is in [0, 1]
         and the best candidate's is exactly 1, so no sum is 0 and no cut leaves nothing."""
         o = self.options
-        order = np.argsort(-logits, kind="stable")  # candidates, best first
-        if o.top_k:
-            order = order[:o.top_k]
+        order = _best_first(logits, o.top_k)  # candidates, best first
         cand = logits[order].astype(np.float64)
         with np.errstate(over="ignore", under="ignore"):  # a tiny temperature: -inf, exp() -> 0
             probs = np.exp(cand - cand[0])
@@ -89,6 +87,21 @@ class Sampler:
             p = np.exp((cand - cand[0]) / o.temperature)
         p /= p.sum()
         return int(order[self.rng.choice(len(order), p=p)])
+
+
+def _best_first(logits: np.ndarray, top_k: int) -> np.ndarray:
+    """The first top_k indices of the stable descending order (ties: the lower index first); all
+    of them when top_k is 0 or >= V. A partial selection finds the k-th largest value, so a token
+    costs O(V + k log k), not a sort of the vocabulary (151,936 logits); the same indices in the
+    same order as the full sort, so seeded draws do not change."""
+    v = len(logits)
+    if not 0 < top_k < v:
+        return np.argsort(-logits, kind="stable")  # top-p needs the whole order
+    thr = np.partition(logits, v - top_k)[v - top_k]  # the k-th largest value
+    above = np.flatnonzero(logits > thr)
+    ties = np.flatnonzero(logits == thr)[:top_k - len(above)]  # the lowest-indexed ties make k
+    idx = np.union1d(above, ties)  # in index order, so the stable sort puts ties by index
+    return idx[np.argsort(-logits[idx], kind="stable")]
 
 
 class StopMatcher:

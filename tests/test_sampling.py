@@ -248,3 +248,61 @@ def test_negative_seed_on_the_wire_is_bad_request():
     with pytest.raises(ProtocolError) as e:
         decode_request(body)
     assert e.value.code == "bad_request" and "seed" in str(e.value)
+
+
+class _FullSortSampler(Sampler):
+    """The oracle: _draw as it was before the partial top-k (a stable sort of the vocabulary)."""
+
+    def _draw(self, logits):
+        o = self.options
+        order = np.argsort(-logits, kind="stable")
+        if o.top_k:
+            order = order[:o.top_k]
+        cand = logits[order].astype(np.float64)
+        with np.errstate(over="ignore", under="ignore"):
+            probs = np.exp(cand - cand[0])
+            probs /= probs.sum()
+            if o.top_p < 1.0:
+                keep = int(np.searchsorted(np.cumsum(probs), o.top_p) + 1)
+                order, cand, probs = order[:keep], cand[:keep], probs[:keep]
+            if o.min_p > 0:
+                keep = probs >= o.min_p * probs[0]
+                order, cand = order[keep], cand[keep]
+            p = np.exp((cand - cand[0]) / o.temperature)
+        p /= p.sum()
+        return int(order[self.rng.choice(len(order), p=p)])
+
+
+@pytest.mark.parametrize("case", range(40))
+def test_partial_top_k_draws_what_the_full_sort_drew(case):
+    rng = np.random.default_rng(1000 + case)
+    v = int(rng.integers(2, 400))
+    top_k = int(rng.choice([1, 2, 3, 5, 40, v - 1, v, v + 7, int(rng.integers(1, v + 1))]))
+    opts = SamplingOptions(seed=case, temperature=float(rng.choice([0.1, 0.7, 1.0, 3.0, 1e300])),
+                           top_k=top_k, top_p=float(rng.choice([1.0, 0.9, 0.3, 1e-9])),
+                           min_p=float(rng.choice([0.0, 0.05, 0.5, 1.0])),
+                           repeat_penalty=float(rng.choice([1.0, 1.3])))
+    new, old = Sampler(opts), _FullSortSampler(opts)
+    history = rng.integers(0, v, size=10).tolist()
+    got, want = [], []
+    for _ in range(30):
+        spread = int(rng.choice([2, 4, 50]))  # few distinct values: many ties at the k-th value
+        logits = rng.integers(-spread, spread + 1, size=v).astype(np.float32)
+        if rng.random() < 0.3:
+            logits[rng.integers(0, v, size=v // 3)] = -0.0  # -0.0 ties +0.0 in both orders
+        got.append(new.sample(logits, history))
+        want.append(old.sample(logits, history))
+        history.append(want[-1])
+    assert got == want
+
+
+def test_partial_top_k_order_is_the_full_sorts_prefix():
+    from daemon.sampling import _best_first
+
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        v = int(rng.integers(1, 300))
+        logits = rng.integers(-3, 4, size=v).astype(np.float32)
+        k = int(rng.integers(0, v + 3))
+        full = np.argsort(-logits, kind="stable")
+        assert _best_first(logits, k).tolist() == (full[:k] if k else full).tolist()
