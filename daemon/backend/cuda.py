@@ -205,13 +205,14 @@ class CUDABackend:
         return list(group.members)
 
     @_guarded
-    def resident_experts(self, gguf) -> cx.DeviceExperts:
-        """Every expert of the model in VRAM (the expert provider the engine hands the model)."""
+    def resident_experts(self, gguf, on_bytes=None) -> cx.DeviceExperts:
+        """Every expert of the model in VRAM (the expert provider the engine hands the model),
+        loaded through cuda_upload.Uploader; on_bytes(done, total): file bytes loaded so far."""
 
         def note(_name, nbytes):
             self.bytes["experts"] += int(nbytes)
 
-        return cx.DeviceExperts.from_gguf(gguf, note)
+        return cx.DeviceExperts.from_gguf(gguf, note, self.stream, on_bytes)
 
     @_guarded
     def new_cache(self, hp, n_ctx: int) -> DeviceKVCache:

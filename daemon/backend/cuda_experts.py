@@ -1,7 +1,8 @@
 """The CUDA backend's experts: the expert provider on the device, and the plan of a layer's pairs.
 
-`DeviceExperts` holds every expert of every MoE layer in VRAM, uploaded (repacked) at load, one
-stacked tensor at a time (the host holds one projection of one layer at most). Its fetch maps
+`DeviceExperts` holds every expert of every MoE layer in VRAM, loaded at load by
+cuda_upload.Uploader: large reads into page-locked buffers, repacked on the device (the host holds
+a few chunks at a time). Its fetch maps
 expert ids to slots, and its batches carry that map as a device array too (`SlotMap.device`), so
 the expert kernels read slots on the device. Streaming experts that do not fit is part 2.
 
@@ -23,8 +24,8 @@ import numpy as np
 from numba import cuda
 
 from ..kernels.cuda import mmq
+from ..kernels.quants import row_bytes
 from ..storage.experts import PROJECTIONS, ExpertBatch, ExpertLayout, ResidentExperts, expert_biases
-from .cuda_weights import upload_matrix
 
 
 class SlotMap(dict):
@@ -78,31 +79,42 @@ class DeviceExperts:
         self._batches = batches
 
     @classmethod
-    def from_gguf(cls, gguf, on_upload=None) -> DeviceExperts:
-        """Read, repack and upload each layer's stacked expert tensors. on_upload(name, nbytes)
-        is told of each tensor placed (the backend's VRAM tally)."""
+    def from_gguf(cls, gguf, on_upload=None, stream=None, on_bytes=None) -> DeviceExperts:
+        """Every layer's stacked expert tensors, read in large chunks, copied and repacked on the
+        device (cuda_upload.Uploader; repacks on `stream`, default a stream of its own).
+        on_upload(name, nbytes) is told of each tensor placed (the backend's VRAM tally);
+        on_bytes(done, total) of the file bytes loaded so far."""
         from ..model.weights import TensorSource
         from ..storage.store import expert_layouts
+        from .cuda_upload import Target, Uploader, device_matrix
 
         note = on_upload or (lambda _name, _nbytes: None)
+        stream = cuda.stream() if stream is None else stream
         src = TensorSource(gguf)
         layouts = expert_layouts(gguf)
-        batches = {}
+        stacks: dict[int, list] = {}
+        targets = []
         for il, lay in layouts.items():
-            stacks = []
+            stacks[il] = []
             for p in PROJECTIONS:
                 name = f"blk.{il}.ffn_{p}_exps.weight"
                 k, n = (lay.n_ff, lay.n_embd) if p == "down" else (lay.n_embd, lay.n_ff)
-                raw, qt = src.stacked(name, k, n, lay.n_expert)
-                stacks.append(upload_matrix(raw, qt))  # [E, N, stride]
-                del raw
-                note(name, stacks[-1].nbytes)
+                info = src.stacked_info(name, k, n, lay.n_expert)
+                rows, rb = lay.n_expert * n, row_bytes(info.ggml_type, k)
+                flat = device_matrix(rows, rb, info.ggml_type, stream)  # [E*N, stride]
+                targets.append(Target(name, info.offset, rows, rb, info.ggml_type, flat))
+                stacks[il].append(flat.reshape(lay.n_expert, n, flat.shape[1]))  # [E, N, stride]
+        Uploader(gguf, stream).run(targets, on_bytes)
+        batches = {}
+        for il, lay in layouts.items():
+            for p, a in zip(PROJECTIONS, stacks[il]):
+                note(f"blk.{il}.ffn_{p}_exps.weight", a.nbytes)
             biases = []
             for b in expert_biases(src, il, lay.n_embd, lay.n_ff, lay.n_expert):
                 biases.append(None if b is None else cuda.to_device(b))
                 if b is not None:
                     note(f"blk.{il} expert bias", b.nbytes)
-            batches[il] = ExpertBatch(*stacks, SlotMap({e: e for e in range(lay.n_expert)}, lay.n_expert), *biases)
+            batches[il] = ExpertBatch(*stacks[il], SlotMap({e: e for e in range(lay.n_expert)}, lay.n_expert), *biases)
         return cls(layouts, batches)
 
     @property

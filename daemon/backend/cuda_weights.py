@@ -19,8 +19,9 @@ import numpy as np
 from numba import cuda
 
 from ..kernels.cuda.launch import launch
-from ..kernels.cuda.layout import FIELDS, FLOAT_TYPES, repack
+from ..kernels.cuda.layout import FIELDS, FLOAT_TYPES, GPU_TYPES, repack, repack_device
 from ..kernels.quants import block_size, row_bytes
+from .cuda_upload import device_matrix
 
 _THREADS = 256
 
@@ -48,9 +49,23 @@ class WeightGroup:
     members: list = field(default_factory=list)
 
 
-def upload_matrix(raw: np.ndarray, ggml_type: int) -> object:
-    """Raw ggml rows uint8 [..., RB] -> device uint8 [..., stride], repacked on the host."""
-    return cuda.to_device(repack(np.ascontiguousarray(raw), ggml_type))
+def upload_matrix(raw: np.ndarray, ggml_type: int, stream=None) -> object:
+    """Raw ggml rows uint8 [..., RB] -> device uint8 [..., stride], repacked on the device (the
+    bytes layout.repack makes on the host). stream None: the default stream, synchronized
+    before returning (the caller's other streams may read the result at once)."""
+    raw = np.ascontiguousarray(raw)
+    if raw.dtype != np.uint8 or raw.ndim == 0:
+        raise TypeError("raw must be a uint8 array of rows")
+    rb = raw.shape[-1]
+    if ggml_type not in GPU_TYPES or rb % block_size(ggml_type)[1] or raw.size == 0:
+        return cuda.to_device(repack(raw, ggml_type))  # its clear error, or an empty matrix
+    rows = raw.reshape(-1, rb)  # [R, RB]
+    s = cuda.default_stream() if stream is None else stream
+    out = device_matrix(rows.shape[0], rb, ggml_type, s)
+    repack_device(cuda.to_device(rows, stream=s), out, ggml_type, s)
+    if stream is None:
+        s.synchronize()
+    return out.reshape(raw.shape[:-1] + (out.shape[1],))
 
 
 def byte_map(ggml_type: int) -> np.ndarray:

@@ -55,6 +55,10 @@ class TensorSource:
         raw = self.gguf.tensor_data(name).reshape(n_expert, n_out, row_bytes(info.ggml_type, n_in))
         return raw, info.ggml_type
 
+    def stacked_info(self, name: str, n_in: int, n_out: int, n_expert: int):
+        """stacked's checks without the read -> the tensor's TensorInfo (where its bytes lie)."""
+        return self._check(name, (n_in, n_out, n_expert))
+
     def vector(self, name: str, n: int | None = None, *, shape: tuple[int, ...] | None = None) -> np.ndarray:
         """A small tensor (norm, bias, sinks) dequantized to float32; shape in numpy order."""
         info = self.gguf.tensor_info(name)

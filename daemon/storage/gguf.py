@@ -595,11 +595,19 @@ class GGUFFile:
         return self._read(ti.offset + start, nbytes, f"tensor {name!r}")
 
     def _read(self, offset: int, nbytes: int, what: str) -> np.ndarray:
+        out = np.empty(nbytes, np.uint8)
+        self.read_into(offset, out, what)
+        out.flags.writeable = False
+        return out
+
+    def read_into(self, offset: int, out: np.ndarray, what: str) -> None:
+        """File bytes [offset, offset + out.nbytes) into `out` (a C-contiguous array, e.g. a
+        page-locked buffer), with tensor_data's checks. Callable from several threads at once."""
         fd = self._fd
         if fd is None:
             raise ModelError(f"{self.path}: file is closed")
-        out = np.empty(nbytes, np.uint8)
-        view = memoryview(out)
+        nbytes = int(out.nbytes)
+        view = memoryview(out).cast("B")
         got = 0
         try:
             while got < nbytes:  # one read returns at most ~2 GiB
@@ -614,8 +622,6 @@ class GGUFFile:
         if got != nbytes:
             raise StorageError(f"{self.path}: {what}: short read at offset {offset} ({got} of {nbytes} bytes): "
                                "is the file truncated?")
-        out.flags.writeable = False
-        return out
 
     def close(self) -> None:
         """Close the file. Arrays returned by tensor_data are copies: they stay valid."""

@@ -174,13 +174,21 @@ def repack_device(raw, out, ggml_type: int, stream=0) -> None:
     if ggml_type in FLOAT_TYPES:  # already aligned (repacked_stride checked rb % 16 == 0)
         out.copy_to_device(raw, stream=stream)
         return
-    maps = [cuda.to_device(a, stream=stream) for a in _byte_map(ggml_type, rb // bb)]
     n = rows * rb
     if n:
-        launch(_repack_kernel, (n + 255) // 256, 256, stream, raw, out, *maps, rb // bb, bb)
+        launch(_repack_kernel, (n + 255) // 256, 256, stream, raw, out, *_maps(ggml_type, rb // bb), rb // bb, bb)
 
 
 _MAPS: dict[tuple[int, int], tuple] = {}  # (type, blocks per row) -> _byte_map on the device
+
+
+def _maps(ggml_type: int, nb: int) -> tuple:
+    """_byte_map on the device, made once per (type, blocks per row)."""
+    key = (ggml_type, nb)
+    maps = _MAPS.get(key)
+    if maps is None:
+        maps = _MAPS[key] = tuple(cuda.to_device(a) for a in _byte_map(ggml_type, nb))
+    return maps
 
 
 @cuda.jit
@@ -226,8 +234,5 @@ def repack_into_slots(raw, stack, slots, ggml_type: int, stream=0) -> None:
     if ggml_type in FLOAT_TYPES:
         launch(_copy_slots_kernel, (total + 255) // 256, 256, stream, raw, stack, slots)
         return
-    key = (ggml_type, rb // bb)
-    maps = _MAPS.get(key)
-    if maps is None:
-        maps = _MAPS[key] = tuple(cuda.to_device(a) for a in _byte_map(ggml_type, rb // bb))
-    launch(_repack_slots_kernel, (total + 255) // 256, 256, stream, raw, stack, slots, *maps, rb // bb, bb)
+    launch(_repack_slots_kernel, (total + 255) // 256, 256, stream, raw, stack, slots, *_maps(ggml_type, rb // bb),
+           rb // bb, bb)
