@@ -114,9 +114,9 @@ def handover_latency(path: str, settings: dict, ids: list[int], tokens: int) -> 
     in this process (to stamp creation); perf_counter_ns is CLOCK_MONOTONIC, shared by processes."""
     import json
 
+    from daemon import service
     from daemon.config import Settings
     from daemon.scheduler import sequence
-    from ipc.server import Server
 
     created: dict[int, list[int]] = {}
     feed = sequence.Sequence.feed
@@ -131,8 +131,8 @@ def handover_latency(path: str, settings: dict, ids: list[int], tokens: int) -> 
     async def run() -> list[float]:
         with tempfile.TemporaryDirectory(prefix="moed-lat-") as tmp:
             sock = os.path.join(tmp, "moed.sock")
-            async with Server(sock, Settings.load(env={})) as server:
-                await server.scheduler.load(path, settings, keep_alive=-1)
+            async with service.make_server(Settings.load(env={}), sock) as server:
+                await server.handler.load(path, settings, keep_alive=-1)
                 proc = await asyncio.create_subprocess_exec(
                     sys.executable, "-c", LATENCY_CLIENT, sock, path, str(tokens), ROOT,
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)

@@ -19,7 +19,7 @@ import contextlib
 import os
 import sys
 
-from .config import Settings, span
+from .config import Settings, allowed_uid_set, span
 from .errors import MoedError
 
 
@@ -383,9 +383,7 @@ def _daemon_command(args) -> int:
 def _serve(args) -> int:
     import logging
 
-    from ipc.server import serve
-
-    from .scheduler import Scheduler
+    from . import service
 
     handler = logging.StreamHandler(sys.stderr)
     if args.log is not None:  # stdout and stderr go to the log, rotated past LOG_MAX_BYTES
@@ -401,7 +399,7 @@ def _serve(args) -> int:
     configure_logging(handler, args.verbose)
     overrides = {"queue_size": args.queue_size, "max_batch": args.max_batch, "keep_alive": args.keep_alive}
     settings = Settings.load(**overrides)
-    return serve(_socket(args), settings, Scheduler(settings))
+    return service.serve(settings, _socket(args))
 
 
 def configure_logging(handler, verbose: bool) -> None:
@@ -442,7 +440,8 @@ def _start_daemon(path: str, reply_timeout: float | None = None, timeout: float 
     except NotRunning:
         pass
     log_path = os.path.splitext(path)[0] + ".log"
-    prepare_socket_dir(path, Settings.load())  # before the log goes there: no other user may write in it
+    # Before the log goes there: no other user may write in it.
+    prepare_socket_dir(path, allowed_uid_set(Settings.load().allowed_uids))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # so `-m daemon.cli` imports from "/"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     log_fd = open_log(log_path)  # never a planted link, FIFO or file of another user

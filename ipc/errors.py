@@ -1,4 +1,4 @@
-"""The exception tree of the IPC layer (client library and wire decoding).
+"""The exception tree of the IPC layer (client library, wire decoding, the server's socket).
 
     ClientError            base; .code is the wire error code when the daemon sent one, else None
     ├── NotRunning         no daemon: socket file missing, connection refused, connection lost
@@ -19,7 +19,11 @@
     ├── ModelError         "model_error" (failed to load or run), "not_found" (no such model)
     ├── Cancelled          "cancelled": the generation was stopped by a Cancel
     ├── Timeout            connecting, or waiting for the next reply, took longer than the timeout
-    └── ServerError        any other error reply: "shutdown", "internal" (a daemon fault), ...
+    ├── ServerError        any other error reply: "shutdown", "internal" (a daemon fault), ...
+    ├── SocketInUse        (the server) another daemon serves, or is starting, on the socket path,
+    │                      or the path is not a socket
+    └── UnsafeSocketPath   (the server) the socket's directory, an existing socket file or the lock
+                           file is not safely ours; nothing was created
 
 The daemon's side uses ProtocolError too: `ipc.protocol.decode_request` raises it, and its `code`
 and `request_id` are what the error reply should carry.
@@ -88,6 +92,15 @@ class Timeout(ClientError):
 
 class ServerError(ClientError):
     """An error reply whose code has no class of its own: the daemon is stopping, or failed."""
+
+
+class SocketInUse(ClientError):
+    """Another daemon serves (or is starting) on this socket path, or the path is not a socket."""
+
+
+class UnsafeSocketPath(ClientError):
+    """The socket's directory, an existing socket file or the lock file is not safely ours: another
+    user could take the daemon's place (or make it write where they choose). Nothing was created."""
 
 
 _BY_CODE: dict[str, type[ClientError]] = {

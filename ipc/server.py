@@ -1,19 +1,20 @@
-"""The moed daemon's unix-socket server: framing, handshake, dispatch to the scheduler, shutdown.
+"""The moed daemon's unix-socket server: framing, handshake, dispatch to a handler, shutdown.
 
-    server = Server(socket_path, settings, scheduler=Scheduler(settings))  # socket_path None: see below
+    server = Server(config, handler=scheduler, error_of=wire_error)  # ipc.handler: ServerConfig, Handler
     await server.start()                        # claims the socket (see below), starts accepting
     await server.wait_closed()                  # until Shutdown, SIGTERM/SIGINT (serve()) or shutdown()
 
-    serve(socket_path, settings, scheduler) -> int   # `moed serve`: the above with signal handlers
+    serve(config, handler, **server_kw) -> int   # `moed serve`: the above with signal handlers
 
-The scheduler (daemon.scheduler.Scheduler, built by the caller) does the work behind each request;
-this module only frames, checks and routes, so it imports no model code.
+The handler (the daemon's Scheduler, built by daemon/service.py) does the work behind each request;
+this module only frames, checks and routes. It imports nothing from daemon/ (ipc/handler.py).
 
 The socket (docs/security.md says why each rule is there)
-    - path: the argument, else settings.socket ($MOED_SOCKET), else ipc.client.default_socket_path().
+    - path: config.socket_path (the daemon's: --socket, else $MOED_SOCKET), else
+      ipc.client.default_socket_path().
     - its directory must be the daemon's own (or root's) and not writable by group or others unless
       sticky (as /tmp), as ssh-agent and tmux insist; else UnsafeSocketPath. A missing one is
-      created 0700 (0711 when allowed_uids names other users, so they can reach the socket).
+      created 0700 (0711 when config.allowed_uids names other users, so they can reach the socket).
     - `PATH.lock` is opened O_NOFOLLOW and must be a regular file of ours with one link (a planted
       symlink or hard link is refused, never followed or truncated); it is flock()ed for the
       daemon's lifetime and holds its pid, so a second daemon says which process holds it.
@@ -24,25 +25,26 @@ The socket (docs/security.md says why each rule is there)
       users (inside a 0711 directory): then SO_PEERCRED below is the gate. Removed at exit (if ours).
     - listen backlog BACKLOG (the kernel caps it at net.core.somaxconn); clients retry EAGAIN.
     - every connection's peer is checked with SO_PEERCRED: its uid must be the daemon's own, or one
-      of settings.allowed_uids ($MOED_ALLOWED_UIDS); others get Error(None, "forbidden") and are closed.
-      Past settings.max_connections open connections, one more gets Error(None, "busy") and is closed.
+      of config.allowed_uids ($MOED_ALLOWED_UIDS); others get Error(None, "forbidden") and are closed.
+      Past config.max_connections open connections, one more gets Error(None, "busy") and is closed.
 
 Each connection: Hello first (HealthReply, or Error("bad_version") and close); then any number of
 requests, each in its own task, replies routed by id (ipc.protocol). Frames that do not decode get
 an error reply and the connection goes on; an oversized or truncated frame, or one not finished
-within settings.frame_timeout of its first byte, gets Error(None, "bad_frame") and the connection is
+within config.frame_timeout of its first byte, gets Error(None, "bad_frame") and the connection is
 closed (its stream position is lost). Waiting between frames has no limit. A connection may hold
-settings.max_requests_per_connection generations at once; one more gets Error(id, "busy") at once,
+config.max_requests_per_connection generations at once; one more gets Error(id, "busy") at once,
 so one client cannot fill the daemon's queue. A Generate, Chat or Load that waits for a model (the
-demo build, the load, the first kernel compile) gets the scheduler's Progress replies meanwhile
+demo build, the load, the first kernel compile) gets the handler's Progress replies meanwhile
 (they do not end the request). A client that closes its connection cancels its
 running generations. A client that stops reading while more than WRITE_LIMIT bytes of replies pile
 up is disconnected.
 
-Each request goes to the scheduler with its peer's uid and groups: the scheduler holds a user
-other than the daemon's own (or root) to what it could do itself (daemon/scheduler/access.py: no
-daemon-side path settings, no model file, named or the default, that it could not read), else
-Error(id, "forbidden").
+Each request goes to the handler with its peer's uid and groups: the daemon's scheduler holds a
+user other than the daemon's own (or root) to what it could do itself (daemon/scheduler/access.py:
+no daemon-side path settings, no model file, named or the default, that it could not read), else
+Error(id, "forbidden"). A request that fails ends with Error(id, *error_of(exc)); an "internal"
+one (a bug) is logged with its traceback.
 
 Shutdown (Shutdown request, SIGTERM, SIGINT): stop accepting, remove the socket, end every open
 request with Error("shutdown"), stop the models' compute threads (each finishes its current step),
@@ -63,14 +65,10 @@ import stat
 import sys
 import time
 
-from typing import TYPE_CHECKING
-
-from daemon.config import Settings, allowed_uid_set
-from daemon.errors import MoedError, wire_error
-
 from .client import default_socket_path, peer_cred
-from .errors import FrameTooLarge, ProtocolError, TruncatedFrame
+from .errors import FrameTooLarge, ProtocolError, SocketInUse, TruncatedFrame, UnsafeSocketPath
 from .framing import pack_frame, read_frame
+from .handler import ErrorOf, Handler, ServerConfig, internal_error
 from .ownfile import NotOurFile, open_own
 from .protocol import (
     PROTOCOL_VERSION,
@@ -99,25 +97,13 @@ from .protocol import (
     encode,
 )
 
-if TYPE_CHECKING:
-    from daemon.scheduler import Scheduler
-
-__all__ = ["BACKLOG", "WRITE_LIMIT", "Server", "SocketInUse", "UnsafeSocketPath", "peer_cred",
+__all__ = ["BACKLOG", "WRITE_LIMIT", "Server", "ServerConfig", "SocketInUse", "UnsafeSocketPath", "peer_cred",
            "prepare_socket_dir", "serve"]
 
 log = logging.getLogger("moed.server")
 
 WRITE_LIMIT = 64 * 2**20  # reply bytes queued for one connection before it counts as not reading
 BACKLOG = max(socket.SOMAXCONN, 4096)  # connections the kernel queues before accept(); it caps this
-
-
-class SocketInUse(MoedError):
-    """Another daemon serves (or is starting) on this socket path, or the path is not a socket."""
-
-
-class UnsafeSocketPath(MoedError):
-    """The socket's directory, an existing socket file or the lock file is not safely ours: another
-    user could take the daemon's place (or make it write where they choose). Nothing was created."""
 
 
 def _version() -> str:
@@ -129,23 +115,13 @@ def _version() -> str:
         return "0+unknown"
 
 
-def _allowed_uids(spec: str) -> frozenset[int]:
-    """The uids MOED_ALLOWED_UIDS names, and always the daemon's own (else `moed stop` would be
-    locked out); ConfigError for a bad list (Settings.load refuses it at start already)."""
-    return allowed_uid_set(spec) | {os.geteuid()}
-
-
-def _for_others(settings: Settings) -> bool:
-    """Whether allowed_uids names a user other than the daemon's own."""
-    return bool(_allowed_uids(settings.allowed_uids) - {os.geteuid()})
-
-
-def prepare_socket_dir(socket_path: str, settings: Settings) -> str:
+def prepare_socket_dir(socket_path: str, allowed_uids: frozenset[int] = frozenset()) -> str:
     """The socket's directory, created if missing (0700; 0711 when allowed_uids names other users,
     so they can reach the socket) and refused (UnsafeSocketPath) if another user could write to it:
     they could move our socket away and listen in its place. As ssh-agent and tmux: it must be
     ours or root's, and not writable by group or others unless sticky (as /tmp)."""
-    uid, others = os.geteuid(), _for_others(settings)
+    uid = os.geteuid()
+    others = bool(allowed_uids - {uid})
     parent = os.path.dirname(os.path.abspath(socket_path))
     mode = 0o711 if others else 0o700
     try:
@@ -225,7 +201,7 @@ class _Open:
 
 class _Peer:
     """Who is at the other end of a connection, as the kernel says (SO_PEERCRED); handed to the
-    scheduler with each request (the uid and gids it checks access with)."""
+    handler with each request (ipc.handler.Peer: the uid and gids it checks access with)."""
 
     __slots__ = ("gid", "uid", "_gids")
 
@@ -299,18 +275,19 @@ class _Connection:
 # -- the server ------------------------------------------------------------------------------------
 
 class Server:
-    def __init__(self, socket_path: str | os.PathLike | None = None, settings: Settings | None = None, *,
-                 scheduler: Scheduler, close_timeout: float = 30.0):
-        self.settings = settings or Settings.load()
-        self.path = os.fspath(socket_path or self.settings.socket or default_socket_path())
-        self.max_frame = self.settings.max_frame
+    def __init__(self, config: ServerConfig, *, handler: Handler, error_of: ErrorOf = internal_error,
+                 close_timeout: float = 30.0):
+        self.config = config
+        self.path = os.fspath(config.socket_path or default_socket_path())
+        self.max_frame = config.max_frame
         self.uid = os.geteuid()
-        self.allowed_uids = _allowed_uids(self.settings.allowed_uids)
-        self.for_others = _for_others(self.settings)  # the socket must be reachable by other users
-        self.max_connections = max(1, self.settings.max_connections)
-        self.max_requests = max(1, self.settings.max_requests_per_connection)
-        self.frame_timeout = self.settings.frame_timeout or None  # 0: no limit
-        self.scheduler = scheduler
+        self.allowed_uids = frozenset(config.allowed_uids) | {self.uid}  # else `moed stop` is locked out
+        self.for_others = bool(self.allowed_uids - {self.uid})  # the socket must be reachable by other users
+        self.max_connections = max(1, config.max_connections)
+        self.max_requests = max(1, config.max_requests_per_connection)
+        self.frame_timeout = config.frame_timeout or None  # 0: no limit
+        self.handler = handler
+        self.error_of = error_of  # exc -> (code, message) of a failed request's Error reply
         self.close_timeout = close_timeout  # seconds shutdown waits for the compute threads
         self.version = _version()
         self.started = time.time()
@@ -344,7 +321,7 @@ class Server:
         return self
 
     def _claim(self) -> socket.socket:
-        prepare_socket_dir(self.path, self.settings)
+        prepare_socket_dir(self.path, self.allowed_uids)
         self._lock_fd = self._take_lock(self.path + ".lock")
         try:
             self._remove_stale()
@@ -533,7 +510,7 @@ class Server:
             conn.send(self._health(req.id))
             return True
         if isinstance(req, Ps):
-            conn.send(PsReply(req.id, [ModelInfo(**m) for m in self.scheduler.ps()]))
+            conn.send(PsReply(req.id, [ModelInfo(**m) for m in self.handler.ps()]))
             return True
         stream = isinstance(req, (Generate, Chat))
         if stream and conn.generations() >= self.max_requests:
@@ -556,20 +533,20 @@ class Server:
         return task
 
     async def _handle(self, op: _Open, req: Request, received_ns: int) -> None:
-        sched = self.scheduler
+        handler = self.handler
         try:
             peer = op.conn.peer
             if isinstance(req, (Generate, Chat)):
-                await sched.generate(req, op.reply, received_ns, peer=peer)
+                await handler.generate(req, op.reply, received_ns, peer=peer)
             elif isinstance(req, Load):
-                model, load_ns = await sched.load(req.model, req.settings, req.keep_alive, peer=peer,
+                model, load_ns = await handler.load(req.model, req.settings, req.keep_alive, peer=peer,
                                                   progress=lambda *report: op.reply(Progress(req.id, *report)))
                 op.reply(Loaded(req.id, model.name, load_ns))
             elif isinstance(req, Unload):
-                await sched.unload(req.model)
+                await handler.unload(req.model)
                 op.reply(Ok(req.id))
             elif isinstance(req, Stats):
-                op.reply(StatsReply(req.id, await sched.stats(req.model)))
+                op.reply(StatsReply(req.id, await handler.stats(req.model)))
             elif isinstance(req, Shutdown):
                 op.reply(Ok(req.id))
                 self.request_shutdown()
@@ -578,9 +555,10 @@ class Server:
         except asyncio.CancelledError:
             pass  # cancelled by the client, a disconnect or shutdown (which sent the final reply)
         except Exception as e:  # the request's error reply; a bug is logged too, and the daemon goes on
-            if not isinstance(e, MoedError):
+            code, message = self.error_of(e)
+            if code == "internal":
                 log.exception("request %s failed", type(req).__name__)
-            op.reply(Error(req.id, *wire_error(e)))
+            op.reply(Error(req.id, code, message))
         finally:
             if not op.closed:  # e.g. cancelled with no reply sent
                 op.closed = True
@@ -607,7 +585,7 @@ class Server:
             for op in list(conn.open.values()):
                 op.end("shutdown", "the daemon is shutting down")
         try:
-            await asyncio.wait_for(self.scheduler.close(), self.close_timeout)
+            await asyncio.wait_for(self.handler.close(), self.close_timeout)
         except TimeoutError:
             log.warning("compute threads still busy after %.0fs; exiting anyway", self.close_timeout)
         except Exception:
@@ -631,11 +609,11 @@ class Server:
 
 # -- moed serve --------------------------------------------------------------------------------------
 
-def serve(socket_path: str | None, settings: Settings, scheduler: Scheduler, **server_kw) -> int:
+def serve(config: ServerConfig, handler: Handler, **server_kw) -> int:
     """Run the daemon in the foreground until Shutdown, SIGTERM or SIGINT; the exit status."""
 
     async def main() -> None:
-        server = Server(socket_path, settings, scheduler=scheduler, **server_kw)
+        server = Server(config, handler=handler, **server_kw)
         await server.start()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -644,7 +622,7 @@ def serve(socket_path: str | None, settings: Settings, scheduler: Scheduler, **s
 
     try:
         asyncio.run(main())
-    except MoedError as e:  # SocketInUse, UnsafeSocketPath, a bad MOED_ALLOWED_UIDS
+    except (SocketInUse, UnsafeSocketPath) as e:
         print(f"moed: error: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # path too long, no permission, read-only file system, ...

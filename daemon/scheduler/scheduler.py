@@ -7,6 +7,15 @@
                                        starts (busy, not_found, model_error, ...). Cancelling the task
                                        that runs it cancels the sequence (within one decode step).
     load(name, settings, keep_alive, progress, peer) / unload / ps / stats / close
+The server (ipc/server.py) calls these through ipc.handler.Handler, which the Scheduler is.
+
+    Scheduler(settings, factory=..., default_model=..., warm=True)
+        factory(path, progress=..., **settings) -> engine   loads a model (daemon/service.py passes
+                                                             Engine.load, imported when first called)
+        default_model(report) -> path                        the model of a request that names none
+                                                             while not exactly one is loaded (the
+                                                             demo MoE); None: such a request fails
+    The scheduler imports neither the engine nor the demo builder: it is given them.
 
 `peer` is who asked (uid and gids, as the server learnt them; None = in-process, trusted): a
 peer other than the daemon's own user gets only what it could get itself (access.py), the
@@ -49,17 +58,9 @@ TEXT_THREADS = 2  # template rendering and tokenizing for every model: a bound o
 log = logging.getLogger("moed.scheduler")
 
 
-def _engine_load(path, **settings):
-    # numba kernels: imported by the daemon only when a model loads
-    from ..engine import Engine
-
-    return Engine.load(path, **settings)
-
-
-def _demo_model(progress: Report) -> str:
-    from ..demo import demo_model_path
-
-    return str(demo_model_path(progress=progress))
+def _no_default_model(progress: Report) -> str:
+    # default_model() reports it as "model_error: the default model is not available: ..."
+    raise LookupError("this daemon has none; name a model")
 
 
 def _in_thread(fn: Callable[[], Any], name: str) -> asyncio.Future:
@@ -120,15 +121,15 @@ class TextThreads:
 
 
 class Scheduler:
-    def __init__(self, settings: Settings | None = None, *, factory: Callable[..., Any] | None = None,
+    def __init__(self, settings: Settings | None = None, *, factory: Callable[..., Any],
                  default_model: Callable[[Report], str] | None = None, warm: bool = True):
         settings = settings or Settings.load()
         self.settings = settings
         self.queue_size = max(1, settings.queue_size)
-        self.registry = ModelRegistry(factory or _engine_load, keep_alive=settings.keep_alive,
+        self.registry = ModelRegistry(factory, keep_alive=settings.keep_alive,
                                       max_batch=settings.max_batch, warm=warm,
                                       max_loaded=settings.max_loaded_models)
-        self._default_model_fn = default_model or _demo_model
+        self._default_model_fn = default_model or _no_default_model
         self._default_future: asyncio.Future | None = None
         self._default_progress: Relay | None = None  # the demo build's reports
         self.text = TextThreads()

@@ -23,6 +23,7 @@ import pytest
 
 import ipc.client
 import ipc.server
+from daemon import service
 from daemon.config import Settings
 from daemon.engine import Engine
 from daemon.scheduler import Scheduler
@@ -90,12 +91,12 @@ class Factory:
 def make_server(path, **settings) -> Server:
     cfg = Settings.load(env={}, **settings)
     sched = Scheduler(cfg, factory=Factory(), default_model=lambda _progress: "/nonexistent/demo.gguf")
-    return Server(path, cfg, scheduler=sched, close_timeout=T)
+    return service.make_server(cfg, path, scheduler=sched, close_timeout=T)
 
 
 @contextlib.contextmanager
 def loads_held(server: Server):
-    gate = server.scheduler.registry.factory.gate
+    gate = server.handler.registry.factory.gate
     gate.clear()
     try:
         yield
@@ -547,14 +548,14 @@ async def test_a_connection_that_queues_64_and_never_reads_does_not_starve_other
                 hog.writer.write(pack_frame(encode(Generate(i, model, tokens=[1, 2], max_tokens=4))))
             await hog.writer.drain()
             async with asyncio.timeout(T):
-                while server.scheduler.inflight < 16:
+                while server.handler.inflight < 16:
                     await asyncio.sleep(0.01)
             await asyncio.sleep(0.3)  # the rest of the hog's frames are read meanwhile
-            assert server.scheduler.inflight == 16
+            assert server.handler.inflight == 16
             c = AsyncClient(path, timeout=T)
             other = asyncio.create_task(c.generate([3, 4], model=model, max_tokens=3).__anext__())
             async with asyncio.timeout(T):
-                while server.scheduler.inflight < 17:
+                while server.handler.inflight < 17:
                     assert not other.done(), other.result()  # not busy: it waits its turn
                     await asyncio.sleep(0.01)
         assert isinstance(await asyncio.wait_for(other, T), Chunk)
@@ -728,8 +729,8 @@ async def test_shutdown_does_not_wait_for_a_template_render(path, model):
     server = make_server(path)
     await server.start()
     try:
-        await server.scheduler.load(model)
-        engine = server.scheduler.registry.find(model).engine
+        await server.handler.load(model)
+        engine = server.handler.registry.find(model).engine
         engine.gguf.metadata["tokenizer.chat_template"] = "{{ messages[0].content }}"  # a template: it renders
         engine.apply_chat_template = render_forever
         raw = await Raw.open(path)
@@ -760,7 +761,7 @@ async def test_default_model_is_checked_for_other_users_as_a_named_one(path, sha
     os.chmod(secret, 0o600)
     cfg = Settings.load(env={}, allowed_uids=str(OTHER))
     sched = Scheduler(cfg, factory=Factory(), default_model=lambda _progress: secret)
-    async with Server(path, cfg, scheduler=sched, close_timeout=T), AsyncClient(path, timeout=T) as c:
+    async with service.make_server(cfg, path, scheduler=sched, close_timeout=T), AsyncClient(path, timeout=T) as c:
         for request in (c.generate([1, 2], max_tokens=1), c.chat([{"role": "user", "content": "hi"}], max_tokens=1)):
             with pytest.raises(Forbidden) as e:
                 async for _ in request:

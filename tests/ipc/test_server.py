@@ -14,6 +14,7 @@ import time
 import msgspec
 import pytest
 
+from daemon import service
 from daemon.config import Settings
 from daemon.engine import Engine
 from daemon.scheduler import Scheduler
@@ -76,7 +77,7 @@ class Factory:
 def make_server(path, **settings) -> Server:
     cfg = Settings.load(env={}, **settings)
     sched = Scheduler(cfg, factory=Factory(), default_model=lambda _progress: "/nonexistent/demo.gguf")
-    return Server(path, cfg, scheduler=sched, close_timeout=T)
+    return service.make_server(cfg, path, scheduler=sched, close_timeout=T)
 
 
 @pytest.fixture
@@ -243,7 +244,7 @@ async def test_sixteen_concurrent_clients_get_their_solo_tokens(server, path, mo
             return toks, "".join(text), gen.done
 
     solo = [await one(i) for i in range(n)]
-    batcher = server.scheduler.registry.find(model).batcher
+    batcher = server.handler.registry.find(model).batcher
     assert batcher.peak_batch == 1
     together = await asyncio.gather(*(one(i) for i in range(n)))
     assert batcher.peak_batch > 1  # they did share decode steps
@@ -277,7 +278,7 @@ async def test_killed_client_stops_its_sequence_others_go_on(server, path, model
         # test sees it decoding: the compute thread runs ahead of the replies)
         await victim.send(Generate(777, model, tokens=[1, 2, 3], max_tokens=3000, options=GREEDY))
         assert isinstance(await victim.recv(), Chunk)
-        batcher = server.scheduler.registry.find(model).batcher
+        batcher = server.handler.registry.find(model).batcher
         async with asyncio.timeout(T):  # its first chunk may come before it is listed as active
             while (seq := next((s for s in batcher._active if s.id == 777), None)) is None:
                 await asyncio.sleep(0.001)
@@ -295,7 +296,7 @@ async def test_killed_client_stops_its_sequence_others_go_on(server, path, model
                 await asyncio.sleep(0.001)
         assert seq.eval_count <= at_cancel + 1 and seq.eval_count < 3000
         assert await asyncio.wait_for(survivor, T) == expected
-        assert server.scheduler.inflight == 0
+        assert server.handler.inflight == 0
 
 
 async def test_cancel_ends_the_stream_with_cancelled(server, path, model):
@@ -402,7 +403,7 @@ async def test_two_concurrent_loads_load_once(server, path, model):
     async with AsyncClient(path, timeout=T) as c1, AsyncClient(path, timeout=T) as c2:
         a, b = await asyncio.gather(c1.load(model), c2.load(model))
         assert a.model == b.model == model
-        assert server.scheduler.registry.factory.calls == 1
+        assert server.handler.registry.factory.calls == 1
         (info,) = await c1.ps()
         assert info.arch == "qwen3moe" and info.expert_cache_bytes > 0 and info.expires_at > time.time()
 
@@ -427,7 +428,7 @@ async def test_a_waiting_generate_and_load_get_the_loads_progress(path, model):
 
     gate = Gate()
     cfg = Settings.load(env={})
-    async with Server(path, cfg, scheduler=Scheduler(cfg, factory=gate), close_timeout=T), \
+    async with service.make_server(cfg, path, scheduler=Scheduler(cfg, factory=gate), close_timeout=T), \
             AsyncClient(path, timeout=T) as c:
         generated, loaded = [], []
         gen = c.generate([1, 2], model=model, max_tokens=2, options=GREEDY, on_progress=generated.append)
