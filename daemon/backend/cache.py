@@ -36,6 +36,10 @@ class SequenceCache:
         self.n_past = 0
         self._room = min((layer.capacity for layer in self.layers), default=n_ctx)
 
+    def grows(self, n: int) -> bool:
+        """Whether reserve(n) may have to grow a layer's storage."""
+        return n > self._room
+
     def reserve(self, n: int) -> None:
         """Room for positions 0..n-1 in every layer."""
         if n > self.n_ctx:

@@ -44,7 +44,9 @@ from ..kernels.cuda import attention as attn
 from ..kernels.cuda import embed as embed_k
 from ..kernels.cuda import gdn
 from ..kernels.cuda import glu as glu_k
+from ..kernels.cuda import feed as feed_k
 from ..kernels.cuda import mmq, mmvq, norm, rope as rope_k, router as router_k
+from ..kernels.cuda import sample as sample_k
 from ..kernels.cuda.device import SIM
 from ..kernels.cuda.mmvq import MAX_COLS, Q8
 from ..kernels.cuda.quantize import QK8_1, quantize_q8_1
@@ -53,7 +55,7 @@ from ..model.weights import QWeight
 from . import cuda_experts as cx
 from .base import compose_expert_ffn, compose_expert_glu
 from .cuda_staged import StagedBatch
-from .cuda_transfer import Transfers, _check, _drv, pinned_empty
+from .cuda_transfer import Event, Transfers, _check, _drv, pinned_empty
 from .cuda_cache import DeviceKVCache, KVPool
 from .cuda_errors import CUDA_ERRORS
 from .cuda_graphs import GraphCache, nonblocking_stream
@@ -152,6 +154,10 @@ class CUDABackend:
         self.bytes = {"weights": 0, "experts": 0, "kv": 0, "scratch": 0}  # VRAM held, by use
         self.estimate = None  # select.VRAMEstimate of the model, when select_backend made this
         self.expert_budget = None  # VRAM for the expert cache (select_backend); None = every expert resident
+        self._samplers = None  # device sampler slots (sampler_slots())
+        self._sampler_generation = 0
+        self._readback = [None] * 3  # pinned buffers and events reused in turn (Readback)
+        self._readback_turn = 0
 
     def __repr__(self) -> str:
         return f"CUDABackend({self.index})"
@@ -279,8 +285,13 @@ class CUDABackend:
         step may be captured once and replayed as a CUDA graph (bit-identical: the same kernels
         on the same inputs). segmented: compute reads the host only at its host points (and its
         routers' ids there), so a decode step may be captured as graph segments between them."""
+        if self.samplers is not None and self.samplers.generation != self._sampler_generation:
+            self._sampler_generation = self.samplers.generation
+            self.graphs.clear()  # they hold the old pools' addresses
         key = self._graph_key(step) if (static or segmented) and self.use_graphs else None
         if key is None or key in self.graphs.failed:
+            if step.feed is not None:  # the input tokens, from the step before's sampled ids
+                step.memo["tokens"] = self._fed_tokens(step, cuda.device_array(step.S, np.int32))
             out = compute()
             if self.arrays is not None and self.arrays.held > _OP_BUFFERS_KEPT:
                 self.arrays.trim()  # a long prefill's activations: not held for the model's life
@@ -320,19 +331,69 @@ class CUDABackend:
         # attention's grid covers a power of two of cells (blocks past a row's cells exit at
         # once), so one graph serves many steps of a growing context
         cells = 1 << int(step.positions.max()).bit_length()
-        return step.S, step.all_logits, min(max(cells, attn.CHUNK), pool.cells), id(pool)
+        return (step.S, step.all_logits, min(max(cells, attn.CHUNK), pool.cells), id(pool),
+                step.samplers is not None)
 
     def _graph_inputs(self, step: Step, key) -> None:
-        """The step's token ids, positions and KV slots copied into the buffers of its graph's
-        shape, which the step's ops read (step.memo)."""
+        """The step's token ids, positions, KV slots and sampler slots copied into the buffers of
+        its graph's shape, which the step's ops read (step.memo); fed tokens gathered there."""
         bufs = self._inputs.get(key[0])
         if bufs is None:
             bufs = self._inputs[key[0]] = {k: cuda.device_array(key[0], np.int32)
-                                           for k in ("tokens", "positions", "slots")}
-        for name, values in (("tokens", step.tokens), ("positions", step.positions), ("slots", self._row_slots(step))):
+                                           for k in ("tokens", "positions", "slots", "samplers")}
+        inputs = [("positions", step.positions), ("slots", self._row_slots(step))]
+        if step.feed is None:
+            inputs.append(("tokens", step.tokens))
+        else:
+            step.memo["tokens"] = self._fed_tokens(step, bufs["tokens"])
+        if step.samplers is not None:
+            inputs.append(("samplers", step.samplers))
+        for name, values in inputs:
             bufs[name].copy_to_device(np.ascontiguousarray(values, dtype=np.int32), stream=self.stream)
             step.memo[name] = bufs[name]
         step.memo["max_cells"] = key[2]
+
+    def _fed_tokens(self, step: Step, out):
+        """out [S] int32 <- each sequence's input token: prev[src[s]] where src[s] >= 0 (sampled by
+        the step before, never seen by the host), else step.tokens[s]."""
+        src, prev = step.feed
+        both = np.stack([np.asarray(src, np.int32), np.asarray(step.tokens, np.int32)])  # [2, S]
+        feed_k.fed_tokens(out, self._memo_ints(None, "", both.reshape(-1)), prev, stream=self.stream)
+        return out
+
+    # -- sampling ------------------------------------------------------------------------------
+
+    @property
+    def samplers(self):
+        """The device sampler slots of this backend's sequences (made on first use)."""
+        return self._samplers
+
+    def sampler_slots(self):
+        if self._samplers is None:
+            self._samplers = sample_k.SamplerSlots()
+        return self._samplers
+
+    @_guarded
+    def sample(self, logits, step: Step):
+        """Row s of logits [S, V] drawn by sequence s's sampler slot (step.samplers), on the
+        device: -> (tokens [S] int32, flags [S] int32; 1 = its logits were not finite). The
+        logits are overwritten (the repeat penalty is applied in place)."""
+        slots = self._memo_ints(step, "samplers", step.samplers)
+        S = logits.shape[0]
+        tokens, flags = cuda.device_array(S, np.int32), cuda.device_array(S, np.int32)
+        sample_k.sample_rows(logits, slots, self.sampler_slots(), tokens, flags, stream=self.stream)
+        return tokens, flags
+
+    @_guarded
+    def readback(self, arrays) -> Readback:
+        """Small device arrays copied to the host in stream order, without waiting: the copies
+        are read with .wait() (the stream goes on meanwhile)."""
+        return Readback(self, arrays)
+
+    @_guarded
+    def synchronize_event(self, event: Event) -> None:
+        if event.handle is not None:
+            _check(_drv().cuEventSynchronize(event.handle))
 
     # -- dense ---------------------------------------------------------------------------------
 
@@ -776,3 +837,31 @@ class CUDABackend:
         if self._iota.shape[0] < n:
             self._iota = cuda.to_device(np.arange(max(n, 2 * self._iota.shape[0]), dtype=np.int32))
         return self._iota if self._iota.shape[0] == n else self._iota[:n]
+
+
+class Readback:
+    """Device arrays copied into page-locked host buffers after the work enqueued so far; wait()
+    -> host copies. Three sets of buffers and events are used in turn: the serving loop has at
+    most two steps in flight."""
+
+    def __init__(self, backend: CUDABackend, arrays):
+        self._backend = backend
+        i = backend._readback_turn = (backend._readback_turn + 1) % len(backend._readback)
+        size = sum(int(a.size) for a in arrays)
+        held = backend._readback[i]
+        if held is None or held[0].size < size:
+            held = backend._readback[i] = (pinned_empty(max(size, 64), np.int32), Event())
+        host, self._event = held
+        self._parts = []
+        at = 0
+        for a in arrays:
+            part = host[at:at + int(a.size)]
+            Transfers.d2h(part, a, backend.stream)
+            self._parts.append(part)
+            at += int(a.size)
+        if self._event.handle is not None:
+            _check(_drv().cuEventRecord(self._event.handle, int(backend.stream.handle)))
+
+    def wait(self) -> list[np.ndarray]:
+        self._backend.synchronize_event(self._event)
+        return [p.copy() for p in self._parts]

@@ -116,6 +116,25 @@ class Transformer:
             raise RequestError(f"{len(toks)} prompts for {len(caches)} distinct sequences")
         return self._pass(toks, caches, False)
 
+    def decode_sampled(self, tokens, caches: list[SequenceCache], samplers, feed=None):
+        """One decode step for S sequences that samples on the device (a backend with `sample`):
+        -> (tokens [S] int32, flags [S] int32) as backend arrays, not waited for. samplers [S]:
+        each sequence's sampler slot. feed: (src [S], prev) when some input tokens are the step
+        before's sampled ids, never seen by the host (src[s] >= 0: prev[src[s]]; tokens[s] is then
+        a placeholder); only when `device_fed` (nothing on the host reads the step's tokens)."""
+        tokens = self._check_tokens(tokens)
+        if tokens.size != len(caches):
+            raise RequestError(f"{tokens.size} tokens for {len(caches)} distinct sequences")
+        return self._pass(list(tokens.reshape(-1, 1)), caches, True,
+                          samplers=np.asarray(samplers, np.int32), feed=feed)
+
+    @property
+    def device_fed(self) -> bool:
+        """A decode step needs its tokens on the device only: no hook, trace, routing override
+        or expert provider reads them on the host (which also makes it one graph)."""
+        return self._plain() and self.route_override is None and (
+            not self.moe_layers or getattr(self.experts, "routing_free", False))
+
     def _check_tokens(self, tokens) -> np.ndarray:
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if tokens.size == 0:
@@ -124,20 +143,24 @@ class Transformer:
             raise RequestError(f"token id out of range 0..{self.hp.n_vocab - 1}")
         return tokens
 
-    def _pass(self, tokens: list[np.ndarray], caches: list[SequenceCache], all_logits: bool) -> np.ndarray:
+    def _pass(self, tokens: list[np.ndarray], caches: list[SequenceCache], all_logits: bool,
+              samplers=None, feed=None):
         """tokens[s] appended to caches[s] in one step. -> logits [T, V], or [S, V] of each
-        sequence's last row."""
+        sequence's last row; with samplers, the sampled (tokens, flags) on the device."""
         if len(caches) > 1 and len({id(c) for c in caches}) != len(caches):
             raise RequestError(f"{len(tokens)} token lists for {len(caches)} distinct sequences")
         for c, t in zip(caches, tokens):
             c.reserve(c.n_past + t.size)
-        logits = self._run(Step.append(tokens, caches, all_logits))
+        step = Step.append(tokens, caches, all_logits)
+        step.samplers, step.feed = samplers, feed
+        out = self._run(step)
         for c, t in zip(caches, tokens):
             c.n_past += t.size
-        return logits
+        return out
 
-    def _run(self, step: Step) -> np.ndarray:
-        """The layers over the step's rows. -> logits [T, V], or of each sequence's last row."""
+    def _run(self, step: Step):
+        """The layers over the step's rows. -> logits [T, V], or of each sequence's last row
+        (on the host); with step.samplers, the backend's sampled (tokens, flags)."""
         B = self.backend
         begin_pass = getattr(self.experts, "begin_pass", None)  # a streaming provider's per-pass bookkeeping
         if begin_pass is not None:
@@ -148,7 +171,12 @@ class Transformer:
             not self.moe_layers or getattr(self.experts, "routing_free", False))
         segmentable = getattr(self.experts, "segmentable", None)  # (row, expert) pairs -> bool
         segmented = plain and not static and segmentable is not None and segmentable(step.T * self.hp.n_expert_used)
+        if step.feed is not None and not static:
+            raise RequestError("a step whose tokens are read on the host cannot take them from the device")
         try:
+            if step.samplers is not None:  # sampled in the step (its last segment): not waited for
+                return B.run_step(step, lambda: B.sample(self._layers(step), step), static=static,
+                                  segmented=segmented)
             return B.to_host(B.run_step(step, lambda: self._layers(step), static=static, segmented=segmented))
         finally:
             self._step = None  # not kept: its caches free their KV slots when their sequences end

@@ -38,8 +38,10 @@ from typing import Any
 from ipc.protocol import Error
 
 from .. import heap
-from ..errors import ModelFileChanged, MoedError, RequestError, wire_error
-from .sequence import Sequence
+from ..errors import ModelFileChanged, MoedError, RequestError, SchedulerError, wire_error
+from ..model.decoding import decoder_for
+from .sequence import ERROR, Sequence
+from .text_thread import TextThread
 
 log = logging.getLogger("moed.scheduler")
 
@@ -65,6 +67,10 @@ class Batcher:
         self.prefills = 0
         self.prefill_passes = 0  # forward passes those prefills took (prompts arriving together share one)
         self.peak_batch = 0
+        self._pending: _InFlight | None = None  # the decode step launched and not yet processed
+        self._launched = 0  # decode steps launched (the text thread's batches are tagged with them)
+        self._decoder_ = None  # the model's decoder (daemon.model.decoding), made after the load
+        self._text = TextThread(name, lambda events: self._post(self._deliver, events))
         self._thread = threading.Thread(target=self._run, name=f"moed-compute:{name}", daemon=True)
         self._thread.start()
 
@@ -146,7 +152,7 @@ class Batcher:
         try:
             while True:
                 with self._cv:
-                    while not (self._jobs or self._incoming or self._active or self._stopping):
+                    while not (self._jobs or self._incoming or self._active or self._pending or self._stopping):
                         self._cv.wait()
                     if self._stopping:
                         break
@@ -158,6 +164,8 @@ class Batcher:
                         seq = self._incoming.popleft()
                         if not seq.cancelled:
                             new.append(seq)
+                if jobs or new:
+                    self._drain()  # nothing in flight: jobs see a quiet engine, KV pools may grow
                 for fn, fut in jobs:
                     try:
                         self._post(self._resolve, fut, True, fn(self.engine))
@@ -168,6 +176,7 @@ class Batcher:
                     self._advance(new)
                 except Exception as e:  # a bug outside every guard: its sequences fail, the loop goes on
                     log.exception("%s: a step failed", self.name)
+                    self._pending = None
                     self._fail_all(new + self._active, e)
         except BaseException as e:  # noqa: BLE001 - the loop broke: fail everything, let the registry know
             log.critical("%s: the compute thread failed", self.name, exc_info=True)
@@ -177,19 +186,20 @@ class Batcher:
             self._shutdown()
 
     def _advance(self, new: list[Sequence]) -> None:
-        """Prefill the sequences that arrived, then one decode step of every active one."""
+        """Prefill the sequences that arrived, then launch the next decode step."""
         if new:  # the prompts that arrived together are evaluated together
             self._start(new)
-        if self._active and not self._stopping:
-            events = self._step()
-            if events:
-                self._post(self._deliver, events)
+        if not self._stopping:
+            self._launch()
 
     def _fail_all(self, seqs: list[Sequence], e: BaseException) -> None:
-        events = [(s, s.fail_with(e)) for s in seqs if not s.finished]
-        self._active = [s for s in self._active if not s.finished]
-        if events:
-            self._post(self._deliver, events)
+        events = []
+        for s in seqs:
+            if not s.ended:
+                s.ended = True
+                events.append((s, ERROR, e))
+        self._text.put(self._launched, events)
+        self._retire()
 
     def _stop_self(self, code: str, message: str) -> None:
         """The batcher cannot go on (its model file changed, its loop broke): the loop ends after
@@ -199,20 +209,23 @@ class Batcher:
                 self._stopping = True
                 self._stop_reason = (code, message)
 
+    def _decoder(self):
+        if self._decoder_ is None:
+            self._decoder_ = decoder_for(self.engine.model)
+        return self._decoder_
+
     def _start(self, seqs: list[Sequence]) -> None:
         """Prepare and prefill new sequences, their prompts in passes of up to PREFILL_TOKENS
-        rows; each sequence's first token is sent as soon as its pass ends."""
-        ready = []
+        rows; each sequence's first token goes to the text thread as soon as its pass ends, and
+        the sequence joins the decode batch."""
+        ready, failed = [], []
         for seq in seqs:
-            replies = self._guard(seq, lambda s=seq: s.prepare(self.engine))
-            if replies:
-                self._post(self._deliver, [(seq, replies)])
-            else:
-                ready.append(seq)
+            event = self._guard(seq, lambda s=seq: s.prepare(self.engine))
+            (failed if event else ready).append(event or seq)
+        self._text.put(self._launched, failed)
         while ready:
             if self._stopping:  # stopped meanwhile: the rest never start
-                code, message = self._stop_reason
-                self._post(self._deliver, [(s, s.fail(code, message)) for s in ready])
+                self._text.put(self._launched, [(s, ERROR, self._stop_error()) for s in ready])
                 return
             n, rows = 0, 0
             while n < len(ready) and (n == 0 or rows + len(ready[n].ids) <= PREFILL_TOKENS):
@@ -225,23 +238,34 @@ class Batcher:
                 self.prefill_passes += 1
             except Exception:  # alone, each sequence gets its own outcome
                 log.debug("a prefill of %d prompts failed; each is retried alone", len(part), exc_info=True)
-                events = [(s, self._guard(s, lambda s=s: s.prefill(self.engine))) for s in part]
+                events = [self._guard(s, lambda s=s: s.first(self.engine.model.forward(s.ids, s.cache)[-1], t0))
+                          for s in part]
                 self.prefill_passes += len(part)
             else:
-                events = [(s, self._guard(s, lambda s=s, lg=lg: s.prefilled(lg, t0))) for s, lg in zip(part, logits)]
-            for s, replies in events:  # active before its first token is out
-                self.prefills += not (replies and isinstance(replies[-1], Error))
-                if not s.finished:
-                    self._active.append(s)
-            self._post(self._deliver, events)
+                events = [self._guard(s, lambda s=s, lg=lg: s.first(lg, t0)) for s, lg in zip(part, logits)]
+            for s, event in zip(part, events):
+                self.prefills += not (event is not None and event[1] == ERROR)
+                if s.live():
+                    attached = self._guard(s, lambda s=s: self._decoder().attach(s))
+                    if attached is None:
+                        self._active.append(s)
+                    else:
+                        event = attached
+                if event is not None:
+                    self._text.put(self._launched, [event])
 
-    def _guard(self, seq: Sequence, fn) -> list:
-        """fn() for one sequence: its replies, or the sequence failed with an Error reply."""
+    def _stop_error(self) -> SchedulerError:
+        return SchedulerError(*self._stop_reason)
+
+    def _guard(self, seq: Sequence, fn) -> tuple | None:
+        """fn() for one sequence: its text event (or None); on an exception the sequence has
+        ended and the event is ERROR."""
         try:
-            return fn() or []
+            return fn()
         except Exception as e:  # a bad request, a broken model or a bug: this sequence only
             self._failed(e, f"request {seq.id}")
-            return seq.fail_with(e)
+            seq.ended = True
+            return (seq, ERROR, e)
 
     def _failed(self, e: Exception, what: str) -> None:
         """Log a failure; a changed model file also stops the batcher."""
@@ -255,41 +279,111 @@ class Batcher:
         else:  # a bug must not take the daemon down, but it is logged in full
             log.error("%s: %s failed", self.name, what, exc_info=e)
 
-    def _step(self) -> list:
-        """One decode step for every active sequence."""
-        active = [s for s in self._active if not s.cancelled]
-        for s in self._active:
-            if s.cancelled:
-                s.cache = None  # freed now, not at the end of the stream
-        self._active = active
-        if not active:
-            return []
+    def _launch(self) -> None:
+        """Launch the next decode step of every live sequence, then process the step before
+        (whose tokens this one may read on the device: the overlap)."""
+        decoder = self._decoder()
+        # a stop string seen in the text of the step before the one in flight ends its sequence
+        # here, so a sequence that ends at step N costs at most its row of step N+1
+        self._text.wait_upto(self._launched - 1)
+        self._retire()
+        seqs = [s for s in self._active if s.live()]
+        pending = self._pending
+        if not seqs:
+            self._drain()
+            return
+        if pending is not None and not decoder.overlaps(seqs):
+            self._drain()
+            pending = None
+        src = None
+        if pending is not None:
+            where = {id(s): b for b, s in enumerate(pending.seqs)}
+            src = [where.get(id(s), -1) for s in seqs]
         try:
-            logits = self.engine.model.forward_batch([s.token for s in active], [s.cache for s in active])
+            handle = decoder.launch(seqs, src, pending.handle if pending is not None else None)
         except Exception as e:  # every sequence of the step fails; the daemon goes on
             self._failed(e, "a decode step")
-            self._active = []
-            return [(s, s.fail_with(e)) for s in active]
+            if pending is not None:
+                self._drain()
+            self._fail_all(seqs, e)
+            return
+        self._launched += 1
         self.steps += 1
-        self.step_tokens += len(active)
-        self.peak_batch = max(self.peak_batch, len(active))
-        events = [(s, self._guard(s, lambda s=s, b=b: s.feed(logits[b]))) for b, s in enumerate(active)]
-        self._active = [s for s in active if not s.finished]
-        return events
+        self.step_tokens += len(seqs)
+        self.peak_batch = max(self.peak_batch, len(seqs))
+        for s in seqs:
+            s.inflight += 1
+        self._pending = _InFlight(handle, seqs, self._launched)
+        if pending is not None:
+            self._process(pending)
+        if not decoder.overlapping:  # computed already: its tokens go to the text thread now
+            self._drain()
+
+    def _drain(self) -> None:
+        """Process the step in flight, if any."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._process(pending)
+
+    def _process(self, step: _InFlight) -> None:
+        """Wait for a launched step's tokens; the id rules now, the text on the text thread."""
+        events = []
+        try:
+            tokens, errors = step.handle.wait()
+        except Exception as e:  # every sequence of the step fails; the daemon goes on
+            self._failed(e, "a decode step")
+            tokens, errors = None, [e] * len(step.seqs)
+        for b, s in enumerate(step.seqs):
+            s.inflight -= 1
+            if s.cancelled:  # nobody reads its replies any more
+                s.ended = True
+            elif errors[b] is not None:
+                if not s.ended:
+                    if tokens is not None:
+                        self._failed(errors[b], f"request {s.id}")
+                    s.ended = True
+                    events.append((s, ERROR, errors[b]))
+            else:
+                event = s.accept(int(tokens[b]))
+                if event is not None:
+                    events.append(event)
+        self._text.put(step.number, events)
+        self._retire()
+
+    def _retire(self) -> None:
+        """Sequences that will not go on leave the batch once no launched step has their row:
+        their sampler slot and KV cache are given back."""
+        keep = []
+        for s in self._active:
+            if s.live() or s.inflight:
+                keep.append(s)
+            else:
+                try:
+                    self._decoder().detach(s)
+                except Exception:  # noqa: BLE001 - a slot lost, not a request
+                    log.exception("%s: releasing the sampler of request %s failed", self.name, s.id)
+                s.cache = None  # freed now, not at the end of the stream
+        self._active = keep
 
     def _shutdown(self) -> None:
+        try:
+            self._drain()
+        except Exception:  # noqa: BLE001 - its sequences are failed below
+            log.debug("%s: the last step failed", self.name, exc_info=True)
         with self._cv:
             self._stopping = True  # however the loop ended: call/submit refuse from now on
-            code, message = self._stop_reason
             left = self._active + list(self._incoming)
             self._active, self._incoming = [], deque()
             jobs = list(self._jobs)
             self._jobs.clear()
-        events = [(s, s.fail(code, message)) for s in left if not s.finished and not s.cancelled]
-        if events:
-            self._post(self._deliver, events)
+        error = self._stop_error()
+        self._text.put(self._launched, [(s, ERROR, error) for s in left if not s.cancelled])
+        self._text.close()  # every reply is handed over before `stopped` resolves
         for _fn, fut in jobs:
             self._post(self._resolve, fut, False, RuntimeError(f"{self.name} stopped"))
+        for s in left:
+            s.cache = None
+        self._decoder_ = None
         t0 = time.perf_counter()
         if self.engine is not None:
             try:
@@ -310,3 +404,13 @@ class Batcher:
                 "prefill_passes": self.prefill_passes,
                 "peak_batch": self.peak_batch, "active": self.active,
                 "mean_batch": round(self.step_tokens / self.steps, 3) if self.steps else 0.0}
+
+
+class _InFlight:
+    """A launched decode step: the decoder's handle, its sequences (row order) and its number."""
+
+    __slots__ = ("handle", "seqs", "number")
+
+    def __init__(self, handle, seqs: list[Sequence], number: int):
+        self.handle, self.seqs, self.number = handle, seqs, number
+

@@ -1,19 +1,20 @@
 """One generation request's token loop: the only one. The Batcher advances many sequences a
 token at a time; Engine.generate/chat run one alone (run(engine)). The loop is cut at the forward
-pass so that many sequences can share it:
+pass so that many sequences can share it, and cut again between ids and text so that the text work
+runs beside the next step:
 
     prompt_ids(req, ...)  ids from the request (template, tokenizer, size and range checks); run by
                           the scheduler before the sequence exists, never on the compute thread
     prepare(engine)       sampler, detokenizer, stop strings; KV cache allocated
-    prefill(engine)       forward(ids) -> logits of the last prompt token -> feed(logits); or, for
-                          several sequences at once, Transformer.forward_many then prefilled(logits)
-    feed(logits [V])      sample, detokenize, stop strings; either finishes, or leaves `token`
-                          to be decoded in the next step (forward_batch of every active sequence)
-    run(engine)           all of it alone, in the caller's thread: prepare, prefill, then feed the
-                          logits of Transformer.forward([token]) until finished; yields the replies
+    first(logits [V])     after the prompt's pass (alone: prefill; together: forward_many): the first
+                          token sampled on the host and accepted
+    accept(token)         a token sampled for it (on the host or the device): the id rules (end of
+                          generation, max_tokens, context) decided at once -> a text event
+    text(event)           detokenize, stop strings, the replies (Chunk per token, then Done/Error)
+    run(engine)           all of it alone, in the caller's thread; yields the replies
 
-In the daemon a Sequence lives on the compute thread. The event loop only reads `finished`/`emit`
-and sets `cancelled`; replies are built on the compute thread and handed to `emit` on the event loop.
+In the daemon the compute thread calls prepare/first/accept, the Batcher's text thread calls text,
+and the event loop only sets `cancelled`; replies reach `emit` on the event loop.
 `error_reply(id, exc)` is how an exception becomes the request's Error (daemon.errors.wire_error:
 bad_request for a RequestError, model_error for another MoedError, internal for a bug).
 """
@@ -26,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-# Replies are built here, on the compute thread: the Chunk made per token is the one sent.
+# Replies are built here: the Chunk made per token is the one sent.
 # (ipc.protocol imports nothing from daemon.)
 from ipc.protocol import Chat, Chunk, Done, Error, Generate
 
@@ -38,7 +39,13 @@ DEFAULT_OPTIONS = SamplingOptions()
 
 
 class Sequence:
-    """State of one Generate/Chat request, in the scheduler or alone (run)."""
+    """State of one Generate/Chat request, in the scheduler or alone (run).
+
+    Two threads share it in the daemon. The compute thread owns the ids: `accept(token)` applies
+    the rules that depend on ids alone (end of generation, max_tokens, the context), exactly and
+    at once, and says what the text side must do. The text thread (Batcher's) owns the text:
+    `text(event)` detokenizes, matches stop strings and builds the replies; a stop string sets
+    `stopped`, which the compute thread reads before its next launch."""
 
     def __init__(self, request: Generate | Chat, ids: list[int], emit: Callable[[Any], None] | None = None,
                  *, received_ns: int, load_ns: int = 0):
@@ -48,13 +55,20 @@ class Sequence:
         self.received_ns = received_ns  # perf_counter_ns when the daemon read the request
         self.load_ns = load_ns  # ns this request waited for its model to load
         self.cancelled = False  # set by the event loop; the compute thread drops it at the next step
-        self.finished = False  # a terminal reply has been built (compute thread)
         self.max_tokens = request.max_tokens
         self.options = request.options or DEFAULT_OPTIONS
         self.ids = ids  # the prompt, checked by prompt_ids
-        self.history: list[int] = []
-        self.token: int | None = None  # sampled, not yet fed to the model
+        # compute thread
+        self.history: list[int] = []  # prompt + accepted tokens (the repeat penalty's window)
+        self.token: int | None = None  # accepted, not yet fed to the model
         self.cache = None  # the model's SequenceCache, freed (None) when the sequence leaves the batch
+        self.produced = 0  # tokens accepted
+        self.ended = False  # no token after the accepted ones (an id rule, a failure, or `stopped` seen)
+        self.inflight = 0  # launched decode steps with a row of this sequence, not yet processed
+        self.slot = None  # its device sampler slot (the Batcher's decoder), if any
+        # text thread
+        self.finished = False  # a terminal reply has been built
+        self.stopped = False  # a stop string ended it
         self.eval_count = 0
         self.prompt_eval_duration = 0
         self.eval_started = 0
@@ -68,7 +82,8 @@ class Sequence:
         self.decoder = StreamDecoder(engine.tokenizer)
         self.stopper = StopMatcher(list(self.request.stop))
         self.eog = engine.tokenizer.eog_ids
-        self.cache = engine.model.new_cache(min(engine.n_ctx, len(self.ids) + self.max_tokens + 1))
+        self.n_ctx = min(engine.n_ctx, len(self.ids) + self.max_tokens + 1)
+        self.cache = engine.model.new_cache(self.n_ctx)
 
     def prefill(self, engine) -> list:
         """Evaluate the prompt alone and take the first token; the replies to send."""
@@ -78,9 +93,14 @@ class Sequence:
     def prefilled(self, logits: np.ndarray, started_ns: int) -> list:
         """The prompt was evaluated (alone or with others' since started_ns): logits [V] of its
         last token -> take the first token; the replies to send."""
+        return self.text(self.first(logits, started_ns))
+
+    def first(self, logits: np.ndarray, started_ns: int) -> tuple:
+        """The compute thread's part of prefilled: the first token sampled and accepted -> the
+        text event."""
         self.eval_started = time.perf_counter_ns()
         self.prompt_eval_duration = self.eval_started - started_ns
-        return self.feed(logits)
+        return self.take(logits)
 
     def run(self, engine) -> Iterator[Chunk | Done]:
         """The whole loop alone, in the caller's thread (Engine.generate): the replies, ending
@@ -94,27 +114,65 @@ class Sequence:
     def feed(self, logits: np.ndarray) -> list:
         """Logits [V] for the next token: sample it; the replies to send. Afterwards either
         `finished`, or `token` waits to be decoded."""
-        out = []
-        if self.eval_count >= self.max_tokens:
-            return self._finish("length", out)
-        token = self.sampler.sample(logits, self.history)
+        return self.text(self.take(logits))
+
+    def take(self, logits: np.ndarray) -> tuple:
+        """Sample the next token from logits [V] on the host and accept it -> the text event."""
+        if self.exhausted():  # max_tokens 0: no token at all
+            self.ended = True
+            return (self, END, "length")
+        return self.accept(self.sampler.sample(logits, self.history))
+
+    def accept(self, token: int) -> tuple | None:
+        """The token sampled for this sequence: the id rules decided now -> the text event
+        (kind, value, finish), or None when the sequence had ended already (its row of a step
+        launched before that was known)."""
+        if self.ended:
+            return None
         if token in self.eog:
-            return self._finish("stop", out)
+            self.ended = True
+            return (self, END, "stop")
         self.history.append(token)
+        self.produced += 1
+        if self.exhausted():
+            self.ended = True
+            return (self, TOKEN, token, "length")
+        self.token = token
+        return (self, TOKEN, token, None)
+
+    def exhausted(self) -> bool:
+        """No token may follow the accepted ones: max_tokens reached, or the context has no room
+        to evaluate the last one."""
+        return self.produced >= self.max_tokens or len(self.ids) + self.produced > self.n_ctx
+
+    def live(self) -> bool:
+        """Whether its next token is to be computed."""
+        return not (self.ended or self.stopped or self.cancelled or self.finished)
+
+    # -- text thread ---------------------------------------------------------------------------
+
+    def text(self, event: tuple | None) -> list:
+        """The replies of a text event (accept's, or ERROR with the exception): detokenize, stop
+        strings, Chunk, and Done or Error at the end. Nothing after the terminal reply."""
+        if event is None or self.finished:
+            return []
+        kind = event[1]
+        if kind == ERROR:
+            return self.fail_with(event[2])
+        if kind == END:
+            return self._finish(event[2], [])
+        token, finish = event[2], event[3]
         self.eval_count += 1
         text = self.stopper.feed(self.decoder.feed(token))
-        out.append(Chunk(self.id, text, [token]))  # one chunk per token, "" while text is held back
+        out = [Chunk(self.id, text, [token])]  # one chunk per token, "" while text is held back
         if self.stopper.stopped:
+            self.stopped = True
             return self._finish("stop", out)
-        if self.eval_count >= self.max_tokens or self.cache.n_past + 1 > self.cache.n_ctx:
-            return self._finish("length", out)
-        self.token = token
-        return out
+        return self._finish(finish, out) if finish else out
 
     def fail(self, code: str, message: str) -> list:
         self.finished = True
-        self.token = None
-        self.cache = None
+        self.ended = True
         return [Error(self.id, code, message)]
 
     def fail_with(self, e: BaseException) -> list:
@@ -132,9 +190,13 @@ class Sequence:
                         eval_duration=now - self.eval_started, load_duration=self.load_ns,
                         total_duration=now - self.received_ns))
         self.finished = True
-        self.token = None
-        self.cache = None  # the KV cache goes with the sequence
         return out
+
+
+# text events: (sequence, kind, ...)
+TOKEN = "token"  # (seq, TOKEN, token, finish: None or "length")
+END = "end"  # (seq, END, done_reason): no token (end of generation, or max_tokens 0)
+ERROR = "error"  # (seq, ERROR, exception)
 
 
 def prompt_ids(req: Generate | Chat, engine, *, max_bytes: int, template_timeout: float) -> list[int]:

@@ -41,11 +41,11 @@ def test_generate_drives_a_sequence(engine, monkeypatch):
     def spy(fn, note):
         return lambda *a, **k: (calls.append(note(*a)), fn(*a, **k))[1]
 
-    for name in ("prepare", "prefill", "feed"):
+    for name in ("prepare", "prefill", "take"):  # take: each token sampled (the prefill's, then each step's)
         monkeypatch.setattr(Sequence, name, spy(getattr(Sequence, name), lambda *a, _n=name: _n))
     monkeypatch.setattr(engine.model, "forward", spy(engine.model.forward, lambda ids, *a: len(ids)))
     text = "".join(engine.generate([1, 2, 3], 4, temperature=0))
-    assert calls[:4] == ["prepare", "prefill", 3, "feed"] and calls.count("feed") == 4
+    assert calls[:4] == ["prepare", "prefill", 3, "take"] and calls.count("take") == 4
     assert calls.count(1) == 3  # as in the daemon, the last token is never fed to the model
     assert text and engine.last_stats.eval_count == 4
 

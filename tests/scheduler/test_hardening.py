@@ -132,7 +132,7 @@ async def test_a_compute_thread_that_ends_is_noticed_and_the_model_reloads(sched
     def die():
         raise SystemExit("the loop itself broke")
 
-    batcher._step = die  # not a step's error: the thread ends
+    batcher._launch = die  # not a step's error: the thread ends
     async with asyncio.timeout(HANG):
         replies, _, _ = await run(sched, Generate(1, model, tokens=[1, 2], max_tokens=4))
         await batcher.stopped
