@@ -1,0 +1,611 @@
+"""Sampling on the device: daemon.sampling.Sampler's semantics, one block per row, one int32 back.
+
+Legend: S = rows sampled in a launch, V = vocabulary, N = sampler slots (capacity), W = ring width
+(the longest repeat window in use), T = threads per block (a power of 2, 32..1024), k = top_k.
+
+Per-sequence state lives in device pools indexed by a sampler slot, not by batch row, so a captured
+CUDA graph reads fixed addresses and a sequence's draws never depend on the other rows of its launch
+(`SamplerSlots`: options, a xoroshiro128+ state, and a ring of the last tokens of history).
+
+One block per row (`sample_rows`), on that row's logits, which it may overwrite:
+1. non-finite check: the row gets flag 1 (token 0) and nothing else happens to its slot;
+2. repeat penalty in float32 (float64 then rounded: the same bits), in two phases (every ring
+   entry computes from the unmodified logit, barrier, write back) so duplicate tokens do not race;
+3. temperature <= 0: the first index of the maximum (the CPU's np.argmax, bit for bit);
+4. else the candidates, by an order-preserving uint32 key of each logit (-0.0 keyed as +0.0, as
+   the CPU's comparisons treat them):
+   - 0 < k < V and k <= sort_max (<= 1024; default top_k is 40): a radix select (4 passes of 8
+     bits, shared histograms) finds the k-th largest key; the keys above it and the lowest-indexed
+     ties (a block scan in index order) are gathered into shared memory and bitonic-sorted by
+     (key desc, index asc): the CPU's first k. top-p, min-p and the draw walk that list in float64.
+   - otherwise (k == 0, k >= V, or k > sort_max) nothing is sorted: the top-k bound (if any) by the
+     same radix select; the top-p bound by a radix select on masses exp(l - max) summed per bin in
+     fixed point (int64 atomics: the same sums in any order, so draws are reproducible); min-p is
+     a bound on exp(l - max); the draw walks the kept set in index order (the same distribution).
+5. the draw: one uniform float64 from the slot's xoroshiro128+ state (advanced only here, when
+   temperature > 0, as the CPU's generator is), the first candidate whose running weight passes it.
+6. the token goes to tokens_out[row] and into the slot's ring (the history grows by it).
+
+The launch allocates nothing and never syncs the host, so it can be captured in a CUDA graph;
+growing N or W reallocates the pools and bumps `SamplerSlots.generation` (a graph holding the old
+addresses must be captured again).
+
+What is not bit-identical to the CPU: the float64 sums (summation order) and, off the sorted path,
+the top-p mass (fixed point, each mass floored to a multiple of 2**-scale_bits, V * 2**-44 ~ 9e-9
+of the total at most at V = 151,936), so a top-p or min-p cut at an exact boundary, or a draw at a
+cumulative boundary, may differ from the CPU's; the distribution is the same. Greedy is identical.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import secrets
+
+import numpy as np
+from numba import cuda
+from numba.cuda.random import xoroshiro128p_dtype, xoroshiro128p_uniform_float64
+
+from .launch import launch
+from .ptx import SIMULATOR, bits_to_f32, device
+
+MAX_THREADS = 1024  # also the most candidates the sorted path holds
+_INT_MAX = 2**31 - 1
+_FLT_MAX = float(np.finfo(np.float32).max)
+_EXP_FLOOR = -745.2  # exp() of anything below is 0 in float64
+# params columns
+P_TEMP, P_TOPK, P_TOPP, P_MINP, P_PENALTY, P_WINDOW = range(6)
+N_PARAMS = 8
+
+if not SIMULATOR:
+    from llvmlite import ir
+    from numba.cuda import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def f32_bits(typingctx, x):
+        """The bits of a float32, as uint32."""
+        if x != types.float32:
+            return None
+
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(args[0], ir.IntType(32))
+
+        return types.uint32(x), codegen
+else:
+    def f32_bits(x):
+        return np.float32(x).view(np.uint32)
+
+
+# ---- device helpers -----------------------------------------------------------------------
+
+@device
+def _key(x):
+    """An order-preserving key of a finite float32 (larger value, larger key), as int64 in
+    [2**23, 2**32); -0.0 and +0.0 get one key. 0 is no key (a sentinel below every logit)."""
+    if x == 0:
+        x = np.float32(0.0)
+    b = np.int64(f32_bits(x))
+    if b >= 0x80000000:
+        return np.int64(0xFFFFFFFF) - b
+    return b + np.int64(0x80000000)
+
+
+@device
+def _unkey(k):
+    """The float32 of a key."""
+    if k >= 0x80000000:
+        return bits_to_f32(np.uint32(k - 0x80000000))
+    return bits_to_f32(np.uint32(np.int64(0xFFFFFFFF) - k))
+
+
+@device
+def _fixed(x, mx, scale):
+    """exp(x - mx) in fixed point (floor of mass * scale), int64; x <= mx."""
+    d = np.float64(x) - mx
+    if d < _EXP_FLOOR:
+        return np.int64(0)
+    return np.int64(math.exp(d) * scale)
+
+
+@device
+def _weight(x, mx, temp):
+    """exp((x - mx) / temp) in float64, 0 where that underflows (x <= mx, temp > 0; no overflow
+    for temp = 1e-300)."""
+    d = np.float64(x) - mx
+    if d < _EXP_FLOOR * temp:
+        return 0.0
+    return math.exp(d / temp)
+
+
+@device
+def _scan(v, buf, tid, nt):
+    """Block scan of one value a thread (Hillis-Steele in buf [>= nt], a fixed order: the same
+    bits every run) -> (exclusive, inclusive, total). Every thread must call it."""
+    buf[tid] = v
+    cuda.syncthreads()
+    off = 1
+    while off < nt:
+        x = buf[tid - off] if tid >= off else v - v
+        cuda.syncthreads()
+        if tid >= off:
+            buf[tid] += x
+        cuda.syncthreads()
+        off *= 2
+    incl = buf[tid]
+    excl = buf[tid - 1] if tid > 0 else v - v
+    total = buf[nt - 1]
+    cuda.syncthreads()
+    return excl, incl, total
+
+
+@device
+def _radix(logits, row, V, tid, nt, need, thr, rem, mx, scale, hist, misc):
+    """The key t at which the running weight of the descending order reaches `need`, and the
+    weight `above` of the keys > t (so above < need <= above + weight of t's elements).
+    scale == 0: every element weighs 1 (t is the need-th largest key). Else an element weighs
+    _fixed(l, mx, scale), and only keys > thr count, plus rem elements of key thr (a top-k bound:
+    its lowest-indexed ties). Four passes of 8 bits over shared int64 histograms hist [256]."""
+    prefix = np.int64(0)
+    above = np.int64(0)
+    for p in range(4):
+        shift = 24 - 8 * p
+        for b in range(tid, 256, nt):
+            hist[b] = 0
+        cuda.syncthreads()
+        for i in range(tid, V, nt):
+            k = _key(logits[row, i])
+            if k > thr and (k >> (shift + 8)) == (prefix >> (shift + 8)):
+                w = np.int64(1) if scale == 0 else _fixed(logits[row, i], mx, scale)
+                if w > 0:
+                    cuda.atomic.add(hist, (k >> shift) & 255, w)
+        if tid == 0 and rem > 0 and (thr >> (shift + 8)) == (prefix >> (shift + 8)):
+            w = np.int64(1) if scale == 0 else _fixed(_unkey(thr), mx, scale)
+            cuda.atomic.add(hist, (thr >> shift) & 255, rem * w)
+        cuda.syncthreads()
+        if tid == 0:
+            b = 255
+            while b > 0 and above + hist[b] < need:
+                above += hist[b]
+                b -= 1
+            misc[0] = prefix | (np.int64(b) << shift)
+            misc[1] = above
+        cuda.syncthreads()
+        prefix = misc[0]
+        above = misc[1]
+    cuda.syncthreads()
+    return prefix, above
+
+
+@device
+def _before(ka, ia, kb, ib):
+    """(key a, index a) comes before (key b, index b): key desc, index asc."""
+    return ka > kb or (ka == kb and ia < ib)
+
+
+# ---- the kernel ---------------------------------------------------------------------------
+
+@cuda.jit
+def _sample_rows(logits, slots, params, rng, ring, ringpos, scratch, tokens, flags, sort_max, scale):
+    """logits: f32 [S, V] (overwritten); slots: int32 [S] (< 0: a padding row, left alone);
+    params: f64 [N, 8]; rng: xoroshiro128p [N]; ring: int32 [N, W]; ringpos: int32 [N, 2] (next
+    write, filled); scratch: f32 [N, W]; tokens, flags: int32 [>= S]. Grid S, block T."""
+    row = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    V = logits.shape[1]
+    slot = slots[row]
+    sh_i = cuda.shared.array(MAX_THREADS, np.int64)  # int scans
+    sh_f = cuda.shared.array(MAX_THREADS, np.float64)  # float scans; candidate masses
+    sh_v = cuda.shared.array(MAX_THREADS, np.float32)  # argmax values
+    sh_k = cuda.shared.array(MAX_THREADS, np.uint32)  # sorted candidates: keys
+    sh_x = cuda.shared.array(MAX_THREADS, np.int32)  # sorted candidates: indices
+    hist = cuda.shared.array(256, np.int64)
+    misc = cuda.shared.array(4, np.int64)
+    u_sh = cuda.shared.array(1, np.float64)
+    if slot < 0:  # the whole block leaves: no barrier is skipped by some threads only
+        if tid == 0:
+            tokens[row] = 0
+            flags[row] = 0
+        return
+
+    bad = 0
+    for i in range(tid, V, nt):
+        x = logits[row, i]
+        if math.isnan(x) or math.isinf(x):
+            bad = 1
+    if cuda.syncthreads_or(bad):
+        if tid == 0:
+            tokens[row] = 0
+            flags[row] = 1
+        return
+
+    # repeat penalty over the ring (the last tokens of history)
+    wn = np.int32(params[slot, P_WINDOW])
+    filled = ringpos[slot, 1]
+    if wn > 0 and filled > 0:
+        pen = params[slot, P_PENALTY]  # the penalty rounded to float32, held as float64
+        for j in range(tid, filled, nt):
+            t = ring[slot, j]
+            if t >= 0 and t < V:
+                v = np.float64(logits[row, t])
+                r = v
+                if v > 0:
+                    r = _FLT_MAX if pen == 0 else v / pen
+                elif v < 0:
+                    r = v * pen
+                scratch[slot, j] = np.float32(min(max(r, -_FLT_MAX), _FLT_MAX))
+        cuda.syncthreads()
+        for j in range(tid, filled, nt):
+            t = ring[slot, j]
+            if t >= 0 and t < V:
+                logits[row, t] = scratch[slot, j]
+        cuda.syncthreads()
+
+    # the maximum, first index among equals (the greedy token; max is every mass's reference)
+    bv = np.float32(-np.inf)
+    bi = _INT_MAX
+    for i in range(tid, V, nt):
+        x = logits[row, i]
+        if x > bv:
+            bv = x
+            bi = i
+    sh_v[tid] = bv
+    sh_i[tid] = bi
+    cuda.syncthreads()
+    s = nt // 2
+    while s > 0:
+        if tid < s:
+            ov = sh_v[tid + s]
+            oi = sh_i[tid + s]
+            if ov > sh_v[tid] or (ov == sh_v[tid] and oi < sh_i[tid]):
+                sh_v[tid] = ov
+                sh_i[tid] = oi
+        cuda.syncthreads()
+        s //= 2
+    mx = np.float64(sh_v[0])
+    token = sh_i[0]
+    cuda.syncthreads()
+
+    temp = params[slot, P_TEMP]
+    if temp > 0:
+        topk = np.int64(params[slot, P_TOPK])
+        topp = params[slot, P_TOPP]
+        minp = params[slot, P_MINP]
+        if tid == 0:
+            u_sh[0] = xoroshiro128p_uniform_float64(rng, slot)
+            misc[2] = -1  # the drawn token
+            misc[3] = 0  # candidates gathered / the cut
+        cuda.syncthreads()
+        u = u_sh[0]
+        thr = np.int64(0)  # no top-k bound: every key (> 0) is a candidate
+        rem = np.int64(0)
+        if topk > 0 and topk < V:
+            thr, above = _radix(logits, row, V, tid, nt, topk, np.int64(0), np.int64(0), mx, 0.0, hist, misc)
+            rem = topk - above  # ties of key thr to take, lowest index first
+        chunk = (V + nt - 1) // nt  # contiguous index ranges, for scans in index order
+        lo = min(tid * chunk, V)
+        hi = min(lo + chunk, V)
+        if topk > 0 and topk < V and topk <= sort_max:
+            token = _sorted_path(logits, row, tid, nt, lo, hi, thr, rem, topk, topp, minp, temp, u,
+                                 sh_i, sh_f, sh_k, sh_x, misc)
+        else:
+            token = _unsorted_path(logits, row, tid, nt, V, lo, hi, thr, rem, mx, topp, minp, temp, u,
+                                   scale, sh_i, sh_f, hist, misc)
+
+    if tid == 0:
+        tokens[row] = token
+        flags[row] = 0
+        if wn > 0:
+            pos = ringpos[slot, 0]
+            ring[slot, pos] = token
+            ringpos[slot, 0] = (pos + 1) % wn
+            ringpos[slot, 1] = min(filled + 1, wn)
+
+
+@device
+def _tie_base(logits, row, tid, nt, lo, hi, t, sh_i):
+    """How many elements of key t lie before this thread's range [lo, hi) (index order)."""
+    n = np.int64(0)
+    for i in range(lo, hi):
+        if _key(logits[row, i]) == t:
+            n += 1
+    excl, incl, total = _scan(n, sh_i, tid, nt)
+    return excl
+
+
+@device
+def _sorted_path(logits, row, tid, nt, lo, hi, thr, rem, k, topp, minp, temp, u, sh_i, sh_f, sh_k, sh_x, misc):
+    """top-k (k <= 1024) gathered and sorted in shared memory, then top-p, min-p and the draw over
+    that list, best first, as the CPU does. -> the token (every thread)."""
+    base = _tie_base(logits, row, tid, nt, lo, hi, thr, sh_i)
+    for i in range(lo, hi):
+        kk = _key(logits[row, i])
+        take = kk > thr
+        if kk == thr:
+            take = base < rem
+            base += 1
+        if take:
+            at = cuda.atomic.add(misc, 3, 1)
+            sh_k[at] = np.uint32(kk)
+            sh_x[at] = i
+    P = 1
+    while P < k:
+        P *= 2
+    for i in range(k + tid, P, nt):  # padding sorts last
+        sh_k[i] = 0
+        sh_x[i] = _INT_MAX
+    cuda.syncthreads()
+    size = 2  # bitonic sort of P entries into (key desc, index asc)
+    while size <= P:
+        stride = size // 2
+        while stride > 0:
+            for i in range(tid, P, nt):
+                p = i ^ stride
+                if p > i:
+                    ka, ia, kb, ib = np.int64(sh_k[i]), sh_x[i], np.int64(sh_k[p]), sh_x[p]
+                    if (i & size) == 0:
+                        swap = _before(kb, ib, ka, ia)
+                    else:
+                        swap = _before(ka, ia, kb, ib)
+                    if swap:
+                        sh_k[i], sh_k[p] = sh_k[p], sh_k[i]
+                        sh_x[i], sh_x[p] = sh_x[p], sh_x[i]
+            cuda.syncthreads()
+            stride //= 2
+        size *= 2
+
+    # probabilities at temperature 1 over the k candidates (unnormalized: exp(cand - cand0))
+    c0 = np.float64(logits[row, sh_x[0]])
+    cchunk = (k + nt - 1) // nt
+    clo = min(tid * cchunk, k)
+    chi = min(clo + cchunk, k)
+    local = 0.0
+    for i in range(clo, chi):
+        e = math.exp(np.float64(logits[row, sh_x[i]]) - c0)
+        local += e
+    excl, incl, total = _scan(local, sh_f, tid, nt)
+    if tid == 0:
+        misc[3] = k
+    cuda.syncthreads()
+    if topp < 1.0:  # keep up to the first i whose cumulative probability reaches top_p
+        run = excl
+        for i in range(clo, chi):
+            run += math.exp(np.float64(logits[row, sh_x[i]]) - c0)
+            if run / total >= topp:
+                cuda.atomic.min(misc, 3, i + 1)
+                break
+    if minp > 0:  # probs[i] >= min_p * probs[0]: a prefix (probs fall along the order)
+        p0 = 1.0 / total
+        for i in range(clo, chi):
+            if math.exp(np.float64(logits[row, sh_x[i]]) - c0) / total < minp * p0:
+                cuda.atomic.min(misc, 3, i)
+                break
+    cuda.syncthreads()
+    n = misc[3]
+    chi = min(chi, n)
+    clo = min(clo, chi)
+    local = 0.0
+    for i in range(clo, chi):
+        local += _weight(logits[row, sh_x[i]], c0, temp)
+    excl, incl, total = _scan(local, sh_f, tid, nt)
+    target = u * total
+    if excl <= target and target < incl:  # the ranges' [excl, incl) tile [0, total)
+        run = excl
+        pick = chi - 1
+        for i in range(clo, chi):
+            run += _weight(logits[row, sh_x[i]], c0, temp)
+            if run > target:
+                pick = i
+                break
+        misc[2] = pick
+    cuda.syncthreads()
+    pick = misc[2]
+    if pick < 0:  # u * total rounded up to total
+        pick = n - 1
+    token = np.int64(sh_x[pick])
+    cuda.syncthreads()
+    return token
+
+
+@device
+def _unsorted_path(logits, row, tid, nt, V, lo, hi, thr, rem, mx, topp, minp, temp, u, scale, sh_i, sh_f, hist, misc):
+    """No sort: the candidates are keys > t plus the j lowest-indexed of key t, bounded by top-k
+    (thr, rem) and top-p (a radix select on fixed-point masses), and min-p (a mass bound); the
+    draw walks them in index order. -> the token (every thread)."""
+    t = thr
+    j = rem
+    if topp < 1.0:
+        # total mass of the top-k candidates (all keys when thr == 0): the first pass's histogram
+        tot = np.int64(0)
+        for i in range(tid, V, nt):
+            if _key(logits[row, i]) > thr:
+                tot += _fixed(logits[row, i], mx, scale)
+        excl, incl, total = _scan(tot, sh_i, tid, nt)
+        if rem > 0:
+            total += rem * _fixed(_unkey(thr), mx, scale)
+        want = topp * np.float64(total)
+        need = np.int64(want)
+        if np.float64(need) < want:
+            need += 1
+        need = max(np.int64(1), min(need, total))
+        t, above = _radix(logits, row, V, tid, nt, need, thr, rem, mx, scale, hist, misc)
+        e = max(np.int64(1), _fixed(_unkey(t), mx, scale))  # > 0: t's bin held mass
+        j = (need - above + e - 1) // e
+    base0 = _tie_base(logits, row, tid, nt, lo, hi, t, sh_i)
+    base = base0
+    local = 0.0
+    last = np.int64(-1)
+    for i in range(lo, hi):
+        x = logits[row, i]
+        kk = _key(x)
+        take = kk > t
+        if kk == t:
+            take = base < j
+            base += 1
+        if take and minp > 0:
+            take = math.exp(np.float64(x) - mx) >= minp
+        if take:
+            local += _weight(x, mx, temp)
+            last = i
+    excl, incl, total = _scan(local, sh_f, tid, nt)
+    if tid == 0:
+        misc[3] = -1
+    cuda.syncthreads()
+    cuda.atomic.max(misc, 3, last)
+    target = u * total
+    if excl <= target and target < incl:
+        base = base0
+        run = excl
+        pick = last
+        for i in range(lo, hi):
+            x = logits[row, i]
+            kk = _key(x)
+            take = kk > t
+            if kk == t:
+                take = base < j
+                base += 1
+            if take and minp > 0:
+                take = math.exp(np.float64(x) - mx) >= minp
+            if take:
+                run += _weight(x, mx, temp)
+                if run > target:
+                    pick = i
+                    break
+        misc[2] = pick
+    cuda.syncthreads()
+    token = misc[2]
+    if token < 0:  # u * total rounded up to total: the last candidate
+        token = misc[3]
+    cuda.syncthreads()
+    return token
+
+
+# ---- host side ----------------------------------------------------------------------------
+
+def _splitmix64(x: int) -> tuple[int, int]:
+    """One splitmix64 step: (next state, output), in Python ints mod 2**64."""
+    m = (1 << 64) - 1
+    x = (x + 0x9E3779B97F4A7C15) & m
+    z = x
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    return x, z ^ (z >> 31)
+
+
+def xoroshiro_state(seed: int) -> np.ndarray:
+    """A xoroshiro128+ state [1] from a 64-bit seed: two splitmix64 outputs (as its authors
+    advise; never all zero)."""
+    x, s0 = _splitmix64(seed)
+    _, s1 = _splitmix64(x)
+    st = np.zeros(1, xoroshiro128p_dtype)
+    st[0]["s0"], st[0]["s1"] = s0, s1
+    return st
+
+
+class SamplerSlots:
+    """Device pools of per-sequence sampling state, indexed by slot:
+    params f64 [N, 8] (temperature, top_k, top_p, min_p, penalty as float32, window, -, -),
+    rng xoroshiro128p [N], ring int32 [N, W] (the last `window` tokens of history, a ring),
+    ringpos int32 [N, 2] (next write, filled), scratch f32 [N, W] (the penalty's two phases).
+
+    assign() and release() run between steps (they copy on the given stream); growing N or W
+    reallocates every pool (existing slots keep their state) and bumps `generation`."""
+
+    def __init__(self, capacity: int = 16, width: int = 64):
+        self.generation = 0
+        self._free = list(range(capacity))
+        self._alloc(max(1, capacity), max(1, width))
+
+    @property
+    def capacity(self) -> int:
+        return self.params.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.ring.shape[1]
+
+    def _alloc(self, n: int, w: int) -> None:
+        old = None
+        if hasattr(self, "params"):
+            old = [a.copy_to_host() for a in (self.params, self.rng, self.ring, self.ringpos)]
+        params = np.zeros((n, N_PARAMS), np.float64)
+        rng = np.zeros(n, xoroshiro128p_dtype)
+        ring = np.zeros((n, w), np.int32)
+        ringpos = np.zeros((n, 2), np.int32)
+        if old is not None:
+            n0, w0 = old[2].shape
+            params[:n0], rng[:n0], ring[:n0, :w0], ringpos[:n0] = old[0], old[1], old[2], old[3]
+        self.params = cuda.to_device(params)
+        self.rng = cuda.to_device(rng)
+        self.ring = cuda.to_device(ring)
+        self.ringpos = cuda.to_device(ringpos)
+        self.scratch = cuda.device_array((n, w), np.float32)
+
+    def assign(self, options, history: list[int], max_history: int, stream=0) -> int:
+        """A slot for a sequence with these options (ipc.protocol.SamplingOptions), whose history
+        so far is `history` and never exceeds max_history tokens. -> the slot."""
+        o = options
+        window = min(o.repeat_last_n, max_history) if o.repeat_penalty != 1.0 else 0
+        if not self._free or window > self.width:
+            n = self.capacity * 2 if not self._free else self.capacity
+            w = max(self.width, window) if window <= self.width else max(window, 2 * self.width)
+            self._free += list(range(self.capacity, n))
+            heapq.heapify(self._free)
+            self._alloc(n, w)
+            self.generation += 1
+        slot = heapq.heappop(self._free)
+        with np.errstate(over="ignore", under="ignore"):
+            penalty = float(np.float32(o.repeat_penalty))  # 0 or inf where it rounds so
+        params = np.zeros((1, N_PARAMS), np.float64)
+        params[0, :6] = (o.temperature, o.top_k, o.top_p, o.min_p, penalty, window)
+        tail = history[-window:] if window else []
+        ring = np.zeros((1, self.width), np.int32)
+        ring[0, :len(tail)] = tail
+        pos = np.array([[len(tail) % window if window else 0, len(tail)]], np.int32)
+        seed = secrets.randbits(64) if o.seed is None else o.seed
+        self.params[slot:slot + 1].copy_to_device(params, stream=stream)
+        self.ring[slot:slot + 1].copy_to_device(ring, stream=stream)
+        self.ringpos[slot:slot + 1].copy_to_device(pos, stream=stream)
+        self.rng[slot:slot + 1].copy_to_device(xoroshiro_state(seed), stream=stream)
+        return slot
+
+    def release(self, slot: int) -> None:
+        if not 0 <= slot < self.capacity or slot in self._free:
+            raise ValueError(f"SamplerSlots.release: slot {slot} is not assigned")
+        heapq.heappush(self._free, slot)
+
+
+def sample_rows(logits, slots, pool: SamplerSlots, tokens_out, flags_out, stream=0,
+                threads: int = 256, sort_max: int = MAX_THREADS) -> None:
+    """Samples row r of logits (device f32 [S, V], overwritten) for slot slots[r] (device int32
+    [S]; < 0: a padding row, token 0, no state touched; a slot at most once a launch) into
+    tokens_out[r] and flags_out[r] (device int32 [>= S]; flag 1: non-finite logits, token 0).
+    One launch, no allocation, no host sync: capturable. threads: per block, a power of 2 in
+    32..1024; sort_max: the largest top_k sorted in shared memory (<= 1024)."""
+    S, V = logits.shape
+    if logits.dtype != np.float32 or slots.shape != (S,) or slots.dtype != np.int32:
+        raise ValueError(f"sample_rows: logits {logits.shape} {logits.dtype}, slots {slots.shape} {slots.dtype}")
+    if tokens_out.shape[0] < S or flags_out.shape[0] < S or tokens_out.dtype != np.int32 or flags_out.dtype != np.int32:
+        raise ValueError("sample_rows: tokens_out and flags_out must be int32 [>= S]")
+    if threads < 1 or threads > MAX_THREADS or threads & (threads - 1) or not 0 <= sort_max <= MAX_THREADS:
+        raise ValueError(f"sample_rows: threads {threads} (a power of 2 in 1..1024), sort_max {sort_max}")
+    if S == 0:
+        return
+    scale = float(2.0 ** (62 - int(V).bit_length()))  # V masses <= 1 sum below 2**63
+    launch(_sample_rows, S, threads, stream, logits, slots, pool.params, pool.rng, pool.ring,
+           pool.ringpos, pool.scratch, tokens_out, flags_out, sort_max, scale)
+
+
+def sample(logits, slots, pool: SamplerSlots, stream=0, threads: int = 256,
+           sort_max: int = MAX_THREADS) -> tuple[np.ndarray, np.ndarray]:
+    """sample_rows with fresh outputs, synchronized: -> (tokens, flags), host int32 [S].
+    logits: host or device f32 [S, V] (a device array is overwritten); slots: host ints."""
+    if not hasattr(logits, "copy_to_host"):  # a host array
+        logits = cuda.to_device(np.ascontiguousarray(logits, np.float32), stream=stream)
+    S = logits.shape[0]
+    slots_d = cuda.to_device(np.asarray(slots, np.int32).reshape(S), stream=stream)
+    tokens = cuda.device_array(S, np.int32, stream=stream)
+    flags = cuda.device_array(S, np.int32, stream=stream)
+    sample_rows(logits, slots_d, pool, tokens, flags, stream, threads, sort_max)
+    return tokens.copy_to_host(stream=stream), flags.copy_to_host(stream=stream)

@@ -1,0 +1,290 @@
+"""Sampling on the device against the CPU Sampler (daemon.sampling): greedy and the repeat penalty
+bit for bit, the top-k candidate set, the draw's distribution (chi-square against an independent
+float64 reference written from the documented semantics), batch invariance, seeds, non-finite
+rows, the history ring over steps, and pool growth.
+
+Shapes are tiny (the simulator runs each thread as a Python thread); threads per block 4 or 32.
+"""
+
+import math
+import sys
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from daemon.kernels.cuda.sample import SamplerSlots, sample, sample_rows
+from daemon.sampling import Sampler, SamplingOptions
+
+# numba's xoroshiro128+ wraps uint64 arithmetic, which numpy scalars report under the simulator
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+
+
+@pytest.fixture(autouse=True)
+def _fast_switch():
+    """The simulator's block manager polls its threads under the GIL: a short switch interval
+    makes a barrier cost microseconds, not milliseconds (no effect on results)."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    yield
+    sys.setswitchinterval(old)
+
+
+def _opts(**kw):
+    base = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0)
+    return SamplingOptions(**{**base, **kw})
+
+
+def _expected(logits, o):
+    """{token: probability} of one draw, from the documented semantics, in Python floats: top-k of
+    the order (logit desc, index asc), probabilities at temperature 1 over them, top-p (through
+    the first whose cumulative probability reaches top_p), min-p (>= min_p * the best's), then
+    weights exp((l - best) / temperature)."""
+    order = sorted(range(len(logits)), key=lambda i: (-float(logits[i]), i))
+    if o.top_k:
+        order = order[:o.top_k]
+    best = float(logits[order[0]])
+    e = [math.exp(float(logits[i]) - best) for i in order]
+    probs = [x / sum(e) for x in e]
+    if o.top_p < 1:
+        cum, keep = 0.0, len(order)
+        for n, p in enumerate(probs):
+            cum += p
+            if cum >= o.top_p:
+                keep = n + 1
+                break
+        order, probs = order[:keep], probs[:keep]
+    if o.min_p > 0:
+        kept = [(i, p) for i, p in zip(order, probs) if p >= o.min_p * probs[0]]
+        order, probs = [i for i, _ in kept], [p for _, p in kept]
+    w = []
+    for i in order:
+        d = (float(logits[i]) - best) / o.temperature if float(logits[i]) != best else 0.0
+        w.append(math.exp(max(d, -800.0)))
+    return {i: x / sum(w) for i, x in zip(order, w)}
+
+
+def _chi2_ok(tokens, expected, alpha_z=3.29):
+    """Every token in the support, and Pearson's chi-square under the critical value at
+    p ~ 5e-4 (Wilson-Hilferty), over bins with expected count >= 5 (the rest pooled)."""
+    n = len(tokens)
+    assert set(tokens) <= set(expected), f"drawn outside the support: {set(tokens) - set(expected)}"
+    counts = {i: 0 for i in expected}
+    for t in tokens:
+        counts[t] += 1
+    big = [i for i in expected if expected[i] * n >= 5]
+    obs = [counts[i] for i in big]
+    exp = [expected[i] * n for i in big]
+    rest = n - sum(obs)
+    if n - sum(exp) >= 5:
+        obs.append(rest)
+        exp.append(n - sum(exp))
+    df = len(obs) - 1
+    if df == 0:
+        return True
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
+    crit = df * (1 - 2 / (9 * df) + alpha_z * math.sqrt(2 / (9 * df))) ** 3
+    assert stat < crit, f"chi2 {stat:.1f} >= {crit:.1f} (df {df}): counts {obs}, expected {[round(e, 1) for e in exp]}"
+    return True
+
+
+def _draws(logits, o, n, threads=4, sort_max=1024, seed0=1000):
+    """One draw each from n slots seeded seed0.. over the same logits, in one launch."""
+    pool = SamplerSlots(n, 4)
+    slots = [pool.assign(SamplingOptions(**{**_fields(o), "seed": seed0 + s}), [], 64) for s in range(n)]
+    tokens, flags = sample(np.tile(logits, (n, 1)), slots, pool, threads=threads, sort_max=sort_max)
+    assert not flags.any()
+    return tokens.tolist()
+
+
+def _fields(o):
+    return {f: getattr(o, f) for f in o.__struct_fields__}
+
+
+# ---- greedy and the penalty: bit for bit -------------------------------------------------------
+
+@pytest.mark.parametrize("threads", [4, 32])
+def test_greedy_and_penalized_logits_are_the_cpus(threads):
+    rng = np.random.default_rng(0)
+    V, S = 150, 8
+    logits = rng.integers(-4, 5, size=(S, V)).astype(np.float32)  # ties everywhere
+    logits[:, ::7] *= np.float32(0.37)  # and some non-integers
+    logits[1, :] = -logits[1, :] - np.float32(1e-45)  # denormals
+    penalties = [1.0, 1.3, 0.7, 1e-300, 1e300, 2.5, 1.0001, 40.0]
+    pool = SamplerSlots(2, 4)
+    slots, want, want_logits = [], [], []
+    for r in range(S):
+        o = _opts(temperature=0.0, repeat_penalty=penalties[r], repeat_last_n=[5, 64, 1, 20, 3, 0, 9, 30][r])
+        history = rng.integers(0, V, size=40).tolist() + [int(np.argmax(logits[r]))] * 3  # duplicates
+        slots.append(pool.assign(o, history, 200))
+        s = Sampler(o)
+        want.append(s.sample(logits[r], history))
+        pen = s._penalized(logits[r], history) if o.repeat_penalty != 1.0 and o.repeat_last_n else logits[r]
+        want_logits.append(pen)
+    d_logits = cuda.to_device(logits)
+    tokens, flags = sample(d_logits, slots, pool, threads=threads)
+    assert tokens.tolist() == want
+    assert not flags.any()
+    assert np.array_equal(d_logits.copy_to_host().view(np.uint32), np.array(want_logits).view(np.uint32))
+
+
+def test_penalty_sees_history_and_sampled_tokens_over_steps():
+    rng = np.random.default_rng(1)
+    V = 40
+    o = _opts(temperature=0.0, repeat_penalty=3.0, repeat_last_n=4)
+    prompt = [5, 5, 7, 9, 5, 11]
+    pool = SamplerSlots(1, 2)  # the window (4) grows the ring
+    slot = pool.assign(o, prompt, 100)
+    cpu, history = Sampler(o), list(prompt)
+    got, want = [], []
+    base = rng.integers(0, 3, size=V).astype(np.float32)
+    base[[5, 7, 9, 11, 13]] = [6.0, 5.5, 5.0, 4.5, 4.0]  # favourites, penalized in turn
+    for _ in range(7):
+        logits = base + rng.integers(0, 2, size=V).astype(np.float32) * np.float32(0.25)
+        tokens, _ = sample(logits[None], [slot], pool, threads=4)
+        got.append(int(tokens[0]))
+        want.append(cpu.sample(logits, history))
+        history.append(want[-1])
+    assert got == want
+    assert len(set(want)) > 2  # the penalty did move the choice
+
+
+# ---- the candidates ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sort_max", [1024, 2], ids=["sorted", "radix"])
+def test_top_k_candidates_are_the_cpus_first_k_with_boundary_ties(sort_max):
+    # temperature 1e300 makes the draw uniform over the candidates: 60 draws see every one of 3..4
+    logits = np.array([1, 3, 2, 3, 0, 2, 3, 2, 1, 2, -1, 2, 0, 2], np.float32)
+    for k in (3, 4):
+        o = _opts(top_k=k, temperature=1e300)
+        first_k = sorted(range(len(logits)), key=lambda i: (-logits[i], i))[:k]
+        got = set(_draws(logits, o, 60, sort_max=sort_max))
+        assert got == set(first_k), (k, got, first_k)
+
+
+# ---- the distribution --------------------------------------------------------------------------
+
+_LOGITS = np.array([2.0, -1, 3.1, 0.5, 3.1, 1.7, -6, 2.6, 0.1, -2, 2.2, 1.0, -9, 0.8, 1.2, 2.9] * 3, np.float32)
+_LOGITS[16:] -= 4  # 48 tokens: top_k=40 cuts, and ties at the top (3.1 twice)
+
+_CASES = {
+    "default": (SamplingOptions(repeat_penalty=1.0), 1024),
+    "top_p_no_top_k": (_opts(top_k=0, top_p=0.8, temperature=0.7), 1024),
+    "min_p": (_opts(top_k=0, min_p=0.2, temperature=1.3), 1024),
+    "top_k_radix_top_p": (_opts(top_k=6, top_p=0.9), 2),
+    "tiny_temperature": (_opts(top_k=10, temperature=1e-300), 1024),
+    "huge_temperature_top_p": (_opts(top_k=0, top_p=0.5, temperature=1e300), 1024),
+}
+
+
+@pytest.mark.parametrize("case", list(_CASES))
+def test_draws_are_distributed_as_the_cpus(case):
+    o, sort_max = _CASES[case]
+    expected = _expected(_LOGITS, o)
+    assert len(expected) >= 2  # a real draw, not a forced token
+    _chi2_ok(_draws(_LOGITS, o, 120, sort_max=sort_max), expected)
+
+
+def test_reference_matches_the_cpu_sampler():
+    """The test's reference is checked against the CPU Sampler the same way (a sanity check of
+    _expected and _chi2_ok, not of the kernel)."""
+    o = _CASES["top_p_no_top_k"][0]
+    s = Sampler(SamplingOptions(**{**_fields(o), "seed": 3}))
+    _chi2_ok([s.sample(_LOGITS, []) for _ in range(400)], _expected(_LOGITS, o))
+
+
+# ---- independence, seeds, non-finite rows, growth -----------------------------------------------
+
+def test_a_slots_tokens_do_not_depend_on_the_batch():
+    rng = np.random.default_rng(2)
+    steps = [rng.normal(size=(4, 64)).astype(np.float32) * 2 for _ in range(3)]
+    o = _opts(seed=42, top_k=20, top_p=0.9, repeat_penalty=1.2)
+    alone = SamplerSlots(1, 4)
+    a = alone.assign(o, [1, 2, 3], 50)
+    batch = SamplerSlots(4, 4)
+    others = [batch.assign(_opts(seed=s, temperature=0.5 + s, top_k=0), [s], 50) for s in range(2)]
+    b = batch.assign(o, [1, 2, 3], 50)
+    others.append(batch.assign(_opts(temperature=0.0, repeat_penalty=1.5), [0], 50))
+    got_alone, got_batch = [], []
+    for logits in steps:
+        got_alone.append(int(sample(logits[2:3].copy(), [a], alone, threads=4)[0][0]))
+        rows = [others[0], others[1], b, others[2]]
+        got_batch.append(int(sample(logits, rows, batch, threads=4)[0][2]))
+    assert got_alone == got_batch
+
+
+def test_same_seed_same_tokens_other_seed_differs():
+    logits = np.linspace(0, 1.5, 32).astype(np.float32)  # a flat distribution: seeds show
+    pool = SamplerSlots(3, 4)
+    slots = [pool.assign(_opts(seed=s, top_k=0), [], 50) for s in (7, 7, 8)]
+    runs = [[], [], []]
+    for _ in range(8):
+        tokens, _ = sample(np.tile(logits, (3, 1)), slots, pool, threads=4)
+        for r in range(3):
+            runs[r].append(int(tokens[r]))
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_non_finite_row_is_flagged_alone_and_padding_rows_are_left_alone():
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(4, 50)).astype(np.float32)
+    logits[1, 17] = np.nan
+    logits[2, 3] = -np.inf
+    pool = SamplerSlots(4, 4)
+    o = _opts(temperature=0.0, repeat_penalty=1.5, repeat_last_n=8)
+    slots = [pool.assign(o, [1, 2], 50) for _ in range(3)]
+    before = pool.ringpos.copy_to_host()
+    tokens, flags = sample(logits, slots[:3] + [-1], pool, threads=4)
+    assert flags.tolist() == [0, 1, 1, 0]
+    assert tokens[0] == Sampler(o).sample(logits[0], [1, 2])
+    after = pool.ringpos.copy_to_host()
+    assert after[slots[0]].tolist() == [3, 3]  # the sampled token joined the history
+    assert after[slots[1]].tolist() == before[slots[1]].tolist() == [2, 2]  # untouched
+    assert after[slots[2]].tolist() == before[slots[2]].tolist()
+
+
+def test_growth_bumps_generation_and_keeps_existing_state():
+    rng = np.random.default_rng(4)
+    V = 30
+    o = _opts(temperature=0.0, repeat_penalty=2.0, repeat_last_n=3)
+    pool = SamplerSlots(1, 3)
+    a = pool.assign(o, [4, 4, 6, 8], 100)
+    cpu, history = Sampler(o), [4, 4, 6, 8]
+    gens = [pool.generation]
+
+    def step():
+        logits = rng.integers(0, 4, size=V).astype(np.float32)
+        logits[[4, 6, 8]] += 3
+        want = cpu.sample(logits, history)
+        history.append(want)
+        assert int(sample(logits[None], [a], pool, threads=4)[0][0]) == want
+
+    step()
+    b = pool.assign(_opts(seed=1), [1], 100)  # N grows: 1 -> 2
+    gens.append(pool.generation)
+    step()
+    c = pool.assign(_opts(temperature=0.0, repeat_penalty=1.5, repeat_last_n=10), [2] * 12, 100)  # W grows
+    gens.append(pool.generation)
+    step()
+    step()
+    assert gens == [0, 1, 2] and pool.capacity >= 2 and pool.width >= 10
+    assert len({a, b, c}) == 3
+    pool.release(b)
+    assert pool.assign(_opts(), [], 10) == b  # a free slot is reused: no growth
+    assert pool.generation == 2
+    with pytest.raises(ValueError):
+        pool.release(99)
+
+
+def test_bad_arguments_are_refused():
+    pool = SamplerSlots(1, 1)
+    logits = cuda.to_device(np.zeros((2, 8), np.float32))
+    slots = cuda.to_device(np.zeros(2, np.int32))
+    out = cuda.device_array(2, np.int32)
+    with pytest.raises(ValueError):
+        sample_rows(logits, slots, pool, out, out, threads=48)
+    with pytest.raises(ValueError):
+        sample_rows(logits, cuda.to_device(np.zeros(3, np.int32)), pool, out, out)
+    with pytest.raises(ValueError):
+        sample_rows(logits, slots, pool, cuda.device_array(1, np.int32), out)
