@@ -62,6 +62,21 @@ class Step:
         """T rows of one sequence, with no cache (for ops that only need the grouping)."""
         return cls(np.zeros(T, np.int64), np.arange(T, dtype=np.int64), np.array([0, T], np.int64), ())
 
+    def padded(self, n: int) -> Step:
+        """This decode step with rows S..n-1 added as copies of row 0 (its token, position and
+        cache): a captured graph of n rows serves it. A copy computes row 0's values bit for bit
+        (every kernel computes a row alone) and writes them where row 0 does, so it changes
+        nothing and reads no expert row 0 does not. Not for recurrent layers, whose state a
+        copy would update twice."""
+        extra = n - self.S
+        if extra <= 0:
+            return self
+        zeros = np.zeros(extra, np.int64)
+        return Step(np.concatenate([self.tokens, self.tokens[zeros]]),
+                    np.concatenate([self.positions, self.positions[zeros]]),
+                    np.arange(n + 1, dtype=np.int64), [*self.caches, *[self.caches[0]] * extra],
+                    self.all_logits, samplers=self.samplers, feed=self.feed)
+
     def last_rows(self) -> np.ndarray:
         """[S] the index of each sequence's last row."""
         return self.offsets[1:] - 1

@@ -29,6 +29,9 @@ import numpy as np
 from ..errors import ModelError
 from ..sampling import NON_FINITE
 
+WARM_CELLS = (128, 256, 512)  # contexts whose decode graphs are captured at load (a prompt of
+#                               64 and 256 tokens generated stays within them)
+
 
 class Done:
     """A launched step whose tokens are known."""
@@ -46,7 +49,7 @@ class HostDecoder:
 
     overlapping = False
 
-    def __init__(self, model):
+    def __init__(self, model, max_batch: int = 16):
         self.model = model
 
     def attach(self, seq) -> None:
@@ -54,6 +57,9 @@ class HostDecoder:
 
     def detach(self, seq) -> None:
         pass
+
+    def warm(self, n_ctx: int) -> int:
+        return 0
 
     def overlaps(self, seqs) -> bool:
         return False
@@ -72,15 +78,23 @@ class HostDecoder:
 
 class DevicePending:
     """A step in flight: its sampled ids on the device (`tokens`, for the next step's feed) and on
-    their way to the host."""
+    their way to the host. Rows past S (padding) are dropped."""
 
-    def __init__(self, backend, tokens, flags):
+    def __init__(self, backend, tokens, flags, S: int):
         self.tokens = tokens
+        self.S = S
         self._copy = backend.readback((tokens, flags))
 
     def wait(self) -> tuple[np.ndarray, list]:
         tokens, flags = self._copy.wait()
-        return tokens, [ModelError(NON_FINITE) if f else None for f in flags]
+        return tokens[:self.S], [ModelError(NON_FINITE) if f else None for f in flags[:self.S]]
+
+
+def padded_size(S: int, most: int) -> int:
+    """The batch size a step of S sequences runs as: 1, 2, 4, 8, then multiples of 8 (vLLM's
+    captured sizes); never past max(S, most)."""
+    n = 1 << (S - 1).bit_length() if S <= 8 else -(-S // 8) * 8
+    return max(S, min(n, most))
 
 
 class DeviceDecoder:
@@ -88,31 +102,60 @@ class DeviceDecoder:
 
     overlapping = True
 
-    def __init__(self, model):
+    def __init__(self, model, max_batch: int = 16):
         self.model = model
         self.backend = model.backend
         self.slots = model.backend.sampler_slots()
+        self.max_batch = max_batch
+        # steps padded to few sizes (padded_size), each a captured graph; not where the host
+        # reads the routing (the expert cache would count the copies)
+        self.pad = model.paddable and model.device_fed
 
     def attach(self, seq) -> None:
-        seq.slot = self.slots.assign(seq.options, seq.history, seq.n_ctx)
+        seq.slot = self.slots.assign(seq.options, seq.history, seq.n_ctx, stream=self.backend.stream)
 
     def detach(self, seq) -> None:
         if seq.slot is not None:
             self.slots.release(seq.slot)
             seq.slot = None
 
+    def warm(self, n_ctx: int, cells: tuple[int, ...] = WARM_CELLS) -> int:
+        """Capture now, at load, the decode graphs of every padded size (1, 2, 4, 8, 16, ...) for
+        contexts up to each of `cells`, so that the first burst of users does not wait for them:
+        each shape runs once eagerly and is then captured. The KV pool first makes room for
+        max_batch sequences (a pool that grows later would make every graph stale). -> graphs made."""
+        cells = tuple(c for c in cells if c < n_ctx)
+        if not (cells and self.pad and self.model.device_fed and getattr(self.backend, "use_graphs", False)):
+            return 0
+        caches = [self.model.new_cache(max(cells) + 1) for _ in range(self.max_batch)]
+        scratch = caches[0]
+        scratch.reserve(max(cells))
+        sizes = sorted({padded_size(S, self.max_batch) for S in range(1, self.max_batch + 1)})
+        before = self.backend.graphs.captures
+        for c in cells:
+            for n in sizes:
+                for _ in range(2):  # eager once, then captured (cuda_graphs.GraphCache)
+                    scratch.n_past = max(0, c // 2)  # positions in (c/2, c]: this many cells
+                    self.model.decode_sampled([0], [scratch], [-1] * n, None, pad=n)
+        self.backend.stream.synchronize()
+        return self.backend.graphs.captures - before
+
     def overlaps(self, seqs) -> bool:
         """Whether the step may be launched before the step in flight is waited for."""
         return self.model.device_fed and not any(s.cache.grows(s.cache.n_past + 1) for s in seqs)
 
     def launch(self, seqs, src=None, prev=None) -> DevicePending:
+        S = len(seqs)
+        n = padded_size(S, self.max_batch) if self.pad else S
         tokens = [0 if s.token is None else s.token for s in seqs]
+        slots = [s.slot for s in seqs]
+        slots += [-1] * (n - S)  # padding: sampled by no slot (token 0, no state touched)
         feed = None
         if src is not None and prev is not None and prev.tokens is not None and any(r >= 0 for r in src):
-            feed = (np.asarray(src, np.int32), prev.tokens)
-        out, flags = self.model.decode_sampled(tokens, [s.cache for s in seqs], [s.slot for s in seqs], feed)
-        return DevicePending(self.backend, out, flags)
+            feed = (np.asarray(list(src) + [src[0]] * (n - S), np.int32), prev.tokens)
+        out, flags = self.model.decode_sampled(tokens, [s.cache for s in seqs], slots, feed, pad=n)
+        return DevicePending(self.backend, out, flags, S)
 
 
-def decoder_for(model) -> HostDecoder | DeviceDecoder:
-    return DeviceDecoder(model) if hasattr(model.backend, "sample") else HostDecoder(model)
+def decoder_for(model, max_batch: int = 16) -> HostDecoder | DeviceDecoder:
+    return DeviceDecoder(model, max_batch) if hasattr(getattr(model, "backend", None), "sample") else HostDecoder(model)

@@ -116,17 +116,26 @@ class Transformer:
             raise RequestError(f"{len(toks)} prompts for {len(caches)} distinct sequences")
         return self._pass(toks, caches, False)
 
-    def decode_sampled(self, tokens, caches: list[SequenceCache], samplers, feed=None):
+    def decode_sampled(self, tokens, caches: list[SequenceCache], samplers, feed=None, pad: int = 0):
         """One decode step for S sequences that samples on the device (a backend with `sample`):
         -> (tokens [S] int32, flags [S] int32) as backend arrays, not waited for. samplers [S]:
         each sequence's sampler slot. feed: (src [S], prev) when some input tokens are the step
         before's sampled ids, never seen by the host (src[s] >= 0: prev[src[s]]; tokens[s] is then
-        a placeholder); only when `device_fed` (nothing on the host reads the step's tokens)."""
+        a placeholder); only when `device_fed` (nothing on the host reads the step's tokens).
+        pad > S: the step runs as one of pad rows, S..pad-1 copies of row 0 (Step.padded; samplers
+        and feed's src then have pad entries), so that few batch sizes need a graph."""
         tokens = self._check_tokens(tokens)
         if tokens.size != len(caches):
             raise RequestError(f"{tokens.size} tokens for {len(caches)} distinct sequences")
+        if pad > tokens.size and not self.paddable:
+            raise RequestError("a model with recurrent layers cannot pad a step")
         return self._pass(list(tokens.reshape(-1, 1)), caches, True,
-                          samplers=np.asarray(samplers, np.int32), feed=feed)
+                          samplers=np.asarray(samplers, np.int32), feed=feed, pad=pad)
+
+    @property
+    def paddable(self) -> bool:
+        """Whether a decode step may be padded with copies of a row (Step.padded)."""
+        return not any(self.hp.recurrent)
 
     @property
     def device_fed(self) -> bool:
@@ -144,7 +153,7 @@ class Transformer:
         return tokens
 
     def _pass(self, tokens: list[np.ndarray], caches: list[SequenceCache], all_logits: bool,
-              samplers=None, feed=None):
+              samplers=None, feed=None, pad: int = 0):
         """tokens[s] appended to caches[s] in one step. -> logits [T, V], or [S, V] of each
         sequence's last row; with samplers, the sampled (tokens, flags) on the device."""
         if len(caches) > 1 and len({id(c) for c in caches}) != len(caches):
@@ -153,7 +162,7 @@ class Transformer:
             c.reserve(c.n_past + t.size)
         step = Step.append(tokens, caches, all_logits)
         step.samplers, step.feed = samplers, feed
-        out = self._run(step)
+        out = self._run(step.padded(pad))
         for c, t in zip(caches, tokens):
             c.n_past += t.size
         return out

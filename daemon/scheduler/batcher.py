@@ -209,9 +209,21 @@ class Batcher:
                 self._stopping = True
                 self._stop_reason = (code, message)
 
+    def warm(self) -> None:
+        """Compute thread (the load's job): the decode graphs captured before the first request."""
+        t0 = time.perf_counter()
+        try:
+            made = self._decoder().warm(self.engine.n_ctx)
+        except Exception as e:  # noqa: BLE001 - graphs are an optimisation: they are made when first needed
+            log.warning("%s: capturing the decode graphs at load failed (%s); they are captured as needed",
+                        self.name, e)
+            return
+        if made:
+            log.info("%s: %d decode graphs captured in %.1f s", self.name, made, time.perf_counter() - t0)
+
     def _decoder(self):
         if self._decoder_ is None:
-            self._decoder_ = decoder_for(self.engine.model)
+            self._decoder_ = decoder_for(self.engine.model, self.max_batch)
         return self._decoder_
 
     def _start(self, seqs: list[Sequence]) -> None:
@@ -282,7 +294,6 @@ class Batcher:
     def _launch(self) -> None:
         """Launch the next decode step of every live sequence, then process the step before
         (whose tokens this one may read on the device: the overlap)."""
-        decoder = self._decoder()
         # a stop string seen in the text of the step before the one in flight ends its sequence
         # here, so a sequence that ends at step N costs at most its row of step N+1
         self._text.wait_upto(self._launched - 1)
@@ -292,6 +303,7 @@ class Batcher:
         if not seqs:
             self._drain()
             return
+        decoder = self._decoder()
         if pending is not None and not decoder.overlaps(seqs):
             self._drain()
             pending = None
@@ -359,7 +371,8 @@ class Batcher:
                 keep.append(s)
             else:
                 try:
-                    self._decoder().detach(s)
+                    if self._decoder_ is not None:
+                        self._decoder_.detach(s)
                 except Exception:  # noqa: BLE001 - a slot lost, not a request
                     log.exception("%s: releasing the sampler of request %s failed", self.name, s.id)
                 s.cache = None  # freed now, not at the end of the stream

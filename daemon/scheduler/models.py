@@ -365,6 +365,8 @@ class ModelRegistry:
                 engine.close()
                 raise
             m.batcher.engine = engine
+            if self.warm:
+                m.batcher.warm()
             return engine
 
         try:

@@ -69,3 +69,62 @@ async def test_eight_concurrent_requests_match_solo(gpu_sched):
             assert isinstance(d1, Done) and isinstance(d2, Done)
             assert t1 == t2
     assert engine.model.backend.graphs.replays > 0  # the decode steps ran as graphs
+
+
+SEEDED = SamplingOptions(seed=5)  # the default options otherwise: top-k, top-p, min-p, repeat penalty
+
+
+async def _solo_then_together(s, model, reqs):
+    solo = [await _run(s, r) for r in reqs]
+    together = await asyncio.gather(*(_run(s, Generate(1000 + r.id, model, tokens=r.tokens, max_tokens=r.max_tokens,
+                                                      options=r.options, stop=r.stop)) for r in reqs))
+    return solo, together
+
+
+@pytest.mark.parametrize("options", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+async def test_sixteen_concurrent_requests_sampled_on_the_device_match_solo(gpu_sched, options):
+    s, model = gpu_sched
+    reqs = [Generate(i + 1, model, tokens=[(13 * i + 5) % 400 + 1, 300 + i], max_tokens=5 + (7 * i) % 11,
+                     options=options) for i in range(16)]
+    solo, together = await _solo_then_together(s, model, reqs)
+    for (t1, d1), (t2, d2), r in zip(solo, together, reqs):
+        assert t1 == t2 and isinstance(d2, Done) and d2.eval_count == len(t2) == r.max_tokens
+    engine = s.registry.find(model).engine
+    backend = engine.model.backend
+    assert backend.samplers is not None and backend.graphs.replays > 0  # sampled in replayed graphs
+    batcher = s.registry.find(model).batcher
+    assert batcher.peak_batch > 8
+
+
+async def test_greedy_on_the_device_is_the_engines_host_sampling(gpu_sched):
+    s, model = gpu_sched
+    with Engine.load(model, device="cuda") as engine:  # Engine.generate samples on the host
+        texts = ["".join(engine.generate([7 + i, 300], 12, temperature=0)) for i in range(4)]
+    for i, text in enumerate(texts):
+        replies = []
+        await s.generate(Generate(i + 1, model, tokens=[7 + i, 300], max_tokens=12, options=GREEDY), replies.append,
+                         time.perf_counter_ns())
+        assert "".join(r.text for r in replies if isinstance(r, Chunk)) == text
+
+
+async def test_seeded_draws_advance_under_graph_replay_and_do_not_depend_on_the_batch(gpu_sched, fixture_dir):
+    s, model = gpu_sched
+    reqs = [Generate(50 + i, model, tokens=[9, 300 + i], max_tokens=24, options=SEEDED) for i in range(3)]
+    first = [await _run(s, r) for r in reqs]
+    again = await asyncio.gather(*(_run(s, Generate(r.id + 10, model, tokens=r.tokens, max_tokens=24, options=SEEDED))
+                                   for r in reqs))
+    assert [t for t, _ in first] == [t for t, _ in again]  # reproducible, alone or together
+    assert s.registry.find(model).engine.model.backend.graphs.replays > 0
+    other = await _run(s, Generate(70, model, tokens=[9, 300], max_tokens=24, options=SamplingOptions(seed=6)))
+    assert other[0] != first[0][0]
+    # without graphs every step runs eagerly: the same draws, so a replayed step advanced each RNG
+    eager = Scheduler(Settings.load(env={}, device="cuda"),
+                      factory=lambda p, **kw: Engine.load(p, **{"device": "cuda", "cuda_graphs": False, **kw}),
+                      default_model=lambda _progress: model)
+    try:
+        plain = [await _run(eager, Generate(r.id + 20, model, tokens=r.tokens, max_tokens=24, options=SEEDED))
+                 for r in reqs]
+        assert eager.registry.find(model).engine.model.backend.graphs.replays == 0
+    finally:
+        await eager.close()
+    assert [t for t, _ in plain] == [t for t, _ in first]
