@@ -6,6 +6,8 @@ from __future__ import annotations
 import inspect
 import os
 
+import pytest
+
 import daemon.scheduler
 from daemon import service
 from daemon.config import Settings
@@ -51,3 +53,19 @@ def test_the_scheduler_is_the_servers_handler():
         assert got == want, name
         assert inspect.iscoroutinefunction(getattr(Scheduler, name)) == \
             inspect.iscoroutinefunction(getattr(Handler, name)), name
+
+
+async def test_a_scheduler_given_no_default_model_asks_for_a_name():
+    from daemon.scheduler import Scheduler, SchedulerError
+    from ipc.protocol import Generate
+
+    def factory(path, **settings):
+        raise AssertionError("nothing is loaded for a request that names no model")
+
+    s = Scheduler(Settings.load(env={}), factory=factory)
+    try:
+        with pytest.raises(SchedulerError, match="default model is not available.*name a model") as e:
+            await s.generate(Generate(1, tokens=[1, 2]), lambda reply: None, 0)
+        assert e.value.code == "model_error" and s.inflight == 0
+    finally:
+        await s.close()
