@@ -1,5 +1,6 @@
 """moed IPC: the wire protocol (protocol), frames (framing), the client library (client) and its
-exception tree (errors); a mock daemon for tests lives in ipc.testing."""
+exception tree (errors); the socket server (server) and what it needs from the daemon (handler:
+Handler, ServerConfig); a mock daemon for tests lives in ipc.testing. Nothing here imports daemon/."""
 
 from .client import (
                      AsyncClient,
