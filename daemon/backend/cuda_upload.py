@@ -105,6 +105,9 @@ def _zero(arr, stream) -> None:
     _check(_drv().cuMemsetD8Async(int(arr.gpu_data.device_pointer), 0, int(arr.nbytes), int(stream.handle)))
 
 
+last_timing = None  # the last run's Timing (benchmarks/gpu_load.py)
+
+
 @dataclass
 class Timing:
     """Where a load's time went (seconds of the loading thread; bytes read)."""
@@ -190,4 +193,6 @@ class Uploader:
                 xfer.fetch.synchronize()
         t.bytes = total
         t.total = time.perf_counter() - t0
+        global last_timing
+        last_timing = t
         return t
