@@ -30,7 +30,7 @@ from numba import cuda
 from ..kernels.cuda.device import SIM
 from ..kernels.cuda.layout import repack_device, repacked_stride
 from ..kernels.quants import block_size
-from .cuda_transfer import Event, Transfers, _check, _drv, pinned_empty
+from .cuda_transfer import Event, Transfers, pinned_empty
 
 CHUNK = 64 << 20  # bytes a piece reads at most (unless one row is longer)
 BUFFERS = 6  # page-locked host buffers (and device staging buffers) in the ring
@@ -102,7 +102,9 @@ def _zero(arr, stream) -> None:
     if SIM:
         arr.copy_to_device(np.zeros(arr.shape, arr.dtype))
         return
-    _check(_drv().cuMemsetD8Async(int(arr.gpu_data.device_pointer), 0, int(arr.nbytes), int(stream.handle)))
+    from numba.cuda.cudadrv.driver import device_memset
+
+    device_memset(arr, 0, int(arr.nbytes), stream)  # asynchronous on a stream, synchronous on 0
 
 
 last_timing = None  # the last run's Timing (benchmarks/gpu_load.py)
