@@ -61,7 +61,7 @@ def _expected(logits, o):
     for i in order:
         d = (float(logits[i]) - best) / o.temperature if float(logits[i]) != best else 0.0
         w.append(math.exp(max(d, -800.0)))
-    return {i: x / sum(w) for i, x in zip(order, w)}
+    return {i: x / sum(w) for i, x in zip(order, w) if x > 0}
 
 
 def _chi2_ok(tokens, expected, alpha_z=3.29):
@@ -151,15 +151,36 @@ def test_penalty_sees_history_and_sampled_tokens_over_steps():
 
 # ---- the candidates ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("sort_max", [1024, 2], ids=["sorted", "radix"])
+@pytest.mark.parametrize("sort_max", [1024, 0], ids=["sorted", "radix"])
 def test_top_k_candidates_are_the_cpus_first_k_with_boundary_ties(sort_max):
     # temperature 1e300 makes the draw uniform over the candidates: 60 draws see every one of 3..4
-    logits = np.array([1, 3, 2, 3, 0, 2, 3, 2, 1, 2, -1, 2, 0, 2], np.float32)
-    for k in (3, 4):
+    ties = np.array([1, 3, 2, 3, 0, 2, 3, 2, 1, 2, -1, 2, 0, 2], np.float32)
+    zeros = np.array([-1, -0.0, 0.0, -0.0, -3], np.float32)  # -0.0 ties +0.0, as on the CPU
+    for logits, k, n in ((ties, 3, 60), (ties, 4, 60), (zeros, 1, 4), (zeros, 2, 30)):
         o = _opts(top_k=k, temperature=1e300)
         first_k = sorted(range(len(logits)), key=lambda i: (-logits[i], i))[:k]
-        got = set(_draws(logits, o, 60, sort_max=sort_max))
+        got = set(_draws(logits, o, n, sort_max=sort_max))
         assert got == set(first_k), (k, got, first_k)
+
+
+_TIES = np.full(12, -20, np.float32)
+_TIES[[0, 2, 4, 5, 7]] = 4  # five equal best: top_p 0.5 keeps the three of lowest index
+_TIES_K = np.full(12, -20, np.float32)
+_TIES_K[[0, 3, 5, 6, 9]] = [4, 3, 3, 3, 3]  # top_k 4 takes three of the 3s; top_p 0.75 two of those
+_TIE_CASES = {
+    "top_p_in_ties_of_the_best": (_TIES, _opts(top_k=8, top_p=0.5, temperature=1e300)),
+    "top_p_in_ties_no_top_k": (_TIES, _opts(top_k=0, top_p=0.5, temperature=1e300)),
+    "top_p_in_ties_at_the_top_k_bound": (_TIES_K, _opts(top_k=4, top_p=0.75, temperature=1e300)),
+}
+
+
+@pytest.mark.parametrize("sort_max", [1024, 2], ids=["sorted", "radix"])
+@pytest.mark.parametrize("case", list(_TIE_CASES))
+def test_a_cut_through_ties_keeps_the_lowest_indices(case, sort_max):
+    logits, o = _TIE_CASES[case]
+    want = set(_expected(logits, o))
+    assert len(want) == 3
+    assert set(_draws(logits, o, 40, sort_max=sort_max)) == want
 
 
 # ---- the distribution --------------------------------------------------------------------------
@@ -169,9 +190,9 @@ _LOGITS[16:] -= 4  # 48 tokens: top_k=40 cuts, and ties at the top (3.1 twice)
 
 _CASES = {
     "default": (SamplingOptions(repeat_penalty=1.0), 1024),
-    "top_p_no_top_k": (_opts(top_k=0, top_p=0.8, temperature=0.7), 1024),
-    "min_p": (_opts(top_k=0, min_p=0.2, temperature=1.3), 1024),
-    "top_k_radix_top_p": (_opts(top_k=6, top_p=0.9), 2),
+    "top_p_no_top_k": (_opts(top_k=0, top_p=0.8, temperature=3.0), 1024),
+    "min_p": (_opts(top_k=0, min_p=0.2, temperature=0.4), 1024),
+    "top_k_radix_top_p": (_opts(top_k=6, top_p=0.9, temperature=3.0), 2),
     "tiny_temperature": (_opts(top_k=10, temperature=1e-300), 1024),
     "huge_temperature_top_p": (_opts(top_k=0, top_p=0.5, temperature=1e300), 1024),
 }
