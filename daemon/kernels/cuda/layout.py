@@ -149,7 +149,7 @@ def _byte_map(ggml_type: int, nb: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return plane, size, j
 
 
-@cuda.jit
+@cuda.jit(cache=True)  # no closure, no intrinsics: numba's disk cache serves it to the next process
 def _repack_kernel(src, dst, plane, size, j, nb, bb):
     # src: uint8 [R, rb] raw rows; dst: uint8 [R, stride]; one thread per raw byte.
     i = cuda.grid(1)
