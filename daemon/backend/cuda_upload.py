@@ -12,7 +12,9 @@ repacks its rows out of staging into their final place (layout.repack_device: th
 host `repack` makes). Events order the reuse of each buffer: a host buffer is refilled once its
 copy has run, a staging buffer overwritten once its repack has run; nothing waits per tensor.
 
-Under numba's simulator copies are synchronous and events are done at once: the same code runs.
+Under numba's simulator copies are synchronous and events are done at once, and the repack runs
+on the host (`REPACK_ON_DEVICE` off): the simulator runs each device thread in Python, a model's
+weights would take minutes. The tests turn it on to check the device path there, byte for byte.
 
 Legend: C = chunk bytes, R = rows of a target, RB = raw row bytes, stride = repacked row bytes.
 """
@@ -28,7 +30,7 @@ import numpy as np
 from numba import cuda
 
 from ..kernels.cuda.device import SIM
-from ..kernels.cuda.layout import repack_device, repacked_stride
+from ..kernels.cuda.layout import repack, repack_device, repacked_stride
 from ..kernels.quants import block_size
 from .cuda_transfer import Event, Transfers, pinned_empty
 
@@ -36,6 +38,7 @@ CHUNK = 64 << 20  # bytes a piece reads at most (unless one row is longer)
 BUFFERS = 6  # page-locked host buffers (and device staging buffers) in the ring
 READERS = 4  # threads reading the file
 GAP = 1 << 20  # small tensors this close in the file share a read (alignment padding, vectors between)
+REPACK_ON_DEVICE = not SIM  # else layout.repack on the host (the same bytes), then a copy
 
 
 @dataclass(eq=False)
@@ -170,6 +173,17 @@ class Uploader:
                 w = time.perf_counter()
                 reads.popleft().result()
                 t.wait_read += time.perf_counter() - w
+                if not REPACK_ON_DEVICE:
+                    for tgt, r0, rows, at in p.parts:
+                        raw = host[s][at:at + rows * tgt.rb].reshape(rows, tgt.rb)  # [rows, RB]
+                        tgt.dst[r0:r0 + rows].copy_to_device(repack(raw, tgt.ggml_type), stream=self.stream)
+                    self.stream.synchronize()  # before its buffer is read again
+                    done += p.nbytes
+                    if on_bytes is not None:
+                        on_bytes(done, total)
+                    if k + n < len(pieces):
+                        start(k + n)
+                    continue
                 if used[s]:  # staging s is free once its last repack ran
                     xfer.wait(xfer.fetch, repacked[s])
                 xfer.h2d(staging[s], host[s][:p.nbytes])

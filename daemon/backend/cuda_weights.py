@@ -21,6 +21,7 @@ from numba import cuda
 from ..kernels.cuda.launch import launch
 from ..kernels.cuda.layout import FIELDS, FLOAT_TYPES, GPU_TYPES, repack, repack_device
 from ..kernels.quants import block_size, row_bytes
+from . import cuda_upload
 from .cuda_upload import device_matrix
 
 _THREADS = 256
@@ -57,8 +58,9 @@ def upload_matrix(raw: np.ndarray, ggml_type: int, stream=None) -> object:
     if raw.dtype != np.uint8 or raw.ndim == 0:
         raise TypeError("raw must be a uint8 array of rows")
     rb = raw.shape[-1]
-    if ggml_type not in GPU_TYPES or rb % block_size(ggml_type)[1] or raw.size == 0:
-        return cuda.to_device(repack(raw, ggml_type))  # its clear error, or an empty matrix
+    if (not cuda_upload.REPACK_ON_DEVICE or ggml_type not in GPU_TYPES or rb % block_size(ggml_type)[1]
+            or raw.size == 0):  # the simulator (slow threads), repack's clear error, an empty matrix
+        return cuda.to_device(repack(raw, ggml_type))
     rows = raw.reshape(-1, rb)  # [R, RB]
     s = cuda.default_stream() if stream is None else stream
     out = device_matrix(rows.shape[0], rb, ggml_type, s)

@@ -20,6 +20,14 @@ def _rng():
     return np.random.default_rng(7)
 
 
+@pytest.fixture
+def on_device(monkeypatch):
+    """The device repack, under the simulator too (where loads repack on the host by default)."""
+    from daemon.backend import cuda_upload
+
+    monkeypatch.setattr(cuda_upload, "REPACK_ON_DEVICE", True)
+
+
 # -- planning (no device) -----------------------------------------------------------------------
 
 class _T:  # a Target's planning fields
@@ -70,7 +78,7 @@ def _types():
 
 
 @pytest.mark.parametrize("case", range(6))
-def test_upload_matrix_is_the_host_repack(case):
+def test_upload_matrix_is_the_host_repack(case, on_device):
     from daemon.backend.cuda_weights import upload_matrix
     from daemon.kernels.cuda.layout import repack
 
@@ -82,15 +90,18 @@ def test_upload_matrix_is_the_host_repack(case):
     assert np.array_equal(got, want)
 
 
-def test_uploader_places_every_target_as_the_host_repack(tmp_path):
+@pytest.mark.parametrize("device", [True, False], ids=["device-repack", "host-repack"])
+def test_uploader_places_every_target_as_the_host_repack(tmp_path, monkeypatch, device):
     """Targets at scattered offsets of a file, a small chunk so that one is cut into pieces and
     others share a read, two buffers so that each is reused."""
     from numba import cuda
 
+    from daemon.backend import cuda_upload
     from daemon.backend.cuda_upload import Target, Uploader, device_matrix
     from daemon.kernels.cuda.layout import repack
     from daemon.kernels.quants import MXFP4, Q4_K, Q8_0
 
+    monkeypatch.setattr(cuda_upload, "REPACK_ON_DEVICE", device)
     blob = _rng().integers(0, 256, 4000, dtype=np.uint8)
     path = tmp_path / "blob"
     blob.tofile(path)
@@ -145,7 +156,7 @@ def test_read_into_reads_what_tensor_data_reads(fixture_dir):
         assert np.array_equal(out, g.tensor_data(name))
 
 
-def test_device_experts_hold_the_host_repack_of_every_stack(fixture_dir, monkeypatch):
+def test_device_experts_hold_the_host_repack_of_every_stack(fixture_dir, monkeypatch, on_device):
     """The fixture's expert stacks loaded as the engine loads them (chunks small enough that a
     stack spans several) against the old path: each stack read whole and repacked on the host."""
     from numba import cuda
