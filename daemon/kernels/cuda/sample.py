@@ -509,13 +509,16 @@ class SamplerSlots:
     rng xoroshiro128p [N], ring int32 [N, W] (the last `window` tokens of history, a ring),
     ringpos int32 [N, 2] (next write, filled), scratch f32 [N, W] (the penalty's two phases).
 
-    assign() and release() run between steps (they copy on the given stream); growing N or W
-    reallocates every pool (existing slots keep their state) and bumps `generation`."""
+    assign(), set_history() and release() run between steps (they copy on the given stream, from
+    pageable host memory); growing N or W reallocates every pool (existing slots keep their state;
+    no step may be in flight) and bumps `generation`."""
 
     def __init__(self, capacity: int = 16, width: int = 64):
+        capacity = max(1, capacity)
         self.generation = 0
         self._free = list(range(capacity))
-        self._alloc(max(1, capacity), max(1, width))
+        self._window: dict[int, int] = {}  # slot -> its repeat window (0: no penalty)
+        self._alloc(capacity, max(1, width))
 
     @property
     def capacity(self) -> int:
@@ -558,21 +561,30 @@ class SamplerSlots:
         with np.errstate(over="ignore", under="ignore"):
             penalty = float(np.float32(o.repeat_penalty))  # 0 or inf where it rounds so
         params = np.zeros((1, N_PARAMS), np.float64)
-        params[0, :6] = (o.temperature, o.top_k, o.top_p, o.min_p, penalty, window)
+        top_k = min(o.top_k, _INT_MAX)  # >= V is "all" anyway; the kernel reads it as an integer
+        params[0, :6] = (o.temperature, top_k, o.top_p, o.min_p, penalty, window)
+        seed = secrets.randbits(64) if o.seed is None else o.seed
+        self._window[slot] = window
+        self.params[slot:slot + 1].copy_to_device(params, stream=stream)
+        self.rng[slot:slot + 1].copy_to_device(xoroshiro_state(seed), stream=stream)
+        self.set_history(slot, history, stream)
+        return slot
+
+    def set_history(self, slot: int, history: list[int], stream=0) -> None:
+        """Replaces the slot's ring by the tail of `history` (for a sequence whose tokens were not
+        all sampled here: sample_rows appends only the tokens it draws)."""
+        window = self._window[slot]
         tail = history[-window:] if window else []
         ring = np.zeros((1, self.width), np.int32)
         ring[0, :len(tail)] = tail
         pos = np.array([[len(tail) % window if window else 0, len(tail)]], np.int32)
-        seed = secrets.randbits(64) if o.seed is None else o.seed
-        self.params[slot:slot + 1].copy_to_device(params, stream=stream)
         self.ring[slot:slot + 1].copy_to_device(ring, stream=stream)
         self.ringpos[slot:slot + 1].copy_to_device(pos, stream=stream)
-        self.rng[slot:slot + 1].copy_to_device(xoroshiro_state(seed), stream=stream)
-        return slot
 
     def release(self, slot: int) -> None:
         if not 0 <= slot < self.capacity or slot in self._free:
             raise ValueError(f"SamplerSlots.release: slot {slot} is not assigned")
+        self._window.pop(slot, None)
         heapq.heappush(self._free, slot)
 
 

@@ -147,6 +147,10 @@ def test_penalty_sees_history_and_sampled_tokens_over_steps():
         history.append(want[-1])
     assert got == want
     assert len(set(want)) > 2  # the penalty did move the choice
+    history = [5, 7, 9, 11, 13, 13]  # a history set from outside (tokens not sampled here)
+    pool.set_history(slot, history)
+    logits = base.copy()
+    assert int(sample(logits[None], [slot], pool, threads=4)[0][0]) == Sampler(o).sample(logits, history)
 
 
 # ---- the candidates ---------------------------------------------------------------------------
