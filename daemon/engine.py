@@ -102,6 +102,19 @@ def _expert_cache(gguf: GGUFFile, cfg: Settings, say, allocate=None) -> ExpertCa
     return ExpertCache(store, cfg.expert_cache_limit_mb, cfg.io_depth, biases, demand_reads(cfg), allocate)
 
 
+def _bytes_note(progress, what: str):
+    """on_bytes(done, total) for a progress callback with a part(fraction, note) (daemon.progress.
+    Progress: `moed run` draws the upload's bytes); None for a plain callback."""
+    part = getattr(progress, "part", None)
+    if part is None:
+        return None
+
+    def on_bytes(done: int, total: int) -> None:
+        part(done / max(total, 1), f"{what} {done / 1e9:.1f}/{total / 1e9:.1f} GB")
+
+    return on_bytes
+
+
 def demand_reads(cfg: Settings) -> str:
     """MOE_DEMAND_READS=auto: the compute threads when there are at least as many as reads the I/O
     pool keeps in flight (16 cores: 4.6x the I/O pool's decode with a bounded cache), else the I/O
@@ -146,7 +159,9 @@ class Engine:
     @classmethod
     def load(cls, path: str | os.PathLike, progress: Callable[[str], None] | None = None,
              **settings) -> Engine:
-        """Open and validate a GGUF model. `settings` are keyword overrides of daemon.config."""
+        """Open and validate a GGUF model. `settings` are keyword overrides of daemon.config.
+        progress(message) at each step; progress.part(fraction, note), where it has one, as the
+        experts' bytes reach the GPU (daemon.progress.Progress)."""
         t0 = time.perf_counter_ns()
         cfg = Settings.load(**settings)
         if cfg.n_threads:
@@ -161,7 +176,7 @@ class Engine:
                 experts = cache = _expert_cache(gguf, cfg, say)
             elif backend.expert_budget is None:  # every expert fits in VRAM
                 say(f"uploading experts to {backend.name}")
-                experts = backend.resident_experts(gguf)
+                experts = backend.resident_experts(gguf, _bytes_note(progress, "uploading experts"))
             else:  # a VRAM expert cache over the host one, its slots pinned for the copies
                 from .backend.cuda_expert_cache import VRAMExpertCache
                 from .backend.cuda_transfer import pinned_empty

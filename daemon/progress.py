@@ -7,7 +7,9 @@
                                       report, every 10 %, its end, each new message of a phase
                                       without a percent)
     Progress(label, total)            counts the steps of one phase and reports them (to a
-                                      Renderer on stderr unless given a report)
+                                      Renderer on stderr unless given a report); called with a
+                                      note it is one step (Engine.load's `progress`), and
+                                      `part(fraction, note)` reports how far the running step is
     Relay(loop)                       hands reports from any thread to listeners on the event loop
 
 `moed generate` (in process) and `moed run` (from the daemon's Progress replies) both draw with a
@@ -96,6 +98,14 @@ class Progress:
     def step(self, note: str = "") -> None:
         """One step done (a callback of one argument, as Engine.load's `progress`)."""
         self.advance(1, note)
+
+    __call__ = step
+
+    def part(self, fraction: float, note: str = "") -> None:
+        """The step begun last (its `step` call) is `fraction` (0..1) done: reported between
+        it and the next, without counting a step (the bytes of Engine.load's expert upload)."""
+        f = min(max(float(fraction), 0.0), 1.0)
+        self.report(self.label, 100 * min(self.done + f, self.total) / self.total, note)
 
     def close(self) -> None:
         if self.done < self.total:

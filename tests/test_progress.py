@@ -53,6 +53,18 @@ def test_progress_counts_steps_into_reports():
     assert reports == [("load", 0.0, ""), ("load", 25.0, "reading"), ("load", 100.0, "")]
 
 
+def test_a_part_of_a_step_reports_between_it_and_the_next():
+    reports = []
+    bar = Progress("load", 4, report=lambda *r: reports.append(r))
+    bar("reading")  # a call is a step (Engine.load's progress)
+    bar("uploading")
+    bar.part(0.5, "1.0/2.0 GB")
+    bar.part(2.0, "past the end")  # clamped to the step's end
+    bar("building")
+    assert reports[1:] == [("load", 25.0, "reading"), ("load", 50.0, "uploading"), ("load", 62.5, "1.0/2.0 GB"),
+                           ("load", 75.0, "past the end"), ("load", 75.0, "building")]
+
+
 def test_moed_run_draws_the_daemons_progress_as_plain_lines(capsys):
     def handler(req):
         if isinstance(req, Generate):

@@ -91,7 +91,7 @@ def load_engine(factory: Callable[..., Any], path: str, settings: Mapping[str, A
     then, if warm, one token through the model so numba compiles the kernels now rather than in
     the first request, reported as ("compile", None, COMPILING) when that is slow (a fresh machine)."""
     steps = Progress("load", LOAD_STEPS, report=report)
-    engine = factory(path, progress=steps.step, **settings)
+    engine = factory(path, progress=steps, **settings)  # a step per message, and its part(fraction, note)
     steps.close()
     if warm:
         try:

@@ -183,3 +183,22 @@ def test_device_experts_hold_the_host_repack_of_every_stack(fixture_dir, monkeyp
             got = getattr(batch, p).copy_to_host()
             assert got.shape == want.shape and np.array_equal(got, want), p
             assert noted[f"blk.0.ffn_{p}_exps.weight"] == want.nbytes
+
+
+def test_engine_load_reports_the_upload_bytes_as_part_of_its_step(fixture_dir):
+    """Engine.load onto the CUDA backend with a Progress (as the daemon's load_engine passes it):
+    the expert upload's bytes are reported between the "uploading experts" step and the next."""
+    from daemon.engine import Engine
+    from daemon.progress import Progress
+
+    reports = []
+    bar = Progress("load", 4, report=lambda *r: reports.append(r))
+    path = fixture_path("qwen3moe", "Q8_0", fixture_dir, n_layer=1, n_embd=64, n_ff_exp=64, n_expert=4,
+                        n_expert_used=2)
+    with Engine.load(path, device="cuda", progress=bar):
+        pass
+    notes = [r for r in reports if "GB" in r[2]]
+    assert notes, reports
+    assert [r[2] for r in reports[1:3]] == [f"reading {path}", "uploading experts to cuda:0"]
+    assert all(50.0 < pct <= 75.0 and note.startswith("uploading experts ") for _, pct, note in notes)
+    assert notes[-1][1] == 75.0 and reports[len(notes) + 3][2] == "building qwen3moe model"
