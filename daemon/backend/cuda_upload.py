@@ -7,8 +7,8 @@ page cache. Here the matrices to load (`Target`s, in file order) are cut into `P
 range of up to `chunk` bytes each, a run of whole rows of one large tensor or several small
 tensors read together. Reader threads read pieces ahead into a ring of page-locked buffers
 (os.preadv releases the GIL, so they read in parallel); the loading thread copies each buffer
-with one cuMemcpyHtoDAsync into a device staging buffer on a copy stream, and the repack stream
-repacks its rows out of staging into their final place (layout.repack_device: the same bytes the
+with one cuMemcpyHtoDAsync into one of two device staging buffers on a copy stream, and the
+repack stream repacks its rows out of staging into their final place (layout.repack_device: the same bytes the
 host `repack` makes). Events order the reuse of each buffer: a host buffer is refilled once its
 copy has run, a staging buffer overwritten once its repack has run; nothing waits per tensor.
 
@@ -35,7 +35,8 @@ from ..kernels.quants import block_size
 from .cuda_transfer import Event, Transfers, pinned_empty
 
 CHUNK = 64 << 20  # bytes a piece reads at most (unless one row is longer)
-BUFFERS = 6  # page-locked host buffers (and device staging buffers) in the ring
+BUFFERS = 6  # page-locked host buffers in the ring (reads in flight, and the copy)
+STAGING = 2  # device staging buffers: a copy lands in one while the other is repacked (VRAM the load adds)
 READERS = 4  # threads reading the file
 GAP = 1 << 20  # small tensors this close in the file share a read (alignment padding, vectors between)
 REPACK_ON_DEVICE = not SIM  # else layout.repack on the host (the same bytes), then a copy
@@ -147,11 +148,13 @@ class Uploader:
         size = max(p.nbytes for p in pieces)
         n = min(self.buffers, len(pieces))
         host = [pinned_empty(size, np.uint8) for _ in range(n)]
-        staging = [cuda.device_array(size, np.uint8) for _ in range(n)]
+        m = min(STAGING, n)
+        staging = [cuda.device_array(size, np.uint8) for _ in range(m)]
         xfer = Transfers(self.stream)  # its fetch stream copies, self.stream repacks
         copied = [Event() for _ in range(n)]
-        repacked = [Event() for _ in range(n)]
-        used = [False] * n  # whether buffer s has been copied from (its events recorded)
+        repacked = [Event() for _ in range(m)]
+        used = [False] * n  # whether host buffer s has been copied from (copied[s] recorded)
+        staged = [False] * m  # whether staging buffer d has been repacked from (repacked[d] recorded)
         pool = ThreadPoolExecutor(self.readers, thread_name_prefix="moed-load")
         reads: deque = deque()
         try:
@@ -173,27 +176,23 @@ class Uploader:
                 w = time.perf_counter()
                 reads.popleft().result()
                 t.wait_read += time.perf_counter() - w
-                if not REPACK_ON_DEVICE:
+                if REPACK_ON_DEVICE:
+                    d = k % m
+                    if staged[d]:  # staging d is free once its last repack ran
+                        xfer.wait(xfer.fetch, repacked[d])
+                    xfer.h2d(staging[d], host[s][:p.nbytes])
+                    xfer.record(copied[s], xfer.fetch)
+                    xfer.wait(self.stream, copied[s])
+                    for tgt, r0, rows, at in p.parts:
+                        raw = staging[d][at:at + rows * tgt.rb].reshape(rows, tgt.rb)  # [rows, RB]
+                        repack_device(raw, tgt.dst[r0:r0 + rows], tgt.ggml_type, self.stream)
+                    xfer.record(repacked[d], self.stream)
+                    used[s] = staged[d] = True
+                else:  # the simulator: repack on the host, copy each part
                     for tgt, r0, rows, at in p.parts:
                         raw = host[s][at:at + rows * tgt.rb].reshape(rows, tgt.rb)  # [rows, RB]
                         tgt.dst[r0:r0 + rows].copy_to_device(repack(raw, tgt.ggml_type), stream=self.stream)
                     self.stream.synchronize()  # before its buffer is read again
-                    done += p.nbytes
-                    if on_bytes is not None:
-                        on_bytes(done, total)
-                    if k + n < len(pieces):
-                        start(k + n)
-                    continue
-                if used[s]:  # staging s is free once its last repack ran
-                    xfer.wait(xfer.fetch, repacked[s])
-                xfer.h2d(staging[s], host[s][:p.nbytes])
-                xfer.record(copied[s], xfer.fetch)
-                xfer.wait(self.stream, copied[s])
-                for tgt, r0, rows, at in p.parts:
-                    raw = staging[s][at:at + rows * tgt.rb].reshape(rows, tgt.rb)  # [rows, RB]
-                    repack_device(raw, tgt.dst[r0:r0 + rows], tgt.ggml_type, self.stream)
-                xfer.record(repacked[s], self.stream)
-                used[s] = True
                 done += p.nbytes
                 if on_bytes is not None:
                     on_bytes(done, total)

@@ -115,7 +115,7 @@ def test_uploader_places_every_target_as_the_host_repack(tmp_path, monkeypatch, 
             out[:] = blob[offset:offset + out.nbytes]
 
     seen = []
-    timing = Uploader(File(), stream, chunk=400, buffers=2, readers=2).run(targets, lambda d, t: seen.append((d, t)))
+    timing = Uploader(File(), stream, chunk=400, buffers=3, readers=2).run(targets, lambda d, t: seen.append((d, t)))
     for (n, off, rows, rb, qt), t in zip(specs, targets):
         want = repack(blob[off:off + rows * rb].reshape(rows, rb), qt)
         assert np.array_equal(t.dst.copy_to_host(), want), n
