@@ -8,11 +8,14 @@ Shapes are tiny (the simulator runs each thread as a Python thread); threads per
 
 import math
 import sys
+import threading
+import traceback
 
 import numpy as np
 import pytest
 from numba import cuda
 
+from daemon.kernels.cuda.ptx import SIMULATOR
 from daemon.kernels.cuda.sample import SamplerSlots, sample, sample_rows
 from daemon.sampling import Sampler, SamplingOptions
 
@@ -28,6 +31,37 @@ def _fast_switch():
     sys.setswitchinterval(1e-5)
     yield
     sys.setswitchinterval(old)
+
+
+@pytest.fixture(autouse=True)
+def _shared_arrays_made_once():
+    """numba-cuda 0.30's simulator makes a shared array on its first use in a launch without a
+    lock (FakeCUDAShared.array: get, then np.empty): two threads of the first block may each get
+    their own, uninitialized, and not see each other's writes (seen here once under load: a
+    token -1). Made under a lock while these tests run; nothing changes on a GPU."""
+    if not SIMULATOR:
+        yield
+        return
+    from numba.cuda.simulator import kernelapi
+
+    lock = threading.Lock()
+    plain = kernelapi.FakeCUDAShared.array
+
+    def array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None:
+            return plain(self, shape, dtype, alignment)  # not used here (its caller frame differs)
+        if isinstance(dtype, kernelapi.types.Type):
+            dtype = kernelapi.numpy_support.as_dtype(dtype)
+        where = traceback.extract_stack(sys._getframe(1), limit=1)[0][0:2]  # the kernel's line
+        with lock:
+            res = self._allocations.get(where)
+            if res is None:
+                res = self._allocations[where] = np.empty(shape, dtype)
+        return res
+
+    kernelapi.FakeCUDAShared.array = array
+    yield
+    kernelapi.FakeCUDAShared.array = plain
 
 
 def _opts(**kw):
