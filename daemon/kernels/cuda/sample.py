@@ -1,7 +1,7 @@
 """Sampling on the device: daemon.sampling.Sampler's semantics, one block per row, one int32 back.
 
 Legend: S = rows sampled in a launch, V = vocabulary, N = sampler slots (capacity), W = ring width
-(the longest repeat window in use), T = threads per block (a power of 2, 32..1024), k = top_k.
+(the longest repeat window in use), T = threads per block (a power of 2, 1..1024), k = top_k.
 
 Per-sequence state lives in device pools indexed by a sampler slot, not by batch row, so a captured
 CUDA graph reads fixed addresses and a sequence's draws never depend on the other rows of its launch
