@@ -8,8 +8,8 @@ range of up to `chunk` bytes each, a run of whole rows of one large tensor or se
 tensors read together. Reader threads read pieces ahead into a ring of page-locked buffers
 (os.preadv releases the GIL, so they read in parallel); the loading thread copies each buffer
 with one cuMemcpyHtoDAsync into one of two device staging buffers on a copy stream, and the
-repack stream repacks its rows out of staging into their final place (layout.repack_device: the same bytes the
-host `repack` makes). Events order the reuse of each buffer: a host buffer is refilled once its
+repack stream repacks its rows out of staging into their final place (layout.repack_device: the
+same bytes the host `repack` makes). Events order the reuse of each buffer: a host buffer is refilled once its
 copy has run, a staging buffer overwritten once its repack has run; nothing waits per tensor.
 
 Under numba's simulator copies are synchronous and events are done at once, and the repack runs

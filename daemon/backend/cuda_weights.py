@@ -62,11 +62,11 @@ def upload_matrix(raw: np.ndarray, ggml_type: int, stream=None) -> object:
             or raw.size == 0):  # the simulator (slow threads), repack's clear error, an empty matrix
         return cuda.to_device(repack(raw, ggml_type))
     rows = raw.reshape(-1, rb)  # [R, RB]
-    s = cuda.default_stream() if stream is None else stream
+    s = 0 if stream is None else stream  # 0: the legacy default stream (numba's dispatcher launches there)
     out = device_matrix(rows.shape[0], rb, ggml_type, s)
     repack_device(cuda.to_device(rows, stream=s), out, ggml_type, s)
     if stream is None:
-        s.synchronize()
+        cuda.default_stream().synchronize()
     return out.reshape(raw.shape[:-1] + (out.shape[1],))
 
 
