@@ -2,7 +2,8 @@
 the page cache, kernels from the disk cache).
 
     python benchmarks/gpu_load.py MODEL [--loads 2] [--processes 2] [--old] [--json PATH]
-                                        [--chunk-mb 64] [--buffers 6] [--readers 4] [--read-gb 8]
+                                        [--chunk-mb 64] [--buffers 6] [--readers 4] [--staging 2]
+                                        [--read-gb 8]
 
 Rows of the table, in the order they run:
 - load 1..N: Engine.load(MODEL, device="cuda") in this process, closed after each. The first is the
@@ -45,6 +46,7 @@ def configure(args) -> None:
     cuda_upload.CHUNK = args.chunk_mb << 20
     cuda_upload.BUFFERS = args.buffers
     cuda_upload.READERS = args.readers
+    cuda_upload.STAGING = args.staging
 
 
 def one_load(model: str, label: str) -> dict:
@@ -231,6 +233,7 @@ def main() -> None:
     ap.add_argument("--chunk-mb", type=int, default=64)
     ap.add_argument("--buffers", type=int, default=6)
     ap.add_argument("--readers", type=int, default=4)
+    ap.add_argument("--staging", type=int, default=2, help="device staging buffers")
     ap.add_argument("--read-gb", type=float, default=8.0, help="bytes the read-rate rows read")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -249,7 +252,7 @@ def main() -> None:
         add(one_load(args.model, f"load {i + 1}"))
     for i in range(args.processes):
         cmd = [sys.executable, __file__, args.model, "--child", "--chunk-mb", str(args.chunk_mb),
-               "--buffers", str(args.buffers), "--readers", str(args.readers)]
+               "--buffers", str(args.buffers), "--readers", str(args.readers), "--staging", str(args.staging)]
         out = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
         if out.returncode:
             add({"what": f"process {i + 1}", "error": out.stderr[-2000:]})
