@@ -20,10 +20,12 @@ next to the engine's own step rate and llama.cpp on the same file (issue 26, ite
      wall       all generated tokens / the burst's wall time, prefills included
    The first burst of each (mode, N) is reported apart from the later ones (their medians): the
    first meets a new batch size.
-3. The engine's own rate, for the ratios. CPU: Engine.generate in this process (eval_duration /
-   eval_count) alternating --overhead-repeat times with one greedy stream through the daemon
-   (the client's time between its first and last chunk per token, and the daemon's own Done):
-   overhead = client - engine, ms per token. GPU (the model's device is cuda): after the daemon has
+3. The engine's own rate, for the ratios. CPU: in this process, Engine.generate (eval_duration /
+   eval_count) and the bare step (Transformer.forward of one token and an argmax), alternating
+   --overhead-repeat times with one greedy stream through the daemon (the client's time between its
+   first and last chunk per token, and the daemon's own Done): overhead = client - Engine.generate
+   (and client - bare step), ms per token; the bare step is the ratios' engine rate. GPU (the
+   model's device is cuda): after the daemon has
    exited, benchmarks/gpu_decode.py in a child process: its graph-replayed 1-sequence decode step
    and its step of max(N) sequences.
 4. llama.cpp on the same file (after the daemon has exited): `llama-bench -n TOKENS -p 0` (tg) and
@@ -230,25 +232,33 @@ def sweep(sock: str, path: str, prompts: list[list[int]], args) -> list[dict]:
 
 
 def overhead(sock: str, path: str, ids: list[int], settings: dict, args) -> dict:
-    """CPU: Engine.generate in this process against one greedy stream through the daemon, alternating."""
+    """CPU, ms per token of one greedy stream, alternating: Engine.generate in this process (its
+    eval_duration / eval_count), the bare step (Transformer.forward of one token and an argmax, as
+    run.py times it), and the stream through the daemon (client: between its first and last chunk;
+    daemon: its Done)."""
     from daemon_overhead import daemon_run, in_process_run
 
+    from _bench.children import _moed_pass
     from daemon.engine import Engine
     from ipc import Client
 
-    engine_ms, client_ms, daemon_ms = [], [], []
+    runs: dict[str, list[float]] = {"engine_ms": [], "step_ms": [], "client_ms": [], "daemon_ms": []}
     with Engine.load(path, **settings) as engine, Client(sock, timeout=600) as c:
         in_process_run(engine, ids, 4)  # warm-up
+        _moed_pass(engine.model, [ids], 4)
         for _ in range(args.overhead_repeat):
-            engine_ms.append(in_process_run(engine, ids, args.tokens))
+            runs["engine_ms"].append(in_process_run(engine, ids, args.tokens))
+            runs["step_ms"].append(1e3 / _moed_pass(engine.model, [ids], args.tokens)["decode_tps"])
             cm, dm, _ = daemon_run(c, path, ids, args.tokens)
-            client_ms.append(cm)
-            daemon_ms.append(dm)
-    return {"engine_ms": engine_ms, "client_ms": client_ms, "daemon_ms": daemon_ms,
-            "engine_ms_best": min(engine_ms), "client_ms_best": min(client_ms), "daemon_ms_best": min(daemon_ms),
-            "overhead_ms": min(client_ms) - min(engine_ms),
-            "overhead_ms_median": statistics.median(c - e for c, e in zip(client_ms, engine_ms)),
-            "engine_tps": 1e3 / min(engine_ms)}
+            runs["client_ms"].append(cm)
+            runs["daemon_ms"].append(dm)
+    best = {f"{k}_best": min(v) for k, v in runs.items()}
+    return runs | best | {
+        "overhead_ms": best["client_ms_best"] - best["engine_ms_best"],
+        "overhead_ms_median": statistics.median(c - e for c, e in zip(runs["client_ms"], runs["engine_ms"])),
+        "overhead_vs_step_ms": best["client_ms_best"] - best["step_ms_best"],
+        "overhead_vs_step_ms_median": statistics.median(c - e for c, e in zip(runs["client_ms"], runs["step_ms"])),
+        "engine_tps": 1e3 / best["engine_ms_best"], "step_tps": 1e3 / best["step_ms_best"]}
 
 
 def engine_gpu(path: str, args) -> dict:
@@ -304,7 +314,7 @@ def ratios(summary: list[dict], engine: dict, llama_rows: dict) -> None:
             if not fig:
                 continue
             ours = fig.get("per_stream_tps_median") if n == 1 else fig.get("steady_tps")
-            eng = engine.get("decode_tps") if n == 1 else (engine.get("batch_tps") if n == engine.get("batch") else None)
+            eng = engine.get("decode_tps") if n == 1 else engine.get("batch_tps") if n == engine.get("batch") else None
             ref = tg if n == 1 else (batched.get(n) or {}).get("tg_tok_s")
             fig["x_engine"] = ours / eng if ours and eng else None
             fig["x_llama"] = ours / ref if ours and ref else None
@@ -368,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = {"n_threads": args.threads} | dict(args.set)
     n = max(args.concurrency)
     prompts = stream_prompts(path, args.prompt_tokens, n)
+    loadavg = [os.getloadavg()[0]]  # the machine's other work (this benchmark's figures drift with it)
     print(f"{Path(path).name}: {os.path.getsize(path) / 2**20:,.1f} MiB; settings {settings}; {args.prompt_tokens} "
           f"prompt tokens, {args.tokens} generated per stream; {os.cpu_count()} CPUs", flush=True)
 
@@ -388,20 +399,24 @@ def main(argv: list[str] | None = None) -> int:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    engine = {"decode_tps": over["engine_tps"]} if cpu else engine_gpu(path, args)
+    loadavg.append(os.getloadavg()[0])
+    engine = {"decode_tps": over["step_tps"]} if cpu else engine_gpu(path, args)
     llama_rows = {} if args.no_llama else llama(path, args)
     summary = summarize(bursts)
     ratios(summary, engine, llama_rows)
 
     print(f"device {load['device']}; load {load['first']['wall_s']:.2f} s (daemon: "
           f"{load['first']['load_duration_s']:.2f} s), again after an unload {load['second']['wall_s']:.2f} s "
-          f"(daemon: {load['second']['load_duration_s']:.2f} s)")
+          f"(daemon: {load['second']['load_duration_s']:.2f} s); 1-minute load average {loadavg[0]:.1f} at the "
+          f"start, {loadavg[1]:.1f} after the daemon's part")
     print(table(summary))
     if over:
-        print(f"per token, 1 greedy stream, best of {args.overhead_repeat} alternating: engine in process "
-              f"{over['engine_ms_best']:.3f} ms, daemon's own {over['daemon_ms_best']:.3f} ms, client "
-              f"{over['client_ms_best']:.3f} ms; overhead {over['overhead_ms']:+.3f} ms/token "
-              f"(median of per-run differences {over['overhead_ms_median']:+.3f})")
+        print(f"ms per token, 1 greedy stream, best of {args.overhead_repeat} alternating: bare step "
+              f"{over['step_ms_best']:.3f}, Engine.generate {over['engine_ms_best']:.3f}, the daemon's own "
+              f"{over['daemon_ms_best']:.3f}, client {over['client_ms_best']:.3f}\n"
+              f"overhead: client - Engine.generate {over['overhead_ms']:+.3f} ms/token (median of per-run "
+              f"differences {over['overhead_ms_median']:+.3f}); client - bare step "
+              f"{over['overhead_vs_step_ms']:+.3f} (median {over['overhead_vs_step_ms_median']:+.3f})")
     elif "error" in engine:
         print(f"engine: {engine['error']}")
     else:
@@ -412,8 +427,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"llama.cpp {name}: {row['error']}")
     if args.json:
         out = {"model": path, "file_bytes": os.path.getsize(path), "settings": settings, "cpus": os.cpu_count(),
-               "python": platform.python_version(), "commit": _commit(), "prompt_tokens": args.prompt_tokens,
-               "tokens": args.tokens, "concurrency": args.concurrency, "bursts_per_mode": args.bursts,
+               "python": platform.python_version(), "commit": _commit(), "loadavg_1min": loadavg,
+               "prompt_tokens": args.prompt_tokens, "tokens": args.tokens, "concurrency": args.concurrency,
+               "bursts_per_mode": args.bursts,
                "load": load, "bursts": bursts, "summary": summary, "overhead": over, "engine": engine,
                "llama": llama_rows}
         Path(args.json).write_text(json.dumps(out, indent=1))

@@ -102,10 +102,11 @@ def test_summary_keeps_the_first_burst_apart(run):
 
 def test_overhead_and_ratios_against_the_engine_and_the_fake_llama(run):
     o = run["overhead"]
-    assert len(o["engine_ms"]) == len(o["client_ms"]) == len(o["daemon_ms"]) == 1
-    assert _pos(o["engine_ms_best"]) and _pos(o["client_ms_best"])
+    assert len(o["engine_ms"]) == len(o["step_ms"]) == len(o["client_ms"]) == len(o["daemon_ms"]) == 1
+    assert _pos(o["engine_ms_best"]) and _pos(o["step_ms_best"]) and _pos(o["client_ms_best"])
     assert o["overhead_ms"] == pytest.approx(o["client_ms_best"] - o["engine_ms_best"])
-    assert run["engine"]["decode_tps"] == pytest.approx(1e3 / o["engine_ms_best"])
+    assert o["overhead_vs_step_ms"] == pytest.approx(o["client_ms_best"] - o["step_ms_best"])
+    assert run["engine"]["decode_tps"] == pytest.approx(1e3 / o["step_ms_best"])  # the bare step
     assert run["llama"]["bench"]["decode_tok_s"] == TG
     assert {int(b): r["tg_tok_s"] for b, r in run["llama"]["batched"]["rows"].items()} == {1: 50.0, 2: 100.0}
     for r in run["summary"]:

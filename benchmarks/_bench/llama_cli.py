@@ -1,7 +1,7 @@
 """llama.cpp's `llama-batched-bench`, run and parsed, for benchmarks/serving.py (llama-bench itself:
 gpu.llama_bench).
 
-    batched_bench(binary, model, pp, tg, batches, threads) -> {B: row} or {"error": ...}
+    batched_bench(binary, model, pp, tg, batches, threads) -> {"argv", "rows": {B: row}} or {"error": ...}
     parse_batched(text) -> {B: row}   its table; row: pp, tg, b, n_kv, t_pp_s, pp_tok_s, t_tg_s, tg_tok_s, t_s, tok_s
 
 llama-batched-bench prints one markdown row per (PP, TG, B), `S_TG t/s` being B*TG / the decode time
@@ -50,7 +50,8 @@ def batched_bench(binary: str, model: str, pp: int, tg: int, batches: list[int],
         return {"error": f"llama-batched-bench failed: {e}"}
     if p.returncode:
         lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
-        return {"error": f"llama-batched-bench failed (exit status {p.returncode})" + (f": {lines[-1]}" if lines else "")}
+        why = f": {lines[-1]}" if lines else ""
+        return {"error": f"llama-batched-bench failed (exit status {p.returncode}){why}"}
     rows = parse_batched(p.stdout + "\n" + p.stderr)
     missing = [b for b in batches if b not in rows]
     if missing:
