@@ -305,8 +305,11 @@ class Batcher:
             return
         decoder = self._decoder()
         if pending is not None and not decoder.overlaps(seqs):
-            self._drain()
+            self._drain()  # its tokens may end some of them
             pending = None
+            seqs = [s for s in self._active if s.live()]
+            if not seqs:
+                return
         src = None
         if pending is not None:
             where = {id(s): b for b, s in enumerate(pending.seqs)}
