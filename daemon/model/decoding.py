@@ -2,8 +2,8 @@
 
     decoder = decoder_for(model)         DeviceDecoder when the backend samples on the device,
                                          else HostDecoder
-    decoder.attach(seq) / detach(seq)    a sequence joins the decode batch (after its first token) /
-                                         leaves it (no launched step has its row any more)
+    tokens, errors = decoder.prefill(seqs)   the prompts' pass and each one's first token
+    decoder.detach(seq)                  a sequence leaves (no launched step has its row any more)
     pending = decoder.launch(seqs, src, prev)
     tokens, errors = pending.wait()      [S] int32, and the exception of each row that failed
 
@@ -64,16 +64,30 @@ class HostDecoder:
     def overlaps(self, seqs) -> bool:
         return False
 
+    def prefill(self, seqs) -> tuple[np.ndarray, list]:
+        """The prompts of seqs in one pass (alone: the plain forward), each one's first token
+        sampled -> (tokens [S], errors)."""
+        if len(seqs) == 1:
+            logits = self.model.forward(seqs[0].ids, seqs[0].cache)[-1:]
+        else:
+            logits = self.model.forward_many([s.ids for s in seqs], [s.cache for s in seqs])  # [S, V]
+        return _sampled(seqs, logits)
+
     def launch(self, seqs, src=None, prev=None) -> Done:
         logits = self.model.forward_batch([s.token for s in seqs], [s.cache for s in seqs])  # [S, V]
-        tokens = np.zeros(len(seqs), np.int32)
-        errors: list = [None] * len(seqs)
-        for b, s in enumerate(seqs):
-            try:
-                tokens[b] = s.sampler.sample(logits[b], s.history)
-            except Exception as e:  # noqa: BLE001 - non-finite logits, or a bug: this row only
-                errors[b] = e
-        return Done(tokens, errors)
+        return Done(*_sampled(seqs, logits))
+
+
+def _sampled(seqs, logits: np.ndarray) -> tuple[np.ndarray, list]:
+    """Row b of logits [S, V] drawn by seqs[b]'s Sampler -> (tokens [S], errors)."""
+    tokens = np.zeros(len(seqs), np.int32)
+    errors: list = [None] * len(seqs)
+    for b, s in enumerate(seqs):
+        try:
+            tokens[b] = s.sampler.sample(logits[b], s.history)
+        except Exception as e:  # noqa: BLE001 - non-finite logits, or a bug: this row only
+            errors[b] = e
+    return tokens, errors
 
 
 class DevicePending:
@@ -139,6 +153,16 @@ class DeviceDecoder:
                     self.model.decode_sampled([0], [scratch], [-1] * n, None, pad=n)
         self.backend.stream.synchronize()
         return self.backend.graphs.captures - before
+
+    def prefill(self, seqs) -> tuple[np.ndarray, list]:
+        """The prompts of seqs in one pass, each one's first token sampled on the device by its
+        slot (given here, its history the prompt) -> (tokens [S], errors). Nothing may be in
+        flight (a slot's pools may grow)."""
+        for s in seqs:
+            if s.slot is None:
+                self.attach(s)
+        out, flags = self.model.prefill_sampled([s.ids for s in seqs], [s.cache for s in seqs], [s.slot for s in seqs])
+        return DevicePending(self.backend, out, flags, len(seqs)).wait()
 
     def overlaps(self, seqs) -> bool:
         """Whether the step may be launched before the step in flight is waited for."""

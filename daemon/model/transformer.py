@@ -137,6 +137,14 @@ class Transformer:
         """Whether a decode step may be padded with copies of a row (Step.padded)."""
         return not any(self.hp.recurrent)
 
+    def prefill_sampled(self, prompts, caches: list[SequenceCache], samplers):
+        """forward_many whose last rows are sampled on the device by each sequence's sampler slot
+        -> (tokens [S] int32, flags [S] int32) as backend arrays, not waited for."""
+        toks = [self._check_tokens(p) for p in prompts]
+        if len(toks) != len(caches):
+            raise RequestError(f"{len(toks)} prompts for {len(caches)} distinct sequences")
+        return self._pass(toks, caches, False, samplers=np.asarray(samplers, np.int32))
+
     @property
     def device_fed(self) -> bool:
         """A decode step needs its tokens on the device only: no hook, trace, routing override

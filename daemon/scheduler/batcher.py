@@ -245,24 +245,31 @@ class Batcher:
                 n += 1
             part, ready = ready[:n], ready[n:]
             t0 = time.perf_counter_ns()
+            decoder = self._decoder()
             try:
-                logits = self.engine.model.forward_many([s.ids for s in part], [s.cache for s in part])
+                tokens, errors = decoder.prefill(part)
                 self.prefill_passes += 1
             except Exception:  # alone, each sequence gets its own outcome
                 log.debug("a prefill of %d prompts failed; each is retried alone", len(part), exc_info=True)
-                events = [self._guard(s, lambda s=s: s.first(self.engine.model.forward(s.ids, s.cache)[-1], t0))
-                          for s in part]
+                tokens, errors = [0] * len(part), [None] * len(part)
+                for b, s in enumerate(part):
+                    try:
+                        (tokens[b],), (errors[b],) = decoder.prefill([s])
+                    except Exception as e:  # noqa: BLE001 - this sequence fails
+                        errors[b] = e
                 self.prefill_passes += len(part)
-            else:
-                events = [self._guard(s, lambda s=s, lg=lg: s.first(lg, t0)) for s, lg in zip(part, logits)]
-            for s, event in zip(part, events):
+            for s, token, error in zip(part, tokens, errors):
+                if error is not None:
+                    self._failed(error, f"request {s.id}")
+                    s.ended = True
+                    event = (s, ERROR, error)
+                else:
+                    event = self._guard(s, lambda s=s, t=int(token): s.first_token(t, t0))
                 self.prefills += not (event is not None and event[1] == ERROR)
                 if s.live():
-                    attached = self._guard(s, lambda s=s: self._decoder().attach(s))
-                    if attached is None:
-                        self._active.append(s)
-                    else:
-                        event = attached
+                    self._active.append(s)
+                elif s.slot is not None:
+                    decoder.detach(s)
                 if event is not None:
                     self._text.put(self._launched, [event])
 

@@ -116,6 +116,16 @@ class Sequence:
         `finished`, or `token` waits to be decoded."""
         return self.text(self.take(logits))
 
+    def first_token(self, token: int, started_ns: int) -> tuple | None:
+        """The compute thread's part after a prompt's pass whose first token was sampled apart
+        (the decoder's prefill) -> the text event."""
+        self.eval_started = time.perf_counter_ns()
+        self.prompt_eval_duration = self.eval_started - started_ns
+        if self.exhausted():  # max_tokens 0: no token at all
+            self.ended = True
+            return (self, END, "length")
+        return self.accept(token)
+
     def take(self, logits: np.ndarray) -> tuple:
         """Sample the next token from logits [V] on the host and accept it -> the text event."""
         if self.exhausted():  # max_tokens 0: no token at all
