@@ -1,27 +1,38 @@
-"""Continuous batching: one compute thread per model runs every forward pass of that model.
+"""Continuous batching, overlapped: one compute thread per model runs every pass of that model, and
+launches each decode step before it looks at the tokens of the step before.
 
-    event loop                          compute thread (one per model; the engine is not thread-safe)
-    ----------                          ---------------------------------------------------------
-    call(fn) -> Future  ───jobs──────▶  between steps: fn(engine)  (load, stats, close)
-    submit(seq)         ───incoming──▶  at a step boundary: prepare the new sequences (their token
-                                        ids are ready: no text work here), prefill them together
-                                        (Transformer.forward_many, up to PREFILL_TOKENS rows)
-    seq.cancelled = True                drop cancelled sequences (their KV cache goes with them)
-                                        one decode step: forward_batch(tokens [B], caches [B]) -> [B, V]
-    emit(reply)  ◀──call_soon_threadsafe── the step's replies, one hand-over per step
+    event loop                          compute thread (one per model)          text thread
+    ----------                          ------------------------------          -----------
+    call(fn) -> Future  ───jobs──────▶  between steps: fn(engine)
+    submit(seq)         ───incoming──▶  prepare; prefill the prompts that
+                                        arrived together (decoder.prefill:
+                                        each first token sampled)      ──events──▶ seq.text:
+                                        launch step N+1 (its inputs are            detokenize,
+                                        step N's tokens, on the device)            stop strings,
+                                        wait for step N's tokens; the id           Chunk/Done
+    emit(reply)  ◀──call_soon_threadsafe─ rules (EOG, max_tokens, context) ──events──▶ (one hand-over
+                                        decided at once                             per step)
 
-Every active sequence advances by exactly one token per forward_batch call; a sequence joins after
-its prefill and leaves when it finishes or is cancelled, so a cancel or a client disconnect stops
-it within one decode step. forward_batch is batch-invariant, so a request gets the same tokens
-whatever else shares its steps.
+The decoder (daemon/model/decoding.py) is the model's: on a GPU the step samples on the device and
+reads its input tokens from the step before's sampled ids, so the host waits once per step, for
+the token ids, while the next step already runs; on the CPU the step runs in this thread and the
+text of step N is worked on beside step N+1.
 
-Failures stay with the sequences they concern: an exception while one sequence is prepared, fed
-or sampled (non-finite logits included) fails that sequence; a failed forward pass fails the
-sequences of that pass; the loop goes on. ModelFileChanged fails them and stops the batcher
-(the model's weights no longer match its file), with that message for every sequence left. If the
-loop itself ever breaks, the thread still fails every sequence and resolves `stopped`, and the
-registry drops the model (`stopping` is set from then on: call/submit refuse), so the next
-request loads it again instead of waiting forever.
+Exactness: every row of a launched step is either accepted (in order, per sequence) or dropped. A
+sequence that ends at step N (end of generation, or a stop string, which the text thread reports
+before step N+2 is launched) has at most its row of step N+1 computed and dropped; max_tokens and
+the context end are known in advance and cost nothing. Cancel and client disconnects stop a
+sequence at the next launch. A sequence's KV cache and sampler slot are given back once no launched
+step has its row. forward passes are batch-invariant, so a request gets the same tokens whatever
+else shares its steps.
+
+Failures stay with the sequences they concern: an exception while one sequence is prepared,
+prefilled or sampled (non-finite logits included) fails that sequence; a failed step fails the
+sequences of that step; the loop goes on. ModelFileChanged fails them and stops the batcher (the
+model's weights no longer match its file), with that message for every sequence left. If the loop
+itself ever breaks, the thread still fails every sequence and resolves `stopped`, and the registry
+drops the model (`stopping` is set from then on: call/submit refuse), so the next request loads it
+again instead of waiting forever. Every reply goes through the text thread, in order.
 """
 
 from __future__ import annotations
@@ -35,7 +46,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from ipc.protocol import Error
 
 from .. import heap
 from ..errors import ModelFileChanged, MoedError, RequestError, SchedulerError, wire_error
