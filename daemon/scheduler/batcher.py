@@ -46,7 +46,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-
 from .. import heap
 from ..errors import ModelFileChanged, MoedError, RequestError, SchedulerError, wire_error
 from ..model.decoding import decoder_for
