@@ -198,7 +198,7 @@ class Batcher:
         """Prefill the sequences that arrived, then launch the next decode step."""
         if new:  # the prompts that arrived together are evaluated together
             self._start(new)
-        if not self._stopping:
+        if (self._active or self._pending) and not self._stopping:
             self._launch()
 
     def _fail_all(self, seqs: list[Sequence], e: BaseException) -> None:

@@ -129,3 +129,41 @@ async def test_seeded_draws_advance_under_graph_replay_and_do_not_depend_on_the_
     finally:
         await eager.close()
     assert [t for t, _ in plain] == [t for t, _ in first]
+
+
+async def test_stop_strings_and_end_of_generation_end_exactly_on_the_device(gpu_sched):
+    """The overlapped loop on the GPU: a sequence that ends at step N (a stop string, seen by the
+    text thread; an end-of-generation id) has its row of step N+1 dropped: the same replies as
+    alone, nothing after Done, and at most one extra row per such sequence."""
+    s, model = gpu_sched
+    ps = [[(29 * i + 11) % 400 + 1, 310 + i] for i in range(6)]
+    free = []
+    for i, p in enumerate(ps):
+        replies = []
+        await s.generate(Generate(i + 1, model, tokens=p, max_tokens=14, options=GREEDY), replies.append,
+                         time.perf_counter_ns())
+        free.append([r for r in replies if isinstance(r, Chunk)])
+    stops = [(c[3].text + c[4].text).strip() or c[4].text for c in free if len(c) > 5]
+    reqs = [Generate(20 + i, model, tokens=p, max_tokens=14, options=GREEDY, stop=[stop])
+            for i, (p, stop) in enumerate(zip(ps, stops))]
+    solo = [await _run(s, r) for r in reqs]
+    batcher = s.registry.find(model).batcher
+    before = batcher.step_tokens
+    together = await asyncio.gather(*(_run(s, Generate(r.id + 100, model, tokens=r.tokens, max_tokens=14,
+                                                      options=GREEDY, stop=r.stop)) for r in reqs))
+    ended_early = 0
+    for (t1, d1), (t2, d2) in zip(solo, together):
+        assert t1 == t2 and isinstance(d2, Done) and d2.done_reason == d1.done_reason and d2.eval_count == d1.eval_count
+        ended_early += d2.done_reason == "stop"
+    assert ended_early >= 1
+    decoded = sum(d.eval_count - 1 for _, d in together)  # a decode step's row per token after the first
+    assert decoded <= batcher.step_tokens - before <= decoded + ended_early
+    engine = s.registry.find(model).engine
+    ends = {t[4] for t, d in solo if len(t) > 4}
+    engine.tokenizer.eog_ids = frozenset(ends)  # an id each may reach becomes an end of generation
+    plain = [Generate(200 + i, model, tokens=p, max_tokens=14, options=GREEDY) for i, p in enumerate(ps)]
+    alone = [await _run(s, r) for r in plain]
+    both = await asyncio.gather(*(_run(s, Generate(r.id + 100, model, tokens=r.tokens, max_tokens=14,
+                                                  options=GREEDY)) for r in plain))
+    for (t1, d1), (t2, d2) in zip(alone, both):
+        assert t1 == t2 and not ends & set(t2) and d2.done_reason == d1.done_reason
