@@ -148,9 +148,11 @@ class DeviceDecoder:
         before = self.backend.graphs.captures
         for c in cells:
             for n in sizes:
-                for _ in range(2):  # eager once, then captured (cuda_graphs.GraphCache)
+                feed = None
+                for _ in range(2):  # eager once, then captured (cuda_graphs.GraphCache); fed as in serving
                     scratch.n_past = max(0, c // 2)  # positions in (c/2, c]: this many cells
-                    self.model.decode_sampled([0], [scratch], [-1] * n, None, pad=n)
+                    out, _flags = self.model.decode_sampled([0], [scratch], [-1] * n, feed, pad=n)
+                    feed = (np.zeros(n, np.int32), out)
         self.backend.stream.synchronize()
         return self.backend.graphs.captures - before
 
