@@ -164,3 +164,19 @@ def test_missing_model_file_is_a_clear_error(tmp_path):
     p = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "nope.gguf")], capture_output=True, text=True,
                        timeout=120, cwd=ROOT)
     assert p.returncode != 0 and "no model file at" in p.stderr
+
+
+def test_ratios_take_the_engines_batch_step_and_batched_bench_at_the_same_size():
+    # the GPU shape: gpu_decode.py's 1-sequence and batch-16 rates; llama-bench tg and batched-bench S_TG
+    summary = [{"streams": 1, "first": {"per_stream_tps_median": 150.0, "steady_tps": 150.0}, "later": None},
+               {"streams": 4, "first": {"per_stream_tps_median": 90.0, "steady_tps": 360.0}, "later": None},
+               {"streams": 16, "first": {"per_stream_tps_median": 40.0, "steady_tps": 640.0},
+                "later": {"per_stream_tps_median": 45.0, "steady_tps": 720.0}}]
+    engine = {"decode_tps": 200.0, "batch": 16, "batch_tps": 800.0}
+    llama = {"bench": {"decode_tok_s": 250.0}, "batched": {"rows": {1: {"tg_tok_s": 240.0}, 16: {"tg_tok_s": 500.0}}}}
+    serving.ratios(summary, engine, llama)
+    one, four, sixteen = summary
+    assert (one["first"]["x_engine"], one["first"]["x_llama"]) == (0.75, 0.6)  # tg, not batched B=1
+    assert (four["first"]["x_engine"], four["first"]["x_llama"]) == (None, None)  # no batch-4 figures
+    assert (sixteen["first"]["x_engine"], sixteen["first"]["x_llama"]) == (0.8, 1.28)
+    assert (sixteen["later"]["x_engine"], sixteen["later"]["x_llama"]) == (0.9, 1.44)
