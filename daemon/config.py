@@ -45,6 +45,12 @@ def _check_uids(spec: str) -> str | None:
     return f"{bad[0].strip()} is not a user id (at most {UID_MAX})" if bad else None
 
 
+def _check_kernel_cache(spec: str) -> str | None:
+    if spec in ("on", "off") or os.path.isabs(spec):
+        return None
+    return "expected on, off or an absolute directory"
+
+
 def allowed_uid_set(spec: str) -> frozenset[int]:
     """The user ids MOED_ALLOWED_UIDS names (empty: none besides the daemon's own user, whom the
     server always admits); ConfigError if the spec is not a comma-separated list of them."""
@@ -145,6 +151,10 @@ class Settings:
         "(jsonl or .jsonl.zst, as moed trace record writes; e.g. benchmarks/data/traces), mapped onto the "
         "model's layers and experts, instead of its router's top-k; the router still weighs them. The "
         "outputs are no longer the model's", path=True))
+    kernel_cache: str = field(default="on", metadata=_meta(
+        "MOED_KERNEL_CACHE", "compiled GPU kernels kept on disk, so a later load does not compile them: "
+        "on = $XDG_CACHE_HOME/moed/kernels (else ~/.cache/moed/kernels), off, or an absolute directory; "
+        "read from the environment once per process", path=True, daemon=True, check=_check_kernel_cache))
     # -- the daemon (moed serve) -------------------------------------------------------------------
     socket: str = field(default="", metadata=_meta(
         "MOED_SOCKET", "the daemon's unix socket (clients use it too); empty = $XDG_RUNTIME_DIR/moed.sock, "
@@ -206,6 +216,15 @@ class Settings:
             if value is not None:
                 values[name] = _coerce(known[name], value, source=name)
         return cls(**values)
+
+    @classmethod
+    def env_value(cls, name: str, env: Mapping[str, str] | None = None) -> Any:
+        """One setting from the environment alone (a process-wide switch read outside a load, where
+        another setting's bad value is not this reader's error)."""
+        env = os.environ if env is None else env
+        f = {f.name: f for f in fields(cls)}[name]
+        raw = env.get(f.metadata["env"])
+        return f.default if raw in (None, "") else _coerce(f, raw, source=f.metadata["env"])
 
     @classmethod
     def daemon_settings(cls) -> frozenset[str]:

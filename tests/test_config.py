@@ -46,7 +46,16 @@ def test_nul_in_a_string_setting_rejected():
 def test_daemon_and_path_settings_are_flagged():
     assert {"socket", "allowed_uids", "max_connections", "max_prompt_bytes"} <= Settings.daemon_settings()
     assert "n_ctx" not in Settings.daemon_settings()
-    assert Settings.path_settings() == {"expert_trace_output", "routing_replay"}
+    assert Settings.path_settings() == {"expert_trace_output", "routing_replay", "kernel_cache"}
+    assert "kernel_cache" in Settings.daemon_settings()  # process-wide: never one model's
+
+
+def test_env_value_reads_one_setting_alone():
+    env = {"MOED_KERNEL_CACHE": "off", "MOE_N_CTX": "lots"}  # another setting's bad value is not its error
+    assert Settings.env_value("kernel_cache", env) == "off"
+    assert Settings.env_value("kernel_cache", {}) == "on"
+    with pytest.raises(ConfigError, match="MOED_KERNEL_CACHE"):
+        Settings.env_value("kernel_cache", {"MOED_KERNEL_CACHE": "cache"})
 
 
 # -- issue 25: every number has a range; MOED_ALLOWED_UIDS and MOED_MAX_FRAME checked at start -----

@@ -13,15 +13,24 @@ kernel was compiled for) and calls cuda.core's `launch` with a LaunchConfig and 
 made once. The same kernel runs on the same bytes, so results are the same bits; a capture sees an
 ordinary cuLaunchKernel on the capturing stream.
 
+Resolving compiles, and compiling a prefill's kernels takes seconds, so what it yields (the cubin
+and its entry name) is also kept on disk (kernel_cache.py): a new process loads the cubin with
+cuda.core instead. The argument converters follow from the argument types alone. `COUNTS` says
+how many overloads were compiled and how many loaded.
+
 Under the simulator (no GPU), with stream 0, and while `FAST` is off (benchmarks compare the two)
-this is the dispatcher launch itself.
+this is the dispatcher launch itself, and nothing is cached.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 
+from . import kernel_cache
 from .ptx import SIMULATOR
+
+log = logging.getLogger(__name__)
 
 FAST = True  # False: every launch through numba's dispatcher (benchmarks/gpu_launch.py compares)
 
@@ -29,6 +38,7 @@ _SIGS: dict = {}  # (kernel, argument key) -> (cuda.core Kernel, converters)
 _CONFIGS: dict = {}  # (grid, block) -> cuda.core LaunchConfig (prefill grids vary: bounded)
 _MAX_CONFIGS = 4096
 _STREAMS: dict = {}  # stream handle -> cuda.core Stream (not owning: the backend owns its stream)
+COUNTS = {"compiled": 0, "cached": 0}  # fast-path overloads compiled here vs loaded from the disk cache
 
 
 def launch(kernel, grid, block, stream, *args) -> None:
@@ -77,11 +87,25 @@ def _c_contiguous(shape, strides, itemsize) -> bool:
 
 
 def _resolve(kernel, args):
-    """The overload the dispatcher would launch for these arguments, and how to pass each one."""
+    """The overload the dispatcher would launch for these arguments, and how to pass each one:
+    from the disk cache when it holds this (kernel, argument types, device), else compiled (and
+    stored)."""
+    argtypes = tuple(kernel.typeof_pyval(a) for a in args)
+    converters = _converters(argtypes)
+    cached = _disk.load(kernel, argtypes)
+    if cached is not None:
+        COUNTS["cached"] += 1
+        return cached, converters
+    overload = kernel.compile(argtypes)
+    COUNTS["compiled"] += 1
+    _disk.store(kernel, argtypes, overload)
+    return overload._codelibrary.get_cufunc().kernel, converters  # noqa: SLF001
+
+
+def _converters(argtypes) -> tuple:
+    """Per argument: None for an array (flattened in launch), else the C type of the scalar."""
     from numba.cuda import types
 
-    argtypes = tuple(kernel.typeof_pyval(a) for a in args)
-    overload = kernel.compile(argtypes)
     converters = []
     for ty in argtypes:
         if isinstance(ty, types.Array):
@@ -96,7 +120,73 @@ def _resolve(kernel, args):
             converters.append(ctypes.c_double)
         else:
             raise TypeError(f"launch: no fast path for a {ty} argument (use the dispatcher)")
-    return overload._codelibrary.get_cufunc().kernel, tuple(converters)  # noqa: SLF001
+    return tuple(converters)
+
+
+class _DiskCache:
+    """kernel_cache.py's entries for the fast path: cubins loaded with cuda.core, never raising."""
+
+    def __init__(self):
+        self.dir = None  # resolved on first use: MOED_KERNEL_CACHE, or False when off/unusable
+        self.fingerprints: dict = {}  # kernel -> fingerprint, or None (uncacheable)
+        self.context = None  # (compute capability, toolchain, source digest), once per process
+        self.modules: list = []  # cuda.core ObjectCodes loaded here, kept alive with their kernels
+
+    def _key(self, kernel, argtypes):
+        if self.dir is None:
+            try:
+                self.dir = kernel_cache.cache_dir() or False
+            except Exception as e:  # noqa: BLE001  (a bad MOED_KERNEL_CACHE: no cache, not a failed launch)
+                log.warning("kernel cache off: %s", e)
+                self.dir = False
+        if not self.dir:
+            return None
+        if kernel not in self.fingerprints:
+            try:
+                self.fingerprints[kernel] = kernel_cache.fingerprint(kernel)
+            except Exception as e:  # noqa: BLE001  (Uncacheable, or a shape fingerprint() does not know)
+                log.debug("kernel cache: %s not cached: %s", getattr(kernel, "__name__", kernel), e)
+                self.fingerprints[kernel] = None
+        fp = self.fingerprints[kernel]
+        if fp is None:
+            return None
+        if self.context is None:
+            from numba import cuda
+
+            self.context = (cuda.get_current_device().compute_capability, kernel_cache.toolchain(),
+                            kernel_cache.source_digest())
+        cc, tools, sources = self.context
+        return kernel_cache.entry_key(fp, argtypes, cc, tools, sources)
+
+    def load(self, kernel, argtypes):
+        """The cuda.core Kernel from a cached cubin, or None."""
+        try:
+            key = self._key(kernel, argtypes)
+            entry = key and kernel_cache.read(self.dir, key)
+            if not entry:
+                return None
+            code = _core.ObjectCode.from_cubin(entry.cubin)
+            core_kernel = code.get_kernel(entry.entry_name)
+        except Exception as e:  # noqa: BLE001  (a bad entry is a miss)
+            log.debug("kernel cache: loading failed (%s); compiling", e)
+            return None
+        self.modules.append(code)
+        return core_kernel
+
+    def store(self, kernel, argtypes, overload) -> None:
+        try:
+            key = self._key(kernel, argtypes)
+            lib = overload._codelibrary  # noqa: SLF001
+            if (key is None or lib._setup_functions or lib._linking_files or lib.use_cooperative  # noqa: SLF001
+                    or any(hasattr(o, "__cuda_array_interface__") for o in lib.referenced_objects.values())):
+                return  # set-up at load (NRT, linked files) or a captured device array: numba's only
+            code = lib.get_cubin()
+            kernel_cache.write(self.dir, key, lib._entry_name, code.code)  # noqa: SLF001
+        except Exception as e:  # noqa: BLE001  (not cached: the kernel still runs)
+            log.debug("kernel cache: storing failed (%s)", e)
+
+
+_disk = _DiskCache()
 
 
 def _config(grid, block):
@@ -128,11 +218,11 @@ class _Core:
     def __getattr__(self, name):
         import cuda.core as core
 
-        for n in ("launch", "LaunchConfig", "Stream"):
+        for n in ("launch", "LaunchConfig", "Stream", "ObjectCode"):
             setattr(self, n, getattr(core, n))
         return getattr(core, name)
 
 
 _core = _Core()
 
-__all__ = ["launch", "FAST", "forget_stream"]
+__all__ = ["launch", "COUNTS", "FAST", "forget_stream"]
