@@ -50,6 +50,9 @@ from .launch import launch
 from .ptx import SIMULATOR, bits_to_f32, device
 
 MAX_THREADS = 1024  # also the most candidates the sorted path holds
+CHUNK = 2048  # logits a phase-1 block reads (default)
+CHUNK_MAX = 2048  # its shared arrays
+CAND_MAX = 16384  # phase-1 candidates a row keeps (C * min(k, chunk)); past it, the one-block path
 _INT_MAX = 2**31 - 1
 _FLT_MAX = float(np.finfo(np.float32).max)
 _EXP_FLOOR = -745.2  # exp() of anything below is 0 in float64
@@ -75,6 +78,11 @@ if not SIMULATOR:
 else:
     def f32_bits(x):
         return np.float32(x).view(np.uint32)
+
+
+# 1024 threads a block fit only at <= 64 registers a thread: launch_bounds makes the compiler keep
+# to that (the simulator's jit takes no such option)
+_kernel = cuda.jit if SIMULATOR else cuda.jit(launch_bounds=MAX_THREADS)
 
 
 # ---- device helpers -----------------------------------------------------------------------
@@ -140,12 +148,13 @@ def _scan(v, buf, tid, nt):
 
 
 @device
-def _radix(logits, row, V, tid, nt, need, thr, rem, mx, scale, hist, misc):
+def _radix(logits, row, V, tid, nt, need, thr, rem, mx, scale, hist, sh_i, misc):
     """The key t at which the running weight of the descending order reaches `need`, and the
     weight `above` of the keys > t (so above < need <= above + weight of t's elements).
     scale == 0: every element weighs 1 (t is the need-th largest key). Else an element weighs
     _fixed(l, mx, scale), and only keys > thr count, plus rem elements of key thr (a top-k bound:
-    its lowest-indexed ties). Four passes of 8 bits over shared int64 histograms hist [256]."""
+    its lowest-indexed ties). Four passes of 8 bits over shared int64 histograms hist [256];
+    sh_i [>= nt]: scan space."""
     prefix = np.int64(0)
     above = np.int64(0)
     for p in range(4):
@@ -163,18 +172,41 @@ def _radix(logits, row, V, tid, nt, need, thr, rem, mx, scale, hist, misc):
             w = np.int64(1) if scale == 0 else _fixed(_unkey(thr), mx, scale)
             cuda.atomic.add(hist, (thr >> shift) & 255, rem * w)
         cuda.syncthreads()
-        if tid == 0:
-            b = 255
-            while b > 0 and above + hist[b] < need:
-                above += hist[b]
-                b -= 1
-            misc[0] = prefix | (np.int64(b) << shift)
-            misc[1] = above
-        cuda.syncthreads()
-        prefix = misc[0]
-        above = misc[1]
+        b, above = _find_bin(hist, need, above, tid, nt, sh_i, misc)
+        prefix = prefix | (b << shift)
     cuda.syncthreads()
     return prefix, above
+
+
+@device
+def _find_bin(hist, need, above, tid, nt, sh_i, misc):
+    """The highest bin b of hist [256] at which above + the sum of hist[255..b] reaches need
+    (bin 0 if none does) and -> (b, above + the sum of hist[255..b+1]). Each thread sums a
+    contiguous run of bins (descending) and a block scan finds the run that crosses; only
+    that thread walks its bins. Every thread must call it."""
+    per = (256 + nt - 1) // nt
+    top = 255 - tid * per  # this thread's bins: top down to bottom
+    bottom = max(top - per + 1, 0)
+    s = np.int64(0)
+    for b in range(bottom, top + 1):
+        s += hist[b]
+    excl, incl, total = _scan(s, sh_i, tid, nt)
+    if top >= 0 and above + excl < need and need <= above + incl:
+        a = above + excl
+        b = top
+        while b > bottom and a + hist[b] < need:
+            a += hist[b]
+            b -= 1
+        misc[0] = b
+        misc[1] = a
+    if tid == 0 and above + total < need:  # no bin reaches need: bin 0, as a walk from 255 ends
+        misc[0] = 0
+        misc[1] = above + total - hist[0]
+    cuda.syncthreads()
+    b = misc[0]
+    a = misc[1]
+    cuda.syncthreads()
+    return b, a
 
 
 @device
@@ -183,10 +215,258 @@ def _before(ka, ia, kb, ib):
     return ka > kb or (ka == kb and ia < ib)
 
 
-# ---- the kernel ---------------------------------------------------------------------------
+@device
+def _bitonic(sh_k, sh_x, P, tid, nt):
+    """Sorts P (a power of 2) shared (key, index) pairs into (key desc, index asc); a thread
+    takes pairs q = tid, tid + nt, ... of each stage. Every thread must call it."""
+    size = 2
+    while size <= P:
+        stride = size // 2
+        while stride > 0:
+            for q in range(tid, P // 2, nt):
+                i = ((q & ~(stride - 1)) << 1) | (q & (stride - 1))  # pair (i, i + stride)
+                p = i + stride
+                ka, ia, kb, ib = np.int64(sh_k[i]), sh_x[i], np.int64(sh_k[p]), sh_x[p]
+                if (i & size) == 0:
+                    swap = _before(kb, ib, ka, ia)
+                else:
+                    swap = _before(ka, ia, kb, ib)
+                if swap:
+                    sh_k[i], sh_k[p] = sh_k[p], sh_k[i]
+                    sh_x[i], sh_x[p] = sh_x[p], sh_x[i]
+            cuda.syncthreads()
+            stride //= 2
+        size *= 2
 
-@cuda.jit
-def _sample_rows(logits, slots, params, rng, ring, ringpos, scratch, tokens, flags, sort_max, scale):
+
+@device
+def _block_best(k, i, sh_k, sh_x, tid, nt):
+    """(key, index) of the block's best pair (key desc, index asc), in every thread; sh_k, sh_x
+    [>= nt]. Every thread must call it."""
+    sh_k[tid] = np.uint32(k)
+    sh_x[tid] = i
+    cuda.syncthreads()
+    s = nt // 2
+    while s > 0:
+        if tid < s:
+            ok = np.int64(sh_k[tid + s])
+            oi = sh_x[tid + s]
+            if _before(ok, oi, np.int64(sh_k[tid]), sh_x[tid]):
+                sh_k[tid] = np.uint32(ok)
+                sh_x[tid] = oi
+        cuda.syncthreads()
+        s //= 2
+    k = np.int64(sh_k[0])
+    i = sh_x[0]
+    cuda.syncthreads()
+    return k, i
+
+
+# ---- the kernels: phase 1 (many blocks a row), phase 2 (one block a row) ---------------------
+
+@device
+def _multi_chunk(topk, V, sort_max, chunk, C, cap):
+    """Whether a row's top-k goes through the phase-1 candidates (C * min(k, chunk) of them fit
+    the scratch) rather than the one-block path over the whole row."""
+    return topk > 0 and topk < V and topk <= sort_max and C * min(topk, chunk) <= cap
+
+
+@_kernel
+def _chunks(logits, slots, params, ring, ringpos, scratch, best, bad, cand_v, cand_i, chunk, sort_max):
+    """Phase 1, block (c, row) on logits [row, c*chunk : (c+1)*chunk): the repeat penalty of the
+    ring tokens in that range (in place), the non-finite flag -> bad[slot, c], the first index
+    of the maximum -> best[slot, c], and, for a top-k row (_multi_chunk), the chunk's first
+    m = min(k, chunk) of the order (key desc, index asc) -> cand_v/cand_i[slot, c*m : (c+1)*m]
+    (values as the float32 of their key, -inf / -1 past the chunk's end).
+    best, bad: int32 [N, C]; cand_v: f32 [N, cap]; cand_i: int32 [N, cap]. Grid (C, S)."""
+    c = cuda.blockIdx.x
+    row = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    C = cuda.gridDim.x
+    V = logits.shape[1]
+    slot = slots[row]
+    sh_k = cuda.shared.array(CHUNK_MAX, np.uint32)
+    sh_x = cuda.shared.array(CHUNK_MAX, np.int32)
+    rk = cuda.shared.array(MAX_THREADS, np.uint32)  # the block's best (sh_k/sh_x hold the chunk)
+    ri = cuda.shared.array(MAX_THREADS, np.int32)
+    if slot < 0:
+        return
+    lo = c * chunk
+    hi = min(lo + chunk, V)
+    n = hi - lo
+
+    # repeat penalty of the ring tokens in [lo, hi): every entry reads the unmodified logit,
+    # barrier, writes (duplicates write the same value); non-finite values are left for the flag
+    wn = np.int32(params[slot, P_WINDOW])
+    filled = ringpos[slot, 1]
+    if wn > 0 and filled > 0:
+        pen = params[slot, P_PENALTY]
+        for j in range(tid, filled, nt):
+            t = ring[slot, j]
+            if t >= lo and t < hi:
+                x = logits[row, t]
+                v = np.float64(x)
+                r = v
+                if v > 0:
+                    r = _FLT_MAX if pen == 0 else v / pen
+                elif v < 0:
+                    r = v * pen
+                if math.isnan(x) or math.isinf(x):
+                    scratch[slot, j] = x
+                else:
+                    scratch[slot, j] = np.float32(min(max(r, -_FLT_MAX), _FLT_MAX))
+        cuda.syncthreads()
+        for j in range(tid, filled, nt):
+            t = ring[slot, j]
+            if t >= lo and t < hi:
+                logits[row, t] = scratch[slot, j]
+        cuda.syncthreads()
+
+    P = 1
+    while P < n:
+        P *= 2
+    flag = 0
+    bk = np.int64(0)
+    bi = _INT_MAX
+    for i in range(tid, P, nt):  # coalesced; padding keys 0 sort last
+        kk = np.int64(0)
+        if i < n:
+            x = logits[row, lo + i]
+            if math.isnan(x) or math.isinf(x):
+                flag = 1
+            else:
+                kk = _key(x)
+            if kk > bk:  # a thread's indices rise: the first of equal keys stays
+                bk = kk
+                bi = lo + i
+        sh_k[i] = np.uint32(kk)
+        sh_x[i] = lo + i if i < n else _INT_MAX
+    if cuda.syncthreads_or(flag):
+        if tid == 0:
+            bad[slot, c] = 1
+        return
+    bk, bi = _block_best(bk, bi, rk, ri, tid, nt)
+    if tid == 0:
+        bad[slot, c] = 0
+        best[slot, c] = bi
+
+    topk = np.int64(params[slot, P_TOPK])
+    if params[slot, P_TEMP] > 0 and _multi_chunk(topk, V, sort_max, chunk, C, cand_v.shape[1]):
+        m = min(topk, chunk)
+        _bitonic(sh_k, sh_x, P, tid, nt)
+        for j in range(tid, m, nt):
+            if j < n:
+                cand_v[slot, c * m + j] = _unkey(np.int64(sh_k[j]))
+                cand_i[slot, c * m + j] = sh_x[j]
+            else:
+                cand_v[slot, c * m + j] = -np.inf
+                cand_i[slot, c * m + j] = -1
+
+
+@_kernel
+def _finish(logits, slots, params, rng, ring, ringpos, best, bad, cand_v, cand_i, tokens, flags, chunk,
+            sort_max, scale):
+    """Phase 2, one block a row, after _chunks: the flag, the maximum (greedy), else the
+    candidates (phase 1's for a top-k row, else the one-block paths over the penalized row),
+    top-p, min-p, temperature and the draw; the token into tokens[row] and the slot's ring.
+    Grid S, block T."""
+    row = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    V = logits.shape[1]
+    C = best.shape[1]
+    slot = slots[row]
+    sh_i = cuda.shared.array(MAX_THREADS, np.int64)  # int scans
+    sh_f = cuda.shared.array(MAX_THREADS, np.float64)  # float scans; candidate masses
+    sh_k = cuda.shared.array(MAX_THREADS, np.uint32)  # sorted candidates: keys
+    sh_x = cuda.shared.array(MAX_THREADS, np.int32)  # sorted candidates: indices
+    hist = cuda.shared.array(256, np.int64)
+    misc = cuda.shared.array(4, np.int64)
+    u_sh = cuda.shared.array(1, np.float64)
+    if slot < 0:  # the whole block leaves: no barrier is skipped by some threads only
+        if tid == 0:
+            tokens[row] = 0
+            flags[row] = 0
+        return
+
+    flag = 0
+    bk = np.int64(0)
+    bi = _INT_MAX
+    for c in range(tid, C, nt):
+        if bad[slot, c] != 0:
+            flag = 1
+        else:
+            i = best[slot, c]
+            kk = _key(logits[row, i])
+            if kk > bk:  # chunks rise with c: the first of equal keys stays
+                bk = kk
+                bi = i
+    if cuda.syncthreads_or(flag):
+        if tid == 0:
+            tokens[row] = 0
+            flags[row] = 1
+        return
+    bk, token = _block_best(bk, bi, sh_k, sh_x, tid, nt)
+    token = np.int64(token)
+    mx = np.float64(logits[row, token])
+
+    temp = params[slot, P_TEMP]
+    if temp > 0:
+        topk = np.int64(params[slot, P_TOPK])
+        topp = params[slot, P_TOPP]
+        minp = params[slot, P_MINP]
+        if tid == 0:
+            u_sh[0] = xoroshiro128p_uniform_float64(rng, slot)
+            misc[2] = -1  # the drawn token
+            misc[3] = 0  # candidates gathered / the cut
+        cuda.syncthreads()
+        u = u_sh[0]
+        if _multi_chunk(topk, V, sort_max, chunk, C, cand_v.shape[1]):
+            # phase 1's candidates in chunk order: equal keys lie in index order, so positions
+            # order ties as indices do, and the one-block sorted path runs on them unchanged
+            nc = C * min(topk, chunk)
+            thr, above = _radix(cand_v, slot, nc, tid, nt, topk, np.int64(0), np.int64(0), mx, 0.0,
+                                hist, sh_i, misc)
+            cc = (nc + nt - 1) // nt
+            lo = min(tid * cc, nc)
+            hi = min(lo + cc, nc)
+            pos = _sorted_path(cand_v, slot, tid, nt, lo, hi, thr, topk - above, topk, topp, minp, temp,
+                               u, sh_i, sh_f, sh_k, sh_x, misc)
+            token = np.int64(cand_i[slot, pos])
+        else:
+            thr = np.int64(0)  # no top-k bound: every key (> 0) is a candidate
+            rem = np.int64(0)
+            if topk > 0 and topk < V:
+                thr, above = _radix(logits, row, V, tid, nt, topk, np.int64(0), np.int64(0), mx, 0.0,
+                                    hist, sh_i, misc)
+                rem = topk - above  # ties of key thr to take, lowest index first
+            cw = (V + nt - 1) // nt  # contiguous index ranges, for scans in index order
+            lo = min(tid * cw, V)
+            hi = min(lo + cw, V)
+            if topk > 0 and topk < V and topk <= sort_max:
+                token = _sorted_path(logits, row, tid, nt, lo, hi, thr, rem, topk, topp, minp, temp, u,
+                                     sh_i, sh_f, sh_k, sh_x, misc)
+            else:
+                token = _unsorted_path(logits, row, tid, nt, V, lo, hi, thr, rem, mx, topp, minp, temp, u,
+                                       scale, sh_i, sh_f, hist, misc)
+
+    if tid == 0:
+        tokens[row] = token
+        flags[row] = 0
+        wn = np.int32(params[slot, P_WINDOW])
+        if wn > 0:
+            filled = ringpos[slot, 1]
+            pos = ringpos[slot, 0]
+            ring[slot, pos] = token
+            ringpos[slot, 0] = (pos + 1) % wn
+            ringpos[slot, 1] = min(filled + 1, wn)
+
+
+# ---- the one-block kernel (before phase 1 and 2; benchmarks compare) -------------------------
+
+@_kernel
+def _sample_rows_single(logits, slots, params, rng, ring, ringpos, scratch, tokens, flags, sort_max, scale):
     """logits: f32 [S, V] (overwritten); slots: int32 [S] (< 0: a padding row, left alone);
     params: f64 [N, 8]; rng: xoroshiro128p [N]; ring: int32 [N, W]; ringpos: int32 [N, 2] (next
     write, filled); scratch: f32 [N, W]; tokens, flags: int32 [>= S]. Grid S, block T."""
@@ -281,7 +561,7 @@ def _sample_rows(logits, slots, params, rng, ring, ringpos, scratch, tokens, fla
         thr = np.int64(0)  # no top-k bound: every key (> 0) is a candidate
         rem = np.int64(0)
         if topk > 0 and topk < V:
-            thr, above = _radix(logits, row, V, tid, nt, topk, np.int64(0), np.int64(0), mx, 0.0, hist, misc)
+            thr, above = _radix(logits, row, V, tid, nt, topk, np.int64(0), np.int64(0), mx, 0.0, hist, sh_i, misc)
             rem = topk - above  # ties of key thr to take, lowest index first
         chunk = (V + nt - 1) // nt  # contiguous index ranges, for scans in index order
         lo = min(tid * chunk, V)
@@ -336,24 +616,7 @@ def _sorted_path(logits, row, tid, nt, lo, hi, thr, rem, k, topp, minp, temp, u,
         sh_k[i] = 0
         sh_x[i] = _INT_MAX
     cuda.syncthreads()
-    size = 2  # bitonic sort of P entries into (key desc, index asc)
-    while size <= P:
-        stride = size // 2
-        while stride > 0:
-            for i in range(tid, P, nt):
-                p = i ^ stride
-                if p > i:
-                    ka, ia, kb, ib = np.int64(sh_k[i]), sh_x[i], np.int64(sh_k[p]), sh_x[p]
-                    if (i & size) == 0:
-                        swap = _before(kb, ib, ka, ia)
-                    else:
-                        swap = _before(ka, ia, kb, ib)
-                    if swap:
-                        sh_k[i], sh_k[p] = sh_k[p], sh_k[i]
-                        sh_x[i], sh_x[p] = sh_x[p], sh_x[i]
-            cuda.syncthreads()
-            stride //= 2
-        size *= 2
+    _bitonic(sh_k, sh_x, P, tid, nt)
 
     # probabilities at temperature 1 over the k candidates (unnormalized: exp(cand - cand0))
     c0 = np.float64(logits[row, sh_x[0]])
@@ -429,7 +692,7 @@ def _unsorted_path(logits, row, tid, nt, V, lo, hi, thr, rem, mx, topp, minp, te
         if np.float64(need) < want:
             need += 1
         need = max(np.int64(1), min(need, total))
-        t, above = _radix(logits, row, V, tid, nt, need, thr, rem, mx, scale, hist, misc)
+        t, above = _radix(logits, row, V, tid, nt, need, thr, rem, mx, scale, hist, sh_i, misc)
         e = max(np.int64(1), _fixed(_unkey(t), mx, scale))  # > 0: t's bin held mass
         j = (need - above + e - 1) // e
     base0 = _tie_base(logits, row, tid, nt, lo, hi, t, sh_i)
@@ -544,6 +807,24 @@ class SamplerSlots:
         self.ring = cuda.to_device(ring)
         self.ringpos = cuda.to_device(ringpos)
         self.scratch = cuda.device_array((n, w), np.float32)
+        self._chunk_key = None  # phase 1's scratch, made again at the next launch (N changed)
+
+    def chunk_scratch(self, V: int, chunk: int, sort_max: int):
+        """Phase 1's outputs, by slot: (best, bad int32 [N, C], cand_v f32 [N, cap], cand_i int32
+        [N, cap]), C = ceil(V / chunk), cap = min(C * min(sort_max, chunk), CAND_MAX). Made on
+        the first launch and kept; another V, chunk or sort_max makes them again and bumps
+        `generation` (a graph holding the old ones must be captured again)."""
+        n = self.capacity
+        C = -(-V // chunk)
+        cap = max(1, min(C * min(sort_max, chunk), CAND_MAX))
+        key = (n, C, cap)
+        if self._chunk_key != key:
+            if self._chunk_key is not None and self._chunk_key[0] == n:
+                self.generation += 1  # (growing N already bumped it)
+            self._chunk_key = key
+            self._chunk = (cuda.device_array((n, C), np.int32), cuda.device_array((n, C), np.int32),
+                           cuda.device_array((n, cap), np.float32), cuda.device_array((n, cap), np.int32))
+        return self._chunk
 
     def assign(self, options, history: list[int], max_history: int, stream=0) -> int:
         """A slot for a sequence with these options (ipc.protocol.SamplingOptions), whose history
@@ -589,12 +870,47 @@ class SamplerSlots:
 
 
 def sample_rows(logits, slots, pool: SamplerSlots, tokens_out, flags_out, stream=0,
-                threads: int = 256, sort_max: int = MAX_THREADS) -> None:
+                threads: int = MAX_THREADS, sort_max: int = MAX_THREADS, chunk: int = CHUNK) -> None:
     """Samples row r of logits (device f32 [S, V], overwritten) for slot slots[r] (device int32
     [S]; < 0: a padding row, token 0, no state touched; a slot at most once a launch) into
     tokens_out[r] and flags_out[r] (device int32 [>= S]; flag 1: non-finite logits, token 0).
-    One launch, no allocation, no host sync: capturable. threads: per block, a power of 2 in
-    32..1024; sort_max: the largest top_k sorted in shared memory (<= 1024)."""
+    Two launches (phase 1: grid (ceil(V / chunk), S); phase 2: grid S), no host sync, and no
+    allocation after the first launch of a pool at this V: capturable. threads: per block, a
+    power of 2 in 1..1024 (phase 1 uses at most chunk / 2); sort_max: the largest top_k sorted
+    in shared memory (<= 1024); chunk: logits per phase-1 block, a power of 2 in 2..2048."""
+    S, V = logits.shape
+    _check(logits, slots, tokens_out, flags_out, threads, sort_max)
+    if chunk < 2 or chunk > CHUNK_MAX or chunk & (chunk - 1):
+        raise ValueError(f"sample_rows: chunk {chunk} (a power of 2 in 2..{CHUNK_MAX})")
+    if S == 0:
+        return
+    best, bad, cand_v, cand_i = pool.chunk_scratch(V, chunk, sort_max)
+    P = 1
+    while P < min(chunk, V):
+        P *= 2
+    launch(_chunks, (best.shape[1], S), max(1, min(threads, P // 2)), stream, logits, slots, pool.params,
+           pool.ring, pool.ringpos, pool.scratch, best, bad, cand_v, cand_i, chunk, sort_max)
+    launch(_finish, S, threads, stream, logits, slots, pool.params, pool.rng, pool.ring, pool.ringpos,
+           best, bad, cand_v, cand_i, tokens_out, flags_out, chunk, sort_max, _scale(V))
+
+
+def sample_rows_single(logits, slots, pool: SamplerSlots, tokens_out, flags_out, stream=0,
+                       threads: int = 256, sort_max: int = MAX_THREADS) -> None:
+    """sample_rows with the one-block kernel (one launch, grid S; the kernel before phase 1 and
+    2, kept for benchmarks/gpu_sample.py to compare). The same tokens."""
+    S, V = logits.shape
+    _check(logits, slots, tokens_out, flags_out, threads, sort_max)
+    if S == 0:
+        return
+    launch(_sample_rows_single, S, threads, stream, logits, slots, pool.params, pool.rng, pool.ring,
+           pool.ringpos, pool.scratch, tokens_out, flags_out, sort_max, _scale(V))
+
+
+def _scale(V: int) -> float:
+    return float(2.0 ** (62 - int(V).bit_length()))  # V masses <= 1 sum below 2**63
+
+
+def _check(logits, slots, tokens_out, flags_out, threads, sort_max) -> None:
     S, V = logits.shape
     if logits.dtype != np.float32 or slots.shape != (S,) or slots.dtype != np.int32:
         raise ValueError(f"sample_rows: logits {logits.shape} {logits.dtype}, slots {slots.shape} {slots.dtype}")
@@ -602,22 +918,21 @@ def sample_rows(logits, slots, pool: SamplerSlots, tokens_out, flags_out, stream
         raise ValueError("sample_rows: tokens_out and flags_out must be int32 [>= S]")
     if threads < 1 or threads > MAX_THREADS or threads & (threads - 1) or not 0 <= sort_max <= MAX_THREADS:
         raise ValueError(f"sample_rows: threads {threads} (a power of 2 in 1..1024), sort_max {sort_max}")
-    if S == 0:
-        return
-    scale = float(2.0 ** (62 - int(V).bit_length()))  # V masses <= 1 sum below 2**63
-    launch(_sample_rows, S, threads, stream, logits, slots, pool.params, pool.rng, pool.ring,
-           pool.ringpos, pool.scratch, tokens_out, flags_out, sort_max, scale)
 
 
 def sample(logits, slots, pool: SamplerSlots, stream=0, threads: int = 256,
-           sort_max: int = MAX_THREADS) -> tuple[np.ndarray, np.ndarray]:
-    """sample_rows with fresh outputs, synchronized: -> (tokens, flags), host int32 [S].
-    logits: host or device f32 [S, V] (a device array is overwritten); slots: host ints."""
+           sort_max: int = MAX_THREADS, chunk: int = CHUNK, single: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """sample_rows (or sample_rows_single) with fresh outputs, synchronized: -> (tokens, flags),
+    host int32 [S]. logits: host or device f32 [S, V] (a device array is overwritten); slots:
+    host ints."""
     if not hasattr(logits, "copy_to_host"):  # a host array
         logits = cuda.to_device(np.ascontiguousarray(logits, np.float32), stream=stream)
     S = logits.shape[0]
     slots_d = cuda.to_device(np.asarray(slots, np.int32).reshape(S), stream=stream)
     tokens = cuda.device_array(S, np.int32, stream=stream)
     flags = cuda.device_array(S, np.int32, stream=stream)
-    sample_rows(logits, slots_d, pool, tokens, flags, stream, threads, sort_max)
+    if single:
+        sample_rows_single(logits, slots_d, pool, tokens, flags, stream, threads, sort_max)
+    else:
+        sample_rows(logits, slots_d, pool, tokens, flags, stream, threads, sort_max, chunk)
     return tokens.copy_to_host(stream=stream), flags.copy_to_host(stream=stream)
