@@ -233,6 +233,7 @@ class Batcher:
     def _decoder(self):
         if self._decoder_ is None:
             self._decoder_ = decoder_for(self.engine.model, self.max_batch)
+            self._text.inline = not self._decoder_.overlapping  # no step runs beside the text work
         return self._decoder_
 
     def _start(self, seqs: list[Sequence]) -> None:
@@ -378,8 +379,8 @@ class Batcher:
                 event = s.accept(int(tokens[b]))
                 if event is not None:
                     events.append(event)
+        self._retire()  # before their Done goes out: a finished request is out of the batch
         self._text.put(step.number, events)
-        self._retire()
 
     def _retire(self) -> None:
         """Sequences that will not go on leave the batch once no launched step has their row:

@@ -6,6 +6,9 @@ step, in step order, on a thread of its own beside the compute thread.
     wait_upto(step)    (before a launch:     handed to the event loop in one call
                         stops seen)
 
+Where nothing runs beside the compute thread (the CPU, whose step is computed in that thread)
+`inline` makes put() do the work at once instead: a hand-over would only add its cost.
+
 Batches are tagged with the number of the decode step whose tokens they hold (prefills: the last
 step launched), so tags never decrease; wait_upto(n) returns once every batch tagged <= n is done.
 """
@@ -30,13 +33,20 @@ class TextThread:
         self._thread = threading.Thread(target=self._run, name=f"moed-text:{name}", daemon=True)
         self._thread.start()
 
+    inline = False  # the text work runs in put()'s caller: where no step runs beside it (the CPU)
+
     def put(self, tag: int, events: list) -> None:
         """events: Sequence.text events (None entries are skipped)."""
         events = [e for e in events if e is not None]
-        if events:
-            with self._cv:
-                self._queue.append((tag, events))
-                self._cv.notify_all()
+        if not events:
+            return
+        if self.inline:
+            self.wait_upto(tag)  # what was queued before goes out first
+            self._work(events)
+            return
+        with self._cv:
+            self._queue.append((tag, events))
+            self._cv.notify_all()
 
     def wait_upto(self, tag: int) -> None:
         """Until every batch tagged <= tag is done."""
@@ -61,18 +71,21 @@ class TextThread:
                     return
                 tag, events = self._queue.popleft()
                 self._busy = tag
-            out = []
-            for event in events:
-                seq = event[0]
-                try:
-                    replies = seq.text(event)
-                except Exception as e:  # noqa: BLE001 - a bug in the text work: this sequence fails
-                    log.error("request %s: its text failed", seq.id, exc_info=e)
-                    replies = seq.fail_with(e)
-                if replies:
-                    out.append((seq, replies))
-            if out:
-                self._post(out)
+            self._work(events)
             with self._cv:
                 self._busy = None
                 self._cv.notify_all()
+
+    def _work(self, events: list) -> None:
+        out = []
+        for event in events:
+            seq = event[0]
+            try:
+                replies = seq.text(event)
+            except Exception as e:  # noqa: BLE001 - a bug in the text work: this sequence fails
+                log.error("request %s: its text failed", seq.id, exc_info=e)
+                replies = seq.fail_with(e)
+            if replies:
+                out.append((seq, replies))
+        if out:
+            self._post(out)
