@@ -88,8 +88,9 @@ LOAD_STEPS = 4  # Engine.load's progress messages: reading, experts, model, toke
 def load_engine(factory: Callable[..., Any], path: str, settings: Mapping[str, Any], report: Report,
                 warm: bool = True, compile_notice: float = COMPILE_NOTICE_S):
     """factory(path, progress=..., **settings) with its steps reported as ("load", %, message);
-    then, if warm, one token through the model so numba compiles the kernels now rather than in
-    the first request, reported as ("compile", None, COMPILING) when that is slow (a fresh machine)."""
+    then, if warm, one token through the model (and on a GPU the prefills of warm_prefill) so
+    numba compiles the kernels now rather than in the first request, reported as ("compile", None,
+    COMPILING) when that is slow (a fresh machine)."""
     steps = Progress("load", LOAD_STEPS, report=report)
     engine = factory(path, progress=steps, **settings)  # a step per message, and its part(fraction, note)
     steps.close()
@@ -97,11 +98,30 @@ def load_engine(factory: Callable[..., Any], path: str, settings: Mapping[str, A
         try:
             with reported_if_slow(report, "compile", COMPILING, compile_notice):
                 engine.forward(engine.tokenize("warm", add_special=False) or [0])
+                warm_prefill(engine)
             engine.reset_stats()
         except BaseException:
             engine.close()
             raise
     return engine
+
+
+WARM_PREFILL = 64  # prompt tokens of the load's prefill warm-up: past mmvq.MAX_COLS (16) rows, the tiled path
+
+
+def warm_prefill(engine) -> None:
+    """On a GPU: a WARM_PREFILL-token prompt alone, then with a shorter one in one forward_many, so
+    the kernels a first long request (and a first batched prefill) needs compile during the load,
+    or load from the kernel cache (daemon/kernels/cuda/kernel_cache.py): a first 64-token request
+    after load had waited 6.3 s for them. Their caches are dropped. Not on the CPU, where it
+    added ~0.5 s of CPU time to tests/scheduler/test_scheduler.py's loads (7.3 -> 7.9 s user)."""
+    model = getattr(engine, "model", None)
+    if not str(getattr(getattr(model, "backend", None), "name", "")).startswith("cuda"):
+        return
+    n = max(1, min(WARM_PREFILL, getattr(engine, "n_ctx", WARM_PREFILL)))
+    ids = [i % model.hp.n_vocab for i in range(n)]
+    for prompts in ([ids], [ids, ids[: max(1, n // 3)]]):
+        model.forward_many(prompts, [model.new_cache(len(p)) for p in prompts])
 
 
 def resolve_path(name: str) -> str:
