@@ -121,9 +121,12 @@ class DeviceDecoder:
         self.backend = model.backend
         self.slots = model.backend.sampler_slots()
         self.max_batch = max_batch
-        # steps padded to few sizes (padded_size), each a captured graph; not where the host
-        # reads the routing (the expert cache would count the copies)
-        self.pad = model.paddable and model.device_fed
+
+    @property
+    def pad(self) -> bool:
+        """Steps padded to few sizes (padded_size), each a captured graph; not where the host
+        reads the routing or the tokens (the expert cache or a trace would count the copies)."""
+        return self.model.paddable and self.model.device_fed
 
     def attach(self, seq) -> None:
         seq.slot = self.slots.assign(seq.options, seq.history, seq.n_ctx, stream=self.backend.stream)
@@ -139,7 +142,7 @@ class DeviceDecoder:
         each shape runs once eagerly and is then captured. The KV pool first makes room for
         max_batch sequences (a pool that grows later would make every graph stale). -> graphs made."""
         cells = tuple(c for c in cells if c < n_ctx)
-        if not (cells and self.pad and self.model.device_fed and getattr(self.backend, "use_graphs", False)):
+        if not (cells and self.pad and getattr(self.backend, "use_graphs", False)):
             return 0
         caches = [self.model.new_cache(max(cells) + 1) for _ in range(self.max_batch)]
         scratch = caches[0]
