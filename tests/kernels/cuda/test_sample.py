@@ -122,11 +122,12 @@ def _chi2_ok(tokens, expected, alpha_z=3.29):
     return True
 
 
-def _draws(logits, o, n, threads=4, sort_max=1024, seed0=1000):
+def _draws(logits, o, n, threads=4, sort_max=1024, seed0=1000, chunk=2048, single=False):
     """One draw each from n slots seeded seed0.. over the same logits, in one launch."""
     pool = SamplerSlots(n, 4)
     slots = [pool.assign(SamplingOptions(**{**_fields(o), "seed": seed0 + s}), [], 64) for s in range(n)]
-    tokens, flags = sample(np.tile(logits, (n, 1)), slots, pool, threads=threads, sort_max=sort_max)
+    tokens, flags = sample(np.tile(logits, (n, 1)), slots, pool, threads=threads, sort_max=sort_max,
+                           chunk=chunk, single=single)
     assert not flags.any()
     return tokens.tolist()
 
@@ -285,16 +286,17 @@ def test_same_seed_same_tokens_other_seed_differs():
     assert runs[0] != runs[2]
 
 
-def test_non_finite_row_is_flagged_alone_and_padding_rows_are_left_alone():
+@pytest.mark.parametrize("chunk", [2048, 4])
+def test_non_finite_row_is_flagged_alone_and_padding_rows_are_left_alone(chunk):
     rng = np.random.default_rng(3)
     logits = rng.normal(size=(4, 50)).astype(np.float32)
     logits[1, 17] = np.nan
-    logits[2, 3] = -np.inf
+    logits[2, 3] = -np.inf  # in row 2's history: the penalty must not make it finite
     pool = SamplerSlots(4, 4)
     o = _opts(temperature=0.0, repeat_penalty=1.5, repeat_last_n=8)
-    slots = [pool.assign(o, [1, 2], 50) for _ in range(3)]
+    slots = [pool.assign(o, h, 50) for h in ([1, 2], [1, 2], [3, 2])]
     before = pool.ringpos.copy_to_host()
-    tokens, flags = sample(logits, slots[:3] + [-1], pool, threads=4)
+    tokens, flags = sample(logits, slots[:3] + [-1], pool, threads=4, chunk=chunk)
     assert flags.tolist() == [0, 1, 1, 0]
     assert tokens[0] == Sampler(o).sample(logits[0], [1, 2])
     after = pool.ringpos.copy_to_host()
@@ -347,3 +349,88 @@ def test_bad_arguments_are_refused():
         sample_rows(logits, cuda.to_device(np.zeros(3, np.int32)), pool, out, out)
     with pytest.raises(ValueError):
         sample_rows(logits, slots, pool, cuda.device_array(1, np.int32), out)
+    for chunk in (1, 12, 4096):
+        with pytest.raises(ValueError):
+            sample_rows(logits, slots, pool, out, out, chunk=chunk)
+
+
+# ---- phase 1 over several chunks a row (chunks made small for the simulator) ---------------------
+
+def test_chunked_greedy_and_penalty_across_chunks():
+    V = 37  # chunks of 4: ten, the last of one logit
+    logits = np.random.default_rng(5).integers(-3, 3, size=(5, V)).astype(np.float32)
+    logits[0, 36] = 9  # the maximum in the last chunk
+    logits[1, [3, 4, 11]] = 9  # equal maxima across a chunk boundary: the first, 3
+    logits[2, [6, 30]] = [8, 7]  # the penalty moves the maximum to another chunk
+    logits[3, :] = -0.0
+    logits[3, 20] = 0.0  # -0.0 ties +0.0: the first, 0
+    logits[4, :] = -2.5  # the penalty (1 / 40) on every token of a window spanning chunks
+    histories = [[36, 36, 1], [3, 35], [6, 6, 6, 29], [20], list(range(5, 35))]
+    opts = [_opts(temperature=0.0, repeat_penalty=p, repeat_last_n=n) for p, n in
+            ((1.5, 64), (1.0, 0), (4.0, 3), (2.0, 64), (1 / 40, 64))]
+    pool = SamplerSlots(5, 4)
+    slots = [pool.assign(o, h, 100) for o, h in zip(opts, histories)]
+    want = [Sampler(o).sample(logits[r], histories[r]) for r, o in enumerate(opts)]
+    assert want[:4] == [36, 3, 30, 0]
+    want_logits = [Sampler(o)._penalized(logits[r], histories[r]) if o.repeat_last_n else logits[r]
+                   for r, o in enumerate(opts)]
+    d_logits = cuda.to_device(logits)
+    tokens, flags = sample(d_logits, slots, pool, threads=4, chunk=4)
+    assert tokens.tolist() == want and not flags.any()
+    assert np.array_equal(d_logits.copy_to_host().view(np.uint32), np.array(want_logits).view(np.uint32))
+
+
+# ties of the top-k boundary split over chunks of 4 (boundaries at 4, 8, 12, ...), the best last
+_SPLIT = np.array([1, 3, 2, 3, 3, 0, 2, 3, 2, 1, 2, 3, -1, 2, 0, 2, 3, 1, 2, 0, 2, 5], np.float32)
+
+
+@pytest.mark.parametrize("k", [1, 3, 9])
+def test_chunked_top_k_is_the_cpus_first_k_with_ties_across_chunks(k):
+    o = _opts(top_k=k, temperature=1e300)  # uniform over the candidates: the draws show the set
+    first_k = sorted(range(len(_SPLIT)), key=lambda i: (-_SPLIT[i], i))[:k]
+    got = set(_draws(_SPLIT, o, 10 * k + 10, chunk=4))
+    assert got == set(first_k), (k, got, first_k)
+
+
+_CHUNKED = {  # over chunks of 16 (48 logits: 3 chunks), each giving min(k, 16) candidates
+    "top_k_top_p": _opts(top_k=3, top_p=0.9, temperature=2.0),
+    "top_k_min_p": _opts(top_k=7, min_p=0.1, temperature=0.7),
+}
+
+
+@pytest.mark.parametrize("case", list(_CHUNKED))
+def test_chunked_draws_are_distributed_as_the_cpus(case):
+    o = _CHUNKED[case]
+    expected = _expected(_LOGITS, o)
+    assert len(expected) >= 2
+    _chi2_ok(_draws(_LOGITS, o, 120, chunk=16), expected)
+
+
+def test_chunked_and_one_block_kernels_draw_the_same_tokens():
+    """The same candidates in the same order, the same sums in the same order and the same seeded
+    uniform: bit for bit the same tokens, on the top-k path and the others."""
+    rng = np.random.default_rng(6)
+    logits = rng.integers(-6, 6, size=(6, 45)).astype(np.float32) * np.float32(0.5)
+    opts = [_opts(top_k=4), _opts(top_k=9, top_p=0.8, temperature=0.6), _opts(top_k=2, min_p=0.3),
+            SamplingOptions(), _opts(top_k=0, top_p=0.7), _opts(temperature=0.0, repeat_penalty=1.3)]
+    runs = []
+    for chunk, single in ((4, False), (8, False), (2048, True)):
+        pool = SamplerSlots(6, 4)
+        slots = [pool.assign(SamplingOptions(**{**_fields(o), "seed": 10 + r}), [1, 2, 3], 64)
+                 for r, o in enumerate(opts)]
+        got = []
+        for _ in range(3):
+            tokens, flags = sample(logits, slots, pool, threads=4, chunk=chunk, single=single)
+            assert not flags.any()
+            got.append(tokens.tolist())
+        runs.append(got)
+    assert runs[0] == runs[1] == runs[2]
+
+
+def test_too_many_candidates_fall_back_to_the_one_block_path(monkeypatch):
+    from daemon.kernels.cuda import sample as sample_mod
+
+    monkeypatch.setattr(sample_mod, "CAND_MAX", 8)  # 6 chunks x min(3, 4) = 18 candidates do not fit
+    o = _opts(top_k=3, temperature=1e300)
+    first_k = sorted(range(len(_SPLIT)), key=lambda i: (-_SPLIT[i], i))[:3]
+    assert set(_draws(_SPLIT, o, 40, chunk=4)) == set(first_k)
