@@ -807,20 +807,21 @@ class SamplerSlots:
         self.ring = cuda.to_device(ring)
         self.ringpos = cuda.to_device(ringpos)
         self.scratch = cuda.device_array((n, w), np.float32)
-        self._chunk_key = None  # phase 1's scratch, made again at the next launch (N changed)
+        key = getattr(self, "_chunk_key", None)
+        self._chunk_key = None
+        if key is not None:  # phase 1's scratch at the new N now, not in a launch (maybe captured)
+            self.chunk_scratch(*key[1:], bump=False)
 
-    def chunk_scratch(self, V: int, chunk: int, sort_max: int):
+    def chunk_scratch(self, C: int, cap: int, bump: bool = True):
         """Phase 1's outputs, by slot: (best, bad int32 [N, C], cand_v f32 [N, cap], cand_i int32
-        [N, cap]), C = ceil(V / chunk), cap = min(C * min(sort_max, chunk), CAND_MAX). Made on
-        the first launch and kept; another V, chunk or sort_max makes them again and bumps
-        `generation` (a graph holding the old ones must be captured again)."""
+        [N, cap]). Made on the first launch and kept (growing N makes them again at once); another
+        C or cap makes them again and bumps `generation` (a graph holding the old ones must be
+        captured again)."""
         n = self.capacity
-        C = -(-V // chunk)
-        cap = max(1, min(C * min(sort_max, chunk), CAND_MAX))
         key = (n, C, cap)
         if self._chunk_key != key:
-            if self._chunk_key is not None and self._chunk_key[0] == n:
-                self.generation += 1  # (growing N already bumped it)
+            if self._chunk_key is not None and bump:
+                self.generation += 1
             self._chunk_key = key
             self._chunk = (cuda.device_array((n, C), np.int32), cuda.device_array((n, C), np.int32),
                            cuda.device_array((n, cap), np.float32), cuda.device_array((n, cap), np.int32))
@@ -884,7 +885,9 @@ def sample_rows(logits, slots, pool: SamplerSlots, tokens_out, flags_out, stream
         raise ValueError(f"sample_rows: chunk {chunk} (a power of 2 in 2..{CHUNK_MAX})")
     if S == 0:
         return
-    best, bad, cand_v, cand_i = pool.chunk_scratch(V, chunk, sort_max)
+    C = -(-V // chunk)
+    cap = max(1, min(C * min(sort_max, chunk), CAND_MAX))  # candidates a row: min(k, chunk) a chunk
+    best, bad, cand_v, cand_i = pool.chunk_scratch(C, cap)
     P = 1
     while P < min(chunk, V):
         P *= 2

@@ -324,6 +324,7 @@ def test_growth_bumps_generation_and_keeps_existing_state():
     step()
     b = pool.assign(_opts(seed=1), [1], 100)  # N grows: 1 -> 2
     gens.append(pool.generation)
+    assert pool._chunk[0].shape == (2, 1)  # phase 1's scratch follows N at once (not in a launch)
     step()
     c = pool.assign(_opts(temperature=0.0, repeat_penalty=1.5, repeat_last_n=10), [2] * 12, 100)  # W grows
     gens.append(pool.generation)
@@ -334,6 +335,8 @@ def test_growth_bumps_generation_and_keeps_existing_state():
     pool.release(b)
     assert pool.assign(_opts(), [], 10) == b  # a free slot is reused: no growth
     assert pool.generation == 2
+    sample(np.zeros((1, V), np.float32), [a], pool, threads=4, chunk=8)  # other phase-1 scratch
+    assert pool.generation == 3
     with pytest.raises(ValueError):
         pool.release(99)
 
