@@ -1,11 +1,14 @@
 """Sampling on the device (daemon/kernels/cuda/sample.py) at a real vocabulary, on a GPU.
 
-    python benchmarks/gpu_sample.py [--vocab 151936] [--n 50]
+    python benchmarks/gpu_sample.py [--vocab 151936] [--n 50] [--chunk 2048]
 
-Prints, per option set, rows S and threads per block: the GPU time of one sample_rows launch (CUDA
-events, median of --n) and, for comparison, the CPU Sampler's time for one row. Then checks, at
-this vocabulary: greedy tokens (with the repeat penalty) equal the CPU's, and a CUDA graph of the
-launch replays to the same tokens as eager launches from the same seeds.
+Prints, per option set, rows S (1, 4, 16, 64) and kernel: the GPU time of one launch (CUDA events,
+median of --n) for the two-phase sampler (sample_rows: phase 1 over chunks of the vocabulary, phase
+2 a block a row) and the one-block kernel it replaced (sample_rows_single), at 256 and 1024 threads
+a block, and the CPU Sampler's time for one row; a configuration the kernel refuses prints
+"refused: why". Then checks, at this vocabulary: the two kernels draw the same tokens from the same
+seeds, greedy tokens (with the repeat penalty) equal the CPU's, and a CUDA graph of the launch
+replays to the same tokens as eager launches from the same seeds.
 """
 
 from __future__ import annotations
@@ -27,55 +30,73 @@ OPTION_SETS = {
     "top_k=0 top_p=1 min_p=0.05": dict(top_k=0, top_p=1.0, repeat_penalty=1.0),
     "top_k=2000 (radix path)": dict(top_k=2000, repeat_penalty=1.0),
 }
+ROWS = (1, 4, 16, 64)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--n", type=int, default=50)
+    ap.add_argument("--chunk", type=int, default=2048, help="logits a phase-1 block reads")
     args = ap.parse_args()
     from numba import cuda
 
     from daemon.backend.cuda_graphs import GraphCache, HostClock, nonblocking_stream
-    from daemon.kernels.cuda.sample import SamplerSlots, sample_rows
+    from daemon.kernels.cuda.sample import SamplerSlots, sample_rows, sample_rows_single
     from daemon.sampling import Sampler, SamplingOptions
 
     V = args.vocab
     rng = np.random.default_rng(0)
     stream = nonblocking_stream()
+    kernels = {
+        "two-phase T=1024": lambda *a: sample_rows(*a, stream=stream, threads=1024, chunk=args.chunk),
+        "two-phase T=256": lambda *a: sample_rows(*a, stream=stream, threads=256, chunk=args.chunk),
+        "one-block T=256": lambda *a: sample_rows_single(*a, stream=stream, threads=256),
+        "one-block T=1024": lambda *a: sample_rows_single(*a, stream=stream, threads=1024),
+    }
 
     def to_host(a) -> list[int]:
         x = a.copy_to_host(stream=stream)
         stream.synchronize()
         return x.tolist()
     history = rng.integers(0, V, size=200).tolist()
-    print(f"V={V}; GPU us per launch (median of {args.n}); CPU ms per row")
-    print(f"{'options':30s} {'S':>3s} {'threads':>7s} {'GPU us':>9s} {'CPU ms/row':>10s}")
+    print(f"V={V}, chunk={args.chunk}; GPU us per launch (median of {args.n}); CPU ms per row")
+    print(f"{'options':28s} {'S':>3s} {'kernel':18s} {'GPU us':>9s} {'CPU ms/row':>10s}")
+    same = {}
     for name, fields in OPTION_SETS.items():
         o = SamplingOptions(seed=1, **fields)
-        host = (rng.standard_normal((32, V)) * 3).astype(np.float32)
+        host = (rng.standard_normal((max(ROWS), V)) * 3).astype(np.float32)
         cpu = Sampler(o)
         t0 = time.perf_counter()
         for r in range(8):
             cpu.sample(host[r], history)
         cpu_ms = (time.perf_counter() - t0) / 8 * 1e3
-        for S in (1, 8, 32):
-            pool = SamplerSlots(S, 64)
-            slots = cuda.to_device(np.array([pool.assign(o, history, 4096) for _ in range(S)], np.int32))
-            logits = cuda.to_device(host[:S])
-            tokens = cuda.device_array(S, np.int32)
-            flags = cuda.device_array(S, np.int32)
-            for threads in (256, 1024):
-                sample_rows(logits, slots, pool, tokens, flags, stream, threads)  # compile, warm
+        for S in ROWS:
+            for kname, run in kernels.items():
+                pool = SamplerSlots(S, 64)
+                slots = cuda.to_device(np.array([pool.assign(o, history, 4096) for _ in range(S)], np.int32))
+                logits = cuda.to_device(host[:S])
+                tokens = cuda.device_array(S, np.int32)
+                flags = cuda.device_array(S, np.int32)
+                try:
+                    run(logits, slots, pool, tokens, flags)  # compile, warm
+                    stream.synchronize()
+                except Exception as e:  # noqa: BLE001  (a refused configuration is a result here)
+                    print(f"{name:28s} {S:3d} {kname:18s} refused: {type(e).__name__}: {e}"[:200])
+                    continue
+                if S == 16:  # first draws from the same seeds and logits: the kernels must agree
+                    same.setdefault(name, {})[kname] = to_host(tokens)
                 times = []
                 for _ in range(args.n):
                     a, b = cuda.event(), cuda.event()
                     a.record(stream)
-                    sample_rows(logits, slots, pool, tokens, flags, stream, threads)
+                    run(logits, slots, pool, tokens, flags)
                     b.record(stream)
                     b.synchronize()
                     times.append(cuda.event_elapsed_time(a, b) * 1e3)
-                print(f"{name:30s} {S:3d} {threads:7d} {statistics.median(times):9.1f} {cpu_ms:10.2f}")
+                print(f"{name:28s} {S:3d} {kname:18s} {statistics.median(times):9.1f} {cpu_ms:10.2f}")
+    for name, got in same.items():
+        print(f"same first tokens, every kernel ({name}):", len({tuple(t) for t in got.values()}) == 1)
 
     # greedy with the penalty equals the CPU's at this vocabulary
     host = (rng.standard_normal((16, V)) * 3).astype(np.float32)
