@@ -1,34 +1,52 @@
-"""Sampling on the device: daemon.sampling.Sampler's semantics, one block per row, one int32 back.
+"""Sampling on the device: daemon.sampling.Sampler's semantics, two launches, one int32 a row back.
 
 Legend: S = rows sampled in a launch, V = vocabulary, N = sampler slots (capacity), W = ring width
-(the longest repeat window in use), T = threads per block (a power of 2, 1..1024), k = top_k.
+(the longest repeat window in use), T = threads per block (a power of 2, 1..1024), k = top_k,
+chunk = logits a phase-1 block reads (a power of 2, <= 2048), C = ceil(V / chunk) chunks a row,
+m = min(k, chunk) candidates a chunk.
 
 Per-sequence state lives in device pools indexed by a sampler slot, not by batch row, so a captured
 CUDA graph reads fixed addresses and a sequence's draws never depend on the other rows of its launch
-(`SamplerSlots`: options, a xoroshiro128+ state, and a ring of the last tokens of history).
+(`SamplerSlots`: options, a xoroshiro128+ state, a ring of the last tokens of history, and phase
+1's outputs by slot).
 
-One block per row (`sample_rows`), on that row's logits, which it may overwrite:
-1. non-finite check: the row gets flag 1 (token 0) and nothing else happens to its slot;
-2. repeat penalty in float32 (float64 then rounded: the same bits), in two phases (every ring
-   entry computes from the unmodified logit, barrier, write back) so duplicate tokens do not race;
-3. temperature <= 0: the first index of the maximum (the CPU's np.argmax, bit for bit);
-4. else the candidates, by an order-preserving uint32 key of each logit (-0.0 keyed as +0.0, as
-   the CPU's comparisons treat them):
-   - 0 < k < V and k <= sort_max (<= 1024; default top_k is 40): a radix select (4 passes of 8
-     bits, shared histograms) finds the k-th largest key; the keys above it and the lowest-indexed
-     ties (a block scan in index order) are gathered into shared memory and bitonic-sorted by
-     (key desc, index asc): the CPU's first k. top-p, min-p and the draw walk that list in float64.
-   - otherwise (k == 0, k >= V, or k > sort_max) nothing is sorted: the top-k bound (if any) by the
-     same radix select; the top-p bound by a radix select on masses exp(l - max) summed per bin in
-     fixed point (int64 atomics: the same sums in any order, so draws are reproducible); min-p is
-     a bound on exp(l - max); the draw walks the kept set in index order (the same distribution).
-5. the draw: one uniform float64 from the slot's xoroshiro128+ state (advanced only here, when
+`sample_rows`, on the rows' logits, which it may overwrite. Phase 1 (`_chunks`, grid (C, S): a row
+is read by C blocks at once, not by one SM), block (c, row):
+1. the repeat penalty of the ring tokens in its chunk, in float32 (float64 then rounded: the same
+   bits), in two phases (every ring entry computes from the unmodified logit, barrier, write back)
+   so duplicate tokens do not race; non-finite logits are left as they are, for the flag;
+2. a coalesced read of the chunk: the non-finite flag, and the first index of its maximum;
+3. for a row on the top-k path (temperature > 0, 0 < k < V, k <= sort_max, C * m <= the scratch:
+   CAND_MAX): the chunk's (key, index) pairs bitonic-sorted in shared memory by (key desc, index
+   asc), its first m written in that order: every one of the row's first k is among them.
+Keys are an order-preserving uint32 of each logit (-0.0 keyed as +0.0, as the CPU's comparisons
+treat them). Phase 2 (`_finish`, grid S, a block a row):
+4. a flagged chunk: flag 1 (token 0) and nothing else happens to the slot;
+5. the maximum over the chunks' (first index among equals): temperature <= 0 takes it (the CPU's
+   np.argmax, bit for bit);
+6. else the candidates:
+   - on the top-k path, phase 1's C * m candidates: equal keys lie in index order among them, so
+     the one-block sorted path below runs on them unchanged (positions order ties as indices do);
+   - 0 < k < V and k <= sort_max (<= 1024; default top_k is 40), the one-block sorted path: a
+     radix select (4 passes of 8 bits, shared histograms, the crossing bin found by a block scan)
+     finds the k-th largest key; the keys above it and the lowest-indexed ties (a block scan in
+     index order) are gathered into shared memory and bitonic-sorted by (key desc, index asc): the
+     CPU's first k. top-p, min-p and the draw walk that list in float64.
+   - otherwise (k == 0, k >= V, or k > sort_max) nothing is sorted, still one block over the row:
+     the top-k bound (if any) by the same radix select; the top-p bound by a radix select on masses
+     exp(l - max) summed per bin in fixed point (int64 atomics: the same sums in any order, so
+     draws are reproducible); min-p is a bound on exp(l - max); the draw walks the kept set in
+     index order (the same distribution).
+7. the draw: one uniform float64 from the slot's xoroshiro128+ state (advanced only here, when
    temperature > 0, as the CPU's generator is), the first candidate whose running weight passes it.
-6. the token goes to tokens_out[row] and into the slot's ring (the history grows by it).
+8. the token goes to tokens_out[row] and into the slot's ring (the history grows by it).
+The tokens are those of the one-block kernel the two phases replaced (`sample_rows_single`, kept
+for benchmarks/gpu_sample.py): the same candidates in the same order, the same sums.
 
-The launch allocates nothing and never syncs the host, so it can be captured in a CUDA graph;
-growing N or W reallocates the pools and bumps `SamplerSlots.generation` (a graph holding the old
-addresses must be captured again).
+The launches never sync the host, so they can be captured in a CUDA graph; they allocate only the
+first time a pool meets a vocabulary (phase 1's scratch, kept; a plain device_array, which a
+capture keeps). Growing N or W reallocates the pools and bumps `SamplerSlots.generation` (a graph
+holding the old addresses must be captured again).
 
 What is not bit-identical to the CPU: the float64 sums (summation order) and, off the sorted path,
 the top-p mass (fixed point, each mass floored to a multiple of 2**-scale_bits, V * 2**-44 ~ 9e-9
