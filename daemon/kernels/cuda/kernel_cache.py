@@ -268,14 +268,17 @@ def write(directory: Path, key: str, entry_name: str, cubin: bytes) -> bool:
         if not _private_dir(directory):
             log.debug("kernel cache: %s is not a directory private to this user; not written", directory)
             return False
-        data = _ENCODER.encode(Entry(FORMAT, key, entry_name, bytes(cubin), hashlib.sha256(cubin).hexdigest()))
+        if not isinstance(cubin, (bytes, bytearray, memoryview)):
+            raise TypeError(f"a cubin as {type(cubin).__name__}")
+        cubin = bytes(cubin)
+        data = _ENCODER.encode(Entry(FORMAT, key, entry_name, cubin, hashlib.sha256(cubin).hexdigest()))
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".cubin")  # 0600
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, directory / f"{key}.cubin")
         tmp = None
         return True
-    except OSError as e:
+    except (OSError, TypeError, ValueError) as e:  # TypeError: a cubin that is not bytes
         log.debug("kernel cache: writing %s failed (%s)", key, e)
         return False
     finally:

@@ -180,8 +180,8 @@ class _DiskCache:
             if (key is None or lib._setup_functions or lib._linking_files or lib.use_cooperative  # noqa: SLF001
                     or any(hasattr(o, "__cuda_array_interface__") for o in lib.referenced_objects.values())):
                 return  # set-up at load (NRT, linked files) or a captured device array: numba's only
-            code = lib.get_cubin()
-            kernel_cache.write(self.dir, key, lib._entry_name, code.code)  # noqa: SLF001
+            code = lib.get_cubin()  # a cuda.core ObjectCode (numba-cuda 0.30), its bytes in .code
+            kernel_cache.write(self.dir, key, lib._entry_name, getattr(code, "code", code))  # noqa: SLF001
         except Exception as e:  # noqa: BLE001  (not cached: the kernel still runs)
             log.debug("kernel cache: storing failed (%s)", e)
 

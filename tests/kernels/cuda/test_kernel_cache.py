@@ -227,6 +227,12 @@ def test_a_failed_write_leaves_the_old_entry_and_no_temporary(tmp_path, monkeypa
     assert [p.name for p in d.iterdir()] == ["k1.cubin"]
 
 
+def test_a_cubin_that_is_not_bytes_is_not_written(tmp_path):
+    assert not kc.write(tmp_path / "k", "k1", "n", "a path, not a cubin")
+    assert not kc.write(tmp_path / "k", "k1", "n", 7)
+    assert kc.read(tmp_path / "k", "k1") is None
+
+
 def test_the_setting(tmp_path):
     assert kc.cache_dir({"MOED_KERNEL_CACHE": "off"}) is None
     assert kc.cache_dir({"MOED_KERNEL_CACHE": str(tmp_path)}) == tmp_path
