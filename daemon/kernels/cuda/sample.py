@@ -68,6 +68,7 @@ from .launch import launch
 from .ptx import SIMULATOR, bits_to_f32, device
 
 MAX_THREADS = 1024  # also the most candidates the sorted path holds
+_SCAN_SIZE = MAX_THREADS + 32  # a scan's buffer: a value a thread, then the warp totals
 CHUNK = 2048  # logits a phase-1 block reads (default)
 CHUNK_MAX = 2048  # its shared arrays
 CAND_MAX = 16384  # phase-1 candidates a row keeps (C * min(k, chunk)); past it, the one-block path
@@ -144,23 +145,55 @@ def _weight(x, mx, temp):
     return math.exp(d / temp)
 
 
+if SIMULATOR:
+    @device
+    def _syncwarp():
+        cuda.syncthreads()  # the simulator has no syncwarp; every thread calls this (_scan)
+else:
+    @device
+    def _syncwarp():
+        cuda.syncwarp()
+
+
 @device
 def _scan(v, buf, tid, nt):
-    """Block scan of one value a thread (Hillis-Steele in buf [>= nt], a fixed order: the same
-    bits every run) -> (exclusive, inclusive, total). Every thread must call it."""
+    """Block scan of one value a thread in a fixed order (the same bits every run) -> (exclusive,
+    inclusive, total); buf [>= nt + 32]. Hillis-Steele within each warp of 32 (warp barriers),
+    then over the warp totals (in buf[nt:]): two block barriers, not two a step. A thread's
+    inclusive is the next thread's exclusive bit for bit (a warp's last thread takes the scanned
+    total), so the ranges [excl, incl) tile [0, total) in float64 too. Every thread must call it."""
+    lane = tid & 31
+    w = tid >> 5
+    nw = (nt + 31) >> 5
+    last = min(nt, (w + 1) * 32) - 1  # the warp's last thread
     buf[tid] = v
-    cuda.syncthreads()
+    _syncwarp()
     off = 1
-    while off < nt:
-        x = buf[tid - off] if tid >= off else v - v
-        cuda.syncthreads()
-        if tid >= off:
+    while off < 32 and off < nt:
+        x = buf[tid - off] if lane >= off else v - v
+        _syncwarp()
+        if lane >= off:
             buf[tid] += x
-        cuda.syncthreads()
+        _syncwarp()
         off *= 2
-    incl = buf[tid]
-    excl = buf[tid - 1] if tid > 0 else v - v
-    total = buf[nt - 1]
+    inw = buf[tid]
+    prev = buf[tid - 1] if lane > 0 else v - v
+    if tid == last:
+        buf[nt + w] = inw
+    cuda.syncthreads()
+    off = 1  # warp 0 scans the nw totals (the others only meet the warp barriers)
+    while off < nw:
+        x = buf[nt + lane - off] if w == 0 and off <= lane and lane < nw else v - v
+        _syncwarp()
+        if w == 0 and off <= lane and lane < nw:
+            buf[nt + lane] += x
+        _syncwarp()
+        off *= 2
+    cuda.syncthreads()
+    base = buf[nt + w - 1] if w > 0 else v - v
+    incl = buf[nt + w] if tid == last else base + inw
+    excl = base + prev if lane > 0 else base
+    total = buf[nt + nw - 1]
     cuda.syncthreads()
     return excl, incl, total
 
@@ -395,8 +428,8 @@ def _finish(logits, slots, params, rng, ring, ringpos, best, bad, cand_v, cand_i
     V = logits.shape[1]
     C = best.shape[1]
     slot = slots[row]
-    sh_i = cuda.shared.array(MAX_THREADS, np.int64)  # int scans
-    sh_f = cuda.shared.array(MAX_THREADS, np.float64)  # float scans; candidate masses
+    sh_i = cuda.shared.array(_SCAN_SIZE, np.int64)  # int scans
+    sh_f = cuda.shared.array(_SCAN_SIZE, np.float64)  # float scans
     sh_k = cuda.shared.array(MAX_THREADS, np.uint32)  # sorted candidates: keys
     sh_x = cuda.shared.array(MAX_THREADS, np.int32)  # sorted candidates: indices
     hist = cuda.shared.array(256, np.int64)
@@ -493,8 +526,8 @@ def _sample_rows_single(logits, slots, params, rng, ring, ringpos, scratch, toke
     nt = cuda.blockDim.x
     V = logits.shape[1]
     slot = slots[row]
-    sh_i = cuda.shared.array(MAX_THREADS, np.int64)  # int scans
-    sh_f = cuda.shared.array(MAX_THREADS, np.float64)  # float scans; candidate masses
+    sh_i = cuda.shared.array(_SCAN_SIZE, np.int64)  # int scans
+    sh_f = cuda.shared.array(_SCAN_SIZE, np.float64)  # float scans
     sh_v = cuda.shared.array(MAX_THREADS, np.float32)  # argmax values
     sh_k = cuda.shared.array(MAX_THREADS, np.uint32)  # sorted candidates: keys
     sh_x = cuda.shared.array(MAX_THREADS, np.int32)  # sorted candidates: indices

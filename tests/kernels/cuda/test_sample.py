@@ -16,7 +16,7 @@ import pytest
 from numba import cuda
 
 from daemon.kernels.cuda.ptx import SIMULATOR
-from daemon.kernels.cuda.sample import SamplerSlots, sample, sample_rows
+from daemon.kernels.cuda.sample import SamplerSlots, _scan, sample, sample_rows
 from daemon.sampling import Sampler, SamplingOptions
 
 # numba's xoroshiro128+ wraps uint64 arithmetic, which numpy scalars report under the simulator
@@ -62,6 +62,10 @@ def _shared_arrays_made_once():
     kernelapi.FakeCUDAShared.array = array
     yield
     kernelapi.FakeCUDAShared.array = plain
+
+
+_GPU_ONLY = pytest.mark.skipif(SIMULATOR, reason="slow in the simulator (test_block_scan_over_warps "
+                                                  "covers scans over several warps there)")
 
 
 def _opts(**kw):
@@ -138,7 +142,7 @@ def _fields(o):
 
 # ---- greedy and the penalty: bit for bit -------------------------------------------------------
 
-@pytest.mark.parametrize("threads", [4, 32])
+@pytest.mark.parametrize("threads", [4, 32, 64])
 def test_greedy_and_penalized_logits_are_the_cpus(threads):
     rng = np.random.default_rng(0)
     V, S = 150, 8
@@ -237,12 +241,13 @@ _CASES = {
 }
 
 
+@pytest.mark.parametrize("threads", [4, pytest.param(1024, marks=_GPU_ONLY)])
 @pytest.mark.parametrize("case", list(_CASES))
-def test_draws_are_distributed_as_the_cpus(case):
+def test_draws_are_distributed_as_the_cpus(case, threads):
     o, sort_max = _CASES[case]
     expected = _expected(_LOGITS, o)
     assert len(expected) >= 2  # a real draw, not a forced token
-    _chi2_ok(_draws(_LOGITS, o, 120, sort_max=sort_max), expected)
+    _chi2_ok(_draws(_LOGITS, o, 120, threads=threads, sort_max=sort_max), expected)
 
 
 def test_reference_matches_the_cpu_sampler():
@@ -357,6 +362,36 @@ def test_bad_arguments_are_refused():
             sample_rows(logits, slots, pool, out, out, chunk=chunk)
 
 
+@cuda.jit
+def _scan_kernel(ints, floats, out_i, out_f):
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    buf_i = cuda.shared.array(96, np.int64)
+    buf_f = cuda.shared.array(96, np.float64)
+    e, i, t = _scan(ints[tid], buf_i, tid, nt)
+    out_i[tid, 0], out_i[tid, 1], out_i[tid, 2] = e, i, t
+    e, i, t = _scan(floats[tid], buf_f, tid, nt)
+    out_f[tid, 0], out_f[tid, 1], out_f[tid, 2] = e, i, t
+
+
+@pytest.mark.parametrize("nt", [5, 64])
+def test_block_scan_over_warps(nt):
+    """The scan's two levels (within warps of 32, then over their totals): integers exact, and in
+    float64 a thread's inclusive is the next one's exclusive, bit for bit."""
+    rng = np.random.default_rng(7)
+    ints = rng.integers(0, 1 << 40, size=nt)
+    floats = rng.random(nt) * 10.0 ** rng.integers(-8, 8, size=nt)
+    out_i = np.zeros((nt, 3), np.int64)
+    out_f = np.zeros((nt, 3), np.float64)
+    _scan_kernel[1, nt](ints, floats, out_i, out_f)
+    cum = np.cumsum(ints)
+    assert out_i[:, 1].tolist() == cum.tolist()
+    assert out_i[:, 0].tolist() == [0] + cum[:-1].tolist()
+    assert (out_i[:, 2] == cum[-1]).all()
+    assert out_f[0, 0] == 0 and (out_f[1:, 0] == out_f[:-1, 1]).all() and out_f[-1, 1] == out_f[0, 2]
+    assert np.allclose(out_f[:, 1], np.cumsum(floats), rtol=1e-12)
+
+
 # ---- phase 1 over several chunks a row (chunks made small for the simulator) ---------------------
 
 def test_chunked_greedy_and_penalty_across_chunks():
@@ -387,11 +422,11 @@ def test_chunked_greedy_and_penalty_across_chunks():
 _SPLIT = np.array([1, 3, 2, 3, 3, 0, 2, 3, 2, 1, 2, 3, -1, 2, 0, 2, 3, 1, 2, 0, 2, 5], np.float32)
 
 
-@pytest.mark.parametrize("k", [1, 3, 9])
-def test_chunked_top_k_is_the_cpus_first_k_with_ties_across_chunks(k):
+@pytest.mark.parametrize("k, threads", [(1, 4), (3, 4), (9, 4), pytest.param(6, 1024, marks=_GPU_ONLY)])
+def test_chunked_top_k_is_the_cpus_first_k_with_ties_across_chunks(k, threads):
     o = _opts(top_k=k, temperature=1e300)  # uniform over the candidates: the draws show the set
     first_k = sorted(range(len(_SPLIT)), key=lambda i: (-_SPLIT[i], i))[:k]
-    got = set(_draws(_SPLIT, o, 10 * k + 10, chunk=4))
+    got = set(_draws(_SPLIT, o, 10 * k + 10, threads=threads, chunk=4))
     assert got == set(first_k), (k, got, first_k)
 
 
@@ -401,12 +436,13 @@ _CHUNKED = {  # over chunks of 16 (48 logits: 3 chunks), each giving min(k, 16) 
 }
 
 
+@pytest.mark.parametrize("threads", [4, pytest.param(1024, marks=_GPU_ONLY)])
 @pytest.mark.parametrize("case", list(_CHUNKED))
-def test_chunked_draws_are_distributed_as_the_cpus(case):
+def test_chunked_draws_are_distributed_as_the_cpus(case, threads):
     o = _CHUNKED[case]
     expected = _expected(_LOGITS, o)
     assert len(expected) >= 2
-    _chi2_ok(_draws(_LOGITS, o, 120, chunk=16), expected)
+    _chi2_ok(_draws(_LOGITS, o, 120, threads=threads, chunk=16), expected)
 
 
 def test_chunked_and_one_block_kernels_draw_the_same_tokens():
