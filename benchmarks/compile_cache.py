@@ -15,7 +15,10 @@ scheduler.models.load_engine, with its one-token and prefill warm-ups), then gen
 tokens, greedy, from a --prompt-token prompt (ids 0..n-1 mod the vocabulary): one prefill and
 decode steps, as a first request. Columns: seconds of the load, of the first request, of both
 (wall, in the child, after its imports); launch.COUNTS: fast-path kernel overloads compiled in the
-child vs loaded from the cache; the entries in the cache directory after the child.
+child vs loaded from the cache, in all and (in load) by the end of the load; the entries in the
+cache directory after the child; numba: overloads numba's dispatchers hold at the end (compiled
+in the child, by a fast-path miss or a dispatcher launch on stream 0, or from numba's own cache):
+with a warm cache, what is left of it is what the kernel cache does not cover.
 """
 
 from __future__ import annotations
@@ -31,6 +34,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+
+def numba_overloads() -> int:
+    """Kernel overloads numba's dispatchers hold in this process: compiled here (a fast-path miss, or
+    a dispatcher launch: stream 0) or taken from numba's own cache (cache=True kernels)."""
+    import gc
+
+    from numba.cuda.dispatcher import CUDADispatcher
+
+    return sum(len(o.overloads) for o in gc.get_objects()
+               if isinstance(o, CUDADispatcher) and not o.targetoptions.get("device"))
 
 
 def child(model: str, prompt: int, decode: int, daemon_warm: bool) -> dict:
@@ -54,7 +68,8 @@ def child(model: str, prompt: int, decode: int, daemon_warm: bool) -> dict:
         engine.close()
     return {"load_s": t1 - t0, "request_s": t2 - t1, "total_s": t2 - t0, "pieces": n,
             "compiled": launch.COUNTS["compiled"], "cached": launch.COUNTS["cached"],
-            "compiled_in_load": loaded["compiled"], "cached_in_load": loaded["cached"]}
+            "compiled_in_load": loaded["compiled"], "cached_in_load": loaded["cached"],
+            "numba_overloads": numba_overloads()}
 
 
 def run_child(args, setting: str) -> dict:
@@ -97,7 +112,7 @@ def main() -> None:
         print(f"model: {args.model}  prompt={args.prompt} decode={args.decode}  cache: {cache}"
               f"{'  (daemon warm-up)' if args.daemon_warm else ''}")
         print(f"{'run':<10}{'load s':>9}{'request s':>11}{'total s':>9}{'compiled':>10}{'cached':>8}"
-              f"{'(in load)':>12}{'entries':>9}")
+              f"{'(in load)':>12}{'entries':>9}{'numba':>7}")
         runs = [("off", "off")] if args.off else []
         runs += [(f"process {i + 1}", str(cache)) for i in range(args.processes)]
         for label, setting in runs:
@@ -106,7 +121,8 @@ def main() -> None:
             r["entries"] = len(list(cache.glob("*.cubin"))) if cache.exists() else 0
             rows.append(r)
             print(f"{label:<10}{r['load_s']:9.2f}{r['request_s']:11.2f}{r['total_s']:9.2f}{r['compiled']:10d}"
-                  f"{r['cached']:8d}{r['compiled_in_load']:>6d}/{r['cached_in_load']:<5d}{r['entries']:9d}", flush=True)
+                  f"{r['cached']:8d}{r['compiled_in_load']:>6d}/{r['cached_in_load']:<5d}{r['entries']:9d}"
+                  f"{r['numba_overloads']:7d}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "prompt": args.prompt, "decode": args.decode,
                                                "daemon_warm": args.daemon_warm, "rows": rows}, indent=1))
