@@ -129,7 +129,7 @@ class _DiskCache:
     def __init__(self):
         self.dir = None  # resolved on first use: MOED_KERNEL_CACHE, or False when off/unusable
         self.fingerprints: dict = {}  # kernel -> fingerprint, or None (uncacheable)
-        self.context = None  # (compute capability, toolchain, source digest), once per process
+        self.context = None  # (toolchain, source digest), once per process
         self.modules: list = []  # cuda.core ObjectCodes loaded here, kept alive with their kernels
 
     def _key(self, kernel, argtypes):
@@ -151,12 +151,15 @@ class _DiskCache:
         if fp is None:
             return None
         if self.context is None:
-            from numba import cuda
+            self.context = (kernel_cache.toolchain(), kernel_cache.source_digest())
+        tools, sources = self.context
+        return kernel_cache.entry_key(fp, argtypes, self.cc(), tools, sources)
 
-            self.context = (cuda.get_current_device().compute_capability, kernel_cache.toolchain(),
-                            kernel_cache.source_digest())
-        cc, tools, sources = self.context
-        return kernel_cache.entry_key(fp, argtypes, cc, tools, sources)
+    def cc(self):
+        """The current device's compute capability (a process may use GPUs of two kinds)."""
+        from numba import cuda
+
+        return cuda.get_current_device().compute_capability
 
     def load(self, kernel, argtypes):
         """The cuda.core Kernel from a cached cubin, or None."""

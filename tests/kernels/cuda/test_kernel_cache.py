@@ -291,11 +291,15 @@ class FakeCore:
 def _fresh_process(monkeypatch, env):
     """launch.py's state as a new process has it."""
     monkeypatch.setattr(launch_mod, "_disk", launch_mod._DiskCache())
-    launch_mod._disk.context = ((9, 0), "tools", "src")  # no device to ask
+    launch_mod._disk.context = ("tools", "src")
+    monkeypatch.setattr(launch_mod._disk, "cc", lambda: CC["now"])  # no device to ask
     monkeypatch.setattr(launch_mod, "COUNTS", {"compiled": 0, "cached": 0})
     monkeypatch.setattr(launch_mod, "_core", FakeCore())
     for k, v in env.items():
         monkeypatch.setenv(k, v)
+
+
+CC = {"now": (9, 0)}  # the compute capability the fake device reports
 
 
 def _kernel_for_launch(out, n, x, flag):
@@ -322,6 +326,9 @@ def test_second_process_loads_instead_of_compiling(tmp_path, monkeypatch):
 
     got, _ = launch_mod._resolve(second, (3, 2, True))  # other argument types: another overload
     assert got[0] == "compiled" and second.compiles == 1
+
+    monkeypatch.setitem(CC, "now", (8, 9))  # another GPU: its own entries
+    assert launch_mod._resolve(second, args)[0][0] == "compiled" and second.compiles == 2
 
 
 def test_off_corrupt_and_uncacheable_compile(tmp_path, monkeypatch):
