@@ -17,7 +17,8 @@ An entry is one file, <key>.cubin, in a 0700 directory, 0600, written to a tempo
 renamed into place; it holds the key it was written for, the kernel's mangled entry name, the cubin
 and the cubin's sha256 (msgpack). An entry that cannot be read, is truncated, is for another key or
 fails its checksum is ignored (the kernel compiles, and a good entry replaces it) with a DEBUG log;
-nothing here raises into a launch.
+launch.py turns any failure here (an uncacheable kernel, a bad setting) into a compile, never an
+error.
 
 MOED_KERNEL_CACHE (daemon/config.py): on = $XDG_CACHE_HOME/moed/kernels (default), off, or an
 absolute directory. Only launch.py's fast path uses it; the simulator never does.
