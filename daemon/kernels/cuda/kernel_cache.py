@@ -177,10 +177,16 @@ def _fp(obj, out: list, seen: set, root: str) -> None:
             for cell in obj.__closure__ or ():
                 _fp(cell.cell_contents, out, seen, root)
             g = obj.__globals__
-            for n in _global_names(obj.__code__):
+            names = _global_names(obj.__code__)
+            for n in names:
                 if n in g:
                     out.append(f"global:{n}")
                     _fp(g[n], out, seen, root)
+                    if isinstance(g[n], pytypes.ModuleType) and g[n].__name__.split(".")[0] == root:
+                        for a in names:  # module.attr, as numba freezes it (any name the code uses)
+                            if a in vars(g[n]):
+                                out.append(f"attr:{a}")
+                                _fp(vars(g[n])[a], out, seen, root)
     elif isinstance(obj, (type, pytypes.BuiltinFunctionType)):
         out.append(f"named:{_name(obj)}")
     else:

@@ -95,6 +95,20 @@ def test_a_named_global_counts(monkeypatch):
     assert kc.fingerprint(FakeDispatcher(_reads_global)) != before
 
 
+consts = type(sys)("tests.fake_consts")  # a module of ours whose attribute a kernel reads
+consts.WIDTH = 4
+
+
+def _reads_module_attr(out):
+    out[0] = consts.WIDTH
+
+
+def test_a_module_attribute_counts(monkeypatch):
+    before = kc.fingerprint(FakeDispatcher(_reads_module_attr))
+    monkeypatch.setattr(consts, "WIDTH", 8)
+    assert kc.fingerprint(FakeDispatcher(_reads_module_attr)) != before
+
+
 def test_an_object_known_only_by_address_is_uncacheable():
     class Opaque:
         pass
