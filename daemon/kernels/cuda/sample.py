@@ -17,8 +17,9 @@ is read by C blocks at once, not by one SM), block (c, row):
    so duplicate tokens do not race; non-finite logits are left as they are, for the flag;
 2. a coalesced read of the chunk: the non-finite flag, and the first index of its maximum;
 3. for a row on the top-k path (temperature > 0, 0 < k < V, k <= sort_max, C * m <= the scratch:
-   CAND_MAX): the chunk's (key, index) pairs bitonic-sorted in shared memory by (key desc, index
-   asc), its first m written in that order: every one of the row's first k is among them.
+   CAND_MAX): the chunk's best m (key, index) pairs by (key desc, index asc), in that order, by a
+   bitonic top-k in shared memory (runs of U >= m sorted, then rounds that keep the best U of two
+   runs): every one of the row's first k is among the chunks' candidates.
 Keys are an order-preserving uint32 of each logit (-0.0 keyed as +0.0, as the CPU's comparisons
 treat them). Phase 2 (`_finish`, grid S, a block a row):
 4. a flagged chunk: flag 1 (token 0) and nothing else happens to the slot;
@@ -267,27 +268,67 @@ def _before(ka, ia, kb, ib):
 
 
 @device
-def _bitonic(sh_k, sh_x, P, tid, nt):
-    """Sorts P (a power of 2) shared (key, index) pairs into (key desc, index asc); a thread
-    takes pairs q = tid, tid + nt, ... of each stage. Every thread must call it."""
+def _cx(sh_k, sh_x, i, p, best_first):
+    """Orders the shared pairs at i < p: the better (key desc, index asc) first when best_first,
+    else last."""
+    ka, ia, kb, ib = np.int64(sh_k[i]), sh_x[i], np.int64(sh_k[p]), sh_x[p]
+    if best_first:
+        swap = _before(kb, ib, ka, ia)
+    else:
+        swap = _before(ka, ia, kb, ib)
+    if swap:
+        sh_k[i], sh_k[p] = sh_k[p], sh_k[i]
+        sh_x[i], sh_x[p] = sh_x[p], sh_x[i]
+
+
+@device
+def _bitonic(sh_k, sh_x, P, tid, nt, upto):
+    """The phases of size 2..upto (powers of 2, upto <= P) of a bitonic sort of P shared (key,
+    index) pairs: runs of upto in order, run r best first when r is even, else last (upto = P:
+    sorted, best first). A thread takes pairs q = tid, tid + nt, ... of each stage. Every thread
+    must call it."""
     size = 2
-    while size <= P:
+    while size <= upto:
         stride = size // 2
         while stride > 0:
             for q in range(tid, P // 2, nt):
                 i = ((q & ~(stride - 1)) << 1) | (q & (stride - 1))  # pair (i, i + stride)
-                p = i + stride
-                ka, ia, kb, ib = np.int64(sh_k[i]), sh_x[i], np.int64(sh_k[p]), sh_x[p]
-                if (i & size) == 0:
-                    swap = _before(kb, ib, ka, ia)
-                else:
-                    swap = _before(ka, ia, kb, ib)
-                if swap:
-                    sh_k[i], sh_k[p] = sh_k[p], sh_k[i]
-                    sh_x[i], sh_x[p] = sh_x[p], sh_x[i]
+                _cx(sh_k, sh_x, i, i + stride, (i & size) == 0)
             cuda.syncthreads()
             stride //= 2
         size *= 2
+
+
+@device
+def _best_sorted(sh_k, sh_x, P, U, tid, nt):
+    """The best U (a power of 2 <= P) of P shared pairs into [0, U), best first: a bitonic top-k.
+    Runs of U are sorted (alternate directions), then each round pairs runs 2r (best first) and
+    2r + 1 (best last): the better of their i-th entries, over i, is a bitonic run holding the
+    best U of both, merged into order in place of run 2r. Each round halves the runs, so the
+    work is ~1/3 of sorting all P when U << P. Every thread must call it."""
+    _bitonic(sh_k, sh_x, P, tid, nt, U)
+    half = U // 2
+    sp = U  # the live runs start at multiples of sp
+    while sp < P:
+        R2 = P // (2 * sp)  # pairs of runs this round
+        for q in range(tid, R2 * U, nt):
+            r = q // U
+            a = 2 * r * sp + (q - r * U)
+            b = a + sp
+            if _before(np.int64(sh_k[b]), sh_x[b], np.int64(sh_k[a]), sh_x[a]):
+                sh_k[a] = sh_k[b]
+                sh_x[a] = sh_x[b]
+        cuda.syncthreads()
+        sp *= 2
+        stride = half
+        while stride > 0:
+            for q in range(tid, R2 * half, nt):
+                r = q // half
+                j = q - r * half
+                i = r * sp + (((j & ~(stride - 1)) << 1) | (j & (stride - 1)))
+                _cx(sh_k, sh_x, i, i + stride, (r & 1) == 0)
+            cuda.syncthreads()
+            stride //= 2
 
 
 @device
@@ -405,7 +446,10 @@ def _chunks(logits, slots, params, ring, ringpos, scratch, best, bad, cand_v, ca
     topk = np.int64(params[slot, P_TOPK])
     if params[slot, P_TEMP] > 0 and _multi_chunk(topk, V, sort_max, chunk, C, cand_v.shape[1]):
         m = min(topk, chunk)
-        _bitonic(sh_k, sh_x, P, tid, nt)
+        U = 1
+        while U < m and U < P:
+            U *= 2
+        _best_sorted(sh_k, sh_x, P, U, tid, nt)
         for j in range(tid, m, nt):
             if j < n:
                 cand_v[slot, c * m + j] = _unkey(np.int64(sh_k[j]))
@@ -667,7 +711,7 @@ def _sorted_path(logits, row, tid, nt, lo, hi, thr, rem, k, topp, minp, temp, u,
         sh_k[i] = 0
         sh_x[i] = _INT_MAX
     cuda.syncthreads()
-    _bitonic(sh_k, sh_x, P, tid, nt)
+    _bitonic(sh_k, sh_x, P, tid, nt, P)
 
     # probabilities at temperature 1 over the k candidates (unnormalized: exp(cand - cand0))
     c0 = np.float64(logits[row, sh_x[0]])

@@ -16,7 +16,7 @@ import pytest
 from numba import cuda
 
 from daemon.kernels.cuda.ptx import SIMULATOR
-from daemon.kernels.cuda.sample import SamplerSlots, _scan, sample, sample_rows
+from daemon.kernels.cuda.sample import SamplerSlots, _best_sorted, _scan, sample, sample_rows
 from daemon.sampling import Sampler, SamplingOptions
 
 # numba's xoroshiro128+ wraps uint64 arithmetic, which numpy scalars report under the simulator
@@ -390,6 +390,35 @@ def test_block_scan_over_warps(nt):
     assert (out_i[:, 2] == cum[-1]).all()
     assert out_f[0, 0] == 0 and (out_f[1:, 0] == out_f[:-1, 1]).all() and out_f[-1, 1] == out_f[0, 2]
     assert np.allclose(out_f[:, 1], np.cumsum(floats), rtol=1e-12)
+
+
+@cuda.jit
+def _best_kernel(keys, idx, U, out_k, out_x):
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    P = keys.shape[0]
+    sh_k = cuda.shared.array(64, np.uint32)
+    sh_x = cuda.shared.array(64, np.int32)
+    for i in range(tid, P, nt):
+        sh_k[i] = keys[i]
+        sh_x[i] = idx[i]
+    cuda.syncthreads()
+    _best_sorted(sh_k, sh_x, P, U, tid, nt)
+    for i in range(tid, U, nt):
+        out_k[i] = sh_k[i]
+        out_x[i] = sh_x[i]
+
+
+@pytest.mark.parametrize("P, U, nt", [(64, 1, 4), (64, 4, 8), (32, 8, 4), (64, 16, 2), (16, 16, 4), (64, 32, 32)])
+def test_bitonic_top_k_is_the_best_u_in_order(P, U, nt):
+    rng = np.random.default_rng(P * U + nt)
+    keys = rng.integers(1, 6, size=P).astype(np.uint32)  # ties everywhere: the index decides
+    idx = rng.permutation(1000)[:P].astype(np.int32)
+    out_k = np.zeros(U, np.uint32)
+    out_x = np.zeros(U, np.int32)
+    _best_kernel[1, nt](keys, idx, U, out_k, out_x)
+    want = sorted(zip((-keys.astype(np.int64)).tolist(), idx.tolist()))[:U]
+    assert list(zip((-out_k.astype(np.int64)).tolist(), out_x.tolist())) == want
 
 
 # ---- phase 1 over several chunks a row (chunks made small for the simulator) ---------------------
