@@ -381,7 +381,8 @@ class CUDABackend:
         slots = self._memo_ints(step, "samplers", step.samplers)
         S = logits.shape[0]
         tokens, flags = cuda.device_array(S, np.int32), cuda.device_array(S, np.int32)
-        sample_k.sample_rows(logits, slots, self.sampler_slots(), tokens, flags, stream=self.stream)
+        sample_k.sample_rows(logits, slots, self.sampler_slots(), tokens, flags, stream=self.stream,
+                             **({"threads": 32} if SIM else {}))  # the simulator: a Python thread each
         return tokens, flags
 
     @_guarded

@@ -72,10 +72,12 @@ class Step:
         if extra <= 0:
             return self
         zeros = np.zeros(extra, np.int64)
+        samplers = None if self.samplers is None else np.concatenate([self.samplers, np.full(extra, -1, np.int32)])
+        feed = None if self.feed is None else (np.concatenate([self.feed[0], self.feed[0][zeros]]), self.feed[1])
         return Step(np.concatenate([self.tokens, self.tokens[zeros]]),
                     np.concatenate([self.positions, self.positions[zeros]]),
                     np.arange(n + 1, dtype=np.int64), [*self.caches, *[self.caches[0]] * extra],
-                    self.all_logits, samplers=self.samplers, feed=self.feed)
+                    self.all_logits, samplers=samplers, feed=feed)  # padding: sampled by no slot
 
     def last_rows(self) -> np.ndarray:
         """[S] the index of each sequence's last row."""

@@ -154,8 +154,8 @@ class DeviceDecoder:
                 feed = None
                 for _ in range(2):  # eager once, then captured (cuda_graphs.GraphCache); fed as in serving
                     scratch.n_past = max(0, c // 2)  # positions in (c/2, c]: this many cells
-                    out, _flags = self.model.decode_sampled([0], [scratch], [-1] * n, feed, pad=n)
-                    feed = (np.zeros(n, np.int32), out)
+                    out, _flags = self.model.decode_sampled([0], [scratch], [-1], feed, pad=n)
+                    feed = (np.zeros(1, np.int32), out)
         self.backend.stream.synchronize()
         return self.backend.graphs.captures - before
 
@@ -178,10 +178,9 @@ class DeviceDecoder:
         n = padded_size(S, self.max_batch) if self.pad else S
         tokens = [0 if s.token is None else s.token for s in seqs]
         slots = [s.slot for s in seqs]
-        slots += [-1] * (n - S)  # padding: sampled by no slot (token 0, no state touched)
         feed = None
         if src is not None and prev is not None and prev.tokens is not None and any(r >= 0 for r in src):
-            feed = (np.asarray(list(src) + [src[0]] * (n - S), np.int32), prev.tokens)
+            feed = (np.asarray(src, np.int32), prev.tokens)
         out, flags = self.model.decode_sampled(tokens, [s.cache for s in seqs], slots, feed, pad=n)
         return DevicePending(self.backend, out, flags, S)
 

@@ -122,8 +122,8 @@ class Transformer:
         each sequence's sampler slot. feed: (src [S], prev) when some input tokens are the step
         before's sampled ids, never seen by the host (src[s] >= 0: prev[src[s]]; tokens[s] is then
         a placeholder); only when `device_fed` (nothing on the host reads the step's tokens).
-        pad > S: the step runs as one of pad rows, S..pad-1 copies of row 0 (Step.padded; samplers
-        and feed's src then have pad entries), so that few batch sizes need a graph."""
+        pad > S: the step runs as one of pad rows, S..pad-1 copies of row 0 (Step.padded: sampled
+        by no slot), so that few batch sizes need a graph."""
         tokens = self._check_tokens(tokens)
         if tokens.size != len(caches):
             raise RequestError(f"{tokens.size} tokens for {len(caches)} distinct sequences")
