@@ -4,8 +4,9 @@
 
 Prints, per option set, rows S (1, 4, 16, 64) and kernel: the GPU time of one launch (CUDA events,
 median of --n) for the two-phase sampler (sample_rows: phase 1 over chunks of the vocabulary, phase
-2 a block a row) and the one-block kernel it replaced (sample_rows_single), at 256 and 1024 threads
-a block, and the CPU Sampler's time for one row; a configuration the kernel refuses prints
+2 a block a row; "two-phase A/B": A threads a phase-1 block, B a phase-2 block; sample_rows's
+defaults are 256/1024) and the one-block kernel it replaced (sample_rows_single), at 256 and 1024
+threads a block, and the CPU Sampler's time for one row; a configuration the kernel refuses prints
 "refused: why". Then checks, at this vocabulary: the two kernels draw the same tokens from the same
 seeds, greedy tokens (with the repeat penalty) equal the CPU's, and a CUDA graph of the launch
 replays to the same tokens as eager launches from the same seeds.
@@ -49,8 +50,12 @@ def main() -> None:
     rng = np.random.default_rng(0)
     stream = nonblocking_stream()
     kernels = {
-        "two-phase T=1024": lambda *a: sample_rows(*a, stream=stream, threads=1024, chunk=args.chunk),
-        "two-phase T=256": lambda *a: sample_rows(*a, stream=stream, threads=256, chunk=args.chunk),
+        "two-phase 256/1024": lambda *a: sample_rows(*a, stream=stream, threads=1024, chunk=args.chunk,
+                                                     chunk_threads=256),
+        "two-phase 1024/1024": lambda *a: sample_rows(*a, stream=stream, threads=1024, chunk=args.chunk,
+                                                      chunk_threads=1024),
+        "two-phase 256/256": lambda *a: sample_rows(*a, stream=stream, threads=256, chunk=args.chunk,
+                                                    chunk_threads=256),
         "one-block T=256": lambda *a: sample_rows_single(*a, stream=stream, threads=256),
         "one-block T=1024": lambda *a: sample_rows_single(*a, stream=stream, threads=1024),
     }
@@ -61,7 +66,7 @@ def main() -> None:
         return x.tolist()
     history = rng.integers(0, V, size=200).tolist()
     print(f"V={V}, chunk={args.chunk}; GPU us per launch (median of {args.n}); CPU ms per row")
-    print(f"{'options':28s} {'S':>3s} {'kernel':18s} {'GPU us':>9s} {'CPU ms/row':>10s}")
+    print(f"{'options':28s} {'S':>3s} {'kernel':20s} {'GPU us':>9s} {'CPU ms/row':>10s}")
     same = {}
     for name, fields in OPTION_SETS.items():
         o = SamplingOptions(seed=1, **fields)
@@ -82,7 +87,7 @@ def main() -> None:
                     run(logits, slots, pool, tokens, flags)  # compile, warm
                     stream.synchronize()
                 except Exception as e:  # noqa: BLE001  (a refused configuration is a result here)
-                    print(f"{name:28s} {S:3d} {kname:18s} refused: {type(e).__name__}: {e}"[:200])
+                    print(f"{name:28s} {S:3d} {kname:20s} refused: {type(e).__name__}: {e}"[:200])
                     continue
                 if S == 16:  # first draws from the same seeds and logits: the kernels must agree
                     same.setdefault(name, {})[kname] = to_host(tokens)
@@ -94,7 +99,7 @@ def main() -> None:
                     b.record(stream)
                     b.synchronize()
                     times.append(cuda.event_elapsed_time(a, b) * 1e3)
-                print(f"{name:28s} {S:3d} {kname:18s} {statistics.median(times):9.1f} {cpu_ms:10.2f}")
+                print(f"{name:28s} {S:3d} {kname:20s} {statistics.median(times):9.1f} {cpu_ms:10.2f}")
     for name, got in same.items():
         print(f"same first tokens, every kernel ({name}):", len({tuple(t) for t in got.values()}) == 1)
 

@@ -10,8 +10,8 @@ CUDA graph reads fixed addresses and a sequence's draws never depend on the othe
 (`SamplerSlots`: options, a xoroshiro128+ state, a ring of the last tokens of history, and phase
 1's outputs by slot).
 
-`sample_rows`, on the rows' logits, which it may overwrite. Phase 1 (`_chunks`, grid (C, S): a row
-is read by C blocks at once, not by one SM), block (c, row):
+`sample_rows`, on the rows' logits, which it may overwrite. Phase 1 (`_chunks`, grid (C, S), 256
+threads a block by default: a row is read by C blocks at once, not by one SM), block (c, row):
 1. the repeat penalty of the ring tokens in its chunk, in float32 (float64 then rounded: the same
    bits), in two phases (every ring entry computes from the unmodified logit, barrier, write back)
    so duplicate tokens do not race; non-finite logits are left as they are, for the flag;
@@ -21,7 +21,7 @@ is read by C blocks at once, not by one SM), block (c, row):
    bitonic top-k in shared memory (runs of U >= m sorted, then rounds that keep the best U of two
    runs): every one of the row's first k is among the chunks' candidates.
 Keys are an order-preserving uint32 of each logit (-0.0 keyed as +0.0, as the CPU's comparisons
-treat them). Phase 2 (`_finish`, grid S, a block a row):
+treat them). Phase 2 (`_finish`, grid S, a block a row, 1024 threads by default):
 4. a flagged chunk: flag 1 (token 0) and nothing else happens to the slot;
 5. the maximum over the chunks' (first index among equals): temperature <= 0 takes it (the CPU's
    np.argmax, bit for bit);
@@ -72,6 +72,9 @@ MAX_THREADS = 1024  # also the most candidates the sorted path holds
 _SCAN_SIZE = MAX_THREADS + 32  # a scan's buffer: a value a thread, then the warp totals
 CHUNK = 2048  # logits a phase-1 block reads (default)
 CHUNK_MAX = 2048  # its shared arrays
+# threads a phase-1 block: ~62 registers a thread let an SM hold ~1024 threads, so 256 a block
+# keeps 4 blocks (chunks) of a launch in flight a SM where 1024 would keep one
+CHUNK_THREADS = 256
 CAND_MAX = 16384  # phase-1 candidates a row keeps (C * min(k, chunk)); past it, the one-block path
 _INT_MAX = 2**31 - 1
 _FLT_MAX = float(np.finfo(np.float32).max)
@@ -966,18 +969,22 @@ class SamplerSlots:
 
 
 def sample_rows(logits, slots, pool: SamplerSlots, tokens_out, flags_out, stream=0,
-                threads: int = MAX_THREADS, sort_max: int = MAX_THREADS, chunk: int = CHUNK) -> None:
+                threads: int = MAX_THREADS, sort_max: int = MAX_THREADS, chunk: int = CHUNK,
+                chunk_threads: int = CHUNK_THREADS) -> None:
     """Samples row r of logits (device f32 [S, V], overwritten) for slot slots[r] (device int32
     [S]; < 0: a padding row, token 0, no state touched; a slot at most once a launch) into
     tokens_out[r] and flags_out[r] (device int32 [>= S]; flag 1: non-finite logits, token 0).
     Two launches (phase 1: grid (ceil(V / chunk), S); phase 2: grid S), no host sync, and no
-    allocation after the first launch of a pool at this V: capturable. threads: per block, a
-    power of 2 in 1..1024 (phase 1 uses at most chunk / 2); sort_max: the largest top_k sorted
-    in shared memory (<= 1024); chunk: logits per phase-1 block, a power of 2 in 2..2048."""
+    allocation after the first launch of a pool at this V: capturable. threads: per phase-2
+    block, a power of 2 in 1..1024; sort_max: the largest top_k sorted in shared memory (<= 1024);
+    chunk: logits per phase-1 block, a power of 2 in 2..2048; chunk_threads: per phase-1 block
+    (at most threads and chunk / 2)."""
     S, V = logits.shape
     _check(logits, slots, tokens_out, flags_out, threads, sort_max)
     if chunk < 2 or chunk > CHUNK_MAX or chunk & (chunk - 1):
         raise ValueError(f"sample_rows: chunk {chunk} (a power of 2 in 2..{CHUNK_MAX})")
+    if chunk_threads < 1 or chunk_threads > MAX_THREADS or chunk_threads & (chunk_threads - 1):
+        raise ValueError(f"sample_rows: chunk_threads {chunk_threads} (a power of 2 in 1..1024)")
     if S == 0:
         return
     C = -(-V // chunk)
@@ -986,7 +993,7 @@ def sample_rows(logits, slots, pool: SamplerSlots, tokens_out, flags_out, stream
     P = 1
     while P < min(chunk, V):
         P *= 2
-    launch(_chunks, (best.shape[1], S), max(1, min(threads, P // 2)), stream, logits, slots, pool.params,
+    launch(_chunks, (best.shape[1], S), max(1, min(chunk_threads, threads, P // 2)), stream, logits, slots, pool.params,
            pool.ring, pool.ringpos, pool.scratch, best, bad, cand_v, cand_i, chunk, sort_max)
     launch(_finish, S, threads, stream, logits, slots, pool.params, pool.rng, pool.ring, pool.ringpos,
            best, bad, cand_v, cand_i, tokens_out, flags_out, chunk, sort_max, _scale(V))

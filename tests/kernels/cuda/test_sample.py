@@ -360,6 +360,8 @@ def test_bad_arguments_are_refused():
     for chunk in (1, 12, 4096):
         with pytest.raises(ValueError):
             sample_rows(logits, slots, pool, out, out, chunk=chunk)
+    with pytest.raises(ValueError):
+        sample_rows(logits, slots, pool, out, out, chunk_threads=100)
 
 
 @cuda.jit
