@@ -366,6 +366,25 @@ def _multi_chunk(topk, V, sort_max, chunk, C, cap):
     return topk > 0 and topk < V and topk <= sort_max and C * min(topk, chunk) <= cap
 
 
+@device
+def _take(x, i, n, lo, flag, bk, bi, sh_k, sh_x):
+    """Phase 1's look at entry i of its chunk (x: its logit; i >= n: padding, key 0, sorts last):
+    -> (flag, best key, its index) updated (a thread's i rise: the first of equal keys stays);
+    the key and index into shared memory."""
+    kk = np.int64(0)
+    if i < n:
+        if math.isnan(x) or math.isinf(x):
+            flag = 1
+        else:
+            kk = _key(x)
+        if kk > bk:
+            bk = kk
+            bi = lo + i
+    sh_k[i] = np.uint32(kk)
+    sh_x[i] = lo + i if i < n else _INT_MAX
+    return flag, bk, bi
+
+
 @_kernel
 def _chunks(logits, slots, params, ring, ringpos, scratch, best, bad, cand_v, cand_i, chunk, sort_max):
     """Phase 1, block (c, row) on logits [row, c*chunk : (c+1)*chunk): the repeat penalty of the
@@ -424,19 +443,21 @@ def _chunks(logits, slots, params, ring, ringpos, scratch, best, bad, cand_v, ca
     flag = 0
     bk = np.int64(0)
     bi = _INT_MAX
-    for i in range(tid, P, nt):  # coalesced; padding keys 0 sort last
-        kk = np.int64(0)
-        if i < n:
-            x = logits[row, lo + i]
-            if math.isnan(x) or math.isinf(x):
-                flag = 1
-            else:
-                kk = _key(x)
-            if kk > bk:  # a thread's indices rise: the first of equal keys stays
-                bk = kk
-                bi = lo + i
-        sh_k[i] = np.uint32(kk)
-        sh_x[i] = lo + i if i < n else _INT_MAX
+    for i in range(tid, P, 4 * nt):  # coalesced, four loads in flight a thread (unguarded)
+        j1 = i + nt
+        j2 = j1 + nt
+        j3 = j2 + nt
+        x0 = logits[row, lo + min(i, n - 1)]
+        x1 = logits[row, lo + min(j1, n - 1)]
+        x2 = logits[row, lo + min(j2, n - 1)]
+        x3 = logits[row, lo + min(j3, n - 1)]
+        flag, bk, bi = _take(x0, i, n, lo, flag, bk, bi, sh_k, sh_x)
+        if j1 < P:
+            flag, bk, bi = _take(x1, j1, n, lo, flag, bk, bi, sh_k, sh_x)
+        if j2 < P:
+            flag, bk, bi = _take(x2, j2, n, lo, flag, bk, bi, sh_k, sh_x)
+        if j3 < P:
+            flag, bk, bi = _take(x3, j3, n, lo, flag, bk, bi, sh_k, sh_x)
     if cuda.syncthreads_or(flag):
         if tid == 0:
             bad[slot, c] = 1
