@@ -42,7 +42,8 @@ treat them). Phase 2 (`_finish`, grid S, a block a row, 1024 threads by default)
    temperature > 0, as the CPU's generator is), the first candidate whose running weight passes it.
 8. the token goes to tokens_out[row] and into the slot's ring (the history grows by it).
 The tokens are those of the one-block kernel the two phases replaced (`sample_rows_single`, kept
-for benchmarks/gpu_sample.py): the same candidates in the same order, the same sums.
+for benchmarks/gpu_sample.py) at the same threads a (phase-2) block: the same candidates in the
+same order, the same sums in the same order.
 
 The launches never sync the host, so they can be captured in a CUDA graph; they allocate only the
 first time a pool meets a vocabulary (phase 1's scratch, kept; a plain device_array, which a
