@@ -58,7 +58,7 @@ class HostDecoder:
     def detach(self, seq) -> None:
         pass
 
-    def warm(self, n_ctx: int) -> int:
+    def warm(self, n_ctx: int, prefill_rows: int = 512) -> int:
         return 0
 
     def overlaps(self, seqs) -> bool:
@@ -136,14 +136,19 @@ class DeviceDecoder:
             self.slots.release(seq.slot)
             seq.slot = None
 
-    def warm(self, n_ctx: int, cells: tuple[int, ...] = WARM_CELLS) -> int:
+    def warm(self, n_ctx: int, prefill_rows: int = 512, cells: tuple[int, ...] = WARM_CELLS) -> int:
         """Capture now, at load, the decode graphs of every padded size (1, 2, 4, 8, 16, ...) for
         contexts up to each of `cells`, so that the first burst of users does not wait for them:
-        each shape runs once eagerly and is then captured. The KV pool first makes room for
-        max_batch sequences (a pool that grows later would make every graph stale). -> graphs made."""
+        each shape runs once eagerly and is then captured. First the attention scratch grows to a
+        prefill pass of `prefill_rows` and the KV pool makes room for max_batch sequences (either
+        growing later would make every graph stale). -> graphs made."""
         cells = tuple(c for c in cells if c < n_ctx)
         if not (cells and self.pad and getattr(self.backend, "use_graphs", False)):
             return 0
+        # a prefill pass as large as the serving loop makes: the attention scratch grows to it now
+        # (a scratch that grows later makes every graph stale, and the first burst waits for them)
+        rows = max(1, min(prefill_rows, n_ctx - 1))
+        self.model.forward_many([[0] * rows], [self.model.new_cache(rows)])
         caches = [self.model.new_cache(max(cells) + 1) for _ in range(self.max_batch)]
         scratch = caches[0]
         scratch.reserve(max(cells))

@@ -222,7 +222,7 @@ class Batcher:
         """Compute thread (the load's job): the decode graphs captured before the first request."""
         t0 = time.perf_counter()
         try:
-            made = self._decoder().warm(self.engine.n_ctx)
+            made = self._decoder().warm(self.engine.n_ctx, PREFILL_TOKENS)
         except Exception as e:  # noqa: BLE001 - graphs are an optimisation: they are made when first needed
             log.warning("%s: capturing the decode graphs at load failed (%s); they are captured as needed",
                         self.name, e)
