@@ -18,8 +18,11 @@ whatever shares its step (batch invariance); a decode step is always the GEMV.
 Host synchronisation per step: the step's token ids, positions and KV slots go to the device
 once (memo), the router's expert ids come back to the host once per MoE layer (the expert
 provider and the routing trace take host ids; the expert kernels read the device copy), and the
-sampled logits rows come back at the end. Everything runs in order on one non-blocking stream.
-A decode step replayed as a CUDA graph (run_step, cuda_graphs.py) syncs only for the logits.
+logits rows come back at the end, or, for the serving loop, only the token ids the step sampled
+on the device (`sample`, daemon/kernels/cuda/sample.py; `readback`: pinned copies and an event).
+Everything runs in order on one non-blocking stream. A decode step replayed as a CUDA graph
+(run_step, cuda_graphs.py) syncs only for its output; its input tokens may be the step before's
+sampled ids, gathered on the device (`_fed_tokens`), so the host need not have seen them.
 
 A CUDA error (driver, launch, out of memory) surfaces as DeviceError (a ModelError): the request
 fails, the engine goes on. An error that poisons the context (an illegal address) leaves every
