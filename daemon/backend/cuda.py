@@ -361,7 +361,7 @@ class CUDABackend:
         the step before, never seen by the host), else step.tokens[s]."""
         src, prev = step.feed
         both = np.stack([np.asarray(src, np.int32), np.asarray(step.tokens, np.int32)])  # [2, S]
-        feed_k.fed_tokens(out, self._memo_ints(None, "", both.reshape(-1)), prev, stream=self.stream)
+        feed_k.fed_tokens(out, cuda.to_device(both.reshape(-1), stream=self.stream), prev, stream=self.stream)
         return out
 
     # -- sampling ------------------------------------------------------------------------------
