@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 
 import numpy as np
 from numba import cuda
@@ -240,6 +241,7 @@ class CUDABackend:
 
     def _kv_grew(self, delta: int) -> None:
         self.bytes["kv"] += delta  # KV and, for a hybrid family, the recurrent states
+        log.debug("%s: the KV pool grew by %d bytes; %d graphs dropped", self.name, delta, len(self.graphs))
         self.graphs.clear()  # they hold the old pool's addresses
 
     @_guarded
@@ -290,6 +292,7 @@ class CUDABackend:
         routers' ids there), so a decode step may be captured as graph segments between them."""
         if self.samplers is not None and self.samplers.generation != self._sampler_generation:
             self._sampler_generation = self.samplers.generation
+            log.debug("%s: sampler pools remade; %d graphs dropped", self.name, len(self.graphs))
             self.graphs.clear()  # they hold the old pools' addresses
         key = self._graph_key(step) if (static or segmented) and self.use_graphs else None
         if key is None or key in self.graphs.failed:
@@ -304,12 +307,15 @@ class CUDABackend:
         g = self.graphs.get(key)
         if g is None:
             if self.graphs.first_sighting(key):  # eager once: kernels compile, buffers are made
+                log.debug("%s: decode step %s seen first: eager", self.name, key)
                 return compute()
             self._capturing = True
             if self.arrays is not None:  # the graph keeps what it uses: plain allocations, recorded
                 self.arrays.plain = True
+            t0 = time.perf_counter()
             try:
                 g = self.graphs.capture(key, self.stream, compute, segmented)
+                log.debug("%s: decode step %s captured in %.3f s", self.name, key, time.perf_counter() - t0)
             except (DeviceError, *CUDA_ERRORS) as e:  # graphs are an optimisation: this shape stays eager
                 self.graphs.failed.add(key)
                 log.warning("%s: capturing a decode step of %d sequences failed (%s); it runs eagerly",
@@ -675,6 +681,8 @@ class CUDABackend:
             rows = max(rows, w.max_rows) if keep else rows
             chunks = max(chunks, w.max_chunks) if keep else chunks
             self._work = w = None  # the old scratch is freed before the new one is made
+            log.debug("%s: attention scratch grows to %d rows x %d chunks; %d graphs dropped", self.name, rows,
+                      chunks, len(self.graphs))
             self.graphs.clear()  # they hold its addresses
             w = self._work = attn.AttentionWork(rows, n_head, chunks * attn.CHUNK, dv)
             self.bytes["scratch"] += int(w.part_m.nbytes + w.part_l.nbytes + w.part_o.nbytes) - old

@@ -141,7 +141,8 @@ class DeviceDecoder:
         contexts up to each of `cells`, so that the first burst of users does not wait for them:
         each shape runs once eagerly and is then captured. First the attention scratch grows to a
         prefill pass of `prefill_rows` and the KV pool makes room for max_batch sequences (either
-        growing later would make every graph stale). -> graphs made."""
+        growing later would make every graph stale), and prefills of 1..max_batch prompts compile
+        what they need. -> graphs made."""
         cells = tuple(c for c in cells if c < n_ctx)
         if not (cells and self.pad and getattr(self.backend, "use_graphs", False)):
             return 0
@@ -149,6 +150,10 @@ class DeviceDecoder:
         # (a scratch that grows later makes every graph stale, and the first burst waits for them)
         rows = max(1, min(prefill_rows, n_ctx - 1))
         self.model.forward_many([[0] * rows], [self.model.new_cache(rows)])
+        # prompts that arrive together: a prefill's output rows (one per prompt) run kernels
+        # specialized by their count, which a first burst would otherwise compile on its way
+        for k in range(1, self.max_batch + 1):
+            self.model.prefill_sampled([[0, 0]] * k, [self.model.new_cache(2) for _ in range(k)], [-1] * k)
         caches = [self.model.new_cache(max(cells) + 1) for _ in range(self.max_batch)]
         scratch = caches[0]
         scratch.reserve(max(cells))

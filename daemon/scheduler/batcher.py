@@ -259,6 +259,8 @@ class Batcher:
             try:
                 tokens, errors = decoder.prefill(part)
                 self.prefill_passes += 1
+                log.debug("%s: prefill of %d prompts (%d rows) in %.3f s", self.name, n, rows,
+                          (time.perf_counter_ns() - t0) / 1e9)
             except Exception:  # alone, each sequence gets its own outcome
                 log.debug("a prefill of %d prompts failed; each is retried alone", len(part), exc_info=True)
                 tokens, errors = [0] * len(part), [None] * len(part)

@@ -167,3 +167,21 @@ async def test_stop_strings_and_end_of_generation_end_exactly_on_the_device(gpu_
                                                   options=GREEDY)) for r in plain))
     for (t1, d1), (t2, d2) in zip(alone, both):
         assert t1 == t2 and not ends & set(t2) and d2.done_reason == d1.done_reason
+
+
+async def test_a_first_burst_compiles_and_captures_nothing_the_load_did_not(gpu_sched):
+    """The load's warm-up leaves a burst of 1..16 prompts arriving together (prefilled in one pass,
+    then decoded in padded steps) nothing to compile or capture: the first burst runs at the pace
+    of the later ones."""
+    from daemon.kernels.cuda import launch
+
+    s, model = gpu_sched
+    await _run(s, Generate(1, model, tokens=[5, 6, 7], max_tokens=2, options=GREEDY))  # loads and warms
+    backend = s.registry.find(model).engine.model.backend
+    kernels, captures = dict(launch.COUNTS), backend.graphs.captures
+    for n in (3, 7, 12, 16):
+        reqs = [Generate(100 * n + i, model, tokens=[(11 * i + n) % 400 + 1] * (2 + i % 5), max_tokens=5,
+                         options=GREEDY) for i in range(n)]
+        await asyncio.gather(*(_run(s, r) for r in reqs))
+    assert launch.COUNTS == kernels
+    assert backend.graphs.captures == captures

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import time
 
 from . import kernel_cache
 from .ptx import SIMULATOR
@@ -96,8 +97,10 @@ def _resolve(kernel, args):
     if cached is not None:
         COUNTS["cached"] += 1
         return cached, converters
+    t0 = time.perf_counter()
     overload = kernel.compile(argtypes)
     COUNTS["compiled"] += 1
+    log.debug("compiled %s in %.2f s", getattr(kernel, "__name__", kernel), time.perf_counter() - t0)
     _disk.store(kernel, argtypes, overload)
     return overload._codelibrary.get_cufunc().kernel, converters  # noqa: SLF001
 
