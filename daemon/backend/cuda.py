@@ -81,6 +81,10 @@ _OP_BUFFERS_KEPT = 256 << 20  # pooled op buffers kept past an eager step (bytes
 _bound = threading.local()  # the device this thread's numba context is on
 
 
+def _work_bytes(w: attn.AttentionWork | None) -> int:
+    return 0 if w is None else int(w.part_m.nbytes + w.part_l.nbytes + w.part_o.nbytes)
+
+
 def _guarded(fn):
     """An op: on this backend's device in any calling thread; CUDA errors become DeviceError."""
 
@@ -148,7 +152,9 @@ class CUDABackend:
         self.use_graphs = graphs and not SIM  # the simulator has no graphs
         self._capturing = False
         self._pools: dict[tuple, KVPool] = {}
-        self._work: attn.AttentionWork | None = None
+        self._work: attn.AttentionWork | None = None  # calls of more rows than the pool's slots (prefills)
+        self._work_captured = False  # a captured graph holds self._work
+        self._step_work: attn.AttentionWork | None = None  # calls of up to the pool's slots rows
         self._byte_maps: dict[int, object] = {}
         self._group_biases: dict[tuple, object] = {}  # upload groups' biases, concatenated
         self._iota = cuda.to_device(np.arange(1, dtype=np.int32))
@@ -239,10 +245,14 @@ class CUDABackend:
                                              ssm=hp.ssm if hybrid else None, recurrent=hp.recurrent if hybrid else ())
         return DeviceKVCache(pool, n_ctx, self.stream)
 
-    def _kv_grew(self, delta: int) -> None:
+    def _kv_grew(self, delta: int, moved: bool) -> None:
         self.bytes["kv"] += delta  # KV and, for a hybrid family, the recurrent states
-        log.debug("%s: the KV pool grew by %d bytes; %d graphs dropped", self.name, delta, len(self.graphs))
-        self.graphs.clear()  # they hold the old pool's addresses
+        if moved:  # more slots, or longer than reserved: new arrays
+            log.debug("%s: the KV pool was made again (%+d bytes); %d graphs dropped", self.name, delta,
+                      len(self.graphs))
+            self.graphs.clear()  # they hold the old pool's addresses
+        else:
+            log.debug("%s: the KV pool mapped %d bytes more", self.name, delta)
 
     @_guarded
     def to_host(self, x) -> np.ndarray:
@@ -667,25 +677,46 @@ class CUDABackend:
         Dv = vc.shape[3]
         out = self._empty((T, H, Dv), _F32)
         attn.attention(q, kc, vc, slots, positions, scale, window, None if sinks is None else self._dev(sinks), out,
-                       self._work_for(T, H, pool.cells, Dv), max_cells, one_slot=step.S == 1, stream=self.stream)
+                       self._work_for(T, H, pool, Dv), max_cells, one_slot=step.S == 1, stream=self.stream)
         return out
 
-    def _work_for(self, rows: int, n_head: int, cells: int, dv: int) -> attn.AttentionWork:
-        """The attention scratch, grown to hold `rows` rows over `cells` cells."""
+    def _work_for(self, rows: int, n_head: int, pool: KVPool, dv: int) -> attn.AttentionWork:
+        """The attention scratch for `rows` rows over the pool's cells. Calls of up to the pool's
+        slots rows (decode steps, the captured ones) share one sized for every cell the pool
+        reserves, made once per pool shape, so the graphs holding it stay valid as the pool maps
+        more cells; longer calls (prefills) share one grown as needed."""
+        small = max(pool.slots, self.max_slots)
+        if rows <= small:
+            chunks = -(-pool.reserved_cells // attn.CHUNK)
+            w = self._step_work
+            if w is None or w.max_rows < small or w.max_chunks < chunks or w.part_o.shape[1] != n_head \
+                    or w.part_o.shape[3] != dv:
+                if w is not None:
+                    log.debug("%s: decode attention scratch made again; %d graphs dropped", self.name, len(self.graphs))
+                    self.graphs.clear()  # they hold its addresses
+                self._step_work, old, w = None, _work_bytes(w), None  # freed before the new one is made
+                self._step_work = self._new_work(old, small, n_head, chunks, dv)
+            return self._step_work
         w = self._work
-        chunks = -(-cells // attn.CHUNK)
+        chunks = -(-pool.cells // attn.CHUNK)
         if w is None or w.max_rows < rows or w.max_chunks < chunks or w.part_o.shape[1] != n_head \
                 or w.part_o.shape[3] != dv:
-            old = 0 if w is None else int(w.part_m.nbytes + w.part_l.nbytes + w.part_o.nbytes)
             keep = w is not None and w.part_o.shape[1] == n_head and w.part_o.shape[3] == dv
             rows = max(rows, w.max_rows) if keep else rows
             chunks = max(chunks, w.max_chunks) if keep else chunks
-            self._work = w = None  # the old scratch is freed before the new one is made
-            log.debug("%s: attention scratch grows to %d rows x %d chunks; %d graphs dropped", self.name, rows,
-                      chunks, len(self.graphs))
-            self.graphs.clear()  # they hold its addresses
-            w = self._work = attn.AttentionWork(rows, n_head, chunks * attn.CHUNK, dv)
-            self.bytes["scratch"] += int(w.part_m.nbytes + w.part_l.nbytes + w.part_o.nbytes) - old
+            self._work, old, w = None, _work_bytes(w), None  # freed before the new one is made
+            if self._work_captured:
+                log.debug("%s: attention scratch grows; %d graphs dropped", self.name, len(self.graphs))
+                self.graphs.clear()  # they hold its addresses
+                self._work_captured = False
+            self._work = self._new_work(old, rows, n_head, chunks, dv)
+        self._work_captured |= self._capturing
+        return self._work
+
+    def _new_work(self, old_bytes: int, rows: int, n_head: int, chunks: int, dv: int) -> attn.AttentionWork:
+        """A scratch replacing one of old_bytes in the VRAM tally."""
+        w = attn.AttentionWork(rows, n_head, chunks * attn.CHUNK, dv)
+        self.bytes["scratch"] += _work_bytes(w) - old_bytes
         return w
 
     @_guarded

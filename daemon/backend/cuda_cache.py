@@ -1,7 +1,7 @@
 """The CUDA backend's sequence caches: a per-model pool of sequence slots in VRAM, one f16 array
-pair per attention layer in the slot layout of daemon/kernels/cuda/attention.py:
+pair per attention layer in the cell-major layout of daemon/kernels/cuda/attention.py:
 
-    k[ia]: f16 [S, Hkv, C, Dh]    v[ia]: f16 [S, Hkv, C, Dv]
+    k[ia]: f16 [Cr, S, Hkv, Dh]    v[ia]: f16 [Cr, S, Hkv, Dv]
 
 and, for a hybrid family (qwen3next, qwen35moe), every Gated DeltaNet layer's f32 state in the
 layout of daemon/kernels/cuda/gdn.py, all recurrent layers in one array of each kind:
@@ -20,11 +20,13 @@ cell j before any of its rows can see it. The recurrent states are read from the
 so a sequence's slot is zeroed when it takes the slot (one memset of the slot's conv and state
 slices, in the backend's stream order).
 
-The pool grows on demand: slots double when all are taken, cells double (from FIRST_CELLS) up
-to the largest n_ctx asked for, as the CPU cache grows; growing copies the cells and states on
-the device.
+Growing cells does not move the pool. Each KV array's address range is reserved for Cr cells (the
+largest n_ctx asked for) and VRAM is mapped for the first `cells` only (cuda_reserved.py): cells
+double from FIRST_CELLS by mapping more, so the graphs that captured the arrays stay valid. Only
+what changes the arrays' shapes moves them (copied on the device, on_grow told `moved`): more
+sequences than slots (slots double), or a sequence longer than Cr.
 
-Legend: L = attention layers, NR = recurrent layers, S = slots, C = cells (positions) per slot,
+Legend: L = attention layers, NR = recurrent layers, S = slots, Cr = cells reserved per slot,
 Hkv = key/value heads, Dh = key head size, Dv = value head size; Ch = conv channels, Kc = conv
 kernel, Hv = the delta net's value heads, Dk / Dvs = its key / value head sizes.
 """
@@ -44,8 +46,9 @@ from ..kernels.cuda.device import SIM
 from .cache import SequenceCache
 from .cuda_errors import CUDA_ERRORS
 from .cuda_graphs import _check, _drv
+from .cuda_reserved import ReservedArray
 
-# cells allocated up front (fewer if n_ctx is smaller): the CPU cache's 256; under the simulator,
+# cells mapped up front (fewer if n_ctx is smaller): the CPU cache's 256; under the simulator,
 # which runs every device thread in Python, 16 so that tests cross a growth on few rows
 FIRST_CELLS = 16 if SIM else 256
 FIRST_SLOTS = 4
@@ -53,22 +56,23 @@ _THREADS = 256
 
 
 @cuda.jit
-def _copy_cells(old, new):
-    """new[s, h, c, d] = old[s, h, c, d] over old's shape (f16 [S, Hkv, C, D] each)."""
+def _copy_prefix(old, new):
+    """new[a, b, c, d] = old[a, b, c, d] over old's shape (f16 4-d arrays)."""
     i = cuda.grid(1)
-    S, H, C, D = old.shape
-    if i < S * H * C * D:
+    A, B, C, D = old.shape
+    if i < A * B * C * D:
         d = i % D
         c = (i // D) % C
-        h = (i // (D * C)) % H
-        s = i // (D * C * H)
-        new[s, h, c, d] = old[s, h, c, d]
+        b = (i // (D * C)) % B
+        a = i // (D * C * B)
+        new[a, b, c, d] = old[a, b, c, d]
 
 
 class KVPool:
-    """Every attention layer's KV arrays for S sequence slots of C cells, and (ssm given, the
-    layers `recurrent` marks) every recurrent layer's conv and delta-rule states for the same
-    slots. on_grow(delta_bytes) is told of each reallocation (the backend's VRAM tally)."""
+    """Every attention layer's KV arrays for S sequence slots, and (ssm given, the layers
+    `recurrent` marks) every recurrent layer's conv and delta-rule states for the same slots.
+    on_grow(delta_bytes, moved) is told of each growth (the backend's VRAM tally), moved when the
+    arrays were made again (graphs holding them are stale)."""
 
     def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, head_dim_v: int, slots: int = FIRST_SLOTS,
                  on_grow=None, ssm=None, recurrent: tuple[bool, ...] = ()):
@@ -77,13 +81,16 @@ class KVPool:
         self.ssm = ssm if any(self.kinds) else None
         self.n_recurrent = self.kinds.count(True)
         self.shape = (self.kinds.count(False), n_head_kv, head_dim, head_dim_v)  # attention layers
-        self.on_grow = on_grow or (lambda _delta: None)
-        self.k: list = []  # [L] device f16 [S, Hkv, C, Dh]
+        self.on_grow = on_grow or (lambda _delta, _moved: None)
+        self._k: list[ReservedArray] = []  # [L], each [Cr, S, Hkv, Dh]
+        self._v: list[ReservedArray] = []
+        self.k: list = []  # [L] their device arrays
         self.v: list = []
         self.conv = None  # hybrid: device f32 [S, NR, Ch, Kc-1]
         self.state = None  # hybrid: device f32 [S, NR, Hv, Dvs, Dk]
         self.slots = 0
-        self.cells = 0
+        self.cells = 0  # cells every slot has room for (mapped)
+        self.reserved_cells = 0  # Cr
         self.max_ctx = 0  # the largest n_ctx of a sequence so far: cells never grow past it
         self._free: list[int] = []
         self._lock = threading.Lock()  # slots come back from the garbage collector, any thread
@@ -91,8 +98,9 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
+        """The VRAM it holds (mapped cells, not the reserved range)."""
         states = 0 if self.conv is None else int(self.conv.nbytes) + int(self.state.nbytes)
-        return sum(int(a.nbytes) for a in self.k) + sum(int(a.nbytes) for a in self.v) + states
+        return sum(a.nbytes for a in self._k) + sum(a.nbytes for a in self._v) + states
 
     def state_shapes(self, slots: int) -> tuple[tuple, tuple]:
         """The conv and delta-rule state arrays' shapes for `slots` slots (hybrid pools)."""
@@ -107,11 +115,10 @@ class KVPool:
         with self._lock:
             if self._free:
                 return self._free.pop()
-        first = min(n_ctx, FIRST_CELLS)
         if not self.slots:
-            self._resize(self._want_slots, first)
+            self._remake(self._want_slots, self.max_ctx, min(n_ctx, FIRST_CELLS))
         else:
-            self._resize(2 * self.slots, max(self.cells, first))
+            self._remake(2 * self.slots, max(self.reserved_cells, self.max_ctx), self.cells)
         with self._lock:
             return self._free.pop()
 
@@ -121,8 +128,10 @@ class KVPool:
 
     def reserve(self, n: int) -> None:
         """Room for cells 0..n-1 in every slot (n <= max_ctx, checked by the sequence)."""
-        if n > self.cells:
-            self._resize(self.slots, min(self.max_ctx, max(n, 2 * self.cells)))
+        if n > self.reserved_cells:  # a longer sequence than the range was reserved for
+            self._remake(self.slots, self.max_ctx, max(n, self.cells))
+        elif n > self.cells:
+            self._map(min(self.reserved_cells, max(n, 2 * self.cells)))
 
     def clear_states(self, slot: int, stream=0) -> None:
         """Zero slot `slot`'s conv and delta-rule states (a sequence taking the slot starts from
@@ -131,41 +140,58 @@ class KVPool:
             for a in (self.conv, self.state):
                 _zero_slot(a, slot, stream)
 
-    def _resize(self, slots: int, cells: int) -> None:
+    def _map(self, cells: int) -> None:
+        """Cells 0..cells-1 of every slot backed by VRAM; nothing moves."""
+        before = self.nbytes
+        try:
+            for a in (*self._k, *self._v):
+                a.grow(cells)
+        except CUDA_ERRORS as e:  # what was mapped stays: a later reserve maps the rest
+            raise self._no_room(self.slots, cells, before, e) from e
+        finally:
+            self.cells = min(a.mapped_rows for a in (*self._k, *self._v)) if self._k else cells
+            self.on_grow(self.nbytes - before, False)
+
+    def _remake(self, slots: int, reserved: int, cells: int) -> None:
+        """The arrays made again for `slots` slots over `reserved` cells, `cells` of them mapped,
+        holding what the old ones held."""
         L, Hkv, Dh, Dv = self.shape
         before = self.nbytes
-        old_k, old_v = self.k, self.v
         conv, state = self.conv, self.state
         try:
-            k = [_grown(old_k[il] if old_k else None, (slots, Hkv, cells, Dh)) for il in range(L)]
-            v = [_grown(old_v[il] if old_v else None, (slots, Hkv, cells, Dv)) for il in range(L)]
+            k = [self._remade(self._k[il] if self._k else None, (reserved, slots, Hkv, Dh), cells) for il in range(L)]
+            v = [self._remade(self._v[il] if self._v else None, (reserved, slots, Hkv, Dv), cells) for il in range(L)]
             if self.ssm is not None and slots != self.slots:
                 conv_shape, state_shape = self.state_shapes(slots)
                 conv, state = _grown_slots(conv, conv_shape), _grown_slots(state, state_shape)
         except CUDA_ERRORS as e:  # the pool stays as it was
-            need = 2 * L * slots * Hkv * cells * (Dh + Dv)
-            if self.ssm is not None:
-                need += 4 * sum(int(np.prod(shape)) for shape in self.state_shapes(slots))
-            raise DeviceError(f"the KV cache cannot grow to {slots} sequences x {cells} positions "
-                              f"({need / 2**20:,.0f} MiB, from {before / 2**20:,.0f} MiB): {e}") from e
-        self.k, self.v = k, v
+            raise self._no_room(slots, cells, before, e) from e
+        self._k, self._v = k, v
+        self.k, self.v = [a.array for a in k], [a.array for a in v]
         self.conv, self.state = conv, state
         with self._lock:
             self._free.extend(range(slots - 1, self.slots - 1, -1))  # new slots, lowest first out
-        self.slots, self.cells = slots, cells
-        cuda.synchronize()  # grown on the legacy stream: done before the backend's stream reads it
-        self.on_grow(self.nbytes - before)
+        self.slots, self.reserved_cells = slots, reserved
+        self.cells = min(a.mapped_rows for a in (*k, *v)) if k else cells
+        cuda.synchronize()  # copied on the legacy stream: done before the backend's stream reads it
+        self.on_grow(self.nbytes - before, True)
 
+    def _remade(self, old: ReservedArray | None, shape: tuple, cells: int) -> ReservedArray:
+        new = ReservedArray(shape, np.float16)
+        new.grow(cells)
+        if old is not None and self.cells:
+            src = old.array[:min(self.cells, cells)]
+            n = src.size
+            _copy_prefix[(n + _THREADS - 1) // _THREADS, _THREADS](src, new.array)
+        return new
 
-def _grown(old, shape):
-    """A zeroed f16 array of `shape` holding `old` (a smaller one, or None) at its low indices.
-    Zeroed on the device (a host array of zeros would be as large as the pool)."""
-    new = cuda.device_array(shape, np.float16)
-    driver.device_memset(new, 0, new.nbytes)
-    if old is not None and old.size:
-        n = old.size
-        _copy_cells[(n + _THREADS - 1) // _THREADS, _THREADS](old, new)
-    return new
+    def _no_room(self, slots: int, cells: int, before: int, e: Exception) -> DeviceError:
+        L, Hkv, Dh, Dv = self.shape
+        need = 2 * L * slots * Hkv * cells * (Dh + Dv)
+        if self.ssm is not None:
+            need += 4 * sum(int(np.prod(shape)) for shape in self.state_shapes(slots))
+        return DeviceError(f"the KV cache cannot grow to {slots} sequences x {cells} positions "
+                           f"({need / 2**20:,.0f} MiB, from {before / 2**20:,.0f} MiB): {e}")
 
 
 def _grown_slots(old, shape):

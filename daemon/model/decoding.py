@@ -139,15 +139,15 @@ class DeviceDecoder:
     def warm(self, n_ctx: int, prefill_rows: int = 512, cells: tuple[int, ...] = WARM_CELLS) -> int:
         """Capture now, at load, the decode graphs of every padded size (1, 2, 4, 8, 16, ...) for
         contexts up to each of `cells`, so that the first burst of users does not wait for them:
-        each shape runs once eagerly and is then captured. First the attention scratch grows to a
-        prefill pass of `prefill_rows` and the KV pool makes room for max_batch sequences (either
-        growing later would make every graph stale), and prefills of 1..max_batch prompts compile
-        what they need. -> graphs made."""
+        each shape runs once eagerly and is then captured. First a prefill pass of `prefill_rows`
+        and prefills of 1..max_batch prompts compile what they need (a first burst would compile
+        its prompt count's kernels), and the KV pool makes room for max_batch sequences. Longer
+        contexts' graphs are captured when first met, once: the pool's growth keeps graphs.
+        -> graphs made."""
         cells = tuple(c for c in cells if c < n_ctx)
         if not (cells and self.pad and getattr(self.backend, "use_graphs", False)):
             return 0
-        # a prefill pass as large as the serving loop makes: the attention scratch grows to it now
-        # (a scratch that grows later makes every graph stale, and the first burst waits for them)
+        # a prefill pass as large as the serving loop makes: its kernels compile now
         rows = max(1, min(prefill_rows, n_ctx - 1))
         self.model.forward_many([[0] * rows], [self.model.new_cache(rows)])
         # prompts that arrive together: a prefill's output rows (one per prompt) run kernels

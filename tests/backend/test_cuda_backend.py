@@ -82,5 +82,47 @@ def test_kv_slots_are_reused_and_kept_when_the_pool_grows(cuda_backend):
     assert pool.slots == 4
     caches += [b.new_cache(hp, 8) for _ in range(4)]
     assert pool.slots == 8 and len({c.slot for c in caches}) == 5
-    kept = pool.k[0].copy_to_host()[caches[0].slot, 0, 0]  # [Dh] of cell 0
+    kept = pool.k[0][:1].copy_to_host()[0, caches[0].slot, 0]  # [Dh] of cell 0
     assert np.array_equal(kept, k[0, 0].astype(np.float16))
+
+
+def test_more_cells_map_memory_without_moving_the_pool(cuda_backend):
+    """Cells grow inside the range reserved for the largest n_ctx: the arrays (their addresses,
+    which captured graphs hold) stay, and a sequence's cells are kept; the backend keeps its graphs.
+    Only more sequences than slots make the arrays again."""
+    from daemon.backend.cuda_cache import FIRST_CELLS, KVPool
+
+    grew = []
+    # 4 KiB a cell (2 slots x 8 heads x 128 x f16): a 2 MiB granule of VRAM maps 512 cells
+    pool = KVPool(2, 8, 128, 128, slots=2, on_grow=lambda delta, moved: grew.append((delta, moved)))
+    slot = pool.acquire(8 * FIRST_CELLS)
+    assert pool.cells >= FIRST_CELLS and pool.reserved_cells == 8 * FIRST_CELLS and grew[-1][1]
+    k = pool.k[0]
+    def address(a):  # the simulator's arrays have none: their identity stands for it
+        return a.__cuda_array_interface__["data"][0] if hasattr(a, "__cuda_array_interface__") else id(a)
+
+    ptr = address(k)
+    vals = np.arange(128, dtype=np.float16)
+    host = k[:pool.cells].copy_to_host()  # only the mapped cells may be touched
+    host[3, slot, 5] = vals
+    k[:pool.cells].copy_to_device(host)
+    cells, before = pool.cells, pool.nbytes
+    pool.reserve(cells + 1)
+    assert pool.cells >= 2 * cells and pool.k[0] is k and address(k) == ptr
+    assert grew[-1] == (pool.nbytes - before, False) and pool.nbytes >= 2 * 2 * pool.cells * 2 * 8 * 128 * 2
+    assert np.array_equal(pool.k[0][:4].copy_to_host()[3, slot, 5], vals)
+    pool.acquire(8 * FIRST_CELLS)
+    pool.acquire(8 * FIRST_CELLS)  # a third sequence: 4 slots, new arrays holding the old cells
+    assert pool.slots == 4 and grew[-1][1] is True and pool.k[0] is not k
+    assert np.array_equal(pool.k[0][:4].copy_to_host()[3, slot, 5], vals)
+
+
+def test_a_kv_growth_in_cells_keeps_the_backends_graphs(cuda_backend):
+    b = cuda_backend
+    hp = R.small_hparams(n_layer=1, n_head=2, n_head_kv=2, head_dim=8, head_dim_v=8)  # a pool of its own
+    c = b.new_cache(hp, 100_000)  # past a 2 MiB granule's cells: a growth maps more
+    b.graphs.first_sighting("a key")  # stands for a captured step's graph
+    c.reserve(c.pool.cells + 1)
+    assert not b.graphs.first_sighting("a key")  # not cleared
+    b._kv_grew(0, True)  # new arrays: every graph is stale
+    assert b.graphs.first_sighting("a key")

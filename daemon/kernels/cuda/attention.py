@@ -5,9 +5,11 @@ H = query heads, G = H/Hkv query heads per KV head, Dh = key/query head size, Dv
 R = query rows of the call, K = CHUNK cells, NCH = chunks per row (ceil(max cells / K)).
 
 Device KV cache layout, per layer (a GPU cache object owns these arrays and hands out slots):
-    k_cache: f16 [S, Hkv, C, Dh]    v_cache: f16 [S, Hkv, C, Dv]
-A sequence owns one slot; its cell j holds position j (as the CPU cache's row index). Head-major,
-so one KV head's keys of consecutive positions are contiguous.
+    k_cache: f16 [C, S, Hkv, Dh]    v_cache: f16 [C, S, Hkv, Dv]
+A sequence owns one slot; its cell j holds position j (as the CPU cache's row index). Cell-major,
+so the cache grows by appending cells at the end of its memory: its address never changes (the
+pool reserves the range, cuda_reserved.py) and captured graphs stay valid. A cell's keys of one
+(slot, head) are contiguous.
 
 A call attends R query rows, row r being (slots[r], positions[r]): the row sees cells lo..p of its
 slot, p = positions[r], lo = max(0, p - window + 1) with a sliding window, else 0. A decode step is
@@ -106,7 +108,7 @@ def _make_partial(G: int, HB: int, RT: int, DH: int):
         r0 = cuda.blockIdx.z * RT
         tid = cuda.threadIdx.x
         R = q.shape[0]
-        Hkv, C = k_cache.shape[1], k_cache.shape[2]
+        NS, Hkv = k_cache.shape[1], k_cache.shape[2]
         Dv = v_cache.shape[3]
         j0 = c * CHUNK
         pos = cuda.local.array(RT, np.int32)  # per row: last and first visible cell
@@ -131,7 +133,7 @@ def _make_partial(G: int, HB: int, RT: int, DH: int):
         # this thread's cell's keys, loaded together before any use (16 bytes a load)
         kw = cuda.local.array(KW, np.uint32)
         if tid >= a and tid <= b:
-            base = ((slot * Hkv + kh) * C + j) * (2 * DH)
+            base = ((j * NS + slot) * Hkv + kh) * (2 * DH)
             for w in range(0, KW, 4):
                 w0, w1, w2, w3 = ldg_v4(k_cache, base + 4 * w)
                 kw[w] = w0
@@ -181,7 +183,8 @@ def _make_partial(G: int, HB: int, RT: int, DH: int):
         _rows_reduce(red, NP, tid, False)
         if tid < NP and _sees(pos[tid // HB], los[tid // HB], j0):
             part_l[r0 + tid // HB, h0 + tid % HB, c] = red[tid * CHUNK]
-        vbase = (slot * Hkv + kh) * C + j0  # the chunk's first cell of this head, in rows of Dv
+        v_cell = NS * Hkv * Dv  # values a cell holds
+        v_head = (slot * Hkv + kh) * Dv  # this head's values within a cell
         vals = cuda.local.array(_VB, np.float32)
         for d in range(tid, Dv, CHUNK):
             for i in range(NP):
@@ -191,7 +194,7 @@ def _make_partial(G: int, HB: int, RT: int, DH: int):
                 n = min(_VB, b + 1 - jj)
                 for u in range(_VB):
                     if u < n:
-                        vals[u] = f16_to_f32(ldg_u16(v_cache, 2 * ((vbase + jj + u) * Dv + d)))
+                        vals[u] = f16_to_f32(ldg_u16(v_cache, 2 * ((j0 + jj + u) * v_cell + v_head + d)))
                 for u in range(_VB):
                     if u < n:
                         for i in range(NP):
@@ -242,7 +245,7 @@ def _attn_combine(part_m, part_l, part_o, positions, window, sinks, has_sinks, o
 
 @cuda.jit
 def _kv_append(k_new, v_new, slots, positions, k_cache, v_cache):
-    """k_cache[slots[r], h, positions[r]] = f16(k_new[r, h]), and v alike.
+    """k_cache[positions[r], slots[r], h] = f16(k_new[r, h]), and v alike.
     k_new: f32 [R, Hkv, Dh]; v_new: f32 [R, Hkv, Dv]. One thread per (row, head, dim)."""
     idx = cuda.grid(1)
     R, Hkv, Dh = k_new.shape
@@ -257,15 +260,15 @@ def _kv_append(k_new, v_new, slots, positions, k_cache, v_cache):
     slot = slots[r]
     p = positions[r]
     if d < Dh:
-        k_cache[slot, h, p, d] = np.float16(k_new[r, h, d])
+        k_cache[p, slot, h, d] = np.float16(k_new[r, h, d])
     if d < Dv:
-        v_cache[slot, h, p, d] = np.float16(v_new[r, h, d])
+        v_cache[p, slot, h, d] = np.float16(v_new[r, h, d])
 
 
 def new_kv_cache(n_slots: int, n_head_kv: int, n_cells: int, head_dim: int, head_dim_v: int):
-    """One layer's device cache: (k f16 [S, Hkv, C, Dh], v f16 [S, Hkv, C, Dv]), zeroed."""
-    k = cuda.to_device(np.zeros((n_slots, n_head_kv, n_cells, head_dim), np.float16))
-    v = cuda.to_device(np.zeros((n_slots, n_head_kv, n_cells, head_dim_v), np.float16))
+    """One layer's device cache: (k f16 [C, S, Hkv, Dh], v f16 [C, S, Hkv, Dv]), zeroed."""
+    k = cuda.to_device(np.zeros((n_cells, n_slots, n_head_kv, head_dim), np.float16))
+    v = cuda.to_device(np.zeros((n_cells, n_slots, n_head_kv, head_dim_v), np.float16))
     return k, v
 
 
@@ -290,7 +293,7 @@ def kv_append(k_new, v_new, slots, positions, k_cache, v_cache, stream=0) -> Non
     (each position < C: the cache object reserves cells before the step)."""
     R, Hkv, Dh = k_new.shape
     Dv = v_new.shape[2]
-    if (v_new.shape[:2] != (R, Hkv) or k_cache.shape[1] != Hkv or k_cache.shape[3] != Dh
+    if (v_new.shape[:2] != (R, Hkv) or k_cache.shape[2] != Hkv or k_cache.shape[3] != Dh
             or v_cache.shape[3] != Dv or slots.shape != (R,) or positions.shape != (R,)):
         raise ValueError(f"kv_append: k {k_new.shape}, v {v_new.shape}, caches {k_cache.shape} {v_cache.shape}")
     n = R * Hkv * max(Dh, Dv)
@@ -312,7 +315,7 @@ def attention(q, k_cache, v_cache, slots, positions, scale: float, window: int, 
     per tile. Each row's arithmetic is the same as in a one-row tile, so its result does not depend
     on the tiling."""
     R, H, Dh = q.shape
-    Hkv = k_cache.shape[1]
+    Hkv = k_cache.shape[2]
     Dv = v_cache.shape[3]
     if H % Hkv or k_cache.shape[3] != Dh or out.shape != (R, H, Dv) or slots.shape != (R,):
         raise ValueError(f"attention: q {q.shape}, caches {k_cache.shape} {v_cache.shape}, out {out.shape}")

@@ -13,15 +13,15 @@ H = HKV * G
 
 
 def _ref(q, kc, vc, slots, positions, scale, window, sinks):
-    """float64 attention of each row over cells lo..p of its slot. kc: [S, Hkv, C, Dh] values."""
+    """float64 attention of each row over cells lo..p of its slot. kc: [C, S, Hkv, Dh] values."""
     R = q.shape[0]
     out = np.zeros((R, H, DV))
     for r in range(R):
         p, s = positions[r], slots[r]
         lo = max(0, p - window + 1) if window > 0 else 0
         for h in range(H):
-            k = kc[s, h // G, lo:p + 1].astype(np.float64)
-            v = vc[s, h // G, lo:p + 1].astype(np.float64)
+            k = kc[lo:p + 1, s, h // G].astype(np.float64)
+            v = vc[lo:p + 1, s, h // G].astype(np.float64)
             z = k @ q[r, h].astype(np.float64) * scale
             m = z.max() if sinks is None else max(z.max(), sinks[h])
             e = np.exp(z - m)
@@ -33,8 +33,8 @@ def _ref(q, kc, vc, slots, positions, scale, window, sinks):
 def _setup(rng, slots, positions):
     """A cache full of random f16 values (so a read outside the visible cells changes the result),
     then the rows' new keys/values appended at their positions. -> host copies and device arrays"""
-    kc = rng.standard_normal((S, HKV, C, DH)).astype(np.float16)
-    vc = rng.standard_normal((S, HKV, C, DV)).astype(np.float16)
+    kc = rng.standard_normal((C, S, HKV, DH)).astype(np.float16)
+    vc = rng.standard_normal((C, S, HKV, DV)).astype(np.float16)
     R = len(slots)
     k_new = rng.standard_normal((R, HKV, DH)).astype(np.float32)
     v_new = rng.standard_normal((R, HKV, DV)).astype(np.float32)
@@ -42,8 +42,8 @@ def _setup(rng, slots, positions):
     ds, dp = cuda.to_device(np.array(slots, np.int32)), cuda.to_device(np.array(positions, np.int32))
     kv_append(cuda.to_device(k_new), cuda.to_device(v_new), ds, dp, dk, dv)
     for r, (s, p) in enumerate(zip(slots, positions)):
-        kc[s, :, p] = k_new[r].astype(np.float16)
-        vc[s, :, p] = v_new[r].astype(np.float16)
+        kc[p, s] = k_new[r].astype(np.float16)
+        vc[p, s] = v_new[r].astype(np.float16)
     return kc, vc, dk, dv, ds, dp
 
 
