@@ -97,7 +97,11 @@ class _VirtualRange:
         self.size = -(-nbytes // granularity) * granularity
         self.base = int(_check(drv.cuMemAddressReserve(self.size, granularity, 0, 0)))
         self._pieces: list[tuple[int, int]] = []  # (address, bytes) of each mapping, in order
-        weakref.finalize(self, _release, _check(drv.cuCtxGetCurrent()), self.base, self.size, self._pieces)
+        # freed through numba's queue of pending frees, as its own allocations are: never while a
+        # graph is being captured (numba defers the queue then), whichever thread collects this
+        ctx = cuda.current_context()
+        weakref.finalize(self, ctx.deallocations.add_item, _release,
+                         (_check(drv.cuCtxGetCurrent()), self.base, self.size, self._pieces))
 
     @property
     def mapped(self) -> int:
@@ -126,14 +130,17 @@ class _VirtualRange:
         self._pieces.append((at, n))
 
 
-def _release(ctx, base: int, size: int, pieces: list) -> None:
-    """Unmap and free a range (its memory goes back) once the device is done with it; from any
-    thread (the garbage collector's), in the context it was made in."""
+def _release(what) -> None:
+    """Unmap and free a range (its memory goes back) once the device is done with it, in the
+    context it was made in. `what`: (context handle, base, size, mapped pieces)."""
+    ctx, base, size, pieces = what
     try:
         drv = _drv()
         drv.cuCtxPushCurrent(ctx)
         try:
-            drv.cuCtxSynchronize()
+            (err,) = drv.cuCtxSynchronize()
+            if err != drv.CUresult.CUDA_SUCCESS:  # the device may still read it: kept (leaked)
+                return
             for at, n in pieces:
                 drv.cuMemUnmap(at, n)
             drv.cuMemAddressFree(base, size)
