@@ -140,8 +140,8 @@ class DeviceDecoder:
         """Capture now, at load, the decode graphs of every padded size (1, 2, 4, 8, 16, ...) for
         contexts up to each of `cells`, so that the first burst of users does not wait for them:
         each shape runs once eagerly and is then captured. First a prefill pass of `prefill_rows`
-        and prefills of 1..max_batch prompts compile what they need (a first burst would compile
-        its prompt count's kernels), and the KV pool makes room for max_batch sequences. Longer
+        and prefills of 1..16 rows and of 1..max_batch prompts compile what they need (a first
+        burst would compile its row and prompt counts' kernels), and the KV pool makes room for max_batch sequences. Longer
         contexts' graphs are captured when first met, once: the pool's growth keeps graphs.
         -> graphs made."""
         cells = tuple(c for c in cells if c < n_ctx)
@@ -150,9 +150,13 @@ class DeviceDecoder:
         # a prefill pass as large as the serving loop makes: its kernels compile now
         rows = max(1, min(prefill_rows, n_ctx - 1))
         self.model.forward_many([[0] * rows], [self.model.new_cache(rows)])
-        # prompts that arrive together: a prefill's output rows (one per prompt) run kernels
-        # specialized by their count, which a first burst would otherwise compile on its way
-        for k in range(1, self.max_batch + 1):
+        # short prompts: up to mmvq.MAX_COLS rows a pass runs kernels specialized by its row count,
+        # and its output rows (one per prompt) by theirs; a first burst would compile them
+        from ..kernels.cuda.mmvq import MAX_COLS  # the GEMV path's most rows (this decoder is CUDA's)
+
+        for t in range(1, MAX_COLS + 1):
+            self.model.prefill_sampled([[0] * t], [self.model.new_cache(t)], [-1])
+        for k in range(2, self.max_batch + 1):
             self.model.prefill_sampled([[0, 0]] * k, [self.model.new_cache(2) for _ in range(k)], [-1] * k)
         caches = [self.model.new_cache(max(cells) + 1) for _ in range(self.max_batch)]
         scratch = caches[0]
