@@ -674,7 +674,7 @@ class CUDABackend:
         kc, vc = pool.k[ia], pool.v[ia]
         attn.kv_append(k, v, slots, positions, kc, vc, stream=self.stream)
         T, H, _ = q.shape
-        Dv = vc.shape[3]
+        Dv = vc.shape[4]
         out = self._empty((T, H, Dv), _F32)
         attn.attention(q, kc, vc, slots, positions, scale, window, None if sinks is None else self._dev(sinks), out,
                        self._work_for(T, H, pool, Dv), max_cells, one_slot=step.S == 1, stream=self.stream)

@@ -1,7 +1,7 @@
 """The CUDA backend's sequence caches: a per-model pool of sequence slots in VRAM, one f16 array
-pair per attention layer in the cell-major layout of daemon/kernels/cuda/attention.py:
+pair per attention layer in the block-major layout of daemon/kernels/cuda/attention.py:
 
-    k[ia]: f16 [Cr, S, Hkv, Dh]    v[ia]: f16 [Cr, S, Hkv, Dv]
+    k[ia]: f16 [NB, S, Hkv, B, Dh]    v[ia]: f16 [NB, S, Hkv, B, Dv]    (NB = Cr / B blocks)
 
 and, for a hybrid family (qwen3next, qwen35moe), every Gated DeltaNet layer's f32 state in the
 layout of daemon/kernels/cuda/gdn.py, all recurrent layers in one array of each kind:
@@ -27,6 +27,7 @@ what changes the arrays' shapes moves them (copied on the device, on_grow told `
 sequences than slots (slots double), or a sequence longer than Cr.
 
 Legend: L = attention layers, NR = recurrent layers, S = slots, Cr = cells reserved per slot,
+B = attention.KV_BLOCK cells a block,
 Hkv = key/value heads, Dh = key head size, Dv = value head size; Ch = conv channels, Kc = conv
 kernel, Hv = the delta net's value heads, Dk / Dvs = its key / value head sizes.
 """
@@ -42,6 +43,7 @@ from numba import cuda
 from numba.cuda.cudadrv import driver
 
 from ..errors import DeviceError
+from ..kernels.cuda.attention import KV_BLOCK
 from ..kernels.cuda.device import SIM
 from .cache import SequenceCache
 from .cuda_errors import CUDA_ERRORS
@@ -57,15 +59,16 @@ _THREADS = 256
 
 @cuda.jit
 def _copy_prefix(old, new):
-    """new[a, b, c, d] = old[a, b, c, d] over old's shape (f16 4-d arrays)."""
+    """new[a, b, c, d, e] = old[a, b, c, d, e] over old's shape (f16 5-d arrays)."""
     i = cuda.grid(1)
-    A, B, C, D = old.shape
-    if i < A * B * C * D:
-        d = i % D
-        c = (i // D) % C
-        b = (i // (D * C)) % B
-        a = i // (D * C * B)
-        new[a, b, c, d] = old[a, b, c, d]
+    A, B, C, D, E = old.shape
+    if i < A * B * C * D * E:
+        e = i % E
+        d = (i // E) % D
+        c = (i // (E * D)) % C
+        b = (i // (E * D * C)) % B
+        a = i // (E * D * C * B)
+        new[a, b, c, d, e] = old[a, b, c, d, e]
 
 
 class KVPool:
@@ -82,7 +85,7 @@ class KVPool:
         self.n_recurrent = self.kinds.count(True)
         self.shape = (self.kinds.count(False), n_head_kv, head_dim, head_dim_v)  # attention layers
         self.on_grow = on_grow or (lambda _delta, _moved: None)
-        self._k: list[ReservedArray] = []  # [L], each [Cr, S, Hkv, Dh]
+        self._k: list[ReservedArray] = []  # [L], each [NB, S, Hkv, B, Dh]
         self._v: list[ReservedArray] = []
         self.k: list = []  # [L] their device arrays
         self.v: list = []
@@ -145,12 +148,18 @@ class KVPool:
         before = self.nbytes
         try:
             for a in (*self._k, *self._v):
-                a.grow(cells)
+                a.grow(-(-cells // KV_BLOCK))
         except CUDA_ERRORS as e:  # what was mapped stays: a later reserve maps the rest
             raise self._no_room(self.slots, cells, before, e) from e
         finally:
-            self.cells = min(a.mapped_rows for a in (*self._k, *self._v)) if self._k else cells
+            self.cells = self._mapped_cells(self._k, self._v, cells)
             self.on_grow(self.nbytes - before, False)
+
+    def _mapped_cells(self, k, v, cells: int) -> int:
+        """Cells every slot of every array has VRAM for (at most the reserved ones)."""
+        if not k:
+            return cells
+        return min(self.reserved_cells, min(a.mapped_rows for a in (*k, *v)) * KV_BLOCK)
 
     def _remake(self, slots: int, reserved: int, cells: int) -> None:
         """The arrays made again for `slots` slots over `reserved` cells, `cells` of them mapped,
@@ -159,8 +168,11 @@ class KVPool:
         before = self.nbytes
         conv, state = self.conv, self.state
         try:
-            k = [self._remade(self._k[il] if self._k else None, (reserved, slots, Hkv, Dh), cells) for il in range(L)]
-            v = [self._remade(self._v[il] if self._v else None, (reserved, slots, Hkv, Dv), cells) for il in range(L)]
+            nb = -(-reserved // KV_BLOCK)
+            k = [self._remade(self._k[il] if self._k else None, (nb, slots, Hkv, KV_BLOCK, Dh), cells)
+                 for il in range(L)]
+            v = [self._remade(self._v[il] if self._v else None, (nb, slots, Hkv, KV_BLOCK, Dv), cells)
+                 for il in range(L)]
             if self.ssm is not None and slots != self.slots:
                 conv_shape, state_shape = self.state_shapes(slots)
                 conv, state = _grown_slots(conv, conv_shape), _grown_slots(state, state_shape)
@@ -172,15 +184,15 @@ class KVPool:
         with self._lock:
             self._free.extend(range(slots - 1, self.slots - 1, -1))  # new slots, lowest first out
         self.slots, self.reserved_cells = slots, reserved
-        self.cells = min(a.mapped_rows for a in (*k, *v)) if k else cells
+        self.cells = self._mapped_cells(k, v, cells)
         cuda.synchronize()  # copied on the legacy stream: done before the backend's stream reads it
         self.on_grow(self.nbytes - before, True)
 
     def _remade(self, old: ReservedArray | None, shape: tuple, cells: int) -> ReservedArray:
         new = ReservedArray(shape, np.float16)
-        new.grow(cells)
+        new.grow(-(-cells // KV_BLOCK))
         if old is not None and self.cells:
-            src = old.array[:min(self.cells, cells)]
+            src = old.array[:-(-min(self.cells, cells) // KV_BLOCK)]
             n = src.size
             _copy_prefix[(n + _THREADS - 1) // _THREADS, _THREADS](src, new.array)
         return new

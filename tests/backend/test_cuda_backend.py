@@ -82,7 +82,7 @@ def test_kv_slots_are_reused_and_kept_when_the_pool_grows(cuda_backend):
     assert pool.slots == 4
     caches += [b.new_cache(hp, 8) for _ in range(4)]
     assert pool.slots == 8 and len({c.slot for c in caches}) == 5
-    kept = pool.k[0][:1].copy_to_host()[0, caches[0].slot, 0]  # [Dh] of cell 0
+    kept = pool.k[0][:1].copy_to_host()[0, caches[0].slot, 0, 0]  # [Dh] of cell 0 (block 0, row 0)
     assert np.array_equal(kept, k[0, 0].astype(np.float16))
 
 
@@ -103,18 +103,18 @@ def test_more_cells_map_memory_without_moving_the_pool(cuda_backend):
 
     ptr = address(k)
     vals = np.arange(128, dtype=np.float16)
-    host = k[:pool.cells].copy_to_host()  # only the mapped cells may be touched
-    host[3, slot, 5] = vals
-    k[:pool.cells].copy_to_device(host)
+    host = k[:1].copy_to_host()  # only the mapped cells may be touched
+    host[0, slot, 5, 3] = vals  # cell 3 of head 5 (block 0, row 3)
+    k[:1].copy_to_device(host)
     cells, before = pool.cells, pool.nbytes
     pool.reserve(cells + 1)
     assert pool.cells >= 2 * cells and pool.k[0] is k and address(k) == ptr
     assert grew[-1] == (pool.nbytes - before, False) and pool.nbytes >= 2 * 2 * pool.cells * 2 * 8 * 128 * 2
-    assert np.array_equal(pool.k[0][:4].copy_to_host()[3, slot, 5], vals)
+    assert np.array_equal(pool.k[0][:1].copy_to_host()[0, slot, 5, 3], vals)
     pool.acquire(8 * FIRST_CELLS)
     pool.acquire(8 * FIRST_CELLS)  # a third sequence: 4 slots, new arrays holding the old cells
     assert pool.slots == 4 and grew[-1][1] is True and pool.k[0] is not k
-    assert np.array_equal(pool.k[0][:4].copy_to_host()[3, slot, 5], vals)
+    assert np.array_equal(pool.k[0][:1].copy_to_host()[0, slot, 5, 3], vals)
 
 
 def test_a_kv_growth_in_cells_keeps_the_backends_graphs(cuda_backend):

@@ -76,6 +76,7 @@ def test_hybrid_cache_layers_and_pool(cuda_backend):
     assert pool.conv.dtype == pool.state.dtype == np.float32
     assert b.bytes["kv"] - before == pool.nbytes
     kv = 2 * pool.cells * S * 1 * 8 * 2  # K and V of the one attention layer: cells x slots x 1 head x 8 x f16
+    # (cells: whole blocks of attention.KV_BLOCK)
     mapped = sum(a.nbytes for a in (*pool._k, *pool._v))  # whole granules on a GPU
     assert mapped >= kv and pool.nbytes == mapped + pool.conv.nbytes + pool.state.nbytes
     c.reserve(16)  # the state layers never limit the room, the KV layer's cells do
@@ -95,7 +96,7 @@ def test_attention_of_a_hybrid_model_uses_its_kv_layer(cuda_backend):
     k = rng.standard_normal((1, 1, 8)).astype(np.float32)
     q = rng.standard_normal((1, 2, 8)).astype(np.float32)
     out = b.attention(1, q, k, k, Step.append([np.zeros(1, np.int64)], [c], True), 1.0, 0, None)
-    assert np.array_equal(_pool_host(b, c.pool.k[0][:1])[0, c.slot, 0], k[0, 0].astype(np.float16))
+    assert np.array_equal(_pool_host(b, c.pool.k[0][:1])[0, c.slot, 0, 0], k[0, 0].astype(np.float16))
     np.testing.assert_allclose(_host(b, out), np.broadcast_to(k.astype(np.float16), (1, 2, 8)), rtol=1e-6)
 
 

@@ -1,15 +1,18 @@
 """Attention on the device over an f16 KV cache: append, then causal attention of query rows.
 
-Legend: S = sequence slots of the cache, C = cells (positions) per slot, Hkv = key/value heads,
+Legend: S = sequence slots of the cache, C = cells (positions) per slot, NB = C / KV_BLOCK blocks
+of cells, B = KV_BLOCK cells a block, Hkv = key/value heads,
 H = query heads, G = H/Hkv query heads per KV head, Dh = key/query head size, Dv = value head size,
 R = query rows of the call, K = CHUNK cells, NCH = chunks per row (ceil(max cells / K)).
 
 Device KV cache layout, per layer (a GPU cache object owns these arrays and hands out slots):
-    k_cache: f16 [C, S, Hkv, Dh]    v_cache: f16 [C, S, Hkv, Dv]
-A sequence owns one slot; its cell j holds position j (as the CPU cache's row index). Cell-major,
-so the cache grows by appending cells at the end of its memory: its address never changes (the
-pool reserves the range, cuda_reserved.py) and captured graphs stay valid. A cell's keys of one
-(slot, head) are contiguous.
+    k_cache: f16 [NB, S, Hkv, B, Dh]    v_cache: f16 [NB, S, Hkv, B, Dv]
+A sequence owns one slot; its cell j (block j // B, row j % B) holds position j (as the CPU
+cache's row index). Blocks outermost, so the cache grows by appending blocks at the end of its
+memory: its address never changes (the pool reserves the range, cuda_reserved.py) and captured
+graphs stay valid. Within a block, one (slot, head)'s B cells are contiguous, so a chunk's keys
+are read in runs of B * Dh halves (a cell-major layout, B = 1, put consecutive cells of a head
+S * Hkv cells apart).
 
 A call attends R query rows, row r being (slots[r], positions[r]): the row sees cells lo..p of its
 slot, p = positions[r], lo = max(0, p - window + 1) with a sliding window, else 0. A decode step is
@@ -56,6 +59,8 @@ _SCORES = MAX_PAIRS * CHUNK  # shared [pairs, CHUNK] scores (a plain global: sha
 _FEW_BLOCKS = 256  # a grid below this spreads a KV head's query heads over blocks
 _VB = 32  # value cells a thread loads at once (in flight together)
 _NEG_INF = np.float32(-np.inf)
+# cells a block of the cache holds (a divisor of CHUNK); the simulator's CHUNK holds 4 as on a GPU
+KV_BLOCK = 8 if SIM else 32
 
 
 @cuda.jit(device=True, inline=True)
@@ -109,7 +114,7 @@ def _make_partial(G: int, HB: int, RT: int, DH: int):
         tid = cuda.threadIdx.x
         R = q.shape[0]
         NS, Hkv = k_cache.shape[1], k_cache.shape[2]
-        Dv = v_cache.shape[3]
+        Dv = v_cache.shape[4]
         j0 = c * CHUNK
         pos = cuda.local.array(RT, np.int32)  # per row: last and first visible cell
         los = cuda.local.array(RT, np.int32)
@@ -133,7 +138,8 @@ def _make_partial(G: int, HB: int, RT: int, DH: int):
         # this thread's cell's keys, loaded together before any use (16 bytes a load)
         kw = cuda.local.array(KW, np.uint32)
         if tid >= a and tid <= b:
-            base = ((j * NS + slot) * Hkv + kh) * (2 * DH)
+            jb = j // KV_BLOCK
+            base = (((jb * NS + slot) * Hkv + kh) * KV_BLOCK + j - jb * KV_BLOCK) * (2 * DH)
             for w in range(0, KW, 4):
                 w0, w1, w2, w3 = ldg_v4(k_cache, base + 4 * w)
                 kw[w] = w0
@@ -183,8 +189,8 @@ def _make_partial(G: int, HB: int, RT: int, DH: int):
         _rows_reduce(red, NP, tid, False)
         if tid < NP and _sees(pos[tid // HB], los[tid // HB], j0):
             part_l[r0 + tid // HB, h0 + tid % HB, c] = red[tid * CHUNK]
-        v_cell = NS * Hkv * Dv  # values a cell holds
-        v_head = (slot * Hkv + kh) * Dv  # this head's values within a cell
+        v_block = NS * Hkv * KV_BLOCK * Dv  # values a block holds
+        v_head = (slot * Hkv + kh) * KV_BLOCK * Dv  # where this head's cells start within a block
         vals = cuda.local.array(_VB, np.float32)
         for d in range(tid, Dv, CHUNK):
             for i in range(NP):
@@ -194,7 +200,10 @@ def _make_partial(G: int, HB: int, RT: int, DH: int):
                 n = min(_VB, b + 1 - jj)
                 for u in range(_VB):
                     if u < n:
-                        vals[u] = f16_to_f32(ldg_u16(v_cache, 2 * ((j0 + jj + u) * v_cell + v_head + d)))
+                        cell = j0 + jj + u
+                        blk = cell // KV_BLOCK
+                        at = blk * v_block + v_head + (cell - blk * KV_BLOCK) * Dv + d
+                        vals[u] = f16_to_f32(ldg_u16(v_cache, 2 * at))
                 for u in range(_VB):
                     if u < n:
                         for i in range(NP):
@@ -245,7 +254,7 @@ def _attn_combine(part_m, part_l, part_o, positions, window, sinks, has_sinks, o
 
 @cuda.jit
 def _kv_append(k_new, v_new, slots, positions, k_cache, v_cache):
-    """k_cache[positions[r], slots[r], h] = f16(k_new[r, h]), and v alike.
+    """k_cache[block, slots[r], h, row] = f16(k_new[r, h]) for cell positions[r], and v alike.
     k_new: f32 [R, Hkv, Dh]; v_new: f32 [R, Hkv, Dv]. One thread per (row, head, dim)."""
     idx = cuda.grid(1)
     R, Hkv, Dh = k_new.shape
@@ -259,16 +268,20 @@ def _kv_append(k_new, v_new, slots, positions, k_cache, v_cache):
     d = rem - h * D
     slot = slots[r]
     p = positions[r]
+    b = p // KV_BLOCK
+    i = p - b * KV_BLOCK
     if d < Dh:
-        k_cache[p, slot, h, d] = np.float16(k_new[r, h, d])
+        k_cache[b, slot, h, i, d] = np.float16(k_new[r, h, d])
     if d < Dv:
-        v_cache[p, slot, h, d] = np.float16(v_new[r, h, d])
+        v_cache[b, slot, h, i, d] = np.float16(v_new[r, h, d])
 
 
 def new_kv_cache(n_slots: int, n_head_kv: int, n_cells: int, head_dim: int, head_dim_v: int):
-    """One layer's device cache: (k f16 [C, S, Hkv, Dh], v f16 [C, S, Hkv, Dv]), zeroed."""
-    k = cuda.to_device(np.zeros((n_cells, n_slots, n_head_kv, head_dim), np.float16))
-    v = cuda.to_device(np.zeros((n_cells, n_slots, n_head_kv, head_dim_v), np.float16))
+    """One layer's device cache: (k f16 [NB, S, Hkv, B, Dh], v f16 [NB, S, Hkv, B, Dv]), zeroed;
+    n_cells rounded up to whole blocks."""
+    nb = -(-n_cells // KV_BLOCK)
+    k = cuda.to_device(np.zeros((nb, n_slots, n_head_kv, KV_BLOCK, head_dim), np.float16))
+    v = cuda.to_device(np.zeros((nb, n_slots, n_head_kv, KV_BLOCK, head_dim_v), np.float16))
     return k, v
 
 
@@ -293,8 +306,8 @@ def kv_append(k_new, v_new, slots, positions, k_cache, v_cache, stream=0) -> Non
     (each position < C: the cache object reserves cells before the step)."""
     R, Hkv, Dh = k_new.shape
     Dv = v_new.shape[2]
-    if (v_new.shape[:2] != (R, Hkv) or k_cache.shape[2] != Hkv or k_cache.shape[3] != Dh
-            or v_cache.shape[3] != Dv or slots.shape != (R,) or positions.shape != (R,)):
+    if (v_new.shape[:2] != (R, Hkv) or k_cache.shape[2:] != (Hkv, KV_BLOCK, Dh)
+            or v_cache.shape[2:] != (Hkv, KV_BLOCK, Dv) or slots.shape != (R,) or positions.shape != (R,)):
         raise ValueError(f"kv_append: k {k_new.shape}, v {v_new.shape}, caches {k_cache.shape} {v_cache.shape}")
     n = R * Hkv * max(Dh, Dv)
     if n:
@@ -316,8 +329,9 @@ def attention(q, k_cache, v_cache, slots, positions, scale: float, window: int, 
     on the tiling."""
     R, H, Dh = q.shape
     Hkv = k_cache.shape[2]
-    Dv = v_cache.shape[3]
-    if H % Hkv or k_cache.shape[3] != Dh or out.shape != (R, H, Dv) or slots.shape != (R,):
+    Dv = v_cache.shape[4]
+    if (H % Hkv or k_cache.shape[3:] != (KV_BLOCK, Dh) or v_cache.shape[3] != KV_BLOCK or out.shape != (R, H, Dv)
+            or slots.shape != (R,)):
         raise ValueError(f"attention: q {q.shape}, caches {k_cache.shape} {v_cache.shape}, out {out.shape}")
     G = H // Hkv
     if G > MAX_PAIRS or G * Dh > MAX_QD or Dh % 8:
