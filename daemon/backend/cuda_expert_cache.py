@@ -63,7 +63,7 @@ from numba import cuda
 
 from ..kernels.cuda.device import SIM
 from ..kernels.cuda.layout import repack_into_slots, repacked_stride
-from ..routing.replay import POLICIES, simulate_layer
+from ..experts.policies import POLICIES, simulate_layer
 from ..storage.experts import PROJECTIONS, ExpertLayout, check_ids
 from .base import compose_expert_ffn
 from .cuda_errors import CUDA_ERRORS

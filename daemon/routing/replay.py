@@ -8,31 +8,23 @@ was already resident. When one token needs more experts than the capacity, they 
 the step anyway (counted as misses) and the cache is trimmed back to capacity afterwards, so a
 budget below one step's need still completes.
 
-Policies (`POLICIES`):
-- `lru`: evict the least recently used expert.
-- `belady`: offline optimum; evict the resident expert whose next use is farthest in the future
-  (never-again first). Pinned experts of the current step cannot be evicted.
-- `lfu-decay`: online; each expert keeps a score decayed by `LFU_DECAY` per token and bumped by 1
-  when used; evict the lowest score (ties: least recently used). Frequency with recency.
-- `lru2`: LRU-K with K=2; evict the expert whose second most recent use is oldest (experts used
-  once so far go first, by LRU).
+The policies (`POLICIES`: lru, belady, lfu-decay, lru2, lfru; `ADMISSION_POLICIES`: lfru-admit,
+opt-bypass) and the simulator (`simulate_layer`, `simulate`) live in experts/policies.py, which
+documents them; they are re-exported here for the CLI and the benchmarks. This module reads
+traces, scores history-only predictors and formats the tables.
 """
 
 from __future__ import annotations
 
-import heapq
 import io
 import json
-import math
 import os
-from dataclasses import dataclass, field
 from typing import Sequence
 
 from ..errors import RequestError
-
-Trace = list[list[frozenset[int]]]  # [moe layer][token] -> set of expert ids
-
-LFU_DECAY = 0.95  # best of 0.7..0.98 on the two real traces (tuned on them: optimistic)
+from ..experts.policies import (ADMISSION_POLICIES, LFRU_FAST, LFRU_SLOW, LFRU_WEIGHT,  # noqa: F401
+                                LFU_DECAY, POLICIES, SIMULATED, LayerResult, ReplayResult, Trace,
+                                simulate, simulate_layer)
 
 
 # -- loading -----------------------------------------------------------------------------------
@@ -144,171 +136,7 @@ def load_trace_ids(path: str | os.PathLike) -> list[list[list[int]]]:
 # -- simulation --------------------------------------------------------------------------------
 
 
-@dataclass
-class LayerResult:
-    hits: int = 0
-    misses: int = 0
-
-    @property
-    def requests(self) -> int:
-        return self.hits + self.misses
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.requests if self.requests else 0.0
-
-
-@dataclass
-class ReplayResult:
-    policy: str
-    layers: list[LayerResult] = field(default_factory=list)
-
-    @property
-    def hits(self) -> int:
-        return sum(r.hits for r in self.layers)
-
-    @property
-    def misses(self) -> int:
-        return sum(r.misses for r in self.layers)
-
-    @property
-    def hit_rate(self) -> float:
-        n = self.hits + self.misses
-        return self.hits / n if n else 0.0
-
-    def to_dict(self) -> dict:
-        return {"policy": self.policy, "hits": self.hits, "misses": self.misses, "hit_rate": self.hit_rate,
-                "layers": [{"hits": r.hits, "misses": r.misses, "hit_rate": r.hit_rate} for r in self.layers]}
-
-
-class _Policy:
-    """Eviction bookkeeping for one layer's cache: `rank(e, t)` orders candidates, least wanted first."""
-
-    def __init__(self, seq: Sequence[frozenset[int]]) -> None:
-        self.seq = seq
-
-    def touch(self, e: int, t: int) -> None: ...
-
-    def rank(self, e: int, t: int): ...
-
-    def victim(self, cands: list[int], t: int) -> int:
-        return min(cands, key=lambda e: self.rank(e, t))
-
-    def victims(self, cands: list[int], t: int, n: int) -> list[int]:
-        """The n least wanted, in order: what n victim() calls give when each victim's slot goes to
-        an expert that is then no candidate (a rank depends on its own expert's history alone)."""
-        return heapq.nsmallest(n, cands, key=lambda e: self.rank(e, t))
-
-
-class _LRU(_Policy):
-    def __init__(self, seq):
-        super().__init__(seq)
-        self.last: dict[int, int] = {}
-
-    def touch(self, e, t):
-        self.last[e] = t
-
-    def rank(self, e, t):
-        return self.last[e], e
-
-
-class _LRU2(_Policy):
-    def __init__(self, seq):
-        super().__init__(seq)
-        self.hist: dict[int, tuple[int, int]] = {}  # (previous use, last use)
-
-    def touch(self, e, t):
-        prev = self.hist.get(e, (-1, -1))[1]
-        self.hist[e] = (prev, t)
-
-    def rank(self, e, t):
-        return self.hist[e][0], self.hist[e][1], e
-
-
-class _LFUDecay(_Policy):
-    def __init__(self, seq, decay=LFU_DECAY):
-        super().__init__(seq)
-        self.decay = decay
-        self.score: dict[int, tuple[float, int]] = {}  # expert -> (score at time, time)
-        self.last: dict[int, int] = {}
-
-    def _now(self, e, t):
-        s, t0 = self.score.get(e, (0.0, t))
-        return s * self.decay ** (t - t0)
-
-    def touch(self, e, t):
-        self.score[e] = (self._now(e, t) + 1.0, t)
-        self.last[e] = t
-
-    def rank(self, e, t):
-        return self._now(e, t), self.last[e], e
-
-
-class _Belady(_Policy):
-    def __init__(self, seq):
-        super().__init__(seq)
-        self.uses: dict[int, list[int]] = {}
-        for t, s in enumerate(seq):
-            for e in s:
-                self.uses.setdefault(e, []).append(t)
-        self.ptr: dict[int, int] = {e: 0 for e in self.uses}
-
-    def _next(self, e, t):
-        u = self.uses.get(e, ())
-        i = self.ptr.get(e, 0)
-        while i < len(u) and u[i] <= t:
-            i += 1
-        self.ptr[e] = i
-        return u[i] if i < len(u) else math.inf
-
-    def rank(self, e, t):  # farthest next use first (never again: -inf), then the lower id
-        return -self._next(e, t), e
-
-
-POLICIES = {"lru": _LRU, "belady": _Belady, "lfu-decay": _LFUDecay, "lru2": _LRU2}
-
-
-def simulate_layer(seq: Sequence[frozenset[int]], capacity: int, policy: str = "lru",
-                   count_from: int = 0) -> LayerResult:
-    """Replay one layer's token sequence of expert sets through a cache of `capacity` experts.
-    count_from: hits and misses are counted from this step on (the ones before warm the cache)."""
-    if policy not in POLICIES:
-        raise RequestError(f"unknown policy {policy!r} (choose from {', '.join(POLICIES)})")
-    if capacity < 0:
-        raise RequestError("capacity must be >= 0")
-    pol = POLICIES[policy](seq)
-    resident: set[int] = set()
-    res = LayerResult()
-    for t, need in enumerate(seq):
-        hits = need & resident
-        miss = need - resident
-        if t >= count_from:
-            res.hits += len(hits)
-            res.misses += len(miss)
-        # make room for the misses: evict unpinned residents while over budget
-        n_evict = len(resident) + len(miss) - capacity
-        if n_evict > 0:
-            cands = [e for e in resident if e not in need]
-            for _ in range(min(n_evict, len(cands))):
-                v = pol.victim(cands, t)
-                cands.remove(v)
-                resident.discard(v)
-        resident |= miss
-        for e in sorted(need):
-            pol.touch(e, t)
-        # over budget (one token needs more than the capacity): trim after the step, pins released
-        while len(resident) > capacity:
-            v = pol.victim(list(resident), t)
-            resident.discard(v)
-    return res
-
-
-def simulate(trace: Trace, capacity: int | Sequence[int], policy: str = "lru") -> ReplayResult:
-    """Replay every layer of `trace`; capacity is experts per layer (an int, or one per layer)."""
-    caps = [capacity] * len(trace) if isinstance(capacity, int) else list(capacity)
-    if len(caps) != len(trace):
-        raise RequestError(f"{len(caps)} capacities for {len(trace)} layers")
-    return ReplayResult(policy, [simulate_layer(seq, c, policy) for seq, c in zip(trace, caps)])
+# The policies and the simulator live in experts/policies.py (imported above, re-exported).
 
 
 # -- predictors that read only the routing history -------------------------------------------
