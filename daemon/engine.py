@@ -31,21 +31,17 @@ import numpy as np
 from ipc.protocol import Chat, Done, Generate, Message, SamplingOptions
 
 from . import heap
-from .backend import CPUBackend
 from .backend.select import select_backend
 from .config import Settings
 from .errors import RequestError
 from .model.transformer import Transformer
-from .model.weights import TensorSource
 from .routing.predict import Prefetcher
 from .routing.replay_routing import RoutingReplay
 from .routing.tracer import ExpertUsageTracer
 from .sampling import sampling_options
 from .scheduler import sequence as token_loop
 from .storage.cache import ExpertCache
-from .storage.experts import expert_biases
 from .storage.gguf import GGUFFile
-from .storage.store import ExpertStore, expert_layouts
 from .text.chat import chat_template_from_metadata, render_chat, template_tokens
 from .text.tokenizer import Tokenizer
 
@@ -82,46 +78,6 @@ def _utf8_size(text: str, limit: int) -> int:
     already over the limit, is returned)."""
     n = len(text)
     return n if n > limit else len(text.encode("utf-8", "surrogatepass"))
-
-
-def _expert_cache(gguf: GGUFFile, cfg: Settings, say, allocate=None) -> ExpertCache | None:
-    """The streaming expert cache over the model's expert pack (when valid) or the GGUF itself."""
-    layouts = expert_layouts(gguf)
-    if not layouts:
-        return None
-    store = None
-    if cfg.expert_pack:
-        from .storage.pack import open_pack
-
-        store = open_pack(gguf.path, gguf, layouts)
-    store = store or ExpertStore.from_gguf(gguf, layouts)
-    src = TensorSource(gguf)
-    biases = {il: tuple(expert_biases(src, il, lay.n_embd, lay.n_ff, lay.n_expert)) for il, lay in layouts.items()}
-    limit = f"{cfg.expert_cache_limit_mb:g} MB" if cfg.expert_cache_limit_mb else "no limit"
-    say(f"streaming experts from the {store.kind} ({limit})")
-    return ExpertCache(store, cfg.expert_cache_limit_mb, cfg.io_depth, biases, demand_reads(cfg), allocate)
-
-
-def _bytes_note(progress, what: str):
-    """on_bytes(done, total) for a progress callback with a part(fraction, note) (daemon.progress.
-    Progress: `moed run` draws the upload's bytes); None for a plain callback."""
-    part = getattr(progress, "part", None)
-    if part is None:
-        return None
-
-    def on_bytes(done: int, total: int) -> None:
-        part(done / max(total, 1), f"{what} {done / 1e9:.1f}/{total / 1e9:.1f} GB")
-
-    return on_bytes
-
-
-def demand_reads(cfg: Settings) -> str:
-    """MOE_DEMAND_READS=auto: the compute threads when there are at least as many as reads the I/O
-    pool keeps in flight (16 cores: 4.6x the I/O pool's decode with a bounded cache), else the I/O
-    pool (2 cores, cold: its 8 reads in flight beat 2 threads' preads, prefill 1.4 vs 1.0 tok/s)."""
-    if cfg.demand_reads != "auto":
-        return cfg.demand_reads
-    return "compute" if numba.get_num_threads() >= cfg.io_depth else "io"
 
 
 class Engine:
@@ -172,17 +128,7 @@ class Engine:
         cache = None
         try:
             backend = select_backend(cfg, gguf)  # MOE_DEVICE; logs which and why
-            if isinstance(backend, CPUBackend):
-                experts = cache = _expert_cache(gguf, cfg, say)
-            elif backend.expert_budget is None:  # every expert fits in VRAM
-                say(f"uploading experts to {backend.name}")
-                experts = backend.resident_experts(gguf, _bytes_note(progress, "uploading experts"))
-            else:  # a VRAM expert cache over the host one, its slots pinned for the copies
-                from .backend.cuda_expert_cache import VRAMExpertCache
-                from .backend.cuda_transfer import pinned_empty
-
-                cache = _expert_cache(gguf, cfg, say, allocate=pinned_empty)
-                experts = cache = VRAMExpertCache.from_settings(cache, backend, cfg, say)
+            experts, cache = backend.expert_provider(gguf, cfg, say, progress)
             say(f"building {gguf.architecture} model")
             model = Transformer(gguf, experts=experts, backend=backend)
             say("building tokenizer")

@@ -123,17 +123,6 @@ def test_rendered_chat_prompt_is_capped(capped):
     assert engine.apply_chat_template([{"role": "user", "content": "hi"}], max_bytes=1000).endswith("assistant\n")
 
 
-def test_demand_reads_auto_follows_the_thread_count(monkeypatch):
-    from daemon.config import Settings
-    from daemon.engine import demand_reads
-
-    monkeypatch.setattr("numba.get_num_threads", lambda: 2)
-    assert demand_reads(Settings.load({}, io_depth=8)) == "io"
-    monkeypatch.setattr("numba.get_num_threads", lambda: 16)
-    assert demand_reads(Settings.load({}, io_depth=8)) == "compute"
-    assert demand_reads(Settings.load({"MOE_DEMAND_READS": "io"})) == "io"
-
-
 def test_a_loaded_model_is_kept_from_the_collector_and_freed_after_close(engine, smollm2):
     """daemon.heap: a load freezes what is alive (a full collection no longer walks the model); a
     close gives the frozen objects back, so a reference cycle among the closed engine's objects is

@@ -45,6 +45,12 @@ class Backend(Protocol):
         backend may store them as one matrix so that `linears` applies them in one launch."""
         ...
 
+    def expert_provider(self, gguf, settings, say: Callable[[str], None], progress=None) -> tuple[Any, Any]:
+        """The model's routed experts as this backend computes them -> (the expert provider the
+        model is given, the object to close if loading fails after it: None or the provider).
+        say(message): a load step; progress.part(fraction, note), where it has one, for bytes."""
+        ...
+
     def new_cache(self, hp: HParams, n_ctx: int) -> SequenceCache:
         """An empty sequence: one layer cache per layer, for up to n_ctx positions."""
         ...

@@ -87,6 +87,13 @@ class CPUBackend:
     def upload_group(self, weights):
         return [self.upload(w) for w in weights]
 
+    def expert_provider(self, gguf, settings, say, progress=None):
+        """The streaming expert cache: the CPU computes from its host slots."""
+        from .host_experts import host_expert_cache
+
+        cache = host_expert_cache(gguf, settings, say)
+        return cache, cache
+
     def new_cache(self, hp, n_ctx: int) -> KVCache:
         return KVCache(hp.n_layer, hp.n_head_kv, hp.head_dim, hp.head_dim_v, n_ctx, hp.ssm, hp.recurrent)
 

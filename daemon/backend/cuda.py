@@ -230,6 +230,25 @@ class CUDABackend:
 
         return cx.DeviceExperts.from_gguf(gguf, note, self.stream, on_bytes)
 
+    def expert_provider(self, gguf, settings, say, progress=None):
+        """Every expert in VRAM when they fit (expert_budget None, select_backend's finding), else a
+        VRAM expert cache over the streaming host cache, whose slots are pinned for the copies."""
+        from .host_experts import bytes_note, host_expert_cache
+
+        if self.expert_budget is None:
+            say(f"uploading experts to {self.name}")
+            return self.resident_experts(gguf, bytes_note(progress, "uploading experts")), None
+        from .cuda_expert_cache import VRAMExpertCache
+
+        host = host_expert_cache(gguf, settings, say, allocate=pinned_empty)
+        try:
+            cache = VRAMExpertCache.from_settings(host, self, settings, say)
+        except BaseException:
+            if host is not None:
+                host.close()
+            raise
+        return cache, cache
+
     @_guarded
     def new_cache(self, hp, n_ctx: int) -> DeviceKVCache:
         """A slot of the model's pool: KV for every layer, or for a hybrid family KV for its
