@@ -78,7 +78,8 @@ def _add_trace(sub) -> None:
     size.add_argument("--expert-mb", type=float, help="size of one expert in MiB (with --cache-mb)")
     size.add_argument("--model", help="GGUF file giving the expert size per layer (with --cache-mb)")
     r.add_argument("--policy", default="lru,belady,lfu-decay",
-                   help="comma-separated policies: lru, belady, lfu-decay, lru2 (default lru,belady,lfu-decay)")
+                   help="comma-separated policies: lru, belady, lfu-decay, lru2, lfru (every miss inserted); "
+                   "lfru-admit, opt-bypass (a miss may bypass the cache) (default lru,belady,lfu-decay)")
     r.add_argument("--json", action="store_true", help="print the results as JSON")
     rec = tsub.add_parser("record", help="generate greedily and record each token's routing")
     rec.add_argument("model", metavar="MODEL")
@@ -297,9 +298,9 @@ def _trace(args, parser) -> int:
         if len(set(capacity)) == 1:
             capacity = capacity[0]
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
-    bad = [p for p in policies if p not in replay.POLICIES]
+    bad = [p for p in policies if p not in replay.SIMULATED]
     if bad or not policies:
-        parser.error(f"unknown policy {', '.join(bad)} (choose from {', '.join(replay.POLICIES)})")
+        parser.error(f"unknown policy {', '.join(bad)} (choose from {', '.join(replay.SIMULATED)})")
     results = {p: replay.simulate(tr, capacity, p) for p in policies}
     if args.json:
         print(json.dumps({"capacity": capacity, "tokens": len(tr[0]),

@@ -89,8 +89,10 @@ class Settings:
         "shows it). Experts that fit in it all stay resident", pattern=r"auto|[0-9]+(\.[0-9]*)?",
         bounds=(0, 2**20)))  # 1 TiB: more than any GPU holds
     gpu_cache_policy: str = field(default="lru", metadata=_meta(
-        "MOE_GPU_CACHE_POLICY", "which VRAM expert is evicted for a miss: lru, or lfu-decay (frequency "
-        "with a decay; moed trace replay compares them on real traces)", ("lru", "lfu-decay")))
+        "MOE_GPU_CACHE_POLICY", "which VRAM expert is evicted for a miss: lru, lfu-decay (frequency "
+        "with a decay), or lfru (a fast-decaying count for recency plus a slow one for frequency; "
+        "experts/policies.py); moed trace replay compares them on real traces",
+        ("lru", "lfu-decay", "lfru")))
     postfetch_enable: bool = field(default=True, metadata=_meta(
         "MOE_POSTFETCH_ENABLE", "copy a layer's missing experts to VRAM on the fetch stream while the "
         "resident ones compute, the copied ones' work waiting on the layer's copies; 0 = copy, wait, then compute"))

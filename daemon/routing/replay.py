@@ -226,7 +226,8 @@ def capacity_from_mb(cache_mb: float, expert_bytes: Sequence[int], n_layers: int
 
 
 def format_table(results: dict[str, ReplayResult], capacity) -> str:
-    """Per-layer hit rates per policy, the overall line and the Belady gap."""
+    """Per-layer hit rates per policy, the overall line, the Belady gap (demand policies) and the
+    bypass gap (admission policies, against opt-bypass)."""
     pols = list(results)
     caps = [capacity] * len(next(iter(results.values())).layers) if isinstance(capacity, int) else list(capacity)
     w = max(9, *(len(p) + 2 for p in pols))
@@ -242,7 +243,14 @@ def format_table(results: dict[str, ReplayResult], capacity) -> str:
         gap = b - l
         lines.append(f"Belady gap (belady - lru): {gap:+.1%} points")
         for p in pols:
-            if p not in ("lru", "belady") and gap > 0:
+            if p not in ("lru", "belady", *ADMISSION_POLICIES) and gap > 0:
                 closed = (results[p].hit_rate - l) / gap
                 lines.append(f"  {p} closes {closed:.0%} of the gap")
+    if "opt-bypass" in results and "lru" in results:  # admission policies against their own optimum
+        l = results["lru"].hit_rate
+        gap = results["opt-bypass"].hit_rate - l
+        lines.append(f"Bypass gap (opt-bypass - lru): {gap:+.1%} points")
+        for p in pols:
+            if p in ADMISSION_POLICIES and p != "opt-bypass" and gap > 0:
+                lines.append(f"  {p} closes {(results[p].hit_rate - l) / gap:.0%} of it")
     return "\n".join(lines)
