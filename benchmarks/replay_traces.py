@@ -1,12 +1,16 @@
 """Expert-cache policies replayed on the real routing traces (../shared/traces).
 
-    python benchmarks/replay_traces.py [TRACES_DIR]
+    python benchmarks/replay_traces.py [TRACES_DIR] [--sweep]
 
 Prints, per trace and capacity (experts per MoE layer), the overall hit rate of each policy.
 Demand policies (every miss inserted) are scored against `belady`, their offline optimum: the gap
 (belady - lru) and the share of it each online one closes. Admission policies (a miss may bypass
 the cache, read in place) are scored against `opt-bypass`, theirs. lfu-decay's decay was chosen on
 both traces (optimistic); lfru's parameters on the kimi trace only, so olmoe is held out.
+
+--sweep: lfru's parameter grid (GRID) at 25% and 50% of the experts: the best parameters for each
+trace scored on the other (tuned-on and held-out, both ways), and the family's hindsight ceiling
+(the best parameters, or lru, picked per layer after the fact). A minute or two on one core.
 """
 
 from __future__ import annotations
@@ -17,11 +21,39 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from daemon.experts.policies import (ADMISSION_POLICIES, LFRU_FAST, LFRU_SLOW, LFRU_WEIGHT,  # noqa: E402
-                                     LFU_DECAY, POLICIES, simulate)
+                                     LFU_DECAY, POLICIES, _LFRU, replay_demand, simulate)
 from daemon.routing.replay import load_trace  # noqa: E402
 
 CAPACITIES = {"olmoe": [8, 16, 24, 32], "kimi": [16, 32, 64, 128]}
 TUNED_ON = "kimi"  # lfru's parameters were picked on this trace
+GRID = [(f, s, w) for f in (0.5, 0.8, 0.9) for s in (0.95, 0.98, 0.99, 0.995) for w in (1.0, 4.0, 16.0)]
+
+
+def sweep(files: list[Path]) -> None:
+    """lfru's grid on each trace at 25% and 50% of its experts: tuned on one, scored on the other."""
+    runs = {}  # trace -> {cap: (lru hits per layer, belady hits per layer, requests, {cfg: hits per layer})}
+    for f in files:
+        tr = load_trace(f)
+        n_exp = max(max(s) for seq in tr for s in seq if s) + 1
+        runs[f.name.split("_")[0]] = got = {}
+        for c in (n_exp // 4, n_exp // 2):
+            lru, bel = simulate(tr, c, "lru"), simulate(tr, c, "belady")
+            by_cfg = {cfg: [replay_demand(seq, c, _LFRU(seq, *cfg)).hits for seq in tr] for cfg in GRID}
+            got[c] = ([r.hits for r in lru.layers], [r.hits for r in bel.layers], lru.hits + lru.misses, by_cfg)
+
+    def closed(name, c, hits):
+        lru, bel, _, _ = runs[name][c]
+        return (hits - sum(lru)) / (sum(bel) - sum(lru))
+
+    print("\nlfru sweep (fast, slow, weight) at 25% / 50% of the experts: share of (belady - lru) closed")
+    for tune in runs:
+        best = max(GRID, key=lambda cfg: sum(closed(tune, c, sum(v[3][cfg])) for c, v in runs[tune].items()))
+        row = "  ".join(f"{name} {c}: {closed(name, c, sum(v[3][best])):.0%}" + (" (tuned)" if name == tune else "")
+                        for name in runs for c, v in runs[name].items())
+        print(f"  tuned on {tune}: {best} -> {row}")
+    row = "  ".join(f"{name} {c}: {closed(name, c, sum(max(x) for x in zip(v[0], *v[3].values()))):.0%}"
+                    for name in runs for c, v in runs[name].items())
+    print(f"  hindsight ceiling (best of lru and the grid, per layer): {row}")
 
 
 def _closes(h: float, lo: float, hi: float) -> str:
@@ -29,6 +61,8 @@ def _closes(h: float, lo: float, hi: float) -> str:
 
 
 def main(argv: list[str]) -> int:
+    do_sweep = "--sweep" in argv
+    argv = [a for a in argv if a != "--sweep"]
     root = Path(argv[0]) if argv else Path(__file__).resolve().parents[2] / "shared" / "traces"
     files = sorted(root.glob("*.jsonl")) + sorted(root.glob("*.jsonl.zst"))
     if not files:
@@ -57,6 +91,8 @@ def main(argv: list[str]) -> int:
             closed += "".join(f"{_closes(res[p], lo, byp):>{max(16, len(p) + 8)}}" for p in admit)
             print(f"{c:>5} {c / n_exp:>5.0%} " + "".join(f"{res[p]:>11.1%}" for p in pols)
                   + f" {(bel - lo) * 100:>+5.1f}" + closed + f"{(res['lfru'] - bel) * 100:>+11.1f}")
+    if do_sweep:
+        sweep(files)
     return 0
 
 

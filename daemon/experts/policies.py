@@ -217,7 +217,12 @@ def simulate_layer(seq: Sequence[frozenset[int]], capacity: int, policy: str = "
         return _simulate_opt_bypass(seq, capacity, count_from)
     if policy in _ADMITTING:
         return _simulate_admit(seq, capacity, _ADMITTING[policy](seq), count_from)
-    pol = POLICIES[policy](seq)
+    return replay_demand(seq, capacity, POLICIES[policy](seq), count_from)
+
+
+def replay_demand(seq: Sequence[frozenset[int]], capacity: int, pol: _Policy, count_from: int = 0) -> LayerResult:
+    """simulate_layer's demand loop with a policy object made by the caller (a policy class with
+    other parameters than its defaults: the benchmark's parameter sweeps)."""
     resident: set[int] = set()
     res = LayerResult()
     for t, need in enumerate(seq):
