@@ -106,8 +106,8 @@ class Engine:
             # a GPU's speculation reads each layer's hidden state back: a sync per layer, not worth it
             self.routing = ("exact" if settings.expert_cache_limit_mb or replayed or self.vram is not None
                             else "speculative")
-        self.prefetcher = (Prefetcher(model, self.vram or self.cache, self.routing,
-                                      settings.routing_verbose).attach(model)
+        self.prefetcher = (Prefetcher(model, self.vram or self.cache, self.routing, settings.routing_verbose,
+                                      until_quiet=settings.routing == "auto").attach(model)
                            if self.cache is not None else None)
         if self.tracer is not None:
             self.tracer.attach(model)

@@ -84,14 +84,22 @@ class Recall:
                 "predicted": sum(self.predicted.values()), "exact": exact}
 
 
+QUIET_PASSES = 8  # MOE_ROUTING=auto: passes in a row that start at most one read each end the prediction
+
+
 class Prefetcher:
     """Step hooks of a Transformer: run the predictors of `mode` and prefetch into `cache`.
 
     attach(model) sets model.step_hooks and chains model.trace (to score predictions, or log the
     routing when verbose); in mode "exact" and not verbose it has nothing to do and sets neither,
-    so a step reads nothing back for it (a GPU's decode steps may run as graph segments)."""
+    so a step reads nothing back for it (a GPU's decode steps may run as graph segments).
 
-    def __init__(self, model, cache, mode: str = "all", verbose: bool = False):
+    until_quiet: predict only while the cache still reads experts (a cold start into an unlimited
+    cache): after QUIET_PASSES passes in a row that started at most one read each, the hooks
+    detach for good and the routing is exact (their per-layer work cost 30-70% of a warm step on
+    2 cores; a rare later miss is read on demand)."""
+
+    def __init__(self, model, cache, mode: str = "all", verbose: bool = False, until_quiet: bool = False):
         if mode not in MODES:
             raise ValueError(f"routing mode {mode!r} is not one of {', '.join(MODES)}")
         self.cache = cache
@@ -112,6 +120,9 @@ class Prefetcher:
         self._model = None
         self._prev_trace = None
         self._hooked = False
+        self._until_quiet = until_quiet and bool(self.paths) and not verbose
+        self._quiet = 0  # passes in a row that started at most one read
+        self._reads = getattr(cache, "reads_started", 0)
 
     def attach(self, model) -> Prefetcher:
         self._model = model
@@ -135,6 +146,8 @@ class Prefetcher:
         self._tokens = tokens
         for p in self._pending.values():
             p.clear()
+        if self._until_quiet and self._quiet_now():
+            return
         full = self.cache.holds_all
         if "path_a" in self.paths and not all(full(il) for il in self.bank.layers):
             pred = self._path_a(tokens)  # [T, L, A]
@@ -144,6 +157,21 @@ class Prefetcher:
                 ids = set(np.unique(pred[:, i]).tolist())
                 self._pending["path_a"][il] = ids
                 self.cache.prefetch(il, sorted(ids))
+
+    def _quiet_now(self) -> bool:
+        """Counts the last pass's reads; after QUIET_PASSES quiet ones, stops predicting (the
+        current pass goes on without prediction) and detaches. -> whether it stopped."""
+        reads = self.cache.reads_started
+        self._quiet = self._quiet + 1 if reads - self._reads <= 1 else 0
+        self._reads = reads
+        if self._quiet < QUIET_PASSES:
+            return False
+        log.info("routing auto: the expert cache read nothing new for %d passes; exact routing from now on",
+                 QUIET_PASSES)
+        self.paths, self.mode = (), "exact"
+        self._pending = {}
+        self.detach()
+        return True
 
     def layer_input(self, il: int, x: np.ndarray) -> None:
         if "speculative" not in self.paths:

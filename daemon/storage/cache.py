@@ -119,6 +119,7 @@ class ExpertCache:
         self._seq = itertools.count()
         self._claim_lock = threading.Lock()
         self._closed = False
+        self.reads_started = 0  # experts whose read was started, demand or prefetch, ever (not reset)
         self._io = _IOThread(store, io_depth, self._read_done, self._claimed)
         self._here = ParallelReader(store) if demand_reads == "compute" else None
 
@@ -329,6 +330,7 @@ class ExpertCache:
         else:
             views = tuple(a[slot] for a in self._arena(lc))
         ent = _Entry(e, slot, views, Future(), prefetched=priority == PREFETCH, priority=priority)
+        self.reads_started += 1
         if slot >= 0:
             lc.entries[e] = ent
         if e in lc.read_this_pass:

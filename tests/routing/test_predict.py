@@ -315,3 +315,49 @@ def test_exact_mode_hooks_nothing_and_each_pass_begins_once(fx, monkeypatch):
     model.forward(TOKENS, cache)
     model.forward(TOKENS[:1], cache)
     assert len(passes) == 2
+
+
+def test_auto_stops_predicting_once_the_cache_reads_nothing_new(fx):
+    """until_quiet (MOE_ROUTING=auto without a limit): passes that start reads keep the prediction;
+    QUIET_PASSES passes in a row starting at most one read each detach the hooks for good."""
+    from daemon.routing.predict import QUIET_PASSES
+
+    _, model, _ = fx[("qwen3moe", "Q8_0")]
+    cache = FakeCache()
+    cache.reads_started = 0
+    pf = Prefetcher(model, cache, "speculative", until_quiet=True).attach(model)
+    try:
+        for _ in range(3 * QUIET_PASSES):  # a cold start: each pass reads experts
+            cache.reads_started += 5
+            model.forward([1, 2], model.new_cache(2))
+        assert model.step_hooks is pf and pf.mode == "speculative"
+        before = len(cache.prefetches())
+        for i in range(QUIET_PASSES - 1):  # quiet, but one pass short (one read a pass is quiet)
+            cache.reads_started += i % 2
+            model.forward([1, 2], model.new_cache(2))
+        assert model.step_hooks is pf and len(cache.prefetches()) > before
+        cache.reads_started += 2  # a pass that read: the count starts again
+        model.forward([1, 2], model.new_cache(2))
+        for _ in range(QUIET_PASSES - 1):
+            model.forward([1, 2], model.new_cache(2))
+        assert model.step_hooks is pf
+        model.forward([1, 2], model.new_cache(2))  # the QUIET_PASSES-th quiet pass: no prediction, detached
+        after = len(cache.prefetches())
+        assert model.step_hooks is None and model.trace is None and pf.mode == "exact"
+        model.forward([1, 2], model.new_cache(2))
+        assert len(cache.prefetches()) == after
+    finally:
+        pf.detach()
+
+
+def test_an_explicit_mode_predicts_however_quiet(fx):
+    _, model, _ = fx[("qwen3moe", "Q8_0")]
+    cache = FakeCache()
+    cache.reads_started = 0
+    pf = Prefetcher(model, cache, "speculative").attach(model)
+    try:
+        for _ in range(20):
+            model.forward([1, 2], model.new_cache(2))
+        assert model.step_hooks is pf and pf.mode == "speculative"
+    finally:
+        pf.detach()
