@@ -93,13 +93,13 @@ def caches(gguf):
     from daemon.backend.cuda_expert_cache import VRAMExpertCache
     from daemon.backend.cuda_transfer import pinned_empty
     from daemon.backend.offload import OffloadPolicy
-    from daemon.engine import _expert_cache
+    from daemon.backend.host_experts import host_expert_cache
 
     made = []
 
     def make(slots, policy=None, limit_mb=0.0, budget=None, settings=None, **kw):
-        host = _expert_cache(gguf, Settings.load(env={}, expert_cache_limit_mb=limit_mb), lambda _m: None,
-                             allocate=pinned_empty)
+        host = host_expert_cache(gguf, Settings.load(env={}, expert_cache_limit_mb=limit_mb), lambda _m: None,
+                                 allocate=pinned_empty)
         backend = CUDABackend(0)
         if budget is None:
             budget = slots * VRAM_EXPERT * N_LAYERS
