@@ -81,6 +81,12 @@ _OP_BUFFERS_KEPT = 256 << 20  # pooled op buffers kept past an eager step (bytes
 _bound = threading.local()  # the device this thread's numba context is on
 
 
+def _fits(w: attn.AttentionWork | None, rows: int, n_head: int, chunks: int, dv: int) -> bool:
+    """w holds calls of `rows` rows of n_head heads of size dv over `chunks` chunks."""
+    return (w is not None and w.max_rows >= rows and w.max_chunks >= chunks and w.part_o.shape[1] == n_head
+            and w.part_o.shape[3] == dv)
+
+
 def _work_bytes(w: attn.AttentionWork | None) -> int:
     return 0 if w is None else int(w.part_m.nbytes + w.part_l.nbytes + w.part_o.nbytes)
 
@@ -708,8 +714,7 @@ class CUDABackend:
         if rows <= small:
             chunks = -(-pool.reserved_cells // attn.CHUNK)
             w = self._step_work
-            if w is None or w.max_rows < small or w.max_chunks < chunks or w.part_o.shape[1] != n_head \
-                    or w.part_o.shape[3] != dv:
+            if not _fits(w, small, n_head, chunks, dv):
                 if w is not None:
                     log.debug("%s: decode attention scratch made again; %d graphs dropped", self.name, len(self.graphs))
                     self.graphs.clear()  # they hold its addresses
@@ -718,9 +723,8 @@ class CUDABackend:
             return self._step_work
         w = self._work
         chunks = -(-pool.cells // attn.CHUNK)
-        if w is None or w.max_rows < rows or w.max_chunks < chunks or w.part_o.shape[1] != n_head \
-                or w.part_o.shape[3] != dv:
-            keep = w is not None and w.part_o.shape[1] == n_head and w.part_o.shape[3] == dv
+        if not _fits(w, rows, n_head, chunks, dv):
+            keep = _fits(w, 0, n_head, 0, dv)  # the same heads: grown to hold both
             rows = max(rows, w.max_rows) if keep else rows
             chunks = max(chunks, w.max_chunks) if keep else chunks
             self._work, old, w = None, _work_bytes(w), None  # freed before the new one is made
