@@ -138,8 +138,9 @@ def cases(quick: bool, dims: dict = QWEN3):
                                                 "gpt-oss swa": dims["oss"] + (True,)}.items():
         C = 2 * cells
         S = 16
-        kc = cuda.to_device(rng.standard_normal((S, Hk, C, dh)).astype(np.float16))
-        vc = cuda.to_device(rng.standard_normal((S, Hk, C, dh)).astype(np.float16))
+        nb = C // attn.KV_BLOCK  # the cache's block-major layout [NB, S, Hkv, B, D]
+        kc = cuda.to_device(rng.standard_normal((nb, S, Hk, attn.KV_BLOCK, dh)).astype(np.float16))
+        vc = cuda.to_device(rng.standard_normal((nb, S, Hk, attn.KV_BLOCK, dh)).astype(np.float16))
         sk = _dev(rng, Hq) if sinks else None
         work = attn.AttentionWork(prefill, Hq, C, dh)
         for B, is_prefill in [(b, False) for b in batches] + [(prefill, True)]:

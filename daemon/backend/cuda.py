@@ -164,6 +164,7 @@ class CUDABackend:
         self._byte_maps: dict[int, object] = {}
         self._group_biases: dict[tuple, object] = {}  # upload groups' biases, concatenated
         self._iota = cuda.to_device(np.arange(1, dtype=np.int32))
+        self._old_iotas: list = []  # outgrown, kept: captured graphs may still read them
         self._routed = None  # (host ids, device ids) of the last router call
         self._pinned_ids: dict[tuple, np.ndarray] = {}  # routing read back by segmented graphs, by shape
         self._inputs: dict[int, dict] = {}  # decode-step input buffers by sequence count (graphs)
@@ -901,6 +902,7 @@ class CUDABackend:
     def _arange(self, n: int):
         """Device int32 [0, 1, .., n-1] (a slice of one kept array)."""
         if self._iota.shape[0] < n:
+            self._old_iotas.append(self._iota)  # a graph's kernels hold its address (freed: garbage rows)
             self._iota = cuda.to_device(np.arange(max(n, 2 * self._iota.shape[0]), dtype=np.int32))
         return self._iota if self._iota.shape[0] == n else self._iota[:n]
 

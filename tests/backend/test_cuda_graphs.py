@@ -117,3 +117,36 @@ def test_graph_keys_cover_decode_steps_only(fixture_dir):
         assert b.graphs.first_sighting(k5) and not b.graphs.first_sighting(k5)
         b.graphs.clear()  # e.g. the KV pool grew: every shape is new again
         assert b.graphs.first_sighting(k5) and b.graphs.get(k5) is None
+
+
+def test_a_graph_outlives_the_row_index_a_longer_prefill_outgrows(fixture_dir):
+    """A captured decode step reads the backend's row index array (0..T-1); a later, longer prefill
+    makes a larger one. The old one must stay allocated: freed, its memory went to other arrays
+    and a replay gathered embedding rows at garbage indices (an illegal address on an H200 in
+    gpu_decode.py --kernels). Freed memory is reused here on purpose before the replay."""
+    _gpu_only()
+    from numba import cuda
+
+    from daemon.backend.cuda import CUDABackend
+
+    path = fixture_path("qwen3moe", "Q8_0", fixture_dir, **SMALL)
+    runs = {}
+    for graphs in (False, True):
+        with GGUFFile(path) as g:
+            b = CUDABackend(0, max_slots=2, graphs=graphs)
+            model = Transformer(g, experts=b.resident_experts(g), backend=b)
+            solo = model.new_cache(64)
+            out = [model.forward([3, 1, 4], solo)]
+            for t in range(3):  # eager, captured, replayed
+                out.append(model.forward([t + 5], solo))
+            out.append(model.forward(np.arange(1, 41) % model.hp.n_vocab, model.new_cache(64)))  # 40 rows
+            cuda.current_context().deallocations.clear()  # frees what was released now
+            filler = [cuda.to_device(np.full(n, 0x3FFFFFFF, np.int32)) for n in (1, 2, 3, 4, 6, 8) for _ in range(8)]
+            for t in range(3):
+                out.append(model.forward([t + 9], solo))
+            del filler
+            if graphs:
+                assert b.graphs.replays >= 4
+            runs[graphs] = out
+    for i, (a, b) in enumerate(zip(runs[False], runs[True])):
+        assert np.array_equal(a, b), f"logits {i} differ"

@@ -57,7 +57,6 @@ MAX_PAIRS = 32  # (query row, head) pairs of one KV head per block: G * rows per
 MAX_QD = 4096  # pairs * Dh queries held in shared memory (>= MAX_PAIRS * CHUNK: reused for reductions)
 _SCORES = MAX_PAIRS * CHUNK  # shared [pairs, CHUNK] scores (a plain global: shared sizes must be constants)
 _FEW_BLOCKS = 256  # a grid below this spreads a KV head's query heads over blocks
-_VB = 32  # value cells a thread loads at once (in flight together)
 _NEG_INF = np.float32(-np.inf)
 # cells a block of the cache holds (a divisor of CHUNK); the simulator's CHUNK holds 4 as on a GPU
 KV_BLOCK = 8 if SIM else 32
@@ -191,24 +190,24 @@ def _make_partial(G: int, HB: int, RT: int, DH: int):
             part_l[r0 + tid // HB, h0 + tid % HB, c] = red[tid * CHUNK]
         v_block = NS * Hkv * KV_BLOCK * Dv  # values a block holds
         v_head = (slot * Hkv + kh) * KV_BLOCK * Dv  # where this head's cells start within a block
-        vals = cuda.local.array(_VB, np.float32)
+        vals = cuda.local.array(KV_BLOCK, np.float32)
         for d in range(tid, Dv, CHUNK):
             for i in range(NP):
                 acc[i] = np.float32(0.0)
-            jj = a  # a row's invisible cells add exact zeros; _VB cells' values loaded together
+            # a block at a time, so its cells' addresses are one base plus constant steps (the
+            # unrolled loads in flight together); cells a..b in ascending order, as a row's
+            # invisible cells add exact zeros
+            jj = a - a % KV_BLOCK
             while jj <= b:
-                n = min(_VB, b + 1 - jj)
-                for u in range(_VB):
-                    if u < n:
-                        cell = j0 + jj + u
-                        blk = cell // KV_BLOCK
-                        at = blk * v_block + v_head + (cell - blk * KV_BLOCK) * Dv + d
-                        vals[u] = f16_to_f32(ldg_u16(v_cache, 2 * at))
-                for u in range(_VB):
-                    if u < n:
+                at = ((j0 + jj) // KV_BLOCK) * v_block + v_head + d  # the block's first cell, value d
+                for u in range(KV_BLOCK):
+                    if jj + u >= a and jj + u <= b:
+                        vals[u] = f16_to_f32(ldg_u16(v_cache, 2 * (at + u * Dv)))
+                for u in range(KV_BLOCK):
+                    if jj + u >= a and jj + u <= b:
                         for i in range(NP):
                             acc[i] += s_sh[i * CHUNK + jj + u] * vals[u]
-                jj += _VB
+                jj += KV_BLOCK
             for i in range(NP):
                 if _sees(pos[i // HB], los[i // HB], j0):
                     part_o[r0 + i // HB, h0 + i % HB, c, d] = acc[i]
