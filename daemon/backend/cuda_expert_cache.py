@@ -64,6 +64,7 @@ from numba import cuda
 from ..kernels.cuda.device import SIM
 from ..kernels.cuda.layout import repack_into_slots, repacked_stride
 from ..experts.policies import POLICIES, simulate_layer
+from ..experts.slots import SlotTable
 from ..storage.experts import PROJECTIONS, ExpertLayout, check_ids
 from .base import compose_expert_ffn
 from .cuda_errors import CUDA_ERRORS
@@ -80,19 +81,6 @@ _HISTORY = 512  # per layer: the last steps' expert sets, for the Belady replay 
 # replays in Python on every stats call, ~3 s for 48 layers of 512 steps)
 
 
-class _Slot:
-    __slots__ = ("expert", "copied", "pins", "pending", "issued_at", "prefetched", "used")
-
-    def __init__(self):
-        self.expert = -1
-        self.copied = None  # an event recorded after its copy (the layer's down or bg event)
-        self.pins = 0
-        self.pending = False  # a copy recorded, not yet seen done
-        self.issued_at = 0.0
-        self.prefetched = False
-        self.used = False
-
-
 @dataclass(eq=False)
 class _VLayer:
     layout: ExpertLayout
@@ -100,10 +88,7 @@ class _VLayer:
     stacks: tuple = ()  # gate, up: device uint8 [S, F, stride]; down: [S, D, stride]
     gate_up: object = None  # gate and up as one array [2S, F, stride] (when alike), stacks[0:2] its halves
     biases: tuple = (None, None, None)  # device f32 [E, F|D] or None
-    slots: list = field(default_factory=list)
-    where: dict = field(default_factory=dict)  # expert -> slot index
-    policy: object = None
-    clock: int = 0
+    table: SlotTable = None  # which expert each slot holds, pins, copies in flight
     history: list = field(default_factory=list)  # each step's expert set (the Belady replay)
     counted_from: int = 0  # history index where the current stats began
     maps: object = None  # device int32 [3, E]: ready now / after waits / every GPU expert
@@ -272,7 +257,9 @@ class VRAMExpertCache:
         return sum(rows * repacked_stride(t, k) for rows, t, k in _projections(lay))
 
     def _make_layer(self, il: int, lay: ExpertLayout, cap: int) -> _VLayer:
-        vl = _VLayer(lay, cap, policy=POLICIES[self.eviction]([]))
+        vl = _VLayer(lay, cap)
+        vl.table = SlotTable(lay.n_expert, cap, POLICIES[self.eviction]([]),
+                             on_evict=lambda wasted, vl=vl: _evicted(vl, wasted))
         vl.maps = cuda.device_array((3, lay.n_expert), np.int32)
         vl.map_rows = tuple(vl.maps[i] for i in range(3))
         if cap:
@@ -284,7 +271,6 @@ class VRAMExpertCache:
             else:
                 vl.stacks = (self._zeros((cap, gr, repacked_stride(gt, gk))),
                              self._zeros((cap, up[0], repacked_stride(up[1], up[2]))), down)
-            vl.slots = [_Slot() for _ in range(cap)]
         vl.biases = tuple(None if b is None else cuda.to_device(np.ascontiguousarray(b, np.float32))
                           for b in self.host.biases(il))
         self.vram_bytes += sum(int(s.nbytes) for s in vl.stacks) + int(vl.maps.nbytes) + sum(
@@ -332,7 +318,7 @@ class VRAMExpertCache:
         ids = [int(e) for e in ids]
         if self.force_cpu or len(ids) <= vl.capacity or not vl.capacity:
             return [ids]
-        order = sorted(ids, key=lambda e: e not in vl.where)
+        order = sorted(ids, key=lambda e: e not in vl.table)
         room = max(vl.capacity, 1)
         return [order[i:i + room] for i in range(0, len(order), room)]
 
@@ -363,7 +349,8 @@ class VRAMExpertCache:
         self._reap()
         self._fold_timer(vl)
         st = vl.stats
-        vl.clock += 1
+        table = vl.table
+        table.clock += 1
         vl.history.append(frozenset(wanted))
         if len(vl.history) > _HISTORY:  # keep the newer half
             cut = len(vl.history) // 2
@@ -377,23 +364,22 @@ class VRAMExpertCache:
         tr = self.transfers
         ready, flying, missing, cpu, fallback = [], [], [], [], []
         for e in wanted:
-            si = vl.where.get(e)
+            si = table.slot(e)
             if si is None:
                 missing.append(e)
                 continue
-            s = vl.slots[si]
             st.hits += 1
-            if s.prefetched and not s.used:
+            if table.prefetched[si] and not table.used[si]:
                 st.prefetch_used += 1
-            s.used = True
-            if s.pending and tr.done(s.copied):
-                s.pending = False
-            if not s.pending:
+            table.used[si] = True
+            if table.pending[si] and tr.done(table.copied[si]):
+                table.pending[si] = False
+            if not table.pending[si]:
                 ready.append(e)
-            elif now - s.issued_at > STALE_S:  # a copy that never completes: the CPU computes it
+            elif now - table.issued_at[si] > STALE_S:  # a copy that never completes: the CPU computes it
                 self._warn("stale", "an expert copy to %s did not complete in %.0f s: its experts compute on "
                            "the CPU", self.backend.name, STALE_S)
-                self._drop(vl, e)
+                table.drop(e)
                 fallback.append(e)
             elif not self.block_on_miss and self.offload.hybrid:
                 fallback.append(e)  # not arrived yet, and the settings say not to wait
@@ -418,15 +404,15 @@ class VRAMExpertCache:
         st.fallbacks += len(fallback)
         cpu += fallback
         for e in ready + flying:
-            self._touch(vl, e, pin=True)
+            table.touch(e, pin=True)
         copy = []
         if missing and not vl.capacity:
             self._warn("noslot", "MOE_GPU_CACHE_MB leaves no VRAM slot for a layer's experts (%.1f MiB each): "
                        "they compute on the CPU", self._device_expert_bytes(vl.layout) / 2**20)
-        claimed = self._claim_many(vl, len(missing)) if vl.capacity and missing else []
+        claimed = table.claim_many(len(missing)) if vl.capacity and missing else []
         for e, si in zip(missing, claimed + [None] * (len(missing) - len(claimed))):
             if si is not None:
-                self._own(vl, e, si, prefetch=False)
+                table.own(e, si, prefetch=False)
             else:  # no slot, or every slot held by this step (waves prevent it): the CPU computes it
                 if vl.capacity:
                     self._warn("full", "a layer's VRAM slots were all in use: an expert computes on the CPU")
@@ -437,9 +423,9 @@ class VRAMExpertCache:
         admit = []
         if cpu and not self.force_cpu:
             for e in cpu[:self.max_transfers]:
-                if e in vl.where:
+                if e in table:
                     continue
-                si = self._take(vl, e, prefetch=True)
+                si = table.take(e, prefetch=True)
                 if si is None:
                     break
                 admit.append((e, si))
@@ -447,9 +433,9 @@ class VRAMExpertCache:
         try:
             held = self.host.fetch(layer, host_ids, count=True) if host_ids else None
         except BaseException:  # a failed read (StorageError): nothing was copied, nothing stays held
-            self._forget(vl, copy + admit)
+            table.forget(copy + admit)
             for e in ready + flying:
-                vl.slots[vl.where[e]].pins -= 1
+                table.pins[table.slot_of[e]] -= 1
             raise
         host_batch = held.batch if held is not None else None
         copy_event = None
@@ -476,7 +462,7 @@ class VRAMExpertCache:
             tr.record(vl.gu, tr.fetch)
             tr.record(vl.down, tr.fetch)
         later = flying + [e for e, _ in copy]
-        rows = {e: vl.where[e] for e in ready + later}
+        rows = {e: int(table.slot_of[e]) for e in ready + later}
         maps = np.full((3, vl.layout.n_expert), -1, np.int32)
         for e in ready:
             maps[0, e] = rows[e]
@@ -549,10 +535,11 @@ class VRAMExpertCache:
         self.host.prefetch(layer, ids)
         if self.force_cpu or not vl.capacity:
             return
-        todo = [e for e in self.host.ready(layer, [e for e in ids if e not in vl.where])][:self.max_transfers]
+        table = vl.table
+        todo = [e for e in self.host.ready(layer, [e for e in ids if e not in table])][:self.max_transfers]
         items = []
         for e in todo:
-            si = self._take(vl, e, prefetch=True)
+            si = table.take(e, prefetch=True)
             if si is None:
                 break
             items.append((e, si))
@@ -561,7 +548,7 @@ class VRAMExpertCache:
         try:
             held = self.host.fetch(layer, [e for e, _ in items], count=False)
         except BaseException:
-            self._forget(vl, items)
+            table.forget(items)
             raise
         try:
             ev = self._copy_in(vl, items, held.batch, background=True)
@@ -570,13 +557,13 @@ class VRAMExpertCache:
             held.__exit__(None, None, None)
             return
         for _e, si in items:
-            vl.slots[si].prefetched, vl.slots[si].used = True, False
+            table.prefetched[si], table.used[si] = True, False
         vl.stats.prefetch_issued += len(items)
         self._reap_list.append((ev, held))
 
     def holds_all(self, layer: int) -> bool:
         vl = self._layers.get(layer)
-        return vl is not None and len(vl.where) == vl.layout.n_expert
+        return vl is not None and vl.table.holds_all()
 
     def begin_pass(self) -> None:
         self.host.begin_pass()
@@ -639,10 +626,7 @@ class VRAMExpertCache:
             repack_into_slots(self._staging_view(m, dr, d_rb), vl.stacks[2], self._slot_view(at, m), dt, stream=fs)
             at += 2 * m
         last = tr.record(vl.bg if background else vl.down, fs)
-        now = time.monotonic()
-        for e, si in items:
-            s = vl.slots[si]
-            s.pending, s.issued_at, s.copied = True, now, last
+        vl.table.issued([si for _e, si in items], last, time.monotonic())
         vl.stats.loads += len(items)
         vl.stats.bytes_copied += len(items) * vl.layout.expert_nbytes
         return last
@@ -683,71 +667,9 @@ class VRAMExpertCache:
             self.host.layout(layer)  # raises GGUFError naming the layer
         return vl
 
-    def _touch(self, vl: _VLayer, e: int, pin: bool) -> None:
-        vl.policy.touch(e, vl.clock)
-        if pin:
-            vl.slots[vl.where[e]].pins += 1
-
-    def _take(self, vl: _VLayer, e: int, prefetch: bool) -> int | None:
-        """A slot for expert e (claimed, now its own; pinned for a step's own miss), or None."""
-        si = self._claim(vl, prefetch)
-        if si is not None:
-            self._own(vl, e, si, prefetch)
-        return si
-
-    def _own(self, vl: _VLayer, e: int, si: int, prefetch: bool) -> None:
-        vl.where[e] = si
-        s = vl.slots[si]
-        s.expert, s.prefetched, s.used = e, prefetch, not prefetch
-        self._touch(vl, e, pin=not prefetch)
-
-    def _claim_many(self, vl: _VLayer, n: int) -> list[int]:
-        """Slots for n experts of a step's own misses, as n _claim(prefetch=False) calls give them
-        (each claimed slot is pinned by its expert, so no later call's candidate), in one pass over
-        the slots: free ones in slot order, then the policy's least wanted unheld ones. Fewer than n
-        when the step holds the rest."""
-        free = [si for si, s in enumerate(vl.slots) if s.expert < 0 and s.pins == 0][:n]
-        if len(free) == n:
-            return free
-        cands = [s.expert for s in vl.slots if s.pins == 0 and s.expert >= 0]
-        for victim in vl.policy.victims(cands, vl.clock, n - len(free)):
-            free.append(vl.where[victim])
-            self._drop(vl, victim, evicted=True)
-        return free
-
-    def _claim(self, vl: _VLayer, prefetch: bool) -> int | None:
-        """A slot for a new expert: a free one, else the policy's victim among those no step holds
-        (a prefetch also spares predicted experts not used yet)."""
-        for si, s in enumerate(vl.slots):
-            if s.expert < 0 and s.pins == 0:
-                return si
-        cands = [s.expert for s in vl.slots if s.pins == 0 and s.expert >= 0
-                 and not (prefetch and (s.pending or (s.prefetched and not s.used)))]
-        if not cands:
-            return None
-        victim = vl.policy.victim(cands, vl.clock)
-        si = vl.where[victim]
-        self._drop(vl, victim, evicted=True)
-        return si
-
-    def _drop(self, vl: _VLayer, e: int, evicted: bool = False) -> None:
-        si = vl.where.pop(e)
-        s = vl.slots[si]
-        if evicted:
-            vl.stats.evictions += 1
-            if s.prefetched and not s.used:
-                vl.stats.prefetch_wasted += 1
-        s.expert, s.pending, s.prefetched, s.used, s.pins = -1, False, False, False, 0
-
-    def _forget(self, vl: _VLayer, items: list) -> None:
-        """Give back the slots claimed for (expert, slot) items whose copies did not happen."""
-        for e, si in items:
-            if vl.where.get(e) == si:
-                self._drop(vl, e)
-
     def _copy_failed(self, vl: _VLayer, items: list, err: BaseException) -> None:
         self._warn("copy", "an expert copy to %s failed (%s): such experts compute on the CPU", self.backend.name, err)
-        self._forget(vl, items)
+        vl.table.forget(items)
 
     def _release(self, vl: _VLayer) -> None:
         """Give back the slots of the layer's decision (its kernels are queued) and hand its host
@@ -757,7 +679,7 @@ class VRAMExpertCache:
             return
         d.released = True
         for si in d.used:
-            vl.slots[si].pins -= 1
+            vl.table.pins[si] -= 1
         if d.used:
             self.transfers.record(vl.freed, self.backend.stream)
             vl.freed_set = True
@@ -796,7 +718,7 @@ class VRAMExpertCache:
         belady_hits = lru_hits = replayed = 0
         for il, vl in self._layers.items():
             total.add(vl.stats)
-            per[il] = vl.stats.summary() | {"capacity": vl.capacity, "cached": len(vl.where)}
+            per[il] = vl.stats.summary() | {"capacity": vl.capacity, "cached": len(vl.table)}
             if len(vl.history) > vl.counted_from and vl.capacity and not self.force_cpu:
                 # the whole history replays (the live cache is as warm), counted since the stats began
                 b = simulate_layer(vl.history, vl.capacity, "belady", vl.counted_from)
@@ -844,6 +766,12 @@ class _CPUOut:
 
     def __init__(self, y, pairs):
         self.y, self.pairs, self.dirty = y, pairs, False
+
+
+def _evicted(vl: _VLayer, wasted: bool) -> None:
+    vl.stats.evictions += 1
+    if wasted:
+        vl.stats.prefetch_wasted += 1
 
 
 def _projections(lay: ExpertLayout) -> tuple:

@@ -1,6 +1,7 @@
 """Expert residency: which experts of a MoE layer stay in a fast tier, for both tiers (host RAM
-and VRAM). The eviction and admission policies live here, with the replay simulator that scores
-them against the offline optima.
+and VRAM). The eviction and admission policies live here (policies.py), with the replay simulator that
+scores them against the offline optima, and one layer's slot table as arrays (slots.py: which
+expert each slot holds, pins, copies in flight), which the VRAM expert cache keeps per layer.
 
 This package imports nothing from `routing/`, `model/` or `backend/`: those import it.
 """

@@ -131,8 +131,13 @@ def _synchronize(cache) -> None:
     cache.transfers.fetch.synchronize()
 
 
+def _held(vl) -> dict[int, int]:
+    """A layer's experts in VRAM -> their slots, read from its slot table."""
+    return {int(e): si for si, e in enumerate(vl.table.expert_of.tolist()) if e >= 0}
+
+
 def _pins_released(cache) -> bool:
-    return all(s.pins == 0 for vl in cache._layers.values() for s in vl.slots)
+    return all(not vl.table.pins.any() for vl in cache._layers.values())
 
 
 # -- tier logic and statistics ------------------------------------------------------------------
@@ -187,10 +192,10 @@ def test_hits_misses_evictions_and_the_replays(gguf, caches):
 
     # the slots hold the experts' bytes, repacked, their padding zero
     vl = cache._layers[0]
-    assert sorted(vl.where) == [1, 2]
+    assert sorted(_held(vl)) == [1, 2]
     cache.transfers.fetch.synchronize()
     stacks = [s.copy_to_host() for s in vl.stacks]
-    for e, si in vl.where.items():
+    for e, si in _held(vl).items():
         for p, raw in enumerate(_host_raw(cache, 0, e)):
             np.testing.assert_array_equal(stacks[p][si], repack(raw, Q8_0))
             assert not stacks[p][si][:, 34:].any()
@@ -317,7 +322,7 @@ def test_copies_events_and_waits_come_in_order(gguf, caches, reference, monkeypa
     # step A: experts 0 and 1 copied into the two fresh slots: no freed event to wait on yet
     a = rec.mark()
     np.testing.assert_array_equal(moe_out(model, [[0, 1]]), reference([[0, 1]]))
-    slots_a = sorted(vl.where.values())
+    slots_a = sorted(_held(vl).values())
     assert len(slots_a) == 2
     check_step(a, 2)
     assert not any(x[0] == "wait" and x[2] is vl.freed for x in rec.log[a:])
@@ -326,7 +331,7 @@ def test_copies_events_and_waits_come_in_order(gguf, caches, reference, monkeypa
     # on the layer's freed event (recorded at the end of step A)
     b = rec.mark()
     np.testing.assert_array_equal(moe_out(model, [[2, 3]]), reference([[2, 3]]))
-    assert sorted(vl.where.values()) == slots_a
+    assert sorted(_held(vl).values()) == slots_a
     check_step(b, 2)
     log = rec.log
     first_copy = next(i for i in range(b, len(log)) if log[i][0] == "h2d")
@@ -447,7 +452,7 @@ def test_hybrid_compute_sends_single_token_experts_to_the_cpu_and_admits_them(gg
     assert _close(moe_out(model, chosen), want)
     st = cache.stats()
     assert (st["misses"], st["cpu_hybrid"], st["copied_demand"], st["admitted"], st["loads"]) == (3, 2, 1, 2, 3)
-    assert sorted(cache._layers[0].where) == [0, 1, 2]
+    assert sorted(_held(cache._layers[0])) == [0, 1, 2]
     assert _pins_released(cache)
     # the admitted experts are in VRAM now: every expert on the GPU, the resident bits
     np.testing.assert_array_equal(moe_out(model, chosen), want)
@@ -471,7 +476,7 @@ def test_a_failed_admission_copy_leaves_no_slot_pinned(gguf, caches, reference):
     chosen = [[0, 1], [0, 2]]
     assert _close(moe_out(model, chosen), reference(chosen))
     assert _pins_released(cache)
-    assert cache._layers[0].where == {}  # expert 0 copied, but dropped with the admissions
+    assert _held(cache._layers[0]) == {}  # expert 0 copied, but dropped with the admissions
     st = cache.stats()
     assert (st["cpu_hybrid"], st["fallbacks"], st["admitted"], st["copied_demand"]) == (2, 1, 0, 0)
 
