@@ -10,6 +10,8 @@ topology (logical CPUs, affinity, cgroup quota, threads per core), which decides
     python benchmarks/thread_scaling.py --model MODEL.gguf --threads 1,4,8,16 --layers omp,workqueue
 
 `--env KEY=VALUE` (repeatable) adds environment to the children, e.g. OMP_WAIT_POLICY=passive.
+`--busy N` runs N processes that burn a CPU each beside every configuration (a loaded machine: how
+much a spin-waiting thread pool loses to a competitor).
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--cache-mb", type=float, default=0.0,
                     help="EXPERT_CACHE_LIMIT_MB for the children; 0 = every expert resident after warm-up")
+    ap.add_argument("--busy", type=int, default=0, help="CPU-burning processes beside each configuration")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -118,13 +121,20 @@ def main() -> int:
             cmd = [sys.executable, __file__, "--child", str(threads), "--model", args.model,
                    "--prefill", str(args.prefill), "--decode", str(args.decode), "--repeat", str(args.repeat),
                    "--cache-mb", str(args.cache_mb)]
-            p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+            try:
+                p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            finally:
+                for b in burners:
+                    b.kill()
+                    b.wait()
             if p.returncode:
                 print(f"{layer:<10} {threads:>7} failed: {p.stderr.strip().splitlines()[-1:]}", flush=True)
                 continue
-            row = json.loads(p.stdout.strip().splitlines()[-1]) | {"env": extra, "asked_layer": layer}
+            row = json.loads(p.stdout.strip().splitlines()[-1]) | {"env": extra, "asked_layer": layer,
+                                                                   "busy": args.busy}
             rows.append(row)
-            envs = ",".join(f"{k}={v}" for k, v in extra.items()) or "-"
+            envs = ",".join([f"{k}={v}" for k, v in extra.items()] + [f"busy={args.busy}"] * bool(args.busy)) or "-"
             print(f"{row['layer']:<10} {envs:<24} {threads:>7} "
                   f"{row['prefill']:>9.1f} ({row['prefill_min']:.1f}-{row['prefill_max']:.1f})".ljust(60)
                   + f"{row['decode']:>9.2f} ({row['decode_min']:.2f}-{row['decode_max']:.2f})", flush=True)

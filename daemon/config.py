@@ -79,7 +79,9 @@ class Settings:
         "MOE_CUDA_GRAPHS", "on a GPU, replay decode steps as CUDA graphs (one launch a step instead of "
         "one per kernel; the same results); 0 = launch every kernel from Python"))
     n_threads: int = field(default=0, metadata=_meta(
-        "MOE_N_THREADS", "numba threads for the CPU kernels; 0 = all cores", bounds=(0, 1024)))
+        "MOE_N_THREADS", "numba threads for the CPU kernels; 0 = all cores while the machine is otherwise idle, "
+        "fewer while other processes keep cores busy (looked at every 0.25 s: a spin-waiting pool beside a busy "
+        "competitor loses most of its speed)", bounds=(0, 1024)))
     expert_cache_limit_mb: float = field(default=0.0, metadata=_meta(
         "EXPERT_CACHE_LIMIT_MB", "host memory for expert slices across all MoE layers, split evenly per "
         "layer; 0 = unlimited", bounds=(0, 2**30)))  # 1 PiB: a limit, never allocated beyond the model

@@ -31,6 +31,8 @@ import numpy as np
 from ipc.protocol import Chat, Done, Generate, Message, SamplingOptions
 
 from . import heap
+from .backend import CPUBackend
+from .backend.cpu_threads import ThreadGovernor
 from .backend.select import select_backend
 from .config import Settings
 from .errors import RequestError
@@ -128,6 +130,8 @@ class Engine:
         cache = None
         try:
             backend = select_backend(cfg, gguf)  # MOE_DEVICE; logs which and why
+            if not cfg.n_threads and isinstance(backend, CPUBackend):  # all cores, fewer while others are busy
+                backend.governor = ThreadGovernor(numba.config.NUMBA_NUM_THREADS)
             experts, cache = backend.expert_provider(gguf, cfg, say, progress)
             say(f"building {gguf.architecture} model")
             model = Transformer(gguf, experts=experts, backend=backend)

@@ -15,6 +15,7 @@ P = T*A pairs.
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 from numba.typed import List
 
@@ -75,6 +76,7 @@ class CPUBackend:
         if numerics not in NUMERICS:
             raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
         self.numerics = numerics
+        self.governor = None  # a cpu_threads.ThreadGovernor: each step's thread count (None: as set)
 
     def __repr__(self) -> str:
         return f"CPUBackend({self.numerics!r})"
@@ -103,6 +105,10 @@ class CPUBackend:
     # -- dense ---------------------------------------------------------------------------------
 
     def run_step(self, step: Step, compute, static: bool = False, segmented: bool = False):
+        if self.governor is not None:  # numba's count is the calling thread's: set where the step runs
+            n = self.governor.threads()
+            if numba.get_num_threads() != n:
+                numba.set_num_threads(n)
         return compute()
 
     def host_point(self, fn, sync: bool = True) -> None:
