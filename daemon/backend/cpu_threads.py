@@ -7,9 +7,9 @@ tok/s, while 1 thread kept 62 (docs/benchmarks.md, "Threads under load"). A pass
 avoids the cliff but halves the idle speed (51-54), and OMP_WAIT_POLICY is fixed when the pool
 starts. The thread count is not: numba.set_num_threads applies to the calling thread's next
 parallel region. So with MOE_N_THREADS=0 (all cores) the CPU backend asks a ThreadGovernor before
-each step; it looks again at most every INTERVAL_S, from /proc/stat (the machine's busy time) less
-this process's own CPU time, and uses the cores the others leave idle (at least one). An explicit
-MOE_N_THREADS is kept as given.
+each step; it looks again at most every INTERVAL_S, from /proc/stat (the busy time of the CPUs this
+process may run on) less this process's own CPU time, and uses the cores the others leave idle (at
+least one). An explicit MOE_N_THREADS is kept as given.
 """
 
 from __future__ import annotations
@@ -20,17 +20,25 @@ import time
 INTERVAL_S = 0.25  # how often the load is read again (two small file reads)
 
 
-def machine_busy_s() -> float | None:
-    """CPU seconds the whole machine has spent busy since boot (every core), or None where
-    /proc/stat cannot be read."""
+def machine_busy_s(cpus=None) -> float | None:
+    """CPU seconds the machine's CPUs `cpus` (default: those this process may run on) have spent
+    busy since boot, or None where /proc/stat cannot be read. Only those CPUs: in a container
+    pinned to some cores, the host's load on the others competes with nothing of ours."""
+    cpus = os.sched_getaffinity(0) if cpus is None else cpus
+    busy = 0
     try:
         with open("/proc/stat", "rb") as f:
-            fields = f.readline().split()[1:]
-    except OSError:
+            for line in f:
+                if not line.startswith(b"cpu"):
+                    break
+                name, *fields = line.split()
+                if name == b"cpu" or int(name[3:]) not in cpus:
+                    continue
+                ticks = [int(v) for v in fields[:8]]
+                busy += sum(ticks) - ticks[3] - (ticks[4] if len(ticks) > 4 else 0)  # less idle, iowait
+    except (OSError, ValueError):
         return None
-    ticks = [int(v) for v in fields]
-    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
-    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+    return busy / os.sysconf("SC_CLK_TCK")
 
 
 def own_cpu_s() -> float:
