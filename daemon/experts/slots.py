@@ -35,11 +35,10 @@ class SlotTable:
         self.used = np.zeros(capacity, bool)
         self.issued_at = np.zeros(capacity, np.float64)
         self.copied: list = [None] * capacity
-        self._held = 0
 
     def __len__(self) -> int:
         """Experts held."""
-        return self._held
+        return int(np.count_nonzero(self.expert_of >= 0))
 
     def __contains__(self, e: int) -> bool:
         return self.slot_of[e] >= 0
@@ -49,7 +48,7 @@ class SlotTable:
         return None if si < 0 else si
 
     def holds_all(self) -> bool:
-        return self._held == self.slot_of.shape[0]
+        return len(self) == self.slot_of.shape[0]
 
     def touch(self, e: int, pin: bool) -> None:
         """e was asked for now (the policy's recency and frequency); pin: a step reads its slot."""
@@ -68,7 +67,6 @@ class SlotTable:
         self.slot_of[e] = si
         self.expert_of[si] = e
         self.prefetched[si], self.used[si] = prefetch, not prefetch
-        self._held += 1
         self.touch(e, pin=not prefetch)
 
     def claim_many(self, n: int) -> list[int]:
@@ -112,7 +110,6 @@ class SlotTable:
         self.pending[si] = self.prefetched[si] = self.used[si] = False
         self.pins[si] = 0
         self.copied[si] = None
-        self._held -= 1
 
     def forget(self, items) -> None:
         """Give back the slots claimed for (expert, slot) items whose copies did not happen."""
