@@ -51,7 +51,7 @@ from ..kernels.cuda import glu as glu_k
 from ..kernels.cuda import feed as feed_k
 from ..kernels.cuda import mmq, mmvq, norm, rope as rope_k, router as router_k
 from ..kernels.cuda import sample as sample_k
-from ..kernels.cuda.device import SIM
+from ..kernels.cuda.device import SIM, upload
 from ..kernels.cuda.mmvq import MAX_COLS, Q8
 from ..kernels.cuda.quantize import QK8_1, quantize_q8_1
 from ..kernels.cuda.vecdot import FLOAT_ACT
@@ -163,7 +163,7 @@ class CUDABackend:
         self._step_work: attn.AttentionWork | None = None  # calls of up to the pool's slots rows
         self._byte_maps: dict[int, object] = {}
         self._group_biases: dict[tuple, object] = {}  # upload groups' biases, concatenated
-        self._iota = cuda.to_device(np.arange(1, dtype=np.int32))
+        self._iota = upload(np.arange(1, dtype=np.int32), self.stream)
         self._old_iotas: list = []  # outgrown, kept: captured graphs may still read them
         self._routed = None  # (host ids, device ids) of the last router call
         self._pinned_ids: dict[tuple, np.ndarray] = {}  # routing read back by segmented graphs, by shape
@@ -207,7 +207,7 @@ class CUDABackend:
             w = DeviceWeight(upload_matrix(weight.raw, weight.ggml_type), weight.ggml_type, weight.n_in, weight.n_out)
             self.bytes["weights"] += w.nbytes
             return w
-        a = cuda.to_device(np.ascontiguousarray(weight, dtype=_F32))
+        a = upload(np.ascontiguousarray(weight, dtype=_F32), self.stream)
         self.bytes["weights"] += int(a.nbytes)
         return a
 
@@ -415,7 +415,7 @@ class CUDABackend:
 
     def sampler_slots(self):
         if self._samplers is None:
-            self._samplers = sample_k.SamplerSlots()
+            self._samplers = sample_k.SamplerSlots(stream=self.stream)
         return self._samplers
 
     @_guarded
@@ -449,7 +449,7 @@ class CUDABackend:
         qt = table.ggml_type
         bmap = self._byte_maps.get(qt)
         if bmap is None:
-            bmap = self._byte_maps[qt] = cuda.to_device(byte_map(qt))
+            bmap = self._byte_maps[qt] = upload(byte_map(qt), self.stream)
         toks = self._memo_ints(step, "tokens", tokens)
         T = toks.shape[0]
         raw = embedding_rows(table, toks, bmap, self.stream)  # [T, RB]
@@ -502,7 +502,7 @@ class CUDABackend:
         if cat is None:
             host = np.concatenate([np.zeros(w.n_out, _F32) if b is None else np.asarray(self.to_host(b), _F32)
                                    for w, b in zip(ws, biases)])
-            cat = self._group_biases[key] = cuda.to_device(host)
+            cat = self._group_biases[key] = upload(host, self.stream)
             self.bytes["weights"] += int(cat.nbytes)
         return cat
 
@@ -522,7 +522,7 @@ class CUDABackend:
             ids_dev = cuda.to_device(np.ascontiguousarray(ids, dtype=np.int32), stream=self.stream)
         slot_of = getattr(slots, "device", None)
         if slot_of is None:
-            slot_of = cx.SlotMap(slots, layout.n_expert).device
+            slot_of = cx.SlotMap(slots, layout.n_expert, self.stream).device
         T = ids_dev.shape[0]
         qts = (layout.gate_type, layout.up_type, layout.down_type)
         ks = (layout.n_embd, layout.n_embd, layout.n_ff)
@@ -903,7 +903,7 @@ class CUDABackend:
         """Device int32 [0, 1, .., n-1] (a slice of one kept array)."""
         if self._iota.shape[0] < n:
             self._old_iotas.append(self._iota)  # a graph's kernels hold its address (freed: garbage rows)
-            self._iota = cuda.to_device(np.arange(max(n, 2 * self._iota.shape[0]), dtype=np.int32))
+            self._iota = upload(np.arange(max(n, 2 * self._iota.shape[0]), dtype=np.int32), self.stream)
         return self._iota if self._iota.shape[0] == n else self._iota[:n]
 
 

@@ -40,11 +40,10 @@ import weakref
 
 import numpy as np
 from numba import cuda
-from numba.cuda.cudadrv import driver
 
 from ..errors import DeviceError
 from ..kernels.cuda.attention import KV_BLOCK
-from ..kernels.cuda.device import SIM
+from ..kernels.cuda.device import SIM, zero_fill
 from .cache import SequenceCache
 from .cuda_errors import CUDA_ERRORS
 from .cuda_graphs import _check, _drv
@@ -167,6 +166,7 @@ class KVPool:
         L, Hkv, Dh, Dv = self.shape
         before = self.nbytes
         conv, state = self.conv, self.state
+        cuda.synchronize()  # the old arrays are copied on the legacy stream: the backend's writes first
         try:
             nb = -(-reserved // KV_BLOCK)
             k = [self._remade(self._k[il] if self._k else None, (nb, slots, Hkv, KV_BLOCK, Dh), cells)
@@ -210,8 +210,7 @@ def _grown_slots(old, shape):
     """A zeroed f32 array of `shape` [S, ...] holding `old` [S_old, ...] (or None) in its first
     slots: a contiguous prefix, one device-to-device copy."""
     new = cuda.device_array(shape, np.float32)
-    if new.nbytes:
-        driver.device_memset(new, 0, new.nbytes)
+    zero_fill(new)
     if old is not None and old.nbytes:
         new[:old.shape[0]].copy_to_device(old)
     return new

@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from numba import cuda
 
-from ..kernels.cuda.device import SIM
+from ..kernels.cuda.device import upload, zero_fill
 from ..kernels.cuda.layout import repack_into_slots, repacked_stride
 from ..experts.policies import POLICIES, simulate_layer
 from ..experts.slots import SlotTable
@@ -70,7 +70,7 @@ from .base import compose_expert_ffn
 from .cuda_errors import CUDA_ERRORS
 from .cuda_weights import scatter_rows
 from .cuda_staged import Decision, StagedBatch, Timer, VRAMStats
-from .cuda_transfer import Event, Transfers, _check, _drv, pinned_empty
+from .cuda_transfer import Event, Transfers, pinned_empty
 from .offload import CPUCostFit, OffloadPolicy, parse_min_batch
 
 log = logging.getLogger("moed.device")
@@ -180,7 +180,7 @@ class VRAMExpertCache:
         backend.bytes["experts"] += self.vram_bytes  # the backend's VRAM tally (moed ps)
         # the scatter compiled now: a captured step launches it even if no eager step did
         one = cuda.device_array((1, 1), np.float32)
-        scatter_rows(one, cuda.to_device(np.full(1, -1, np.int32)), one, backend.stream)
+        scatter_rows(one, upload(np.full(1, -1, np.int32), backend.stream), one, backend.stream)
 
     @classmethod
     def from_settings(cls, host, backend, cfg, say=lambda _msg: None) -> VRAMExpertCache:
@@ -271,7 +271,7 @@ class VRAMExpertCache:
             else:
                 vl.stacks = (self._zeros((cap, gr, repacked_stride(gt, gk))),
                              self._zeros((cap, up[0], repacked_stride(up[1], up[2]))), down)
-        vl.biases = tuple(None if b is None else cuda.to_device(np.ascontiguousarray(b, np.float32))
+        vl.biases = tuple(None if b is None else upload(np.ascontiguousarray(b, np.float32))
                           for b in self.host.biases(il))
         self.vram_bytes += sum(int(s.nbytes) for s in vl.stacks) + int(vl.maps.nbytes) + sum(
             0 if b is None else int(b.nbytes) for b in vl.biases)
@@ -279,10 +279,7 @@ class VRAMExpertCache:
 
     def _zeros(self, shape):
         a = cuda.device_array(shape, np.uint8)
-        if SIM:
-            a.copy_to_device(np.zeros(shape, np.uint8))
-        else:
-            _check(_drv().cuMemsetD8(int(a.gpu_data.device_pointer), 0, int(a.nbytes)))
+        zero_fill(a)
         if isinstance(shape, int):
             self.vram_bytes += shape
         return a
@@ -522,7 +519,7 @@ class VRAMExpertCache:
         out = self._cpu_bufs.get((P, D))
         if out is None:
             out = self._cpu_bufs[(P, D)] = _CPUOut(cuda.device_array((P, D), np.float32),
-                                                   cuda.to_device(np.full(P, -1, np.int32)))
+                                                   upload(np.full(P, -1, np.int32)))
         return out
 
     def prefetch(self, layer: int, ids) -> None:

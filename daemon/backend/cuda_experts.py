@@ -24,6 +24,7 @@ import numpy as np
 from numba import cuda
 
 from ..kernels.cuda import mmq
+from ..kernels.cuda.device import upload
 from ..kernels.quants import row_bytes
 from ..storage.experts import PROJECTIONS, ExpertBatch, ExpertLayout, ResidentExperts, expert_biases
 
@@ -32,12 +33,12 @@ class SlotMap(dict):
     """expert id -> slot (a batch's `rows`), with the same map on the device: int32 [E], -1 for
     an expert not held."""
 
-    def __init__(self, rows: dict[int, int], n_expert: int):
+    def __init__(self, rows: dict[int, int], n_expert: int, stream=None):
         super().__init__(rows)
         host = np.full(n_expert, -1, np.int32)
         for e, s in rows.items():
             host[e] = s
-        self.device = cuda.to_device(host)
+        self.device = upload(host, stream)
 
 
 @dataclass(eq=False)
@@ -111,7 +112,7 @@ class DeviceExperts:
                 note(f"blk.{il}.ffn_{p}_exps.weight", a.nbytes)
             biases = []
             for b in expert_biases(src, il, lay.n_embd, lay.n_ff, lay.n_expert):
-                biases.append(None if b is None else cuda.to_device(b))
+                biases.append(None if b is None else upload(b))
                 if b is not None:
                     note(f"blk.{il} expert bias", b.nbytes)
             batches[il] = ExpertBatch(*stacks[il], SlotMap({e: e for e in range(lay.n_expert)}, lay.n_expert), *biases)

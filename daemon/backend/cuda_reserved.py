@@ -19,9 +19,8 @@ import weakref
 
 import numpy as np
 from numba import cuda
-from numba.cuda.cudadrv import driver
 
-from ..kernels.cuda.device import SIM
+from ..kernels.cuda.device import SIM, zero_fill
 from .cuda_graphs import _check, _drv
 
 log = logging.getLogger("moed.device")
@@ -38,8 +37,7 @@ class ReservedArray:
         self._vm = _VirtualRange.make(self.shape[0] * self.row_bytes) if self.row_bytes and self.shape[0] else None
         if self._vm is None:  # the simulator, or no virtual memory management: all of it now
             self.array = cuda.device_array(self.shape, self.dtype)
-            if self.array.nbytes:
-                driver.device_memset(self.array, 0, self.array.nbytes)
+            zero_fill(self.array)
         else:
             desc = {"shape": self.shape, "strides": None, "typestr": self.dtype.str,
                     "data": (self._vm.base, False), "version": 3}

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from numba import cuda
 
-from ..kernels.cuda.device import SIM
+from ..kernels.cuda.device import SIM, zero_fill
 from ..kernels.cuda.layout import repack, repack_device, repacked_stride
 from ..kernels.quants import block_size
 from .cuda_transfer import Event, Transfers, pinned_empty
@@ -98,17 +98,10 @@ def device_matrix(rows: int, rb: int, ggml_type: int, stream=0):
     stride = repacked_stride(ggml_type, rb // bb * qk)
     out = cuda.device_array((rows, stride), np.uint8)
     if stride > rb and rows:
-        _zero(out, stream)
+        zero_fill(out, stream or None)
     return out
 
 
-def _zero(arr, stream) -> None:
-    if SIM:
-        arr.copy_to_device(np.zeros(arr.shape, arr.dtype))
-        return
-    from numba.cuda.cudadrv.driver import device_memset
-
-    device_memset(arr, 0, int(arr.nbytes), stream)  # asynchronous on a stream, synchronous on 0
 
 
 last_timing = None  # the last run's Timing (benchmarks/gpu_load.py)

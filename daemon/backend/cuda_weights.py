@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from numba import cuda
 
+from ..kernels.cuda.device import upload
 from ..kernels.cuda.launch import launch
 from ..kernels.cuda.layout import FIELDS, FLOAT_TYPES, GPU_TYPES, repack, repack_device
 from ..kernels.quants import block_size, row_bytes
@@ -60,7 +61,7 @@ def upload_matrix(raw: np.ndarray, ggml_type: int, stream=None) -> object:
     rb = raw.shape[-1]
     if (not cuda_upload.REPACK_ON_DEVICE or ggml_type not in GPU_TYPES or rb % block_size(ggml_type)[1]
             or raw.size == 0):  # the simulator (slow threads), repack's clear error, an empty matrix
-        return cuda.to_device(repack(raw, ggml_type))
+        return upload(repack(raw, ggml_type), stream)
     rows = raw.reshape(-1, rb)  # [R, RB]
     s = 0 if stream is None else stream  # 0: the legacy default stream (numba's dispatcher launches there)
     out = device_matrix(rows.shape[0], rb, ggml_type, s)

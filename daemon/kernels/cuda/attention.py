@@ -45,7 +45,7 @@ import numpy as np
 from numba import cuda
 
 from ...errors import UnsupportedError
-from .device import SIM, placeholder
+from .device import SIM, placeholder, upload
 from .ptx import f16_to_f32, ldg_u16, ldg_v4
 from .launch import launch
 
@@ -279,8 +279,8 @@ def new_kv_cache(n_slots: int, n_head_kv: int, n_cells: int, head_dim: int, head
     """One layer's device cache: (k f16 [NB, S, Hkv, B, Dh], v f16 [NB, S, Hkv, B, Dv]), zeroed;
     n_cells rounded up to whole blocks."""
     nb = -(-n_cells // KV_BLOCK)
-    k = cuda.to_device(np.zeros((nb, n_slots, n_head_kv, KV_BLOCK, head_dim), np.float16))
-    v = cuda.to_device(np.zeros((nb, n_slots, n_head_kv, KV_BLOCK, head_dim_v), np.float16))
+    k = upload(np.zeros((nb, n_slots, n_head_kv, KV_BLOCK, head_dim), np.float16))
+    v = upload(np.zeros((nb, n_slots, n_head_kv, KV_BLOCK, head_dim_v), np.float16))
     return k, v
 
 

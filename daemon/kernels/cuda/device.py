@@ -47,6 +47,37 @@ def block_sum(v, buf, tid, n):
     return total
 
 
+def upload(host: np.ndarray, stream=None):
+    """host copied into a new device array, ordered before the work later queued on `stream`
+    (stream None: complete on return, for every stream).
+
+    The backend's stream is non-blocking, so it does not wait for the legacy default stream that
+    a plain cuda.to_device uses, and that copy, from pageable memory, may return before its DMA
+    lands: a kernel queued next could read the memory's previous contents (freed memory of an
+    earlier model: garbage indices, illegal addresses)."""
+    if stream is not None:
+        return cuda.to_device(host, stream=stream)
+    dev = cuda.to_device(host)
+    if not SIM:
+        cuda.default_stream().synchronize()
+    return dev
+
+
+def zero_fill(arr, stream=None) -> None:
+    """arr's bytes set to 0, in `stream`'s order (None: complete on return; a memset on the legacy
+    stream is asynchronous to the host and unordered with non-blocking streams)."""
+    if not arr.size:
+        return
+    if SIM:
+        arr.copy_to_device(np.zeros(arr.shape, arr.dtype))
+        return
+    from numba.cuda.cudadrv.driver import device_memset
+
+    device_memset(arr, 0, int(arr.nbytes), 0 if stream is None else stream)
+    if stream is None:
+        cuda.default_stream().synchronize()
+
+
 _PLACEHOLDERS: dict = {}
 
 
@@ -57,5 +88,5 @@ def placeholder(dtype, ndim: int = 1):
     key = (np.dtype(dtype).str, ndim)
     a = _PLACEHOLDERS.get(key)
     if a is None:
-        a = _PLACEHOLDERS[key] = cuda.to_device(np.zeros((1,) * ndim, dtype))
+        a = _PLACEHOLDERS[key] = upload(np.zeros((1,) * ndim, dtype))
     return a

@@ -38,6 +38,7 @@ from numba import cuda
 from ...errors import UnsupportedError
 from ..quants import (BF16, F16, F32, MXFP4, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0,
                       block_size, type_name)
+from .device import upload
 from .launch import launch
 
 # ggml block fields in plane order: (offset in the block, bytes).
@@ -187,7 +188,7 @@ def _maps(ggml_type: int, nb: int) -> tuple:
     key = (ggml_type, nb)
     maps = _MAPS.get(key)
     if maps is None:
-        maps = _MAPS[key] = tuple(cuda.to_device(a) for a in _byte_map(ggml_type, nb))
+        maps = _MAPS[key] = tuple(upload(a) for a in _byte_map(ggml_type, nb))
     return maps
 
 

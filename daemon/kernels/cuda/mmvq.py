@@ -39,6 +39,7 @@ from ..quants import block_size, type_name
 from .layout import GPU_TYPES, repacked_stride
 from .ptx import SIMULATOR, device, warp_sum
 from .vecdot import FLOAT_ACT, VALUES, VECDOT
+from .device import upload
 from .launch import launch
 
 MAX_COLS = 16
@@ -179,7 +180,7 @@ def _dummy(kind: str):
     if kind not in _DUMMIES:
         host = {"ids": np.zeros((1, 1), np.int32), "slot": np.zeros(1, np.int32),
                 "bias": np.zeros((1, 1), np.float32)}[kind]
-        _DUMMIES[kind] = cuda.to_device(host)
+        _DUMMIES[kind] = upload(host)
     return _DUMMIES[kind]
 
 

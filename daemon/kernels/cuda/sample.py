@@ -67,6 +67,7 @@ from numba import cuda
 from numba.cuda.random import xoroshiro128p_dtype, xoroshiro128p_uniform_float64
 
 from .launch import launch
+from .device import upload
 from .ptx import SIMULATOR, bits_to_f32, device
 
 MAX_THREADS = 1024  # also the most candidates the sorted path holds
@@ -894,10 +895,12 @@ class SamplerSlots:
 
     assign(), set_history() and release() run between steps (they copy on the given stream, from
     pageable host memory); growing N or W reallocates every pool (existing slots keep their state;
-    no step may be in flight) and bumps `generation`."""
+    no step may be in flight) and bumps `generation`. `stream`: the one the sampler's launches and
+    copies are queued on (None: pools made on the legacy stream, complete when made)."""
 
-    def __init__(self, capacity: int = 16, width: int = 64):
+    def __init__(self, capacity: int = 16, width: int = 64, stream=None):
         capacity = max(1, capacity)
+        self.stream = stream
         self.generation = 0
         self._free = list(range(capacity))
         self._window: dict[int, int] = {}  # slot -> its repeat window (0: no penalty)
@@ -914,6 +917,7 @@ class SamplerSlots:
     def _alloc(self, n: int, w: int) -> None:
         old = None
         if hasattr(self, "params"):
+            cuda.synchronize()  # the draws that advanced these states ran on another stream
             old = [a.copy_to_host() for a in (self.params, self.rng, self.ring, self.ringpos)]
         params = np.zeros((n, N_PARAMS), np.float64)
         rng = np.zeros(n, xoroshiro128p_dtype)
@@ -922,10 +926,7 @@ class SamplerSlots:
         if old is not None:
             n0, w0 = old[2].shape
             params[:n0], rng[:n0], ring[:n0, :w0], ringpos[:n0] = old[0], old[1], old[2], old[3]
-        self.params = cuda.to_device(params)
-        self.rng = cuda.to_device(rng)
-        self.ring = cuda.to_device(ring)
-        self.ringpos = cuda.to_device(ringpos)
+        self.params, self.rng, self.ring, self.ringpos = (upload(a, self.stream) for a in (params, rng, ring, ringpos))
         self.scratch = cuda.device_array((n, w), np.float32)
         key = getattr(self, "_chunk_key", None)
         self._chunk_key = None
