@@ -93,7 +93,7 @@ _GEOM = {Q8_0: _geom_q8_0, Q4_0: _geom_q4_0, Q4_1: _geom_q4_1, Q5_0: _geom_q5_0,
 MMQ_TYPES = frozenset(_GEOM)
 
 
-def _build(qtype: int, bm: int, bn: int, ids_mode: bool, has_bias: bool):
+def _build(qtype: int, bm: int, bn: int, ids_mode: bool, has_bias: bool, host: bool = False):
     load = VECDOT[qtype][0]
     geom = _GEOM[qtype]
     qk = block_size(qtype)[0]
@@ -104,9 +104,10 @@ def _build(qtype: int, bm: int, bn: int, ids_mode: bool, has_bias: bool):
     nthreads = (bm // rm) * tx_n
 
     @cuda.jit
-    def kernel(W, aq, ads, ids, slot_of, pairs, starts, act_t, act_a, bias, out, n, k, stride,
+    def kernel(W, WH, aq, ads, ids, slot_of, pairs, starts, act_t, act_a, bias, out, n, k, stride,
                n_tok):
-        # W uint8 [S, N, stride]; aq int8 [R, K]; ads float32 [R, K/32, 2]; ids int32 [T, A];
+        # W uint8 [S, N, stride]; WH: the host tier [H, N, stride] (mmvq's module doc), read where
+        # `host` and slot_of[e] = -2 - h; aq int8 [R, K]; ads float32 [R, K/32, 2]; ids int32 [T, A];
         # slot_of int32 [E]; pairs int32 [P], starts int32 [E+1] (group_by_expert);
         # bias float32 [E or 1, N]; out float32 [T, A, N].
         # grid: x = row tiles; dense: y = token tiles; experts: y = expert, z = token tiles.
@@ -131,6 +132,9 @@ def _build(qtype: int, bm: int, bn: int, ids_mode: bool, has_bias: bool):
             if count <= 0:
                 return  # the whole block: no token of this expert in this tile
             slot = slot_of[e]
+            if host and slot <= -2:  # a miss read in place from pinned host memory
+                slot = -2 - slot
+                W = WH
             if slot < 0:
                 return  # not here: its outputs are left to whoever holds it
         else:
@@ -355,21 +359,25 @@ def mul_mat_q(w, qtype: int, k: int, act, out=None, bias=None, *, stream=0):
     kern, threads = _kernel(qtype, tile, tile, False, bias is not None)
     dummy_i2, dummy_i1 = mmvq._dummy("ids"), mmvq._dummy("slot")
     launch(kern, ((n + tile - 1) // tile, (t + tile - 1) // tile, 1), threads, stream,
-        w.reshape(1, n, w.shape[1]), aq, ads, dummy_i2, dummy_i1, dummy_i1, dummy_i1, 0, 0,
+        w.reshape(1, n, w.shape[1]), mmvq._dummy("w"), aq, ads, dummy_i2, dummy_i1, dummy_i1, dummy_i1, 0, 0,
         mmvq._dummy("bias") if bias is None else bias.reshape(1, n), out.reshape(t, 1, n), n, k,
         w.shape[1], t)
     return out
 
 
 def mul_mat_q_ids(w, qtype: int, k: int, act, ids, slot_of, groups: Groups, out=None,
-                  bias=None, act_per_pair=False, *, stream=0):
+                  bias=None, act_per_pair=False, *, w_host=None, stream=0):
     """out[t, a, N] = act[row] . w[slot_of[ids[t, a]]]^T (+ bias[ids[t, a]]), tiled, for every
-    pair; row = t, or t*A + a with act_per_pair. groups = group_by_expert(ids, E).
-    Float weights run on mmvq.mul_mat_vec_ids."""
+    pair; row = t, or t*A + a with act_per_pair. groups = group_by_expert(ids, E). w_host: a
+    host tier, for slots -2 - h (mmvq's module doc). Float weights run on mmvq.mul_mat_vec_ids."""
     if qtype in FLOAT_ACT:
         return mmvq.mul_mat_vec_ids(w, qtype, k, act, ids, slot_of, out, bias, act_per_pair,
-                                    stream=stream)
+                                    w_host=w_host, stream=stream)
     aq, ads, rows = _check(w, qtype, k, act, stack=True)
+    if w_host is not None:
+        mmvq._check_weight(w_host, qtype, k, stack=True)
+        if w_host.shape[1] != w.shape[1]:
+            raise ValueError(f"the host tier's rows ({w_host.shape[1]}) are not the stack's ({w.shape[1]})")
     t, a = ids.shape
     if rows != (t * a if act_per_pair else t):
         raise ValueError(f"{'T*A' if act_per_pair else 'T'} activation rows expected for ids "
@@ -380,10 +388,11 @@ def mul_mat_q_ids(w, qtype: int, k: int, act, ids, slot_of, groups: Groups, out=
     if out is None:
         out = cuda.device_array((t, a, n), np.float32, stream=stream)
     tile = _tile()
-    kern, threads = _kernel(qtype, tile, tile, True, bias is not None)
+    kern, threads = _kernel(qtype, tile, tile, True, bias is not None, w_host is not None)
     act_t, act_a = (a, 1) if act_per_pair else (1, 0)
     grid = ((n + tile - 1) // tile, groups.n_expert, (t + tile - 1) // tile)
     launch(kern, grid, threads, stream,
-        w, aq, ads, ids, slot_of, groups.pairs, groups.starts, act_t, act_a,
+        w, mmvq._dummy("w") if w_host is None else w_host, aq, ads, ids, slot_of, groups.pairs, groups.starts,
+        act_t, act_a,
         mmvq._dummy("bias") if bias is None else bias, out, n, k, w.shape[2], t)
     return out

@@ -21,7 +21,10 @@ Shapes:
     act      Q8 (qs int8 [R, K], ds float32 [R, K/32, 2]) for quant weights (quantize.py), or
              float32 [R, K] for F32/F16/BF16 weights; R = T, or T*A for the down projection
     ids      int32   [T, A]   expert ids (the router's top-k)
-    slot_of  int32   [E]      expert id -> slot in the stack; < 0: not here (its outputs not written)
+    slot_of  int32   [E]      expert id -> slot in the stack (>= 0); with a host tier, -2 - h: row h
+                              of the host stack; -1: not here (its outputs not written)
+    w_host   uint8   [H, N, stride]: the host tier, pinned host memory mapped into the device's
+             address space (zero-copy: the kernel reads it over PCIe), repacked as w
     bias     float32 [N] (dense) or [E, N] (experts, indexed by expert id)
     out      float32 [T, N] (dense) or [T, A, N] (experts)
 """
@@ -69,7 +72,7 @@ _glu_dev = device(_glu)
 
 
 def _build(qtype: int, ncols: int, lpr: int, warps: int, ids_mode: bool, has_bias: bool,
-           glu: int, unroll: int):
+           glu: int, unroll: int, host: bool = False):
     """The kernel for one combination (closure constants are compile-time constants)."""
     load, dot = VECDOT[qtype]
     per_chunk = VALUES[qtype]
@@ -78,10 +81,11 @@ def _build(qtype: int, ncols: int, lpr: int, warps: int, ids_mode: bool, has_bia
     two = glu != GLU_NONE
     nc = ncols
 
-    def kernel(W, W2, A0, A1, ids, slot_of, act_t, act_a, bias, bias2, out, n, k, stride,
+    def kernel(W, W2, WH, WH2, A0, A1, ids, slot_of, act_t, act_a, bias, bias2, out, n, k, stride,
                n_tok, alpha, limit):
-        # W, W2: uint8 [S, N, stride]; A0, A1: activations (see module doc); ids int32 [T, A];
-        # slot_of int32 [E]; bias, bias2 float32 [E or 1, N]; out float32 [T, A, N].
+        # W, W2: uint8 [S, N, stride]; WH, WH2: the host tier [H, N, stride] (read when `host`
+        # and slot_of says so; placeholders otherwise); A0, A1: activations (see module doc);
+        # ids int32 [T, A]; slot_of int32 [E]; bias, bias2 float32 [E or 1, N]; out float32 [T, A, N].
         # grid: x = groups of rows_per_block rows; y = (token, expert) pair (ids), or the tile
         # of nc tokens starting at y * nc (dense, n_tok tokens in all).
         tid = cuda.threadIdx.x
@@ -96,6 +100,10 @@ def _build(qtype: int, ncols: int, lpr: int, warps: int, ids_mode: bool, has_bia
             a = p - t * ids.shape[1]
             e = ids[t, a]
             slot = slot_of[e] if 0 <= e < slot_of.shape[0] else -1
+            if host and slot <= -2:  # a miss read in place from pinned host memory
+                slot = -2 - slot
+                W = WH
+                W2 = WH2
             arow = t * act_t + a * act_a
             ncl = 1
         else:
@@ -160,7 +168,7 @@ def _build(qtype: int, ncols: int, lpr: int, warps: int, ids_mode: bool, has_bia
 
     # named for profilers: mmvq_<type>_<ids|dense>[_glu]_c<cols>_l<lanes per row>
     kernel.__name__ = kernel.__qualname__ = (f"mmvq_{type_name(qtype)}_{'ids' if ids_mode else 'dense'}"
-                                             f"{'_glu' if two else ''}_c{ncols}_l{lpr}")
+                                             f"{'_glu' if two else ''}{'_host' if host else ''}_c{ncols}_l{lpr}")
     return cuda.jit(kernel)
 
 
@@ -179,7 +187,7 @@ def _dummy(kind: str):
     """Placeholders for unused arguments (one small device array each, made once)."""
     if kind not in _DUMMIES:
         host = {"ids": np.zeros((1, 1), np.int32), "slot": np.zeros(1, np.int32),
-                "bias": np.zeros((1, 1), np.float32)}[kind]
+                "bias": np.zeros((1, 1), np.float32), "w": np.zeros((1, 1, 16), np.uint8)}[kind]
         _DUMMIES[kind] = upload(host)
     return _DUMMIES[kind]
 
@@ -243,7 +251,7 @@ DEFAULT = Tuning()
 
 
 def _prepare(w, w2, qtype, k, act, ids, slot_of, act_t, act_a, bias, bias2, out, ncols, grid_y,
-             n_tok, glu, alpha, limit, tuning):
+             n_tok, glu, alpha, limit, tuning, wh=None, wh2=None):
     """-> (kernel, grid, block, args): everything a launch needs, so that a backend can launch
     the compiled kernel itself (e.g. through cuda.core, or into a CUDA graph)."""
     a0, a1, _ = _check_act(act, qtype, k)
@@ -251,10 +259,12 @@ def _prepare(w, w2, qtype, k, act, ids, slot_of, act_t, act_a, bias, bias2, out,
     lpr = tuning.lpr or choose_lpr(k)
     warps = 1 if SIMULATOR else tuning.warps  # simulated threads are Python threads
     kern = _kernel(qtype, ncols, lpr, warps, ids is not None, bias is not None, glu,
-                   tuning.unroll)
+                   tuning.unroll, wh is not None)
     rows_per_block = warps * 32 // lpr
     grid = ((n + rows_per_block - 1) // rows_per_block, grid_y)
-    args = (w, w if w2 is None else w2, a0, a1,
+    if wh is None:
+        wh = wh2 = _dummy("w")
+    args = (w, w if w2 is None else w2, wh, wh if wh2 is None else wh2, a0, a1,
             _dummy("ids") if ids is None else ids, _dummy("slot") if slot_of is None else slot_of,
             act_t, act_a,
             _dummy("bias") if bias is None else bias, _dummy("bias") if bias2 is None else bias2,
@@ -289,10 +299,14 @@ def _dense(w, w2, qtype, k, act, out, bias, bias2, glu, alpha, limit, tuning, st
 
 
 def _experts(w, w2, qtype, k, act, ids, slot_of, out, bias, bias2, act_per_pair, glu, alpha,
-             limit, tuning, stream, prepare_only=False):
-    _check_weight(w, qtype, k, stack=True)
-    if w2 is not None:
-        _check_weight(w2, qtype, k, stack=True)
+             limit, tuning, stream, prepare_only=False, wh=None, wh2=None):
+    for stack in (w, w2, wh, wh2):
+        if stack is not None:
+            _check_weight(stack, qtype, k, stack=True)
+    hosts = [s for s in (wh, wh2) if s is not None]
+    if hosts and (len(hosts) != (1 if w2 is None else 2) or wh is None
+                  or any(s.shape[1] != w.shape[1] for s in hosts)):
+        raise ValueError("a host tier needs a stack for each weight, with the same rows")
     _, _, rows = _check_act(act, qtype, k)
     t, a = ids.shape
     if rows != (t * a if act_per_pair else t):
@@ -303,7 +317,7 @@ def _experts(w, w2, qtype, k, act, ids, slot_of, out, bias, bias2, act_per_pair,
         out = cuda.device_array((t, a, n), np.float32, stream=stream)
     act_t, act_a = (a, 1) if act_per_pair else (1, 0)
     prep = _launch(w, w2, qtype, k, act, ids, slot_of, act_t, act_a, _bias(bias, n, True),
-                   _bias(bias2, n, True), out, 1, t * a, t, glu, alpha, limit, tuning,
+                   _bias(bias2, n, True), out, 1, t * a, t, glu, alpha, limit, tuning, wh, wh2,
                    stream=stream, prepare_only=prepare_only)
     return prep or out
 
@@ -329,21 +343,21 @@ def mul_mat_vec_glu(w_gate, w_up, qtype: int, k: int, act, glu: str = "swiglu", 
 
 
 def mul_mat_vec_ids(w, qtype: int, k: int, act, ids, slot_of, out=None, bias=None,
-                    act_per_pair=False, *, tuning=DEFAULT, stream=0, prepare_only=False):
+                    act_per_pair=False, *, w_host=None, tuning=DEFAULT, stream=0, prepare_only=False):
     """out[t, a, N] = act[row] . w[slot_of[ids[t, a]]]^T (+ bias[ids[t, a]]) for every pair, in
     one launch. row = t (gate/up: the token's activation) or t*A + a with act_per_pair (down:
-    each pair's own GLU output)."""
+    each pair's own GLU output). w_host: a host tier (module doc), for slots -2 - h."""
     return _experts(w, None, qtype, k, act, ids, slot_of, out, bias, None, act_per_pair,
-                    GLU_NONE, 0.0, 0.0, tuning, stream, prepare_only)
+                    GLU_NONE, 0.0, 0.0, tuning, stream, prepare_only, w_host, None)
 
 
 def mul_mat_vec_glu_ids(w_gate, w_up, qtype: int, k: int, act, ids, slot_of, glu="swiglu",
                         bias_gate=None, bias_up=None, *, alpha=1.702, limit=7.0, out=None,
-                        tuning=DEFAULT, stream=0, prepare_only=False):
+                        host_gate=None, host_up=None, tuning=DEFAULT, stream=0, prepare_only=False):
     """out[t, a, F] = glu(gate_e . act[t] (+ bias), up_e . act[t] (+ bias)) with e = ids[t, a],
-    for all pairs in one launch (see mul_mat_vec_glu for glu)."""
+    for all pairs in one launch (see mul_mat_vec_glu for glu). host_gate, host_up: a host tier."""
     return _experts(w_gate, w_up, qtype, k, act, ids, slot_of, out, bias_gate, bias_up, False,
-                    _glu_kind(glu), alpha, limit, tuning, stream, prepare_only)
+                    _glu_kind(glu), alpha, limit, tuning, stream, prepare_only, host_gate, host_up)
 
 
 def _glu_kind(glu: str) -> int:
