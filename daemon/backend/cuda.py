@@ -245,6 +245,14 @@ class CUDABackend:
         if self.expert_budget is None:
             say(f"uploading experts to {self.name}")
             return self.resident_experts(gguf, bytes_note(progress, "uploading experts")), None
+        if settings.gpu_host_tier:
+            from .cuda_host_tier import HostTierExperts
+
+            say(f"loading experts into the host tier of {self.name}")
+            tier = HostTierExperts.from_gguf(gguf, self, self.expert_budget, say,
+                                             bytes_note(progress, "loading experts"))
+            self.bytes["experts"] += tier.nbytes
+            return tier, None
         from .cuda_expert_cache import VRAMExpertCache
 
         host = host_expert_cache(gguf, settings, say, allocate=pinned_empty)
@@ -548,6 +556,7 @@ class CUDABackend:
         acts = x if isinstance(x, Activations) else Activations(self._dev(x), self.stream, self._empty)
         if isinstance(stack, np.ndarray):  # a host provider's stack: uploaded for this call
             stack = upload_matrix(stack, ggml_type)
+        stack, host = cx.tiers(stack)
         bias = None if bias is None else self._dev(bias)
         T, A = plan.T, plan.A
         n = stack.shape[1]
@@ -560,10 +569,10 @@ class CUDABackend:
             o = out if whole else out[seg.r0:seg.r1]
             if seg.tiled:
                 mmq.mul_mat_q_ids(stack, ggml_type, k, a, ids, plan.slot_of, cx.groups_of(plan, seg, self.stream),
-                                  out=o, bias=bias, act_per_pair=not per_token, stream=self.stream)
+                                  out=o, bias=bias, act_per_pair=not per_token, w_host=host, stream=self.stream)
             else:
                 mmvq.mul_mat_vec_ids(stack, ggml_type, k, a, ids, plan.slot_of, out=o, bias=bias,
-                                     act_per_pair=not per_token, stream=self.stream)
+                                     act_per_pair=not per_token, w_host=host, stream=self.stream)
         return out.reshape(T * A, n)  # [P, N]
 
     @_guarded
@@ -600,13 +609,16 @@ class CUDABackend:
                 g = self._empty((r1 - r0, A, F), _F32)
                 u = self._empty((r1 - r0, A, F), _F32)
                 for stack, bias, dst in ((batch.gate, batch.gate_bias, g), (batch.up, batch.up_bias, u)):
-                    mmq.mul_mat_q_ids(stack, qt, K, a, ids, plan.slot_of, groups, out=dst, bias=bias,
+                    w, host = cx.tiers(stack)
+                    mmq.mul_mat_q_ids(w, qt, K, a, ids, plan.slot_of, groups, out=dst, bias=bias, w_host=host,
                                       stream=self.stream)
                 glu_k.glu(g.reshape(n, F), u.reshape(n, F), o.reshape(n, F), kind, alpha, limit, stream=self.stream)
             else:
-                mmvq.mul_mat_vec_glu_ids(batch.gate, batch.up, qt, K, acts.get(qt, r0, r1), ids, plan.slot_of,
+                (gate, host_gate), (up, host_up) = cx.tiers(batch.gate), cx.tiers(batch.up)
+                mmvq.mul_mat_vec_glu_ids(gate, up, qt, K, acts.get(qt, r0, r1), ids, plan.slot_of,
                                          glu="swiglu_oai" if kind == "oai" else "swiglu", bias_gate=batch.gate_bias,
-                                         bias_up=batch.up_bias, alpha=alpha, limit=limit, out=o, stream=self.stream)
+                                         bias_up=batch.up_bias, alpha=alpha, limit=limit, out=o, host_gate=host_gate,
+                                         host_up=host_up, stream=self.stream)
         return out.reshape(T * A, F)  # [P, F]
 
     @_guarded

@@ -19,6 +19,7 @@ D = hidden size, F = expert FFN size, RB = raw row bytes, stride = repacked row 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 from numba import cuda
@@ -31,14 +32,30 @@ from ..storage.experts import PROJECTIONS, ExpertBatch, ExpertLayout, ResidentEx
 
 class SlotMap(dict):
     """expert id -> slot (a batch's `rows`), with the same map on the device: int32 [E], -1 for
-    an expert not held."""
+    an expert not held (host_tier: -2 - e, the expert's row of the host tier)."""
 
-    def __init__(self, rows: dict[int, int], n_expert: int, stream=None):
+    def __init__(self, rows: dict[int, int], n_expert: int, stream=None, host_tier: bool = False):
         super().__init__(rows)
-        host = np.full(n_expert, -1, np.int32)
+        host = -2 - np.arange(n_expert, dtype=np.int32) if host_tier else np.full(n_expert, -1, np.int32)
         for e, s in rows.items():
             host[e] = s
         self.device = upload(host, stream)
+
+
+class TieredStack(NamedTuple):
+    """An expert stack in two tiers (cuda_host_tier.py): VRAM slots and every expert in mapped
+    host memory; a plan's slot_of says which tier serves each expert (mmvq.py's module doc)."""
+    vram: object  # device uint8 [S, N, stride]
+    host: object  # mapped uint8 [E, N, stride]
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.vram.shape)
+
+
+def tiers(stack) -> tuple:
+    """(VRAM stack, host tier or None) of a batch's stack."""
+    return (stack.vram, stack.host) if isinstance(stack, TieredStack) else (stack, None)
 
 
 @dataclass(eq=False)
@@ -80,14 +97,15 @@ class DeviceExperts:
         self._batches = batches
 
     @classmethod
-    def from_gguf(cls, gguf, on_upload=None, stream=None, on_bytes=None) -> DeviceExperts:
+    def from_gguf(cls, gguf, on_upload=None, stream=None, on_bytes=None, mapped: bool = False) -> DeviceExperts:
         """Every layer's stacked expert tensors, read in large chunks, copied and repacked on the
         device (cuda_upload.Uploader; repacks on `stream`, default a stream of its own).
         on_upload(name, nbytes) is told of each tensor placed (the backend's VRAM tally);
-        on_bytes(done, total) of the file bytes loaded so far."""
+        on_bytes(done, total) of the file bytes loaded so far. mapped: the stacks in page-locked
+        host memory mapped into the device instead of VRAM (the host tier, cuda_host_tier.py)."""
         from ..model.weights import TensorSource
         from ..storage.store import expert_layouts
-        from .cuda_upload import Target, Uploader, device_matrix
+        from .cuda_upload import Target, Uploader, device_matrix, mapped_matrix
 
         note = on_upload or (lambda _name, _nbytes: None)
         stream = cuda.stream() if stream is None else stream
@@ -102,7 +120,7 @@ class DeviceExperts:
                 k, n = (lay.n_ff, lay.n_embd) if p == "down" else (lay.n_embd, lay.n_ff)
                 info = src.stacked_info(name, k, n, lay.n_expert)
                 rows, rb = lay.n_expert * n, row_bytes(info.ggml_type, k)
-                flat = device_matrix(rows, rb, info.ggml_type, stream)  # [E*N, stride]
+                flat = (mapped_matrix if mapped else device_matrix)(rows, rb, info.ggml_type, stream)  # [E*N, stride]
                 targets.append(Target(name, info.offset, rows, rb, info.ggml_type, flat))
                 stacks[il].append(flat.reshape(lay.n_expert, n, flat.shape[1]))  # [E, N, stride]
         Uploader(gguf, stream).run(targets, on_bytes)

@@ -102,6 +102,23 @@ def device_matrix(rows: int, rb: int, ggml_type: int, stream=0):
     return out
 
 
+def mapped_matrix(rows: int, rb: int, ggml_type: int, stream=0):
+    """device_matrix's twin in page-locked host memory mapped into the device (the expert kernels'
+    host tier: they read it in place over PCIe). Its row padding is zeroed on the host."""
+    qk, bb = block_size(ggml_type)
+    stride = repacked_stride(ggml_type, rb // bb * qk)
+    host = cuda.mapped_array((rows, stride), np.uint8)
+    if stride > rb and rows:
+        np.asarray(host)[:] = 0
+    if SIM:
+        return host
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+
+    # a device array over the mapping (numba's mapped array slices as a numpy array, which a
+    # kernel would copy): it holds the allocation, and slices and reshapes stay device views
+    return DeviceNDArray((rows, stride), (stride, 1), np.uint8, gpu_data=host.gpu_data)
+
+
 
 
 last_timing = None  # the last run's Timing (benchmarks/gpu_load.py)

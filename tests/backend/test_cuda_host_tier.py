@@ -1,0 +1,75 @@
+"""The host tier (daemon/backend/cuda_host_tier.py): every expert in mapped host memory, a few in
+VRAM slots, read where the device slot map says. The whole model gives the logits of every expert
+in VRAM, bit for bit, with no slot, some, or all; a decode step needs no routing on the host.
+
+Runs on a GPU, or under numba's simulator (CI), where a mapped array is plain host memory.
+"""
+
+from __future__ import annotations
+
+# first: it picks the GPU or the simulator as numba.cuda is imported
+from tests.kernels.cuda.conftest import SKIP_REASON as CUDA_SKIP_REASON  # isort: skip
+
+import numpy as np
+import pytest
+
+from daemon.model.transformer import Transformer
+from daemon.storage.gguf import GGUFFile
+from tests.fixtures.build import fixture_path
+
+pytestmark = pytest.mark.skipif(CUDA_SKIP_REASON is not None, reason=str(CUDA_SKIP_REASON))
+
+SMALL = dict(n_embd=32, n_head=4, n_head_kv=2, head_dim=8, n_ff=32, n_ff_exp=32, n_ff_shexp=32, n_expert=4,
+             n_expert_used=2, n_layer=2)
+CASES = [("qwen3moe", "Q8_0", SMALL), ("gpt-oss", "MXFP4", dict(SMALL, n_head=8))]  # gpt-oss: expert biases
+
+
+def _logits(model) -> np.ndarray:
+    """A prefill of two tokens, then a decode step: every row's logits, flat."""
+    c = model.new_cache(8)
+    out = [model.forward([1, 5], c, all_logits=True), model.forward([7], c)]
+    return np.concatenate([np.asarray(o).reshape(-1) for o in out])
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{c[1]}")
+def case(request, fixture_dir):
+    from daemon.backend.cuda import CUDABackend
+
+    arch, wtype, dims = request.param
+    g = GGUFFile(fixture_path(arch, wtype, fixture_dir, **dims))
+    backend = CUDABackend(0)
+    want = _logits(Transformer(g, experts=backend.resident_experts(g), backend=backend))
+    yield g, want
+    g.close()
+
+
+@pytest.mark.parametrize("slots", [1])  # some experts in VRAM, the rest in the host tier (the
+def test_the_host_tier_gives_the_resident_logits(case, slots):  # kernel tests cover all-one-tier)
+    from daemon.backend.cuda import CUDABackend
+    from daemon.backend.cuda_experts import DeviceExperts
+    from daemon.backend.cuda_host_tier import HostTierExperts
+
+    g, want = case
+    backend = CUDABackend(0)
+    tier = HostTierExperts(DeviceExperts.from_gguf(g, stream=backend.stream, mapped=True), slots, backend.stream)
+    model = Transformer(g, experts=tier, backend=backend)
+    assert model.device_fed  # no routing on the host: a decode step can be one graph
+    np.testing.assert_array_equal(_logits(model), want)
+    per_layer = tier.vram_bytes // max(1, len(model.moe_layers))
+    assert tier.slots == slots and (per_layer > 0) == (slots > 0)
+    assert tier.host_bytes >= 4 * per_layer // max(1, slots)  # every expert in the host tier
+
+
+def test_the_slot_budget_sets_the_slots(fixture_dir):
+    from daemon.backend.cuda import CUDABackend
+    from daemon.backend.cuda_host_tier import HostTierExperts
+
+    g = GGUFFile(fixture_path("qwen3moe", "Q8_0", fixture_dir, **SMALL))
+    backend = CUDABackend(0)
+    said = []
+    full = HostTierExperts.from_gguf(g, backend, 1 << 40, said.append)
+    assert full.slots >= 4 and said and "host tier" in said[0]
+    per_expert = full.vram_bytes // (4 * 2)  # 4 experts in 2 layers
+    two = HostTierExperts.from_gguf(g, backend, 2 * 2 * per_expert + per_expert // 2)
+    assert two.slots == 2 and two.vram_bytes == 2 * 2 * per_expert
+    g.close()
