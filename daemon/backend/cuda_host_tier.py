@@ -6,10 +6,19 @@ routing never leaves the device, so a decode step is one CUDA graph whatever the
 and the tokens are those of every expert in VRAM (the kernels compute the same bits from either
 tier).
 
-For now the slots hold each layer's first S experts, chosen at load; promoting the experts a
-workload uses (between steps, off the critical path) is the next step of issue 27. Hybrid compute
-and SSD streaming are the VRAM expert cache's (cuda_expert_cache.py): this tier needs host memory
-for every expert (MOE_GPU_HOST_TIER).
+Promotion follows use, between steps and off the critical path (`begin_pass`, before each step):
+- each step counts its (token, expert) pairs per layer on the device (router.count_experts into the
+  slot map's `usage`, captured with the step; a padded step's copies of row 0 count too);
+- every `period` steps the counts are copied back in stream order and zeroed; once they have
+  arrived, each expert's score decays and adds them (frequency with a decay), and up to
+  `max_moves` experts a layer whose score beats the weakest slot holder's (by `margin`) move in;
+- a move first unpublishes its victim (the map says host row again, written on the compute stream,
+  so every later step reads the host tier), then the copy stream waits for that point (every step
+  that may read the old slot is done) and copies the expert's rows from the host tier into the
+  slot; a later begin_pass that finds the copy done publishes the slot (written on the compute
+  stream). So a step sees the old miss or the new hit, never a half copy, and the bits never change.
+Hybrid compute and SSD streaming are the VRAM expert cache's (cuda_expert_cache.py): this tier
+needs host memory for every expert (MOE_GPU_HOST_TIER).
 
 Legend: E = experts of a layer, S = VRAM slots of a layer, N = output rows, stride = repacked
 row bytes.
@@ -20,8 +29,29 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
+from ..kernels.cuda.device import upload, zero_fill
 from ..storage.experts import ExpertBatch, ResidentExperts
 from .cuda_experts import DeviceExperts, SlotMap, TieredStack
+from .cuda_transfer import Event, Transfers, pinned_empty
+
+PERIOD = 4  # steps between reads of the use counts
+DECAY = 0.9  # a score's weight per read
+MARGIN = 1.0  # a candidate's score must beat the victim's by this much (no ping-pong)
+
+
+class _Layer:
+    """One MoE layer's tiers and its promotion state (host mirrors of the device map)."""
+
+    def __init__(self, il: int, stacks: list[TieredStack], rows: SlotMap, n_expert: int, slots: int):
+        self.il = il
+        self.stacks = stacks
+        self.rows = rows  # .device: the map the kernels read; .usage: the counts
+        self.holder = np.arange(slots, dtype=np.int32)  # [S] expert in each slot (the first S at load)
+        self.map = -2 - np.arange(n_expert, dtype=np.int32)  # [E] mirror of rows.device
+        self.map[:slots] = np.arange(slots, dtype=np.int32)
+        self.score = np.zeros(n_expert)  # [E] decayed use
+        self.moving: list[tuple[int, int]] = []  # (slot, expert) copies in flight
+        self.copied = Event()  # recorded on the copy stream after them
 
 
 class HostTierExperts:
@@ -30,11 +60,15 @@ class HostTierExperts:
 
     routing_free = True  # the slot maps are read on the device: no routing on the host
 
-    def __init__(self, host: DeviceExperts, slots: int, stream=0):
+    def __init__(self, host: DeviceExperts, slots: int, stream=0, max_moves: int = 4, period: int = PERIOD):
         self._layouts = host._layouts  # noqa: SLF001  (the same package's loader)
         self._batches: dict[int, ExpertBatch] = {}
+        self._layers: list[_Layer] = []
         self.slots = max(0, int(slots))
+        self.max_moves, self.period = max(0, int(max_moves)), max(1, int(period))
+        self.stream = stream
         self.vram_bytes = self.host_bytes = 0
+        self.promotions = self.passes = 0
         for il, b in host._batches.items():  # noqa: SLF001
             n_expert = self._layouts[il].n_expert
             s = min(self.slots, n_expert)
@@ -47,22 +81,95 @@ class HostTierExperts:
                 self.vram_bytes += int(v.nbytes)
                 self.host_bytes += int(h.nbytes)
             rows = SlotMap({e: e for e in range(s)}, n_expert, stream, host_tier=True)
+            rows.usage = upload(np.zeros(n_expert, np.int32), None if isinstance(stream, int) else stream)
             self._batches[il] = ExpertBatch(*stacks, rows, b.gate_bias, b.up_bias, b.down_bias)
+            self._layers.append(_Layer(il, stacks, rows, n_expert, s))
+        self._xfer = Transfers(stream)  # its fetch stream copies into the slots
+        self._counts = pinned_empty((len(self._layers), max((lay.n_expert for lay in self._layouts.values()),
+                                                             default=1)), np.int32)  # [L, E]
+        self._counted = Event()
+        self._reading = False
         if not isinstance(stream, int):
             stream.synchronize()
 
     @classmethod
-    def from_gguf(cls, gguf, backend, budget_bytes: int, say=lambda _msg: None, on_bytes=None) -> HostTierExperts:
+    def from_gguf(cls, gguf, backend, budget_bytes: int, say=lambda _msg: None, on_bytes=None,
+                  max_moves: int = 4) -> HostTierExperts:
         """Every expert of the file loaded into the host tier (repacked on the GPU, written over
-        PCIe), then as many VRAM slots a layer as budget_bytes holds over all MoE layers."""
+        PCIe), then as many VRAM slots a layer as budget_bytes holds over all MoE layers; up to
+        max_moves promotions a layer per read of the counts."""
         host = DeviceExperts.from_gguf(gguf, None, backend.stream, on_bytes, mapped=True)
         per_expert = sum(int(s[0].nbytes) for b in host._batches.values()  # noqa: SLF001
                          for s in (b.gate, b.up, b.down)) // max(1, len(host._batches))  # noqa: SLF001
         slots = int(budget_bytes) // max(1, per_expert * len(host._batches))  # noqa: SLF001
-        tier = cls(host, slots, backend.stream)
+        tier = cls(host, slots, backend.stream, max_moves)
         say(f"host tier: {tier.host_bytes / 2**30:.1f} GiB of experts in pinned host memory, "
             f"{tier.slots} of each layer's experts also in VRAM ({tier.vram_bytes / 2**30:.1f} GiB)")
         return tier
+
+    def begin_pass(self) -> None:
+        """Between steps (the model calls it before each): publish finished moves, read the use
+        counts every `period` steps, and start the moves they call for (module doc)."""
+        self.passes += 1
+        if not self.slots or not self._layers:
+            return
+        for lay in self._layers:
+            if lay.moving and self._xfer.done(lay.copied):
+                self._publish(lay)
+        if self._reading:
+            if self._xfer.done(self._counted):
+                self._reading = False
+                self._promote()
+        elif self.passes % self.period == 0:
+            for i, lay in enumerate(self._layers):
+                Transfers.d2h(self._counts[i, :lay.map.size], lay.rows.usage, self.stream)
+                zero_fill(lay.rows.usage, self.stream)
+            self._xfer.record(self._counted, self.stream)
+            self._reading = True
+
+    def _promote(self) -> None:
+        for i, lay in enumerate(self._layers):
+            lay.score = lay.score * DECAY + self._counts[i, :lay.map.size]
+            if lay.moving or not self.max_moves:
+                continue
+            held = lay.map >= 0
+            wanted = [int(e) for e in np.argsort(-lay.score, kind="stable") if not held[e]][:self.max_moves]
+            victims = sorted(range(lay.holder.size), key=lambda s: lay.score[lay.holder[s]])
+            moves = []
+            for e, s in zip(wanted, victims):
+                if lay.score[e] <= lay.score[lay.holder[s]] + MARGIN:
+                    break
+                moves.append((s, e))
+            if moves:
+                self._start(lay, moves)
+
+    def _start(self, lay: _Layer, moves: list[tuple[int, int]]) -> None:
+        """Unpublish the victims, then copy the newcomers into their slots on the copy stream."""
+        for s, _ in moves:
+            victim = lay.holder[s]
+            lay.map[victim] = -2 - victim
+            lay.holder[s] = -1
+        Transfers.upload_into(lay.rows.device, lay.map, self.stream)
+        unpublished = self._xfer.record(Event(), self.stream)
+        self._xfer.wait(self._xfer.fetch, unpublished)  # every step that may read the old slots is done
+        for s, e in moves:
+            for st in lay.stacks:
+                st.vram[s].copy_to_device(st.host[e], stream=self._xfer.fetch)
+        self._xfer.record(lay.copied, self._xfer.fetch)
+        lay.moving = moves
+
+    def _publish(self, lay: _Layer) -> None:
+        for s, e in lay.moving:
+            lay.holder[s] = e
+            lay.map[e] = s
+        Transfers.upload_into(lay.rows.device, lay.map, self.stream)
+        self.promotions += len(lay.moving)
+        lay.moving = []
+
+    def held(self, layer: int) -> list[int]:
+        """The experts in layer's VRAM slots (published), by slot."""
+        lay = next(lay for lay in self._layers if lay.il == layer)
+        return [int(e) for e in lay.holder]
 
     @property
     def nbytes(self) -> int:

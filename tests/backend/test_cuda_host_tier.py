@@ -1,6 +1,7 @@
 """The host tier (daemon/backend/cuda_host_tier.py): every expert in mapped host memory, a few in
-VRAM slots, read where the device slot map says. The whole model gives the logits of every expert
-in VRAM, bit for bit, with no slot, some, or all; a decode step needs no routing on the host.
+VRAM slots, read where the device slot map says, the slots following use. The whole model gives
+the logits of every expert in VRAM, bit for bit, after a promotion; a decode step needs no routing
+on the host.
 
 Runs on a GPU, or under numba's simulator (CI), where a mapped array is plain host memory.
 """
@@ -43,21 +44,37 @@ def case(request, fixture_dir):
     g.close()
 
 
-@pytest.mark.parametrize("slots", [1])  # some experts in VRAM, the rest in the host tier (the
-def test_the_host_tier_gives_the_resident_logits(case, slots):  # kernel tests cover all-one-tier)
+def test_a_promoted_expert_serves_from_its_slot_with_the_resident_logits(case):
+    """One slot a layer (expert 0 at load); counts that favour expert 3 move it in: the victim is
+    unpublished, the copy made, then the slot published, over three passes once each copy is done. The kernels cover all-VRAM and all-host (tests/kernels/cuda)."""
     from daemon.backend.cuda import CUDABackend
     from daemon.backend.cuda_experts import DeviceExperts
     from daemon.backend.cuda_host_tier import HostTierExperts
 
     g, want = case
     backend = CUDABackend(0)
-    tier = HostTierExperts(DeviceExperts.from_gguf(g, stream=backend.stream, mapped=True), slots, backend.stream)
+    tier = HostTierExperts(DeviceExperts.from_gguf(g, stream=backend.stream, mapped=True), 1, backend.stream,
+                           max_moves=1, period=1)
     model = Transformer(g, experts=tier, backend=backend)
     assert model.device_fed  # no routing on the host: a decode step can be one graph
+    layers = model.moe_layers
+    assert [tier.held(il) for il in layers] == [[0]] * len(layers)
+    for lay in tier._layers:
+        lay.rows.usage.copy_to_device(np.array([0, 1, 0, 9], np.int32))  # as if counted by steps
+    for _ in range(20):  # read the counts; start the move; publish it (three passes once copies are done)
+        tier.begin_pass()
+        backend.stream.synchronize()
+        tier._xfer.fetch.synchronize()
+        if tier.promotions == len(layers):
+            break
+    assert [tier.held(il) for il in layers] == [[3]] * len(layers) and tier.promotions == len(layers)
+    for lay in tier._layers:
+        assert lay.rows.device.copy_to_host().tolist() == [-2, -3, -4, 0]
+        for st in lay.stacks:
+            np.testing.assert_array_equal(st.vram.copy_to_host()[0], np.asarray(st.host.copy_to_host())[3])
     np.testing.assert_array_equal(_logits(model), want)
-    per_layer = tier.vram_bytes // max(1, len(model.moe_layers))
-    assert tier.slots == slots and (per_layer > 0) == (slots > 0)
-    assert tier.host_bytes >= 4 * per_layer // max(1, slots)  # every expert in the host tier
+    per_layer = tier.vram_bytes // len(layers)
+    assert tier.host_bytes == 4 * per_layer * len(layers)  # every expert in the host tier
 
 
 def test_the_slot_budget_sets_the_slots(fixture_dir):

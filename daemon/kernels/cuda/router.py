@@ -157,3 +157,21 @@ def route(logits, gating: str, norm_topk: bool, scale: float, ids, weights, bias
     if T:
         launch(_route_kernel(E), T, _WARP, stream, logits, placeholder(np.float32) if bias is None else bias, bias is not None,
                                     gating == "softmax", bool(norm_topk), np.float32(scale), bool(given), ids, weights)
+
+
+@cuda.jit
+def _count_kernel(ids, usage):
+    # ids int32 [P] (a step's [T, A], flat) -> usage[ids[p]] += 1 (order-free: integer atomics)
+    p = cuda.grid(1)
+    if p < ids.shape[0]:
+        e = ids[p]
+        if 0 <= e < usage.shape[0]:
+            cuda.atomic.add(usage, e, 1)
+
+
+def count_experts(ids, usage, stream=0) -> None:
+    """usage int32 [E] += how many (token, expert) pairs of ids int32 [T, A] route to each expert,
+    on the device (no host sync: it can live in a captured step)."""
+    flat = ids.reshape(ids.shape[0] * ids.shape[1])
+    if flat.shape[0]:
+        launch(_count_kernel, (flat.shape[0] + 127) // 128, 128, stream, flat, usage)

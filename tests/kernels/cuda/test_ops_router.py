@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from daemon.kernels.cuda.router import route
+from daemon.kernels.cuda.router import count_experts, route
 
 T, E, A = 3, 40, 4  # E not a power of two and above the simulator's 32 threads per row
 
@@ -90,3 +90,10 @@ def test_route_checks_arguments():
         route(lg, "sigmoid", False, 0.0, cuda.device_array((2, 2), np.int32), cuda.device_array((2, 2), np.float32))
     with pytest.raises(ValueError):  # more used than experts
         route(lg, "softmax", False, 0.0, cuda.device_array((2, 9), np.int32), cuda.device_array((2, 9), np.float32))
+
+
+def test_count_experts_adds_each_pairs_expert():
+    ids = cuda.to_device(np.array([[0, 2], [2, 3], [2, 9]], np.int32))  # 9: out of range, not counted
+    usage = cuda.to_device(np.array([5, 0, 0, 0], np.int32))
+    count_experts(ids, usage)
+    assert usage.copy_to_host().tolist() == [6, 0, 3, 1]
