@@ -10,8 +10,8 @@ Promotion follows use, between steps and off the critical path (`begin_pass`, be
 - each step counts its (token, expert) pairs per layer on the device (router.count_experts into the
   slot map's `usage`, captured with the step; a padded step's copies of row 0 count too);
 - every `period` steps the counts are copied back in stream order and zeroed; once they have
-  arrived, each expert's score decays and adds them (frequency with a decay), and up to
-  `max_moves` experts a layer whose score beats the weakest slot holder's (by `margin`) move in;
+  arrived, each expert's score decays and adds them, and up to `max_moves` experts a layer that
+  clearly beat the weakest slot holders move in (experts/promotion.py);
 - a move first unpublishes its victim (the map says host row again, written on the compute stream,
   so every later step reads the host tier), then the copy stream waits for that point (every step
   that may read the old slot is done) and copies the expert's rows from the host tier into the
@@ -30,13 +30,12 @@ import numpy as np
 from numba import cuda
 
 from ..kernels.cuda.device import upload, zero_fill
+from ..experts import promotion
 from ..storage.experts import ExpertBatch, ResidentExperts
 from .cuda_experts import DeviceExperts, SlotMap, TieredStack
 from .cuda_transfer import Event, Transfers, pinned_empty
 
 PERIOD = 4  # steps between reads of the use counts
-DECAY = 0.9  # a score's weight per read
-MARGIN = 1.0  # a candidate's score must beat the victim's by this much (no ping-pong)
 
 
 class _Layer:
@@ -129,17 +128,10 @@ class HostTierExperts:
 
     def _promote(self) -> None:
         for i, lay in enumerate(self._layers):
-            lay.score = lay.score * DECAY + self._counts[i, :lay.map.size]
-            if lay.moving or not self.max_moves:
+            lay.score = promotion.decayed(lay.score, self._counts[i, :lay.map.size])
+            if lay.moving:
                 continue
-            held = lay.map >= 0
-            wanted = [int(e) for e in np.argsort(-lay.score, kind="stable") if not held[e]][:self.max_moves]
-            victims = sorted(range(lay.holder.size), key=lambda s: lay.score[lay.holder[s]])
-            moves = []
-            for e, s in zip(wanted, victims):
-                if lay.score[e] <= lay.score[lay.holder[s]] + MARGIN:
-                    break
-                moves.append((s, e))
+            moves = promotion.moves(lay.score, lay.holder, lay.map >= 0, self.max_moves)
             if moves:
                 self._start(lay, moves)
 
