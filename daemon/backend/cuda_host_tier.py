@@ -17,6 +17,8 @@ Promotion follows use, between steps and off the critical path (`begin_pass`, be
   that may read the old slot is done) and copies the expert's rows from the host tier into the
   slot; a later begin_pass that finds the copy done publishes the slot (written on the compute
   stream). So a step sees the old miss or the new hit, never a half copy, and the bits never change.
+  A copy that fails (a CUDA error) fails nothing: its expert stays in the host tier, its slot
+  empty (unpublished) until a later move fills it, and a warning is logged once.
 Hybrid compute and SSD streaming are the VRAM expert cache's (cuda_expert_cache.py): this tier
 needs host memory for every expert (MOE_GPU_HOST_TIER).
 
@@ -26,16 +28,20 @@ row bytes.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 from numba import cuda
 
 from ..kernels.cuda.device import upload, zero_fill
 from ..experts import promotion
 from ..storage.experts import ExpertBatch, ResidentExperts
+from .cuda_errors import CUDA_ERRORS
 from .cuda_experts import DeviceExperts, SlotMap, TieredStack
 from .cuda_transfer import Event, Transfers, pinned_empty
 
 PERIOD = 4  # steps between reads of the use counts
+log = logging.getLogger("moed.device")
 
 
 class _Layer:
@@ -67,7 +73,8 @@ class HostTierExperts:
         self.max_moves, self.period = max(0, int(max_moves)), max(1, int(period))
         self.stream = stream
         self.vram_bytes = self.host_bytes = 0
-        self.promotions = self.passes = 0
+        self.promotions = self.passes = self.failed_moves = 0
+        self._warned = False
         for il, b in host._batches.items():  # noqa: SLF001
             n_expert = self._layouts[il].n_expert
             s = min(self.slots, n_expert)
@@ -139,16 +146,29 @@ class HostTierExperts:
         """Unpublish the victims, then copy the newcomers into their slots on the copy stream."""
         for s, _ in moves:
             victim = lay.holder[s]
-            lay.map[victim] = -2 - victim
+            if victim >= 0:  # else an empty slot (a failed copy's)
+                lay.map[victim] = -2 - victim
             lay.holder[s] = -1
         Transfers.upload_into(lay.rows.device, lay.map, self.stream)
         unpublished = self._xfer.record(Event(), self.stream)
         self._xfer.wait(self._xfer.fetch, unpublished)  # every step that may read the old slots is done
-        for s, e in moves:
-            for st in lay.stacks:
-                st.vram[s].copy_to_device(st.host[e], stream=self._xfer.fetch)
-        self._xfer.record(lay.copied, self._xfer.fetch)
+        try:
+            for s, e in moves:
+                for st in lay.stacks:
+                    self._copy(st.vram[s], st.host[e])
+            self._xfer.record(lay.copied, self._xfer.fetch)
+        except CUDA_ERRORS as err:  # the newcomers stay in the host tier; their slots stay empty
+            self.failed_moves += len(moves)
+            if not self._warned:
+                self._warned = True
+                log.warning("layer %d: copying experts into VRAM slots failed (%s); they are read from "
+                            "host memory", lay.il, err)
+            return
         lay.moving = moves
+
+    def _copy(self, slot, host_rows) -> None:
+        """One projection of an expert: its host rows into a VRAM slot, on the copy stream."""
+        slot.copy_to_device(host_rows, stream=self._xfer.fetch)
 
     def _publish(self, lay: _Layer) -> None:
         for s, e in lay.moving:

@@ -6,7 +6,8 @@ newcomer clearly beats the slot's holder, so that noise (uniform routing) does n
     holder [S]  the expert in each slot
 
 A candidate (not held, best score first) takes the weakest holder's slot when its score exceeds
-RATIO * the holder's + MARGIN. With 25% of the experts in the slots (benchmarks/
+RATIO * the holder's + MARGIN; an empty slot (holder -1: a failed copy left it) takes any
+candidate scoring over MARGIN. With 25% of the experts in the slots (benchmarks/
 host_tier_promotion.py), against the plain rule `score > holder + 1`, it keeps 97% (kimi trace) and
 93% (olmoe) of the hit-rate gain over no promotion, with 0.2-0.4x its moves under uniform routing,
 where no rule gains hits and every move is a copy over PCIe.
@@ -32,10 +33,12 @@ def moves(score: np.ndarray, holder: np.ndarray, held: np.ndarray, most: int) ->
         return []
     order = np.argsort(-score, kind="stable")
     wanted = order[~held[order]][:most]
-    victims = np.argsort(score[holder], kind="stable")
+    held_score = np.where(holder >= 0, score[np.maximum(holder, 0)], -np.inf)  # [S]
+    victims = np.argsort(held_score, kind="stable")
     out = []
     for e, s in zip(wanted.tolist(), victims.tolist()):
-        if score[e] <= RATIO * score[holder[s]] + MARGIN:
+        bar = MARGIN if holder[s] < 0 else RATIO * held_score[s] + MARGIN
+        if score[e] <= bar:
             break
         out.append((s, e))
     return out

@@ -90,3 +90,46 @@ def test_the_slot_budget_sets_the_slots(fixture_dir):
     two = HostTierExperts.from_gguf(g, backend, 2 * 2 * per_expert + per_expert // 2)
     assert two.slots == 2 and two.vram_bytes == 2 * 2 * per_expert
     g.close()
+
+
+def test_a_failed_promotion_fails_nothing(fixture_dir, monkeypatch, caplog):
+    """A copy into a slot that raises a CUDA error: the victim stays unpublished (read from the
+    host tier), the newcomer too, one warning; a later move fills the empty slot."""
+    from daemon.backend.cuda import CUDABackend
+    from daemon.backend.cuda_errors import CUDA_ERRORS
+    from daemon.backend.cuda_experts import DeviceExperts
+    from daemon.backend.cuda_host_tier import HostTierExperts
+
+    g = GGUFFile(fixture_path("qwen3moe", "Q8_0", fixture_dir, **SMALL))
+    backend = CUDABackend(0)
+    tier = HostTierExperts(DeviceExperts.from_gguf(g, stream=backend.stream, mapped=True), 1, backend.stream,
+                           max_moves=1, period=1)
+    n = len(tier._layers)
+
+    def use_expert_3():
+        for lay in tier._layers:
+            lay.rows.usage.copy_to_device(np.array([0, 1, 0, 9], np.int32))
+
+    def passes():
+        for _ in range(20):
+            tier.begin_pass()
+            backend.stream.synchronize()
+            tier._xfer.fetch.synchronize()
+
+    def fail(*_args, **_kw):
+        raise CUDA_ERRORS[0](700, "injected")
+
+    with monkeypatch.context() as m:
+        m.setattr(tier, "_copy", fail)
+        use_expert_3()
+        with caplog.at_level("WARNING", logger="moed.device"):
+            passes()
+    assert tier.failed_moves >= n and tier.promotions == 0
+    assert caplog.text.count("copying experts into VRAM slots failed") == 1
+    for lay in tier._layers:
+        assert lay.rows.device.copy_to_host().tolist() == [-2, -3, -4, -5]  # every expert from the host tier
+        assert lay.holder.tolist() == [-1]
+    use_expert_3()
+    passes()
+    assert tier.promotions == n and all(tier.held(lay.il) == [3] for lay in tier._layers)
+    g.close()

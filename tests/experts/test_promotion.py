@@ -26,3 +26,10 @@ def test_noise_moves_nothing_and_experts_on_their_way_are_not_chosen_again():
 
 def test_scores_decay_and_add_the_counts():
     np.testing.assert_allclose(promotion.decayed(np.array([10.0, 0.0]), np.array([0, 3])), [9.0, 3.0])
+
+
+def test_an_empty_slot_takes_any_candidate_over_the_margin():
+    holder = np.array([-1, 1])  # slot 0 empty (a failed copy)
+    held = np.array([False, True, False])
+    assert promotion.moves(np.array([3.0, 50.0, 1.0]), holder, held, 4) == [(0, 0)]  # 3 > 2; 1 does not beat 50
+    assert promotion.moves(np.array([1.0, 50.0, 0.0]), holder, held, 4) == []  # 1 <= 2
