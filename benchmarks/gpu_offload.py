@@ -33,13 +33,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from daemon.engine import Engine  # noqa: E402
 
 
-def _decode(model, cache, token: int, steps: int) -> tuple[list[float], int]:
+def _decode(model, cache, token: int, steps: int, marked=None) -> tuple[list[float], int]:
+    """steps greedy decode steps -> (their wall times, the last token). marked: a list, told which
+    steps launched one marked graph (cuda_graphs.HostClock.marks), by index."""
     times = []
-    for _ in range(steps):
+    marks = model.backend.graphs.clock.marks
+    for i in range(steps):
+        n = len(marks) if marks is not None else 0
         t0 = time.perf_counter()
         logits = model.forward([token], cache)
         token = int(np.argmax(logits[-1]))
         times.append(time.perf_counter() - t0)
+        if marked is not None and marks is not None and len(marks) == n + 1:
+            marked.append(i)
     return times, token
 
 
@@ -74,9 +80,14 @@ def measure(path: str, cache_mb: str, routing: str, min_batch: str, *, prompt: i
         eng.reset_stats()
         clock = model.backend.graphs.clock
         busy0, blocked0 = clock.busy_s, clock.blocked_s
-        times, token = _decode(model, cache, token, steps)
+        clock.marks = []  # each replay's GPU time, start to end
+        marked: list[int] = []
+        times, token = _decode(model, cache, token, steps, marked)
         host = {"busy_ms": 1e3 * (clock.busy_s - busy0), "blocked_ms": 1e3 * (clock.blocked_s - blocked0)}
-        v = eng.stats()["vram_cache"]
+        gpu = clock.gpu_ms()
+        clock.marks = None
+        stats = eng.stats()
+        v, tier = stats["vram_cache"], stats["host_tier"]
         if profile:  # where the host's time goes in a decode step
             import cProfile
             import io
@@ -96,8 +107,15 @@ def measure(path: str, cache_mb: str, routing: str, min_batch: str, *, prompt: i
                "prefill_warm_tok_s": round(len(prompt) / prefill_warm_s, 1),
                "decode_tok_s": round(steps / (wall_ms / 1e3), 2) if steps else None,
                "step_ms_median": round(1e3 * float(np.median(times)), 2) if steps else None,
-               "graph_replays": model.backend.graphs.replays}  # decode steps run as graph segments
-        return out | (_cache_figures(v, steps, wall_ms, host) if v is not None else {"experts": "all resident in VRAM"})
+               "graph_replays": model.backend.graphs.replays,  # decode steps run as graph segments
+               # steps run as one graph each: the GPU's time from the graph's start to its end, and
+               # what a step costs beyond it (the host's share of a token: inputs, launch, read-back)
+               **(_host_split([times[i] for i in marked], gpu) if gpu else {})}
+        if v is not None:
+            return out | _cache_figures(v, steps, wall_ms, host)
+        if tier is not None:
+            return out | _tier_figures(tier, model, steps)
+        return out | {"experts": "all resident in VRAM"}
     finally:
         eng.close()
 
@@ -127,6 +145,21 @@ def _cache_figures(v: dict, n: int, wall_ms: float, host: dict) -> dict:
                                    "rest": round((wall_ms - host["busy_ms"] - host["blocked_ms"]) / n, 2)},
             "slots_per_layer": sorted({lay["capacity"] for lay in v["layers"].values()}),
             "offload": v["offload"]}
+
+
+def _host_split(times: list[float], gpu_ms: list[float]) -> dict:
+    """Medians over the steps of their GPU time and of the rest of their wall time (ms)."""
+    rest = [1e3 * t - g for t, g in zip(times, gpu_ms)]
+    return {"gpu_ms_per_step": round(float(np.median(gpu_ms)), 2), "host_ms_per_token": round(float(np.median(rest)), 2)}
+
+
+def _tier_figures(t: dict, model, n: int) -> dict:
+    """The host tier's figures (stats()["host_tier"]) over the timed steps whose use counts were
+    read: hit rate, MB a token read in place over PCIe, promotions a step."""
+    tokens = t["pairs"] / (model.hp.n_expert_used * len(model.moe_layers)) if t["pairs"] else 0
+    return {"experts": "host tier", "hit_rate": t["hit_rate"], "slots_per_layer": t["slots_per_layer"],
+            "read_in_place_mb_per_token": round(t["read_in_place_bytes"] / tokens / 2**20, 1) if tokens else None,
+            "promotions_per_step": round(t["promotions"] / max(1, n), 2), "failed_moves": t["failed_moves"]}
 
 
 def run(path: str, cache_mb: str, routing: str, min_batch: str, args) -> dict:

@@ -94,6 +94,7 @@ class Engine:
         self.last_stats = GenerationStats()
         self.n_ctx = min(settings.n_ctx, model.hp.n_ctx_train) if settings.n_ctx else model.hp.n_ctx_train
         self.vram = model.experts if getattr(model.experts, "tiered", False) else None  # VRAMExpertCache
+        self.host_tier = model.experts if getattr(model.experts, "host_tier", False) else None  # HostTierExperts
         self.cache = model.experts if isinstance(model.experts, ExpertCache) else getattr(self.vram, "host", None)
         try:  # a bad trace or trace output fails the load; the engine owns the file and cache it was given
             self.routing_replay = RoutingReplay.from_settings(settings, model)
@@ -181,6 +182,7 @@ class Engine:
                                                        "eager_shapes": len(graphs.failed)},
                 "cache": self.cache.stats() if self.cache is not None else None,
                 "vram_cache": self.vram.stats() if self.vram is not None else None,
+                "host_tier": self.host_tier.stats() if self.host_tier is not None else None,
                 "routing": self.prefetcher.stats() if self.prefetcher is not None else None}
 
     def reset_stats(self) -> None:
@@ -189,6 +191,8 @@ class Engine:
             self.prefetcher.reset_stats()
         if self.vram is not None:
             self.vram.reset_stats()
+        if self.host_tier is not None:
+            self.host_tier.reset_stats()
         if self.tracer is not None:
             self.tracer.reset()
 

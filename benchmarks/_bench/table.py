@@ -40,6 +40,8 @@ GPU_COLUMNS = [
     ("MiB/tok", "bytes_per_token_mb", ".0f"), ("H2D GB/s", "h2d_gbps", ".1f"),
     ("copy bound t/s", "copy_bound_tok_s", ".1f"), ("overlap", "overlap_pct", ".1f"),
     ("fallback", "fallback_rate", ".1%"), ("CPU exp/tok", "cpu_experts_per_token", ".1f"),
+    ("in-place MiB/tok", "read_in_place_mb_per_token", ".0f"), ("promo/step", "promotions_per_step", ".2f"),
+    ("GPU ms/step", "gpu_ms_per_step", ".2f"), ("host ms/tok", "host_ms_per_token", ".2f"),
     ("graphs", "graph_replays", "d"))]  # figures: (header, key, format)
 
 

@@ -68,10 +68,11 @@ class Backend(Protocol):
         segments with the host work between them."""
         ...
 
-    def host_input(self, fn: Callable[[], np.ndarray], shape: tuple, dtype) -> Array:
-        """fn() (a host array of `shape`) as the backend's array, computed at this point of the step,
-        or of each replay of a recorded one."""
-        return np.ascontiguousarray(fn(), dtype)
+    def replay_routes(self, table: np.ndarray, step: Step) -> Array:
+        """A routing replay's expert ids of every MoE layer at the step's rows: table[:, positions
+        % N] ([L_moe, N, A] -> [L_moe, T, A]), computed from the step's positions where the step
+        reads them (on a GPU: on the device, so a recorded step replays the trace too)."""
+        return table[:, step.positions % table.shape[1]].astype(np.int64)
 
     def host_point(self, fn: Callable[[], None], sync: bool = True) -> None:
         """Host work at this point of the step: fn() now, or at this point of each replay of a

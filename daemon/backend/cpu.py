@@ -114,8 +114,8 @@ class CPUBackend:
     def host_point(self, fn, sync: bool = True) -> None:
         fn()
 
-    def host_input(self, fn, shape, dtype) -> np.ndarray:
-        return np.ascontiguousarray(fn(), dtype)
+    def replay_routes(self, table: np.ndarray, step) -> np.ndarray:
+        return table[:, step.positions % table.shape[1]].astype(np.int64)  # [L_moe, T, A]
 
     def embed(self, table, tokens: np.ndarray, step: Step | None = None) -> np.ndarray:
         return dequantize(table.raw[tokens], table.ggml_type, table.n_in)  # [T, D]

@@ -166,6 +166,7 @@ class CUDABackend:
         self._iota = upload(np.arange(1, dtype=np.int32), self.stream)
         self._old_iotas: list = []  # outgrown, kept: captured graphs may still read them
         self._routed = None  # (host ids, device ids) of the last router call
+        self._replay_tables: dict[int, tuple] = {}  # id(table) -> (table, its device copy)
         self._pinned_ids: dict[tuple, np.ndarray] = {}  # routing read back by segmented graphs, by shape
         self._inputs: dict[int, dict] = {}  # decode-step input buffers by sequence count (graphs)
         self.bytes = {"weights": 0, "experts": 0, "kv": 0, "scratch": 0}  # VRAM held, by use
@@ -312,20 +313,16 @@ class CUDABackend:
         else:
             cut(fn, sync)
 
-    def host_input(self, fn, shape, dtype):
-        """fn() on the device, computed now; in a segmented capture, at this point of every launch
-        (written into page-locked memory the captured copy reads)."""
-        if self.graphs.cutting is None:
-            return self.put(np.ascontiguousarray(fn(), dtype))
-        host = pinned_empty(shape, dtype)  # kept alive by the closure, which the graph keeps
-
-        def write():
-            host[...] = fn()
-
-        self.host_point(write, sync=False)  # the previous launch's copy has run: the step synced at its end
-        dev = self._empty(shape, dtype)
-        Transfers.upload_into(dev, host, self.stream)
-        return dev
+    def replay_routes(self, table: np.ndarray, step: Step):
+        """table int32 [L_moe, N, A] (uploaded once) gathered at the step's positions on the device:
+        a captured step reads its graph's position buffer, so each launch replays its own rows."""
+        dev = self._replay_tables.get(id(table))
+        if dev is None or dev[0] is not table:
+            dev = self._replay_tables[id(table)] = (table, upload(np.ascontiguousarray(table, np.int32), self.stream))
+        L, _, A = table.shape
+        out = self._empty((L, step.T, A), np.int32)
+        router_k.replay_routes(dev[1], self._memo_ints(step, "positions", step.positions), out, self.stream)
+        return out
 
     @_guarded
     def run_step(self, step: Step, compute, static: bool = False, segmented: bool = False):
@@ -638,7 +635,7 @@ class CUDABackend:
             ids = self._empty((T, n_used), np.int32)
         elif isinstance(chosen, np.ndarray):
             ids = cuda.to_device(np.ascontiguousarray(chosen, dtype=np.int32), stream=self.stream)
-        else:  # already on the device (host_input)
+        else:  # already on the device (replay_routes)
             ids = chosen
         weights = self._empty((T, n_used), _F32)
         router_k.route(logits, gating, norm_topk, scale, ids, weights, given=chosen is not None, stream=self.stream)

@@ -90,10 +90,17 @@ class HostClock:
     the segments before wrote (blocked_s), and everything else (busy_s: the host work between
     segments and their launches). A plain graph's launch counts as busy."""
 
-    __slots__ = ("busy_s", "blocked_s")
+    __slots__ = ("busy_s", "blocked_s", "marks")
 
     def __init__(self):
         self.busy_s = self.blocked_s = 0.0
+        self.marks = None  # benchmarks: a list, and each one-segment launch adds its (start, end) timing events
+
+    def gpu_ms(self) -> list[float]:
+        """Each marked launch's GPU time, start to end (after the stream has passed them)."""
+        from .cuda_transfer import Transfers
+
+        return [Transfers.elapsed_ms(a, b) for a, b in self.marks or ()]
 
 
 class Graph:
@@ -105,12 +112,19 @@ class Graph:
         self.keep = keep  # every allocation made while capturing
         self.out = out  # the step's output array (rewritten by each launch)
         self.nbytes = sum(int(getattr(m, "size", 0)) for m in keep)  # the VRAM they hold
+        self.segments = sum(not isinstance(b, bool) for _, b in items)
 
     def launch(self, stream, clock: HostClock) -> None:
         drv = _drv()
         handle = stream.handle
         now = time.perf_counter
         t = now()
+        marked = clock.marks is not None and self.segments == 1  # the host works inside segmented ones
+        if marked:
+            from .cuda_transfer import Event
+
+            clock.marks.append((Event(timing=True), Event(timing=True)))
+            _check(drv.cuEventRecord(clock.marks[-1][0].handle, handle))
         for a, b in self._items:
             if isinstance(b, bool):  # host work: fn, sync
                 if b:  # the host reads what the segments before wrote
@@ -123,6 +137,8 @@ class Graph:
                 a()
             else:
                 _check(drv.cuGraphLaunch(b, handle))
+        if marked:
+            _check(drv.cuEventRecord(clock.marks[-1][1].handle, handle))
         clock.busy_s += now() - t
 
     def __del__(self):

@@ -57,6 +57,7 @@ class _Layer:
         self.score = np.zeros(n_expert)  # [E] decayed use
         self.moving: list[tuple[int, int]] = []  # (slot, expert) copies in flight
         self.copied = Event()  # recorded on the copy stream after them
+        self.expert_bytes = sum(int(st.host[0].nbytes) for st in stacks)  # gate + up + down of one expert
 
 
 class HostTierExperts:
@@ -64,6 +65,7 @@ class HostTierExperts:
     TieredStacks: gate, up [S | E, F, stride], down [S | E, D, stride] (VRAM | host)."""
 
     routing_free = True  # the slot maps are read on the device: no routing on the host
+    host_tier = True  # the engine reports stats() as "host_tier"
 
     def __init__(self, host: DeviceExperts, slots: int, stream=0, max_moves: int = 4, period: int = PERIOD):
         self._layouts = host._layouts  # noqa: SLF001  (the same package's loader)
@@ -74,8 +76,13 @@ class HostTierExperts:
         self.stream = stream
         self.vram_bytes = self.host_bytes = 0
         self.promotions = self.passes = self.failed_moves = 0
+        self.pairs = self.hits = self.missed_bytes = 0  # over the counts read (stats)
         self._warned = False
-        for il, b in host._batches.items():  # noqa: SLF001
+        n_max = max((lay.n_expert for lay in self._layouts.values()), default=1)
+        # every layer's use counts in one array, so a read of them is one copy and one fill: [L, E]
+        self._usage = upload(np.zeros((len(host._batches), n_max), np.int32),  # noqa: SLF001
+                             None if isinstance(stream, int) else stream)
+        for i, (il, b) in enumerate(host._batches.items()):  # noqa: SLF001
             n_expert = self._layouts[il].n_expert
             s = min(self.slots, n_expert)
             stacks = []
@@ -87,12 +94,11 @@ class HostTierExperts:
                 self.vram_bytes += int(v.nbytes)
                 self.host_bytes += int(h.nbytes)
             rows = SlotMap({e: e for e in range(s)}, n_expert, stream, host_tier=True)
-            rows.usage = upload(np.zeros(n_expert, np.int32), None if isinstance(stream, int) else stream)
+            rows.usage = self._usage[i, :n_expert]
             self._batches[il] = ExpertBatch(*stacks, rows, b.gate_bias, b.up_bias, b.down_bias)
             self._layers.append(_Layer(il, stacks, rows, n_expert, s))
         self._xfer = Transfers(stream)  # its fetch stream copies into the slots
-        self._counts = pinned_empty((len(self._layers), max((lay.n_expert for lay in self._layouts.values()),
-                                                             default=1)), np.int32)  # [L, E]
+        self._counts = pinned_empty(self._usage.shape, np.int32)  # [L, E]
         self._counted = Event()
         self._reading = False
         if not isinstance(stream, int):
@@ -127,15 +133,16 @@ class HostTierExperts:
                 self._reading = False
                 self._promote()
         elif self.passes % self.period == 0:
-            for i, lay in enumerate(self._layers):
-                Transfers.d2h(self._counts[i, :lay.map.size], lay.rows.usage, self.stream)
-                zero_fill(lay.rows.usage, self.stream)
+            Transfers.d2h(self._counts, self._usage, self.stream)
+            zero_fill(self._usage, self.stream)
             self._xfer.record(self._counted, self.stream)
             self._reading = True
 
     def _promote(self) -> None:
         for i, lay in enumerate(self._layers):
-            lay.score = promotion.decayed(lay.score, self._counts[i, :lay.map.size])
+            counts = self._counts[i, :lay.map.size]
+            self._count(lay, counts)
+            lay.score = promotion.decayed(lay.score, counts)
             if lay.moving:
                 continue
             moves = promotion.moves(lay.score, lay.holder, lay.map >= 0, self.max_moves)
@@ -177,6 +184,27 @@ class HostTierExperts:
         Transfers.upload_into(lay.rows.device, lay.map, self.stream)
         self.promotions += len(lay.moving)
         lay.moving = []
+
+    def _count(self, lay: _Layer, counts: np.ndarray) -> None:
+        """The stats of counts read: pairs whose expert was in a published slot when they were read
+        (the map changes only between reads, at a publish) are hits; the rest crossed PCIe."""
+        n = int(counts.sum())
+        hit = int(counts[lay.map >= 0].sum())
+        self.pairs += n
+        self.hits += hit
+        self.missed_bytes += (n - hit) * lay.expert_bytes
+
+    def stats(self) -> dict:
+        """Over the steps whose use counts were read: (token, expert) pairs of all layers, the
+        share served from VRAM slots, bytes read in place over PCIe; promotions and their bytes."""
+        per_expert = self._layers[0].expert_bytes if self._layers else 0
+        return {"slots_per_layer": self.slots, "vram_bytes": self.vram_bytes, "host_bytes": self.host_bytes,
+                "pairs": self.pairs, "hit_rate": round(self.hits / self.pairs, 4) if self.pairs else None,
+                "read_in_place_bytes": self.missed_bytes, "promotions": self.promotions,
+                "failed_moves": self.failed_moves, "promoted_bytes": self.promotions * per_expert}
+
+    def reset_stats(self) -> None:
+        self.pairs = self.hits = self.missed_bytes = self.promotions = self.failed_moves = 0
 
     def held(self, layer: int) -> list[int]:
         """The experts in layer's VRAM slots (published), by slot."""

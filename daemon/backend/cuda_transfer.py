@@ -237,7 +237,8 @@ class Transfers:
         if event.handle is not None:
             _check(_drv().cuEventSynchronize(event.handle))
 
-    def elapsed_ms(self, start: Event, end: Event) -> float:
+    @staticmethod
+    def elapsed_ms(start: Event, end: Event) -> float:
         """Milliseconds between two timing events, both done."""
         if start.handle is None or end.handle is None:
             return 0.0

@@ -74,9 +74,8 @@ class Transformer:
                                 f"the model expects [{hp.n_expert} x {F} x {hp.n_embd}]")
         self.experts = experts
         self.trace = None  # callable(layer, ids [T, A]) observing routing decisions
-        # callable(layer, positions [T]) -> ids [T, A] replacing the router's top-k (MOE_ROUTING_REPLAY)
+        # a RoutingReplay: its .table [L_moe, N, A] replaces the routers' top-k (MOE_ROUTING_REPLAY)
         self.route_override = None
-        self._step = None  # the step running (its positions feed the routing override)
         self.step_hooks = None  # .begin(tokens [T]) per forward pass, .layer_input(il, x [T, D]) per layer
         self.ffn_observer = None  # callable(layer, x [T, D], h [T, F]) observing dense FFN activations
 
@@ -149,8 +148,7 @@ class Transformer:
     def device_fed(self) -> bool:
         """A decode step needs its tokens on the device only: no hook, trace, routing override
         or expert provider reads them on the host (which also makes it one graph)."""
-        return self._plain() and self.route_override is None and (
-            not self.moe_layers or getattr(self.experts, "routing_free", False))
+        return self._plain() and (not self.moe_layers or getattr(self.experts, "routing_free", False))
 
     def _check_tokens(self, tokens) -> np.ndarray:
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
@@ -182,25 +180,19 @@ class Transformer:
         begin_pass = getattr(self.experts, "begin_pass", None)  # a streaming provider's per-pass bookkeeping
         if begin_pass is not None:
             begin_pass()
-        self._step = step  # the routing override's positions (read again by each replay of a captured step)
         plain = self._plain()
-        static = plain and self.route_override is None and (
-            not self.moe_layers or getattr(self.experts, "routing_free", False))
+        static = plain and (not self.moe_layers or getattr(self.experts, "routing_free", False))
         segmentable = getattr(self.experts, "segmentable", None)  # (row, expert) pairs -> bool
         segmented = plain and not static and segmentable is not None and segmentable(step.T * self.hp.n_expert_used)
         if step.feed is not None and not static:
             raise RequestError("a step whose tokens are read on the host cannot take them from the device")
-        try:
-            if step.samplers is not None:  # sampled in the step (its last segment): not waited for
-                return B.run_step(step, lambda: B.sample(self._layers(step), step), static=static,
-                                  segmented=segmented)
-            return B.to_host(B.run_step(step, lambda: self._layers(step), static=static, segmented=segmented))
-        finally:
-            self._step = None  # not kept: its caches free their KV slots when their sequences end
+        if step.samplers is not None:  # sampled in the step (its last segment): not waited for
+            return B.run_step(step, lambda: B.sample(self._layers(step), step), static=static, segmented=segmented)
+        return B.to_host(B.run_step(step, lambda: self._layers(step), static=static, segmented=segmented))
 
     def _plain(self) -> bool:
-        """No hook, trace or observer: only the experts and the routing override (at their host
-        points) touch the host while a step runs (backend.run_step)."""
+        """No hook, trace or observer: only the experts (at their host points) touch the host while
+        a step runs (backend.run_step)."""
         return self.step_hooks is None and self.trace is None and self.ffn_observer is None
 
     def _layers(self, step: Step):
@@ -211,11 +203,10 @@ class Transformer:
         hooks = self.step_hooks
         if hooks is not None:
             hooks.begin(step.tokens)
-        routes = None  # the routing override's ids of every MoE layer [L_moe, T, A]
-        if self.route_override is not None and self.moe_layers:
-            routes = B.host_input(lambda: np.stack([self.route_override(il, self._step.positions)
-                                                    for il in self.moe_layers]),
-                                  (len(self.moe_layers), step.T, hp.n_expert_used), np.int32)
+        replay = self.route_override
+        routes = None  # the replayed ids of every MoE layer [L_moe, T, A], gathered on the device
+        if replay is not None and self.moe_layers:
+            routes = B.replay_routes(replay.table, step)
         x = B.embed(self.tok_embd, step.tokens, step)  # [T, D]
         h = B.rms_norm(x, self.layers[0].attn_norm, eps)  # each layer's input normed: [T, D]
         trim_last = not step.all_logits and not self.family.last_layer_all_rows
@@ -231,9 +222,10 @@ class Transformer:
                 x, h = B.add_rms_norm(x, a, layer.ffn_norm, eps)
             if isinstance(layer.ffn, MoE):
                 chosen = None
-                if routes is not None:  # the last layer of a prefill has fewer rows: its own, from the host
-                    k = self.moe_layers.index(il)
-                    chosen = routes[k] if step.T == routes.shape[1] else self.route_override(il, step.positions)
+                if routes is not None:  # the last layer of a prefill has fewer rows: gathered again
+                    if step.T != routes.shape[1]:
+                        routes = B.replay_routes(replay.table, step)
+                    chosen = routes[self.moe_layers.index(il)]
                 f = moe_forward(layer.ffn, self.family, self.experts, h, B, step, self.trace, chosen)
             else:
                 d = layer.ffn

@@ -55,8 +55,9 @@ def map_ids(ids: list[int], n_expert_trace: int, n_expert: int, k: int) -> list[
 
 
 class RoutingReplay:
-    """A Transformer.route_override: (layer, positions [T]) -> expert ids [T, A] of the trace.
-    tables[layer]: ids [N, A] per trace token, for each MoE layer of the model."""
+    """A Transformer.route_override: `table` [L_moe, N, A], the trace's ids of each MoE layer per
+    trace token; tables[layer]: one layer's [N, A]; called with (layer, positions [T]) -> its ids
+    [T, A] at those positions."""
 
     def __init__(self, trace: list[list[list[int]]], moe_layers: list[int], n_expert: int, n_used: int,
                  source: str = "trace") -> None:
@@ -75,6 +76,9 @@ class RoutingReplay:
                 mapped[lt] = np.array([map_ids(ids, self.n_expert_trace, n_expert, n_used) for ids in trace[lt]],
                                       dtype=np.int64).reshape(self.n_tokens, n_used)
             self.tables[il] = mapped[lt]
+        # every MoE layer's table in the model's order, as the backends gather it at a step's
+        # positions (Backend.replay_routes): int32 [L_moe, N, A]
+        self.table = np.stack([self.tables[il] for il in moe_layers]).astype(np.int32)
         self._model = None
 
     @classmethod

@@ -68,6 +68,10 @@ def test_a_promoted_expert_serves_from_its_slot_with_the_resident_logits(case):
         if tier.promotions == len(layers):
             break
     assert [tier.held(il) for il in layers] == [[3]] * len(layers) and tier.promotions == len(layers)
+    st = tier.stats()  # the counts read once: 10 pairs a layer, none of them of expert 0 (the slot's then)
+    assert st["pairs"] == 10 * len(layers) and st["hit_rate"] == 0.0
+    assert st["read_in_place_bytes"] == st["pairs"] * tier._layers[0].expert_bytes
+    assert st["promoted_bytes"] == len(layers) * tier._layers[0].expert_bytes
     for lay in tier._layers:
         assert lay.rows.device.copy_to_host().tolist() == [-2, -3, -4, 0]
         for st in lay.stacks:
@@ -133,3 +137,45 @@ def test_a_failed_promotion_fails_nothing(fixture_dir, monkeypatch, caplog):
     passes()
     assert tier.promotions == n and all(tier.held(lay.il) == [3] for lay in tier._layers)
     g.close()
+
+
+def test_replayed_routing_stays_on_the_device(case, tmp_path):
+    """MOE_ROUTING_REPLAY's ids are gathered on the device at each step's positions (Backend.
+    replay_routes): the host tier still needs no routing on the host (a decode step is one graph,
+    on a GPU), and its logits are those of every expert in VRAM under the same replay."""
+    import json
+
+    from daemon.backend.cuda import CUDABackend
+    from daemon.backend.cuda_experts import DeviceExperts
+    from daemon.backend.cuda_host_tier import HostTierExperts
+    from daemon.kernels.cuda.device import SIM
+    from daemon.routing.replay_routing import RoutingReplay
+
+    g, unreplayed = case
+    if g.architecture != "qwen3moe":
+        pytest.skip("one family is enough: the gather does not depend on it (and the simulator is slow)")
+    trace = tmp_path / "t.jsonl"  # 3 tokens (positions wrap), 2 layers, ids of 4 experts
+    rows = [[[3, 2], [0, 3]], [[1, 0], [2, 1]], [[2, 3], [3, 0]]]
+    trace.write_text("".join(json.dumps({"tok": n, "layers": r}) + "\n" for n, r in enumerate(rows, 1)))
+
+    def run(model):
+        RoutingReplay.load(trace, model).attach(model)
+        c = model.new_cache(16)
+        out = [model.forward([1, 5], c, all_logits=True)]
+        token = int(np.argmax(out[-1][-1]))
+        for _ in range(2):  # positions 2 and 3: the second wraps to the trace's first token
+            out.append(model.forward([token], c))
+            token = int(np.argmax(out[-1][-1]))
+        return np.concatenate([np.asarray(o).reshape(-1) for o in out])
+
+    backend = CUDABackend(0)
+    want = run(Transformer(g, experts=backend.resident_experts(g), backend=backend))
+    backend = CUDABackend(0)
+    tier = HostTierExperts(DeviceExperts.from_gguf(g, stream=backend.stream, mapped=True), 1, backend.stream)
+    model = Transformer(g, experts=tier, backend=backend)
+    got = run(model)
+    assert model.device_fed
+    np.testing.assert_array_equal(got, want)
+    assert not np.array_equal(got[:unreplayed.size], unreplayed)  # the trace's experts, not the router's
+    if not SIM:
+        assert backend.graphs.replays > 0

@@ -210,7 +210,7 @@ def test_a_failed_load_releases_the_file_and_the_cache(qwen3moe, tmp_path, monke
     for cls in (ExpertCache, File):
         monkeypatch.setattr(cls, "close", lambda self, _close=cls.close: (closed.append(type(self)), _close(self))[1])
     with pytest.raises(ConfigError):
-        Engine.load(qwen3moe, routing_replay=str(tmp_path / "missing.jsonl"))
+        Engine.load(qwen3moe, device="cpu", routing_replay=str(tmp_path / "missing.jsonl"))
     assert ExpertCache in closed and File in closed
 
 

@@ -175,3 +175,28 @@ def count_experts(ids, usage, stream=0) -> None:
     flat = ids.reshape(ids.shape[0] * ids.shape[1])
     if flat.shape[0]:
         launch(_count_kernel, (flat.shape[0] + 127) // 128, 128, stream, flat, usage)
+
+
+@cuda.jit
+def _replay_kernel(table, positions, out):
+    # table int32 [L, N, A], positions int32 [T] -> out [L, T, A] = table[:, positions % N, :]
+    i = cuda.grid(1)
+    L, N, A = table.shape
+    T = positions.shape[0]
+    if i < L * T * A:
+        a = i % A
+        t = (i // A) % T
+        layer = i // (A * T)
+        out[layer, t, a] = table[layer, positions[t] % N, a]
+
+
+def replay_routes(table, positions, out, stream=0) -> None:
+    """out int32 [L, T, A] <- the routing replay's ids of each MoE layer at each row's position:
+    table[:, positions % N] (table int32 [L, N, A] on the device). Read from the step's positions
+    on the device, so a captured step replays the trace at each launch's positions."""
+    L, N, A = table.shape
+    T = positions.shape[0]
+    if out.shape != (L, T, A):
+        raise ValueError(f"replay_routes: table {table.shape}, positions {positions.shape}, out {out.shape}")
+    if L * T * A:
+        launch(_replay_kernel, (L * T * A + 127) // 128, 128, stream, table, positions, out)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from daemon.kernels.cuda.router import count_experts, route
+from daemon.kernels.cuda.router import count_experts, replay_routes, route
 
 T, E, A = 3, 40, 4  # E not a power of two and above the simulator's 32 threads per row
 
@@ -97,3 +97,14 @@ def test_count_experts_adds_each_pairs_expert():
     usage = cuda.to_device(np.array([5, 0, 0, 0], np.int32))
     count_experts(ids, usage)
     assert usage.copy_to_host().tolist() == [6, 0, 3, 1]
+
+
+def test_replay_routes_reads_each_layers_row_at_the_position_mod_the_trace_length():
+    table = np.arange(2 * 3 * 2, dtype=np.int32).reshape(2, 3, 2)  # [L 2, N 3, A 2]
+    positions = np.array([0, 4, 2, 7], np.int32)
+    out = cuda.device_array((2, 4, 2), np.int32)
+    replay_routes(cuda.to_device(table), cuda.to_device(positions), out)
+    expected = np.stack([table[layer][positions % 3] for layer in range(2)])
+    assert out.copy_to_host().tolist() == expected.tolist()
+    with pytest.raises(ValueError):
+        replay_routes(cuda.to_device(table), cuda.to_device(positions), cuda.device_array((2, 3, 2), np.int32))
