@@ -139,11 +139,19 @@ class Backend(Protocol):
         ...
 
     def router(self, logits: Array, n_used: int, gating: str, norm_topk: bool, scale: float,
-               chosen: np.ndarray | None = None) -> tuple[np.ndarray, Array]:
-        """Top-k routing of logits [T, E] -> (ids [T, A] int64 largest first, weights [T, A] f32).
-        gating "softmax": softmax over E, then top-k; "softmax_weight": top-k of the logits, then
-        softmax over the k. norm_topk: weights divided by their sum; scale: multiplied by it
-        (0 = not). chosen: ids [T, A] to weigh instead of the top-k (routing replay)."""
+               chosen: Array | None = None) -> tuple[Array, Array]:
+        """Top-k routing of logits [T, E] -> (ids [T, A] largest first, weights [T, A] f32), both
+        the backend's arrays: on a GPU the ids stay on the device (routed_ids brings them to the
+        host for the providers that need them). gating "softmax": softmax over E, then top-k;
+        "softmax_weight": top-k of the logits, then softmax over the k. norm_topk: weights divided
+        by their sum; scale: multiplied by it (0 = not). chosen: ids [T, A] to weigh instead of
+        the top-k (routing replay)."""
+        ...
+
+    def routed_ids(self, ids: Array) -> np.ndarray:
+        """The router's ids [T, A] on the host (int64), for an expert provider that chooses what to
+        fetch by them, or a trace: on a GPU the one host sync of a MoE layer (in a segmented
+        capture, read at the step's next host point)."""
         ...
 
     # -- elementwise and attention -------------------------------------------------------------

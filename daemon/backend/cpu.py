@@ -173,6 +173,9 @@ class CPUBackend:
             weights = weights * np.float32(scale)
         return ids, weights.astype(np.float32)
 
+    def routed_ids(self, ids: np.ndarray) -> np.ndarray:
+        return ids
+
     # -- elementwise and attention -------------------------------------------------------------
 
     def rms_norm(self, x, weight, eps) -> np.ndarray:

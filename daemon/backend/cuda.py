@@ -521,7 +521,9 @@ class CUDABackend:
     @_guarded
     def expert_plan(self, ids, slots, layout, step, only=None) -> cx.DevicePlan:
         routed = self._routed
-        if routed is not None and ids is routed[0]:
+        if not isinstance(ids, np.ndarray):
+            ids_dev = ids  # the router's, on the device
+        elif routed is not None and ids is routed[0]:
             ids_dev = routed[1]  # the router's own device copy: nothing to upload
         else:
             ids_dev = cuda.to_device(np.ascontiguousarray(ids, dtype=np.int32), stream=self.stream)
@@ -639,18 +641,23 @@ class CUDABackend:
             ids = chosen
         weights = self._empty((T, n_used), _F32)
         router_k.route(logits, gating, norm_topk, scale, ids, weights, given=chosen is not None, stream=self.stream)
+        return ids, weights
+
+    @_guarded
+    def routed_ids(self, ids):
+        T, A = ids.shape
         if self._capturing:
             if self.graphs.cutting is not None:  # a segmented step: the ids are on the host at its next host point
-                host = self._pinned_ids.get((T, n_used))
+                host = self._pinned_ids.get((T, A))
                 if host is None:
-                    host = self._pinned_ids[(T, n_used)] = pinned_empty((T, n_used), np.int32)
+                    host = self._pinned_ids[(T, A)] = pinned_empty((T, A), np.int32)
                 Transfers.d2h(host, ids, self.stream)
             else:  # nothing has run: no ids to read (the model asked for a graph: it needs none)
-                host = np.zeros((T, n_used), np.int64)
+                host = np.zeros((T, A), np.int64)
         else:
             host = self.to_host(ids).astype(np.int64)  # the one host sync of a MoE layer
         self._routed = (host, ids)
-        return host, weights
+        return host
 
     # -- elementwise and attention -------------------------------------------------------------
 

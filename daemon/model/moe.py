@@ -38,10 +38,11 @@ class MoE:
 
 
 def route(moe: MoE, family: Family, x, backend: Backend | str, step: Step | None = None,
-          chosen: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Exact router (Path B). x: [T, D] -> (ids [T, A] int64 in top-k order, weights [T, A] f32).
-    chosen: ids [T, A] to use instead of the router's top-k (routing replay); the router weighs
-    them as it weighs its own choice. backend: a Backend, or a CPU numerics name."""
+          chosen=None) -> tuple:
+    """Exact router (Path B). x: [T, D] -> (ids [T, A] in top-k order, weights [T, A] f32), the
+    backend's arrays (backend.routed_ids: the ids on the host). chosen: ids [T, A] to use instead
+    of the router's top-k (routing replay); the router weighs them as it weighs its own choice.
+    backend: a Backend, or a CPU numerics name."""
     if isinstance(backend, str):
         backend = CPUBackend(backend)
     logits = backend.linear(x, moe.router, step, bias=moe.router_bias)  # [T, E]
@@ -53,11 +54,18 @@ def moe_forward(moe: MoE, family: Family, experts: ExpertProvider, x, backend: B
     """x: [T, D] (already normed) -> [T, D]. chosen: expert ids [T, A] replacing the router's
     top-k (route). trace(layer, ids [T, A]) observes the routing."""
     ids, weights = route(moe, family, x, backend, step, chosen)
+    layout = experts.layout(moe.layer)
+    xa = backend.prepare(x)  # converted once per weight type, shared by gate and up (and waves)
+    if trace is None and getattr(experts, "routing_free", False):
+        # every expert served where the kernels read it: the routing stays where it was computed
+        with experts.fetch(moe.layer, None) as batch:
+            plan = backend.expert_plan(ids, batch.rows, layout, step)
+            y = _apply_experts(family, backend, layout, batch, plan, xa)  # [P, D]
+        return _mix(moe, backend, y, plan, weights, x, step)
+    ids = backend.routed_ids(ids)  # [T, A] on the host
     if trace is not None:
         trace(moe.layer, ids)
-    layout = experts.layout(moe.layer)
     waves = experts.waves(moe.layer, np.unique(ids).tolist())
-    xa = backend.prepare(x)  # converted once per weight type, shared by gate and up (and waves)
     if len(waves) == 1:
         with experts.fetch(moe.layer, waves[0], routed=ids) as batch:
             plan = backend.expert_plan(ids, batch.rows, layout, step)
@@ -70,6 +78,11 @@ def moe_forward(moe: MoE, family: Family, experts: ExpertProvider, x, backend: B
                 part_plans.append(backend.expert_plan(ids, batch.rows, layout, step, only=np.array(wave)))
                 parts.append(_apply_experts(family, backend, layout, batch, part_plans[-1], xa))
         y = backend.join_parts(parts, part_plans)
+    return _mix(moe, backend, y, plan, weights, x, step)
+
+
+def _mix(moe: MoE, backend: Backend, y, plan, weights, x, step):
+    """The experts' outputs y [P, D] weighed and summed per row, plus the shared expert -> [T, D]."""
     out = backend.moe_mix(y, plan, weights)
     if moe.shared is not None:
         out = backend.add(out, shared_expert(moe.shared, x, backend, step))

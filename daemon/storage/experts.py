@@ -70,7 +70,9 @@ class ExpertProvider(Protocol):
 
     def fetch(self, layer: int, ids: Sequence[int], routed: np.ndarray | None = None) -> ContextManager[ExpertBatch]:
         """The experts `ids` of `layer`, held (never evicted or overwritten) until the block exits.
-        routed: the step's expert ids [T, A] (how many tokens each expert serves), when known."""
+        routed: the step's expert ids [T, A] (how many tokens each expert serves), when known.
+        A provider that is `routing_free` (it serves every expert, wherever the kernels read it)
+        is asked with ids None: the routing never reached the host."""
         ...
 
     def waves(self, layer: int, ids: Sequence[int]) -> list[list[int]]:
@@ -100,8 +102,9 @@ class ResidentExperts:
             raise GGUFError(f"layer {layer} has no expert tensors")
         return self._layouts[layer]
 
-    def fetch(self, layer: int, ids: Sequence[int], routed=None) -> ContextManager[ExpertBatch]:
-        check_ids(layer, ids, self.layout(layer).n_expert)
+    def fetch(self, layer: int, ids: Sequence[int] | None, routed=None) -> ContextManager[ExpertBatch]:
+        if ids is not None:
+            check_ids(layer, ids, self.layout(layer).n_expert)
         return nullcontext(self._batches[layer])
 
     def waves(self, layer: int, ids: Sequence[int]) -> list[list[int]]:

@@ -103,7 +103,7 @@ def _record_routes(backend, calls: list) -> None:
 
     def recording(logits, *a, **k):
         ids, weights = route(logits, *a, **k)
-        calls.append((np.array(backend.to_host(logits)), np.array(ids)))
+        calls.append((np.array(backend.to_host(logits)), np.array(backend.to_host(ids))))
         return ids, weights
 
     backend.router = recording
