@@ -16,9 +16,9 @@ kernel computes a row independently of the others, so a sequence's results are t
 whatever shares its step (batch invariance); a decode step is always the GEMV.
 
 Host synchronisation per step: the step's token ids, positions and KV slots go to the device
-once (memo), the router's expert ids come back to the host once per MoE layer (the expert
-provider and the routing trace take host ids; the expert kernels read the device copy), and the
-logits rows come back at the end, or, for the serving loop, only the token ids the step sampled
+once (memo); the router's expert ids stay on the device, unless the expert provider chooses what
+to fetch by them (the VRAM expert cache) or a routing trace reads them (`routed_ids`: then once per
+MoE layer); and the logits rows come back at the end, or, for the serving loop, only the token ids the step sampled
 on the device (`sample`, daemon/kernels/cuda/sample.py; `readback`: pinned copies and an event).
 Everything runs in order on one non-blocking stream. A decode step replayed as a CUDA graph
 (run_step, cuda_graphs.py) syncs only for its output; its input tokens may be the step before's

@@ -10,7 +10,7 @@ bytes).
 One layer of a step (`fetch` right after routing; the routing came back to the host in the
 router's one small copy):
 1. `_decide`: the experts split into ready (in VRAM), in flight (in VRAM, a prefetch's or
-   admission's copy not yet known done) and missing. The offload policy (offload.py) may send
+   admission's copy not yet known done) and missing. The offload policy (experts/offload.py) may send
    missing ones to the CPU. The rest get a slot (the policy's victim among slots this step does
    not hold) and are copied on the fetch stream: every missing expert's gate and up first, then
    the downs, each projection's raw bytes from the host cache's pinned slot into a staging area
@@ -63,22 +63,21 @@ from numba import cuda
 
 from ..kernels.cuda.device import upload, zero_fill
 from ..kernels.cuda.layout import repack_into_slots, repacked_stride
-from ..experts.policies import POLICIES, simulate_layer
+from ..experts.policies import POLICIES
+from ..experts.stats import RequestLog, VRAMStats
 from ..experts.slots import SlotTable
 from ..storage.experts import PROJECTIONS, ExpertLayout, check_ids
 from .base import compose_expert_ffn
 from .cuda_errors import CUDA_ERRORS
 from .cuda_weights import scatter_rows
-from .cuda_staged import Decision, StagedBatch, Timer, VRAMStats
+from .cuda_staged import Decision, StagedBatch, Timer
 from .cuda_transfer import Event, Transfers, pinned_empty
-from .offload import CPUCostFit, OffloadPolicy, parse_min_batch
+from ..experts.offload import CPUCostFit, OffloadPolicy, parse_min_batch
 
 log = logging.getLogger("moed.device")
 
 STALE_S = 5.0  # an in-flight copy not done this long after it was issued is taken as failed
 _FIT_ROWS = 8  # steps of at most this many rows refit the CPU's cost (its per-token model is a decode GEMV's)
-_HISTORY = 512  # per layer: the last steps' expert sets, for the Belady replay in stats (kept short: it
-# replays in Python on every stats call, ~3 s for 48 layers of 512 steps)
 
 
 @dataclass(eq=False)
@@ -89,8 +88,7 @@ class _VLayer:
     gate_up: object = None  # gate and up as one array [2S, F, stride] (when alike), stacks[0:2] its halves
     biases: tuple = (None, None, None)  # device f32 [E, F|D] or None
     table: SlotTable = None  # which expert each slot holds, pins, copies in flight
-    history: list = field(default_factory=list)  # each step's expert set (the Belady replay)
-    counted_from: int = 0  # history index where the current stats began
+    requests: RequestLog = field(default_factory=RequestLog)  # each step's expert set (the Belady replay)
     maps: object = None  # device int32 [3, E]: ready now / after waits / every GPU expert
     map_rows: tuple = ()
     decision: Decision | None = None  # the current (or last) step's
@@ -348,11 +346,7 @@ class VRAMExpertCache:
         st = vl.stats
         table = vl.table
         table.clock += 1
-        vl.history.append(frozenset(wanted))
-        if len(vl.history) > _HISTORY:  # keep the newer half
-            cut = len(vl.history) // 2
-            del vl.history[:cut]
-            vl.counted_from = max(0, vl.counted_from - cut)
+        vl.requests.add(wanted)
         st.requests += len(wanted)
         if layer == self._first_layer and routed is not self._counted:  # once for all of a step's waves
             self._counted = routed
@@ -716,10 +710,9 @@ class VRAMExpertCache:
         for il, vl in self._layers.items():
             total.add(vl.stats)
             per[il] = vl.stats.summary() | {"capacity": vl.capacity, "cached": len(vl.table)}
-            if len(vl.history) > vl.counted_from and vl.capacity and not self.force_cpu:
-                # the whole history replays (the live cache is as warm), counted since the stats began
-                b = simulate_layer(vl.history, vl.capacity, "belady", vl.counted_from)
-                r = simulate_layer(vl.history, vl.capacity, self.eviction, vl.counted_from)
+            if vl.requests.counted and vl.capacity and not self.force_cpu:
+                b = vl.requests.replay(vl.capacity, "belady")
+                r = vl.requests.replay(vl.capacity, self.eviction)
                 belady_hits += b.hits
                 lru_hits += r.hits
                 replayed += b.hits + b.misses
@@ -737,7 +730,7 @@ class VRAMExpertCache:
         for vl in self._layers.values():
             self._fold_timer(vl)
             vl.stats = VRAMStats()
-            vl.counted_from = len(vl.history)
+            vl.requests.reset()
 
     def close(self) -> None:
         self.backend.stream.synchronize()

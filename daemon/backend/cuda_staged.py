@@ -1,4 +1,4 @@
-"""What a VRAM expert cache's fetch hands the backend, and the cache's counters.
+"""What a VRAM expert cache's fetch hands the backend (its counters: experts/stats.py).
 
 `StagedBatch.compute` (CUDABackend.expert_ffn) orders a layer's expert work by arrival: the ready
 experts' gate/up at once, the copied experts' after a wait on the layer's gate/up event, the down
@@ -10,48 +10,12 @@ Legend: T = rows of the step, A = experts per row, P = T*A pairs, D = hidden siz
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from .cuda_transfer import Event, Transfers
 from .cuda_weights import scatter_rows
-
-
-@dataclass
-class VRAMStats:
-    requests: int = 0  # experts asked for by steps (unique within a step's layer)
-    hits: int = 0  # ... in VRAM (ready, or a copy in flight)
-    misses: int = 0  # ... not in VRAM
-    loads: int = 0  # experts copied in (demand, prefetch and admission)
-    evictions: int = 0
-    bytes_copied: int = 0
-    copied_demand: int = 0  # misses copied for the step that asked
-    cpu_hybrid: int = 0  # misses computed on the CPU by the offload policy's choice
-    cpu_forced: int = 0  # experts computed on the CPU under MOE_POSTFETCH_FORCE_CPU
-    fallbacks: int = 0  # experts computed on the CPU because the GPU could not serve them
-    admitted: int = 0  # CPU-computed misses copied in the background
-    prefetch_issued: int = 0
-    prefetch_used: int = 0
-    prefetch_wasted: int = 0
-    tokens: int = 0  # rows routed through the first MoE layer (bytes per token)
-    copy_ms: float = 0.0  # fetch-stream time of demand copies (timing events)
-    stall_ms: float = 0.0  # compute-stream time spent waiting on them
-    cpu_ms: float = 0.0  # host time computing CPU experts
-
-    def add(self, other: VRAMStats) -> None:
-        for k, v in asdict(other).items():
-            setattr(self, k, getattr(self, k) + v)
-
-    def summary(self) -> dict:
-        d = asdict(self)
-        routed = self.requests or 1
-        d["hit_rate"] = round(self.hits / routed, 6)
-        d["fallback_rate"] = round(self.fallbacks / routed, 6)
-        d["overlap_pct"] = round(100.0 * (1.0 - self.stall_ms / self.copy_ms), 2) if self.copy_ms > 0 else None
-        d["bytes_per_token"] = round(self.bytes_copied / self.tokens) if self.tokens else 0
-        d["h2d_gbps"] = round(self.bytes_copied / (self.copy_ms * 1e6), 2) if self.copy_ms > 0 else None
-        return d
 
 
 class _Rows(dict):

@@ -92,7 +92,7 @@ def caches(gguf):
     from daemon.backend.cuda import CUDABackend
     from daemon.backend.cuda_expert_cache import VRAMExpertCache
     from daemon.backend.cuda_transfer import pinned_empty
-    from daemon.backend.offload import OffloadPolicy
+    from daemon.experts.offload import OffloadPolicy
     from daemon.backend.host_experts import host_expert_cache
 
     made = []
@@ -361,7 +361,7 @@ def test_a_captured_layers_launches_give_the_eager_bits(gguf, caches, reference,
     the resident bits."""
     from daemon.backend.cuda_expert_cache import _Hold
     from daemon.backend.cuda_staged import StagedBatch
-    from daemon.backend.offload import OffloadPolicy
+    from daemon.experts.offload import OffloadPolicy
 
     eager_cache, eager_model = caches(2, OffloadPolicy(min_batch))
     cache, model = caches(2, OffloadPolicy(min_batch))
@@ -444,7 +444,7 @@ def test_no_slot_at_all_computes_on_the_cpu(gguf, caches, reference):
 
 @cuda_only
 def test_hybrid_compute_sends_single_token_experts_to_the_cpu_and_admits_them(gguf, caches, reference):
-    from daemon.backend.offload import OffloadPolicy
+    from daemon.experts.offload import OffloadPolicy
 
     cache, model = caches(4, OffloadPolicy(2))
     chosen = [[0, 1], [0, 2]]  # expert 0: 2 tokens (copied); 1 and 2: one each (the CPU)
@@ -462,7 +462,7 @@ def test_hybrid_compute_sends_single_token_experts_to_the_cpu_and_admits_them(gg
 
 @cuda_only
 def test_a_failed_admission_copy_leaves_no_slot_pinned(gguf, caches, reference):
-    from daemon.backend.offload import OffloadPolicy
+    from daemon.experts.offload import OffloadPolicy
 
     cache, model = caches(4, OffloadPolicy(2))
     calls = []
@@ -698,7 +698,7 @@ def test_no_room_beside_the_weights_is_a_reason(setting, free):
 def test_calibration_measures_the_cpu_experts_rate_and_fixed_cost(caches):
     """MOE_OFFLOAD_MIN_BATCH=auto's start-up measurement: a pinned copy, then one and several experts
     a call on the CPU (the simulator times no copy: its host-to-device figure is the stated default)."""
-    from daemon.backend.offload import OffloadPolicy
+    from daemon.experts.offload import OffloadPolicy
 
     from daemon.kernels.cuda.device import SIM
 
@@ -712,7 +712,7 @@ def test_calibration_measures_the_cpu_experts_rate_and_fixed_cost(caches):
 def test_auto_refits_the_cpu_cost_from_the_steps(caches, reference):
     """Seeded with a CPU far faster than any machine's, the cost model sends the first misses to the
     CPU; their measured time then replaces the seed (tokens x bytes over seconds, one call)."""
-    from daemon.backend.offload import OffloadPolicy
+    from daemon.experts.offload import OffloadPolicy
 
     seed = OffloadPolicy(None, h2d_bytes_per_s=1e9, cpu_bytes_per_s=1e18)
     cache, model = caches(2, seed)

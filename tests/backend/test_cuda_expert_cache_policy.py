@@ -27,7 +27,7 @@ def test_lfru_keeps_the_frequent_expert(gguf, eviction, hits):  # noqa: F811
     from daemon.backend.cuda_expert_cache import VRAMExpertCache
     from daemon.backend.cuda_transfer import pinned_empty
     from daemon.backend.host_experts import host_expert_cache
-    from daemon.backend.offload import OffloadPolicy
+    from daemon.experts.offload import OffloadPolicy
 
     host = host_expert_cache(gguf, Settings.load(env={}), lambda _m: None, allocate=pinned_empty)
     cache = VRAMExpertCache(host, CUDABackend(0), 2 * VRAM_EXPERT * N_LAYERS, OffloadPolicy(0), eviction=eviction)

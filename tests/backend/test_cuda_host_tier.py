@@ -179,3 +179,34 @@ def test_replayed_routing_stays_on_the_device(case, tmp_path):
     assert not np.array_equal(got[:unreplayed.size], unreplayed)  # the trace's experts, not the router's
     if not SIM:
         assert backend.graphs.replays > 0
+
+
+def test_a_failed_in_place_read_fails_the_step_and_the_model_goes_on(case, monkeypatch):
+    """An expert kernel reading the host tier that hits a CUDA error (injected at its launch): the
+    step fails with a DeviceError naming the device and the op; the next step on a fresh sequence
+    gives the logits of every expert in VRAM."""
+    from daemon.backend import cuda as cuda_backend
+    from daemon.backend.cuda import CUDABackend
+    from daemon.backend.cuda_errors import CUDA_ERRORS
+    from daemon.backend.cuda_experts import DeviceExperts
+    from daemon.backend.cuda_host_tier import HostTierExperts
+    from daemon.errors import DeviceError
+
+    g, want = case
+    backend = CUDABackend(0)
+    tier = HostTierExperts(DeviceExperts.from_gguf(g, stream=backend.stream, mapped=True), 1, backend.stream)
+    model = Transformer(g, experts=tier, backend=backend)
+    calls = []
+
+    def failing(*_a, **_k):
+        calls.append(1)
+        raise CUDA_ERRORS[0](700, "injected: an in-place read failed")
+
+    with monkeypatch.context() as m:
+        m.setattr(cuda_backend.mmvq, "mul_mat_vec_glu_ids", failing)
+        m.setattr(cuda_backend.mmvq, "mul_mat_vec_ids", failing)
+        m.setattr(cuda_backend.mmq, "mul_mat_q_ids", failing)
+        with pytest.raises(DeviceError, match=r"expert_glu failed: .*injected"):
+            model.forward([1, 5], model.new_cache(8))
+    assert calls
+    np.testing.assert_array_equal(_logits(model), want)

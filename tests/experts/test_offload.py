@@ -1,4 +1,4 @@
-"""The offload policy (daemon/backend/offload.py): which experts missing from VRAM compute on the
+"""The offload policy (daemon/experts/offload.py): which experts missing from VRAM compute on the
 CPU. Pure Python, no GPU. Every expected value is worked out by hand in the comments.
 
 Costs are chosen in powers of two so that the sums the list scheduler compares are exact."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from daemon.backend.offload import CPUCostFit, OffloadPolicy, parse_min_batch
+from daemon.experts.offload import CPUCostFit, OffloadPolicy, parse_min_batch
 from daemon.errors import ConfigError
 
 MIB = 2**20
