@@ -155,9 +155,11 @@ def _host_split(times: list[float], gpu_ms: list[float]) -> dict:
 
 def _tier_figures(t: dict, model, n: int) -> dict:
     """The host tier's figures (stats()["host_tier"]) over the timed steps whose use counts were
-    read: hit rate, MB a token read in place over PCIe, promotions a step."""
+    read: hit rate against Belady and opt-bypass, MB a token read in place over PCIe, promotions a
+    step."""
     tokens = t["pairs"] / (model.hp.n_expert_used * len(model.moe_layers)) if t["pairs"] else 0
-    return {"experts": "host tier", "hit_rate": t["hit_rate"], "slots_per_layer": t["slots_per_layer"],
+    return {"experts": "host tier", "hit_rate": t["hit_rate"], "belady_hit_rate": t["belady_hit_rate"],
+            "opt_bypass_hit_rate": t["opt_bypass_hit_rate"], "slots_per_layer": t["slots_per_layer"],
             "read_in_place_mb_per_token": round(t["read_in_place_bytes"] / tokens / 2**20, 1) if tokens else None,
             "promotions_per_step": round(t["promotions"] / max(1, n), 2), "failed_moves": t["failed_moves"]}
 

@@ -37,6 +37,7 @@ GPU_COLUMNS = [
     ("x llama dec", "ratio_decode", ".2f"), ("prefill t/s", "prefill_tok_s", ".1f"),
     ("warm pre t/s", "prefill_warm_tok_s", ".1f"), ("x llama pre", "ratio_prefill", ".2f"),
     ("x llama warm pre", "ratio_prefill_warm", ".2f"), ("hit", "hit_rate", ".0%"), ("Belady", "belady_hit_rate", ".0%"),
+    ("opt-bypass", "opt_bypass_hit_rate", ".0%"),
     ("MiB/tok", "bytes_per_token_mb", ".0f"), ("H2D GB/s", "h2d_gbps", ".1f"),
     ("copy bound t/s", "copy_bound_tok_s", ".1f"), ("overlap", "overlap_pct", ".1f"),
     ("fallback", "fallback_rate", ".1%"), ("CPU exp/tok", "cpu_experts_per_token", ".1f"),

@@ -9,9 +9,10 @@ tier).
 Promotion follows use, between steps and off the critical path (`begin_pass`, before each step):
 - each step counts its (token, expert) pairs per layer on the device (router.count_experts into the
   slot map's `usage`, captured with the step; a padded step's copies of row 0 count too);
-- every `period` steps the counts are copied back in stream order and zeroed; once they have
-  arrived, each expert's score decays and adds them, and up to `max_moves` experts a layer that
-  clearly beat the weakest slot holders move in (experts/promotion.py);
+- before each step the counts of the steps since the last read are copied back in stream order
+  and zeroed; once arrived they feed the stats (each step's experts, replayed against Belady) and
+  add up; every `period` steps each expert's score decays and adds them, and up to `max_moves`
+  experts a layer that clearly beat the weakest slot holders move in (experts/promotion.py);
 - a move first unpublishes its victim (the map says host row again, written on the compute stream,
   so every later step reads the host tier), then the copy stream waits for that point (every step
   that may read the old slot is done) and copies the expert's rows from the host tier into the
@@ -35,26 +36,29 @@ from numba import cuda
 
 from ..kernels.cuda.device import upload, zero_fill
 from ..experts import promotion
+from ..experts.policies import simulate_layer
 from ..storage.experts import ExpertBatch, ResidentExperts
 from .cuda_errors import CUDA_ERRORS
 from .cuda_experts import DeviceExperts, SlotMap, TieredStack
 from .cuda_transfer import Event, Transfers, pinned_empty
 
-PERIOD = 4  # steps between reads of the use counts
+PERIOD = 4  # steps between promotions
+LOG_STEPS = 512  # reads of the use counts kept for the Belady replay in stats (the newer half past it)
 log = logging.getLogger("moed.device")
 
 
 class _Layer:
     """One MoE layer's tiers and its promotion state (host mirrors of the device map)."""
 
-    def __init__(self, il: int, stacks: list[TieredStack], rows: SlotMap, n_expert: int, slots: int):
+    def __init__(self, il: int, stacks: list[TieredStack], rows: SlotMap, host_map: np.ndarray, slots: int):
         self.il = il
         self.stacks = stacks
         self.rows = rows  # .device: the map the kernels read; .usage: the counts
         self.holder = np.arange(slots, dtype=np.int32)  # [S] expert in each slot (the first S at load)
-        self.map = -2 - np.arange(n_expert, dtype=np.int32)  # [E] mirror of rows.device
+        self.map = host_map  # [E] mirror of rows.device (a row of the tier's stacked mirror)
+        self.map[:] = -2 - np.arange(host_map.size, dtype=np.int32)
         self.map[:slots] = np.arange(slots, dtype=np.int32)
-        self.score = np.zeros(n_expert)  # [E] decayed use
+        self.score = np.zeros(host_map.size)  # [E] decayed use
         self.moving: list[tuple[int, int]] = []  # (slot, expert) copies in flight
         self.copied = Event()  # recorded on the copy stream after them
         self.expert_bytes = sum(int(st.host[0].nbytes) for st in stacks)  # gate + up + down of one expert
@@ -76,12 +80,16 @@ class HostTierExperts:
         self.stream = stream
         self.vram_bytes = self.host_bytes = 0
         self.promotions = self.passes = self.failed_moves = 0
-        self.pairs = self.hits = self.missed_bytes = 0  # over the counts read (stats)
+        self.pairs = self.requests = self.hits = self.missed_bytes = 0  # over the counts read (stats)
         self._warned = False
         n_max = max((lay.n_expert for lay in self._layouts.values()), default=1)
+        L = len(host._batches)  # noqa: SLF001
         # every layer's use counts in one array, so a read of them is one copy and one fill: [L, E]
-        self._usage = upload(np.zeros((len(host._batches), n_max), np.int32),  # noqa: SLF001
-                             None if isinstance(stream, int) else stream)
+        self._usage = upload(np.zeros((L, n_max), np.int32), None if isinstance(stream, int) else stream)
+        self._maps = np.full((L, n_max), -1, np.int32)  # [L, E] the maps' host mirrors (each layer's row)
+        self._counted = np.zeros((L, n_max), np.int64)  # [L, E] use read since the last promotion
+        self._used: list[np.ndarray] = []  # bool [L, E] per read: the experts its steps used
+        self._used_from = 0  # the first read the stats count (reset_stats)
         for i, (il, b) in enumerate(host._batches.items()):  # noqa: SLF001
             n_expert = self._layouts[il].n_expert
             s = min(self.slots, n_expert)
@@ -96,11 +104,13 @@ class HostTierExperts:
             rows = SlotMap({e: e for e in range(s)}, n_expert, stream, host_tier=True)
             rows.usage = self._usage[i, :n_expert]
             self._batches[il] = ExpertBatch(*stacks, rows, b.gate_bias, b.up_bias, b.down_bias)
-            self._layers.append(_Layer(il, stacks, rows, n_expert, s))
+            self._layers.append(_Layer(il, stacks, rows, self._maps[i, :n_expert], s))
         self._xfer = Transfers(stream)  # its fetch stream copies into the slots
         self._counts = pinned_empty(self._usage.shape, np.int32)  # [L, E]
-        self._counted = Event()
+        self._expert_bytes = np.array([lay.expert_bytes for lay in self._layers], np.int64)  # [L]
+        self._read_done = Event()
         self._reading = False
+        self._read_maps = self._maps.copy()  # the maps the steps of the read in flight used
         if not isinstance(stream, int):
             stream.synchronize()
 
@@ -120,34 +130,58 @@ class HostTierExperts:
         return tier
 
     def begin_pass(self) -> None:
-        """Between steps (the model calls it before each): publish finished moves, read the use
-        counts every `period` steps, and start the moves they call for (module doc)."""
+        """Between steps (the model calls it before each): take the use counts that arrived, read
+        the last steps' (the maps they used kept: nothing has changed them since), publish finished
+        moves, and every `period` steps start the moves the counts call for (module doc)."""
         self.passes += 1
         if not self.slots or not self._layers:
             return
+        if self._reading and self._xfer.done(self._read_done):
+            self._reading = False
+            self._take_counts()
+        if not self._reading:
+            self._read_maps[...] = self._maps
+            Transfers.d2h(self._counts, self._usage, self.stream)
+            zero_fill(self._usage, self.stream)
+            self._xfer.record(self._read_done, self.stream)
+            self._reading = True
         for lay in self._layers:
             if lay.moving and self._xfer.done(lay.copied):
                 self._publish(lay)
-        if self._reading:
-            if self._xfer.done(self._counted):
-                self._reading = False
-                self._promote()
-        elif self.passes % self.period == 0:
-            Transfers.d2h(self._counts, self._usage, self.stream)
-            zero_fill(self._usage, self.stream)
-            self._xfer.record(self._counted, self.stream)
-            self._reading = True
+        if self.passes % self.period == 0:
+            self._promote()
+
+    def _take_counts(self) -> None:
+        """One read (usually one step) into the stats: its experts (a request each, as the VRAM
+        cache counts them) and pairs, hits where the map the step read had the expert in a slot;
+        the missed pairs' bytes crossed PCIe."""
+        counts = self._counts  # [L, E]
+        if not counts.any():
+            return
+        slotted = self._read_maps >= 0
+        used = counts > 0
+        pairs = counts.sum(axis=1)  # [L]
+        hit_pairs = np.where(slotted, counts, 0).sum(axis=1)
+        self.pairs += int(pairs.sum())
+        self.missed_bytes += int(((pairs - hit_pairs) * self._expert_bytes).sum())
+        self.requests += int(used.sum())
+        self.hits += int((used & slotted).sum())
+        self._counted += counts
+        self._used.append(used)
+        if len(self._used) > LOG_STEPS:  # keep the newer half
+            cut = len(self._used) // 2
+            del self._used[:cut]
+            self._used_from = max(0, self._used_from - cut)
 
     def _promote(self) -> None:
         for i, lay in enumerate(self._layers):
-            counts = self._counts[i, :lay.map.size]
-            self._count(lay, counts)
-            lay.score = promotion.decayed(lay.score, counts)
+            lay.score = promotion.decayed(lay.score, self._counted[i, :lay.map.size])
             if lay.moving:
                 continue
             moves = promotion.moves(lay.score, lay.holder, lay.map >= 0, self.max_moves)
             if moves:
                 self._start(lay, moves)
+        self._counted[:] = 0
 
     def _start(self, lay: _Layer, moves: list[tuple[int, int]]) -> None:
         """Unpublish the victims, then copy the newcomers into their slots on the copy stream."""
@@ -185,26 +219,31 @@ class HostTierExperts:
         self.promotions += len(lay.moving)
         lay.moving = []
 
-    def _count(self, lay: _Layer, counts: np.ndarray) -> None:
-        """The stats of counts read: pairs whose expert was in a published slot when they were read
-        (the map changes only between reads, at a publish) are hits; the rest crossed PCIe."""
-        n = int(counts.sum())
-        hit = int(counts[lay.map >= 0].sum())
-        self.pairs += n
-        self.hits += hit
-        self.missed_bytes += (n - hit) * lay.expert_bytes
-
     def stats(self) -> dict:
-        """Over the steps whose use counts were read: (token, expert) pairs of all layers, the
-        share served from VRAM slots, bytes read in place over PCIe; promotions and their bytes."""
+        """Over the steps whose use counts were read: the experts they used a layer (requests) and
+        the share in VRAM slots, against Belady (demand paging: every miss inserted) and the
+        optimum that may leave a miss in the host tier (opt-bypass), both replayed on the same
+        requests with the same slots; (token, expert) pairs, bytes read in place over PCIe;
+        promotions and their bytes."""
         per_expert = self._layers[0].expert_bytes if self._layers else 0
+        oracle = {"belady": [0, 0], "opt-bypass": [0, 0]}
+        if self.slots and len(self._used) > self._used_from:
+            for i, lay in enumerate(self._layers):
+                steps = [frozenset(np.flatnonzero(u[i]).tolist()) for u in self._used]
+                for policy, tally in oracle.items():
+                    r = simulate_layer(steps, min(self.slots, lay.map.size), policy, self._used_from)
+                    tally[0] += r.hits
+                    tally[1] += r.requests
         return {"slots_per_layer": self.slots, "vram_bytes": self.vram_bytes, "host_bytes": self.host_bytes,
-                "pairs": self.pairs, "hit_rate": round(self.hits / self.pairs, 4) if self.pairs else None,
-                "read_in_place_bytes": self.missed_bytes, "promotions": self.promotions,
+                "requests": self.requests,
+                "hit_rate": round(self.hits / self.requests, 4) if self.requests else None,
+                **{f"{p.replace('-', '_')}_hit_rate": round(h / n, 4) if n else None for p, (h, n) in oracle.items()},
+                "pairs": self.pairs, "read_in_place_bytes": self.missed_bytes, "promotions": self.promotions,
                 "failed_moves": self.failed_moves, "promoted_bytes": self.promotions * per_expert}
 
     def reset_stats(self) -> None:
-        self.pairs = self.hits = self.missed_bytes = self.promotions = self.failed_moves = 0
+        self.pairs = self.requests = self.hits = self.missed_bytes = self.promotions = self.failed_moves = 0
+        self._used_from = len(self._used)
 
     def held(self, layer: int) -> list[int]:
         """The experts in layer's VRAM slots (published), by slot."""

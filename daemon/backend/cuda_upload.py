@@ -91,11 +91,16 @@ def plan(targets: list[Target], chunk: int = CHUNK, gap: int = GAP) -> list[Piec
     return pieces
 
 
+def _stride(rb: int, ggml_type: int) -> int:
+    """The repacked row bytes of a raw row of rb bytes."""
+    qk, bb = block_size(ggml_type)
+    return repacked_stride(ggml_type, rb // bb * qk)
+
+
 def device_matrix(rows: int, rb: int, ggml_type: int, stream=0):
     """An empty device uint8 [rows, stride] for `rows` raw rows of rb bytes, its row padding
     (stride > rb) zeroed as the host repack leaves it."""
-    qk, bb = block_size(ggml_type)
-    stride = repacked_stride(ggml_type, rb // bb * qk)
+    stride = _stride(rb, ggml_type)
     out = cuda.device_array((rows, stride), np.uint8)
     if stride > rb and rows:
         zero_fill(out, stream or None)
@@ -105,8 +110,7 @@ def device_matrix(rows: int, rb: int, ggml_type: int, stream=0):
 def mapped_matrix(rows: int, rb: int, ggml_type: int, stream=0):
     """device_matrix's twin in page-locked host memory mapped into the device (the expert kernels'
     host tier: they read it in place over PCIe). Its row padding is zeroed on the host."""
-    qk, bb = block_size(ggml_type)
-    stride = repacked_stride(ggml_type, rb // bb * qk)
+    stride = _stride(rb, ggml_type)
     host = cuda.mapped_array((rows, stride), np.uint8)
     if stride > rb and rows:
         np.asarray(host)[:] = 0
@@ -117,8 +121,6 @@ def mapped_matrix(rows: int, rb: int, ggml_type: int, stream=0):
     # a device array over the mapping (numba's mapped array slices as a numpy array, which a
     # kernel would copy): it holds the allocation, and slices and reshapes stay device views
     return DeviceNDArray((rows, stride), (stride, 1), np.uint8, gpu_data=host.gpu_data)
-
-
 
 
 last_timing = None  # the last run's Timing (benchmarks/gpu_load.py)

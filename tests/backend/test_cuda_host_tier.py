@@ -68,8 +68,9 @@ def test_a_promoted_expert_serves_from_its_slot_with_the_resident_logits(case):
         if tier.promotions == len(layers):
             break
     assert [tier.held(il) for il in layers] == [[3]] * len(layers) and tier.promotions == len(layers)
-    st = tier.stats()  # the counts read once: 10 pairs a layer, none of them of expert 0 (the slot's then)
-    assert st["pairs"] == 10 * len(layers) and st["hit_rate"] == 0.0
+    st = tier.stats()  # the counts read once: 10 pairs a layer of experts 1 and 3, neither in the slot then
+    assert st["pairs"] == 10 * len(layers) and st["requests"] == 2 * len(layers) and st["hit_rate"] == 0.0
+    assert st["belady_hit_rate"] == st["opt_bypass_hit_rate"] == 0.0  # one step: every request a cold miss
     assert st["read_in_place_bytes"] == st["pairs"] * tier._layers[0].expert_bytes
     assert st["promoted_bytes"] == len(layers) * tier._layers[0].expert_bytes
     for lay in tier._layers:
