@@ -131,8 +131,9 @@ class Settings:
         "MOE_ROUTING", "which experts load ahead of use: exact (on demand from the router only), approx "
         "(+ Path A: token embeddings x routers), speculative (+ next layer's router on the current "
         "hidden state), all (both); auto = exact under a cache limit; without one, speculative while "
-        "the cache still reads experts (a cold start: 1.5-12x exact) and exact once 8 passes in a row "
-        "read nothing new (warm, speculation's hooks cost 30-70%; docs/benchmarks.md)", ROUTING))
+        "the cache still reads experts (a cold start: 1.5-12x exact) and exact once it holds every expert "
+        "or 8 passes in a row read nothing new (warm, speculation's hooks cost 30-70%; docs/benchmarks.md)",
+        ROUTING))
     routing_verbose: bool = field(default=False, metadata=_meta(
         "MOE_ROUTING_VERBOSE", "log each token's experts per layer and per-layer cache stats lines"))
     io_depth: int = field(default=8, metadata=_meta(

@@ -95,9 +95,9 @@ class Prefetcher:
     so a step reads nothing back for it (a GPU's decode steps may run as graph segments).
 
     until_quiet: predict only while the cache still reads experts (a cold start into an unlimited
-    cache): after QUIET_PASSES passes in a row that started at most one read each, the hooks
-    detach for good and the routing is exact (their per-layer work cost 30-70% of a warm step on
-    2 cores; a rare later miss is read on demand)."""
+    cache): once it holds every expert of every MoE layer, or after QUIET_PASSES passes in a row
+    that started at most one read each, the hooks detach for good and the routing is exact (their
+    per-layer work cost 30-70% of a warm step on 2 cores; a rare later miss is read on demand)."""
 
     def __init__(self, model, cache, mode: str = "all", verbose: bool = False, until_quiet: bool = False):
         if mode not in MODES:
@@ -164,10 +164,12 @@ class Prefetcher:
         reads = self.cache.reads_started
         self._quiet = self._quiet + 1 if reads - self._reads <= 1 else 0
         self._reads = reads
-        if self._quiet < QUIET_PASSES:
+        resident = all(self.cache.holds_all(il) for il in self.bank.layers)  # nothing left to predict
+        if self._quiet < QUIET_PASSES and not resident:
             return False
-        log.info("routing auto: the expert cache read nothing new for %d passes; exact routing from now on",
-                 QUIET_PASSES)
+        log.info("routing auto: %s; exact routing from now on",
+                 "every expert is cached" if resident else
+                 f"the expert cache read nothing new for {QUIET_PASSES} passes")
         self.paths, self.mode = (), "exact"
         self._pending = {}
         self.detach()

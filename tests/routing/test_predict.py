@@ -350,6 +350,32 @@ def test_auto_stops_predicting_once_the_cache_reads_nothing_new(fx):
         pf.detach()
 
 
+def test_auto_stops_predicting_as_soon_as_every_expert_is_cached(fx):
+    """until_quiet: a pass that starts with every expert of every MoE layer in the cache makes no
+    prediction and detaches the hooks, however many reads the passes before started."""
+    _, model, _ = fx[("qwen3moe", "Q8_0")]
+    cache = FakeCache()
+    cache.reads_started = 0
+    full = set()
+    cache.holds_all = lambda layer: layer in full
+    pf = Prefetcher(model, cache, "speculative", until_quiet=True).attach(model)
+    try:
+        cache.reads_started += 5
+        model.forward([1, 2], model.new_cache(2))
+        full.update(model.moe_layers[:-1])  # all but one layer full: still predicting
+        cache.reads_started += 5
+        model.forward([1, 2], model.new_cache(2))
+        assert model.step_hooks is pf and pf.mode == "speculative"
+        before = len(cache.prefetches())
+        full.update(model.moe_layers)
+        cache.reads_started += 5  # the pass before still read: not quiet, but nothing is left to load
+        model.forward([1, 2], model.new_cache(2))
+        assert model.step_hooks is None and model.trace is None and pf.mode == "exact"
+        assert len(cache.prefetches()) == before
+    finally:
+        pf.detach()
+
+
 def test_an_explicit_mode_predicts_however_quiet(fx):
     _, model, _ = fx[("qwen3moe", "Q8_0")]
     cache = FakeCache()
