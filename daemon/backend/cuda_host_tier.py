@@ -37,13 +37,14 @@ from numba import cuda
 from ..kernels.cuda.device import upload, zero_fill
 from ..experts import promotion
 from ..experts.policies import simulate_layer
+from ..experts.stats import RequestLog
 from ..storage.experts import ExpertBatch, ResidentExperts
 from .cuda_errors import CUDA_ERRORS
 from .cuda_experts import DeviceExperts, SlotMap, TieredStack
 from .cuda_transfer import Event, Transfers, pinned_empty
 
 PERIOD = 4  # steps between promotions
-LOG_STEPS = 512  # reads of the use counts kept for the Belady replay in stats (the newer half past it)
+LOG_STEPS = 512  # reads of the use counts kept for the Belady replay in stats (RequestLog)
 log = logging.getLogger("moed.device")
 
 
@@ -88,8 +89,7 @@ class HostTierExperts:
         self._usage = upload(np.zeros((L, n_max), np.int32), None if isinstance(stream, int) else stream)
         self._maps = np.full((L, n_max), -1, np.int32)  # [L, E] the maps' host mirrors (each layer's row)
         self._counted = np.zeros((L, n_max), np.int64)  # [L, E] use read since the last promotion
-        self._used: list[np.ndarray] = []  # bool [L, E] per read: the experts its steps used
-        self._used_from = 0  # the first read the stats count (reset_stats)
+        self._used = RequestLog(LOG_STEPS, record=np.asarray)  # bool [L, E] per read: the experts its steps used
         for i, (il, b) in enumerate(host._batches.items()):  # noqa: SLF001
             n_expert = self._layouts[il].n_expert
             s = min(self.slots, n_expert)
@@ -167,11 +167,7 @@ class HostTierExperts:
         self.requests += int(used.sum())
         self.hits += int((used & slotted).sum())
         self._counted += counts
-        self._used.append(used)
-        if len(self._used) > LOG_STEPS:  # keep the newer half
-            cut = len(self._used) // 2
-            del self._used[:cut]
-            self._used_from = max(0, self._used_from - cut)
+        self._used.add(used)
 
     def _promote(self) -> None:
         for i, lay in enumerate(self._layers):
@@ -227,11 +223,11 @@ class HostTierExperts:
         promotions and their bytes."""
         per_expert = self._layers[0].expert_bytes if self._layers else 0
         oracle = {"belady": [0, 0], "opt-bypass": [0, 0]}
-        if self.slots and len(self._used) > self._used_from:
+        if self.slots and self._used.counted:
             for i, lay in enumerate(self._layers):
-                steps = [frozenset(np.flatnonzero(u[i]).tolist()) for u in self._used]
+                steps = [frozenset(np.flatnonzero(u[i]).tolist()) for u in self._used.steps]
                 for policy, tally in oracle.items():
-                    r = simulate_layer(steps, min(self.slots, lay.map.size), policy, self._used_from)
+                    r = simulate_layer(steps, min(self.slots, lay.map.size), policy, self._used.counted_from)
                     tally[0] += r.hits
                     tally[1] += r.requests
         return {"slots_per_layer": self.slots, "vram_bytes": self.vram_bytes, "host_bytes": self.host_bytes,
@@ -243,7 +239,7 @@ class HostTierExperts:
 
     def reset_stats(self) -> None:
         self.pairs = self.requests = self.hits = self.missed_bytes = self.promotions = self.failed_moves = 0
-        self._used_from = len(self._used)
+        self._used.reset()
 
     def held(self, layer: int) -> list[int]:
         """The experts in layer's VRAM slots (published), by slot."""

@@ -56,11 +56,12 @@ class RequestLog:
     reset) count."""
 
     limit: int = 512
-    steps: list = field(default_factory=list)  # frozenset of expert ids per step
+    steps: list = field(default_factory=list)  # frozenset of expert ids per step (or `record`'s form)
     counted_from: int = 0
+    record: object = frozenset  # what a step is kept as (the host tier keeps all layers' bool [L, E])
 
     def add(self, experts) -> None:
-        self.steps.append(frozenset(experts))
+        self.steps.append(self.record(experts))
         if len(self.steps) > self.limit:  # keep the newer half
             cut = len(self.steps) // 2
             del self.steps[:cut]
