@@ -161,7 +161,11 @@ def _tier_figures(t: dict, model, n: int) -> dict:
     return {"experts": "host tier", "hit_rate": t["hit_rate"], "belady_hit_rate": t["belady_hit_rate"],
             "opt_bypass_hit_rate": t["opt_bypass_hit_rate"], "slots_per_layer": t["slots_per_layer"],
             "read_in_place_mb_per_token": round(t["read_in_place_bytes"] / tokens / 2**20, 1) if tokens else None,
-            "promotions_per_step": round(t["promotions"] / max(1, n), 2), "failed_moves": t["failed_moves"]}
+            "promotions_per_step": round(t["promotions"] / max(1, n), 2), "failed_moves": t["failed_moves"],
+            # a host tier smaller than the model: steps run again for cold misses, experts read from the file
+            "host_rows_per_layer": t["host_rows_per_layer"], "cold_runs_per_step": round(t["cold_steps"] / max(1, n), 3),
+            "blocked_share": round(t["blocked_steps"] / max(1, n), 3),
+            "cold_loads_per_token": round(t["cold_loads"] / max(1, n), 1)}
 
 
 def run(path: str, cache_mb: str, routing: str, min_batch: str, args) -> dict:

@@ -93,8 +93,9 @@ class Settings:
     gpu_host_tier: bool = field(default=False, metadata=_meta(
         "MOE_GPU_HOST_TIER", "on a GPU whose memory cannot hold every expert: 1 = every expert in pinned "
         "host memory that the GPU reads in place (zero-copy), the most used MOE_GPU_CACHE_MB share also in "
-        "VRAM (promoted between steps); no host work in a step (one CUDA graph), the same tokens. Needs "
-        "host memory for every expert. 0 = the VRAM expert cache"))
+        "VRAM (promoted between steps); no host work in a step (one CUDA graph), the same tokens. With "
+        "EXPERT_CACHE_LIMIT_MB the host holds that share; a step that needs another expert runs again, "
+        "reading it from the file first. 0 = the VRAM expert cache"))
     gpu_cache_policy: str = field(default="lru", metadata=_meta(
         "MOE_GPU_CACHE_POLICY", "which VRAM expert is evicted for a miss: lru, lfu-decay (frequency "
         "with a decay), or lfru (a fast-decaying count for recency plus a slow one for frequency; "

@@ -251,7 +251,8 @@ class CUDABackend:
 
             say(f"loading experts into the host tier of {self.name}")
             tier = HostTierExperts.from_gguf(gguf, self, self.expert_budget, say,
-                                             bytes_note(progress, "loading experts"), settings.postfetch_max_transfers)
+                                             bytes_note(progress, "loading experts"), settings.postfetch_max_transfers,
+                                             host_budget_bytes=int(settings.expert_cache_limit_mb * 2**20))
             self.bytes["experts"] += tier.nbytes
             return tier, None
         from .cuda_expert_cache import VRAMExpertCache
@@ -531,8 +532,8 @@ class CUDABackend:
         if slot_of is None:
             slot_of = cx.SlotMap(slots, layout.n_expert, self.stream).device
         usage = getattr(slots, "usage", None)  # a provider that follows use (cuda_host_tier.py)
-        if usage is not None:
-            router_k.count_experts(ids_dev, usage, self.stream)
+        if usage is not None:  # and a flag for experts in no tier (a host tier smaller than the model)
+            router_k.count_experts(ids_dev, usage, self.stream, slot_of, getattr(slots, "cold", None))
         T = ids_dev.shape[0]
         qts = (layout.gate_type, layout.up_type, layout.down_type)
         ks = (layout.n_embd, layout.n_embd, layout.n_ff)

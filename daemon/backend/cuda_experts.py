@@ -97,12 +97,14 @@ class DeviceExperts:
         self._batches = batches
 
     @classmethod
-    def from_gguf(cls, gguf, on_upload=None, stream=None, on_bytes=None, mapped: bool = False) -> DeviceExperts:
+    def from_gguf(cls, gguf, on_upload=None, stream=None, on_bytes=None, mapped: bool = False,
+                  rows: int | None = None) -> DeviceExperts:
         """Every layer's stacked expert tensors, read in large chunks, copied and repacked on the
         device (cuda_upload.Uploader; repacks on `stream`, default a stream of its own).
         on_upload(name, nbytes) is told of each tensor placed (the backend's VRAM tally);
         on_bytes(done, total) of the file bytes loaded so far. mapped: the stacks in page-locked
-        host memory mapped into the device instead of VRAM (the host tier, cuda_host_tier.py)."""
+        host memory mapped into the device instead of VRAM (the host tier, cuda_host_tier.py).
+        rows: only each layer's first `rows` experts (a host tier smaller than the model)."""
         from ..model.weights import TensorSource
         from ..storage.store import expert_layouts
         from .cuda_upload import Target, Uploader, device_matrix, mapped_matrix
@@ -119,10 +121,11 @@ class DeviceExperts:
                 name = f"blk.{il}.ffn_{p}_exps.weight"
                 k, n = (lay.n_ff, lay.n_embd) if p == "down" else (lay.n_embd, lay.n_ff)
                 info = src.stacked_info(name, k, n, lay.n_expert)
-                rows, rb = lay.n_expert * n, row_bytes(info.ggml_type, k)
-                flat = (mapped_matrix if mapped else device_matrix)(rows, rb, info.ggml_type, stream)  # [E*N, stride]
-                targets.append(Target(name, info.offset, rows, rb, info.ggml_type, flat))
-                stacks[il].append(flat.reshape(lay.n_expert, n, flat.shape[1]))  # [E, N, stride]
+                held = lay.n_expert if rows is None else min(rows, lay.n_expert)
+                rb = row_bytes(info.ggml_type, k)
+                flat = (mapped_matrix if mapped else device_matrix)(held * n, rb, info.ggml_type, stream)  # [E*N, stride]
+                targets.append(Target(name, info.offset, held * n, rb, info.ggml_type, flat))
+                stacks[il].append(flat.reshape(held, n, flat.shape[1]))  # [E, N, stride]
         Uploader(gguf, stream).run(targets, on_bytes)
         batches = {}
         for il, lay in layouts.items():
@@ -133,7 +136,8 @@ class DeviceExperts:
                 biases.append(None if b is None else upload(b))
                 if b is not None:
                     note(f"blk.{il} expert bias", b.nbytes)
-            batches[il] = ExpertBatch(*stacks[il], SlotMap({e: e for e in range(lay.n_expert)}, lay.n_expert), *biases)
+            held = stacks[il][0].shape[0]
+            batches[il] = ExpertBatch(*stacks[il], SlotMap({e: e for e in range(held)}, lay.n_expert), *biases)
         return cls(layouts, batches)
 
     @property

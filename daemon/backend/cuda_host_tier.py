@@ -20,44 +20,93 @@ Promotion follows use, between steps and off the critical path (`begin_pass`, be
   stream). So a step sees the old miss or the new hit, never a half copy, and the bits never change.
   A copy that fails (a CUDA error) fails nothing: its expert stays in the host tier, its slot
   empty (unpublished) until a later move fills it, and a warning is logged once.
-Hybrid compute and SSD streaming are the VRAM expert cache's (cuda_expert_cache.py): this tier
-needs host memory for every expert (MOE_GPU_HOST_TIER).
+A host tier smaller than the model (EXPERT_CACHE_LIMIT_MB: R host rows a layer, R < E) leaves
+some experts in no tier (map -1: a cold miss). A step runs as if they were not needed: its
+kernels skip their pairs, and the count kernel raises a flag on the device. The model syncs on
+that flag after its layers, before sampling (`take_cold`); if raised, the cold experts the step's
+counts show are read from the file into host rows and the step runs again, as a graph, up to
+COLD_TRIES times; then blocking (`blocking`): its routing comes to the host, `waves` splits a
+layer's experts into groups that fit R rows, and `fetch` reads the cold ones into rows that the
+wave does not use (stream-ordered after every earlier reader), as block-on-miss does. KV
+writes at the same positions are idempotent and the sampler has not run, so the tokens are those of
+every expert in VRAM (models with recurrent layers always block: their states are not).
+Hybrid compute is the VRAM expert cache's (cuda_expert_cache.py).
 
-Legend: E = experts of a layer, S = VRAM slots of a layer, N = output rows, stride = repacked
-row bytes.
+Legend: E = experts of a layer, S = VRAM slots of a layer, R = host rows of a layer (E unless
+bounded), N = output rows, stride = repacked row bytes.
 """
 
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda
 
+from ..errors import DeviceError
 from ..kernels.cuda.device import upload, zero_fill
 from ..experts import promotion
 from ..experts.policies import simulate_layer
 from ..experts.stats import RequestLog
-from ..storage.experts import ExpertBatch, ResidentExperts
+from ..kernels.quants import row_bytes
+from ..storage.experts import PROJECTIONS, ExpertBatch, ResidentExperts, check_ids
 from .cuda_errors import CUDA_ERRORS
 from .cuda_experts import DeviceExperts, SlotMap, TieredStack
 from .cuda_transfer import Event, Transfers, pinned_empty
+from .cuda_upload import Target, Uploader
 
 PERIOD = 4  # steps between promotions
 LOG_STEPS = 512  # reads of the use counts kept for the Belady replay in stats (RequestLog)
 log = logging.getLogger("moed.device")
 
 
+@dataclass(frozen=True)
+class Source:
+    """Where one projection's stacked experts lie in the file: expert e's N raw rows of RB bytes
+    start at offset + e * N * RB."""
+    name: str
+    offset: int
+    n: int  # N
+    rb: int  # RB
+    ggml_type: int
+
+
+def expert_sources(gguf) -> dict[int, list[Source]]:
+    """Each MoE layer's gate, up and down stacks in the file."""
+    from ..model.weights import TensorSource
+    from ..storage.store import expert_layouts
+
+    src = TensorSource(gguf)
+    sources: dict[int, list[Source]] = {}
+    for il, lay in expert_layouts(gguf).items():
+        sources[il] = []
+        for p in PROJECTIONS:
+            k, n = (lay.n_ff, lay.n_embd) if p == "down" else (lay.n_embd, lay.n_ff)
+            name = f"blk.{il}.ffn_{p}_exps.weight"
+            info = src.stacked_info(name, k, n, lay.n_expert)
+            sources[il].append(Source(name, info.offset, n, row_bytes(info.ggml_type, k), info.ggml_type))
+    return sources
+
+
 class _Layer:
     """One MoE layer's tiers and its promotion state (host mirrors of the device map)."""
 
-    def __init__(self, il: int, stacks: list[TieredStack], rows: SlotMap, host_map: np.ndarray, slots: int):
+    def __init__(self, il: int, stacks: list[TieredStack], rows: SlotMap, host_map: np.ndarray, slots: int,
+                 sources: list[Source] | None = None):
         self.il = il
         self.stacks = stacks
         self.rows = rows  # .device: the map the kernels read; .usage: the counts
+        self.sources = sources  # gate, up, down in the file (for cold misses)
+        n_rows = stacks[0].host.shape[0] if stacks else host_map.size
         self.holder = np.arange(slots, dtype=np.int32)  # [S] expert in each slot (the first S at load)
+        self.row_holder = np.arange(n_rows, dtype=np.int32)  # [R] expert in each host row (-1: none)
+        self.row_of = np.full(host_map.size, -1, np.int32)  # [E] its host row, -1: cold
+        self.row_of[:n_rows] = self.row_holder
         self.map = host_map  # [E] mirror of rows.device (a row of the tier's stacked mirror)
-        self.map[:] = -2 - np.arange(host_map.size, dtype=np.int32)
+        self.map[:] = -1
+        self.map[:n_rows] = -2 - self.row_holder
         self.map[:slots] = np.arange(slots, dtype=np.int32)
         self.score = np.zeros(host_map.size)  # [E] decayed use
         self.moving: list[tuple[int, int]] = []  # (slot, expert) copies in flight
@@ -69,20 +118,34 @@ class HostTierExperts:
     """An expert provider over the host tier and S VRAM slots a layer. Its batches hold
     TieredStacks: gate, up [S | E, F, stride], down [S | E, D, stride] (VRAM | host)."""
 
-    routing_free = True  # the slot maps are read on the device: no routing on the host
     host_tier = True  # the engine reports stats() as "host_tier"
 
-    def __init__(self, host: DeviceExperts, slots: int, stream=0, max_moves: int = 4, period: int = PERIOD):
+    def __init__(self, host: DeviceExperts, slots: int, stream=0, max_moves: int = 4, period: int = PERIOD,
+                 gguf=None, sources: dict[int, list[Source]] | None = None):
         self._layouts = host._layouts  # noqa: SLF001  (the same package's loader)
         self._batches: dict[int, ExpertBatch] = {}
         self._layers: list[_Layer] = []
+        self._by_layer: dict[int, _Layer] = {}
         self.slots = max(0, int(slots))
         self.max_moves, self.period = max(0, int(max_moves)), max(1, int(period))
         self.stream = stream
         self.vram_bytes = self.host_bytes = 0
         self.promotions = self.passes = self.failed_moves = 0
         self.pairs = self.requests = self.hits = self.missed_bytes = 0  # over the counts read (stats)
+        # runs of a step flagged for cold misses; steps run blocking; experts read from the file
+        self.cold_steps = self.blocked_steps = self.cold_loads = 0
+        self._gguf = gguf
         self._warned = False
+        held = {il: int(b.gate.shape[0]) for il, b in host._batches.items()}  # noqa: SLF001  R per layer
+        self.host_rows = min(held.values(), default=0)
+        # some expert may be in no tier: the count kernel flags a step that routes to one
+        self.cold_possible = any(held[il] < self._layouts[il].n_expert for il in held)
+        if self.cold_possible and (gguf is None or sources is None):
+            raise ValueError("a host tier smaller than the model needs the file to read cold experts from")
+        self.routing_free = True  # the slot maps are read on the device: no routing on the host (blocking: off)
+        self._cold = upload(np.zeros(1, np.int32), None if isinstance(stream, int) else stream) \
+            if self.cold_possible else None
+        self._cold_seen = pinned_empty(1, np.int32)
         n_max = max((lay.n_expert for lay in self._layouts.values()), default=1)
         L = len(host._batches)  # noqa: SLF001
         # every layer's use counts in one array, so a read of them is one copy and one fill: [L, E]
@@ -92,7 +155,7 @@ class HostTierExperts:
         self._used = RequestLog(LOG_STEPS, record=np.asarray)  # bool [L, E] per read: the experts its steps used
         for i, (il, b) in enumerate(host._batches.items()):  # noqa: SLF001
             n_expert = self._layouts[il].n_expert
-            s = min(self.slots, n_expert)
+            s = min(self.slots, n_expert, held[il])  # a slot's first copy comes from a host row
             stacks = []
             for h in (b.gate, b.up, b.down):  # [E, N, stride] in mapped host memory
                 v = cuda.device_array((s, *h.shape[1:]), np.uint8)  # [S, N, stride]
@@ -103,10 +166,15 @@ class HostTierExperts:
                 self.host_bytes += int(h.nbytes)
             rows = SlotMap({e: e for e in range(s)}, n_expert, stream, host_tier=True)
             rows.usage = self._usage[i, :n_expert]
+            rows.cold = self._cold
             self._batches[il] = ExpertBatch(*stacks, rows, b.gate_bias, b.up_bias, b.down_bias)
-            self._layers.append(_Layer(il, stacks, rows, self._maps[i, :n_expert], s))
+            lay = _Layer(il, stacks, rows, self._maps[i, :n_expert], s, None if sources is None else sources[il])
+            Transfers.upload_into(rows.device, lay.map, stream)  # cold experts: -1
+            self._layers.append(lay)
+            self._by_layer[il] = lay
         self._xfer = Transfers(stream)  # its fetch stream copies into the slots
         self._counts = pinned_empty(self._usage.shape, np.int32)  # [L, E]
+        self._step_counts = pinned_empty(self._usage.shape, np.int32)  # [L, E] a flagged step's (take_cold)
         self._expert_bytes = np.array([lay.expert_bytes for lay in self._layers], np.int64)  # [L]
         self._read_done = Event()
         self._reading = False
@@ -116,16 +184,24 @@ class HostTierExperts:
 
     @classmethod
     def from_gguf(cls, gguf, backend, budget_bytes: int, say=lambda _msg: None, on_bytes=None,
-                  max_moves: int = 4) -> HostTierExperts:
-        """Every expert of the file loaded into the host tier (repacked on the GPU, written over
-        PCIe), then as many VRAM slots a layer as budget_bytes holds over all MoE layers; up to
-        max_moves promotions a layer per read of the counts."""
-        host = DeviceExperts.from_gguf(gguf, None, backend.stream, on_bytes, mapped=True)
+                  max_moves: int = 4, host_budget_bytes: int = 0) -> HostTierExperts:
+        """The experts of the file loaded into the host tier (repacked on the GPU, written over
+        PCIe): every one, or as many a layer as host_budget_bytes holds over all MoE layers (> 0;
+        the rest are cold misses, read from the file when a step needs them); then as many VRAM
+        slots a layer as budget_bytes holds; up to max_moves promotions a layer per read of the
+        counts."""
+        sources = expert_sources(gguf)
+        rows = None
+        if host_budget_bytes > 0 and sources:
+            per_expert = sum(s.n * s.rb for ss in sources.values() for s in ss) // len(sources)
+            rows = max(1, int(host_budget_bytes) // max(1, per_expert * len(sources)))
+        host = DeviceExperts.from_gguf(gguf, None, backend.stream, on_bytes, mapped=True, rows=rows)
         per_expert = sum(int(s[0].nbytes) for b in host._batches.values()  # noqa: SLF001
                          for s in (b.gate, b.up, b.down)) // max(1, len(host._batches))  # noqa: SLF001
         slots = int(budget_bytes) // max(1, per_expert * len(host._batches))  # noqa: SLF001
-        tier = cls(host, slots, backend.stream, max_moves)
-        say(f"host tier: {tier.host_bytes / 2**30:.1f} GiB of experts in pinned host memory, "
+        tier = cls(host, slots, backend.stream, max_moves, gguf=gguf, sources=sources)
+        held = "every expert" if not tier.cold_possible else f"{tier.host_rows} experts a layer (the rest read when needed)"
+        say(f"host tier: {tier.host_bytes / 2**30:.1f} GiB of experts in pinned host memory ({held}), "
             f"{tier.slots} of each layer's experts also in VRAM ({tier.vram_bytes / 2**30:.1f} GiB)")
         return tier
 
@@ -174,7 +250,7 @@ class HostTierExperts:
             lay.score = promotion.decayed(lay.score, self._counted[i, :lay.map.size])
             if lay.moving:
                 continue
-            moves = promotion.moves(lay.score, lay.holder, lay.map >= 0, self.max_moves)
+            moves = promotion.moves(lay.score, lay.holder, (lay.map >= 0) | (lay.row_of < 0), self.max_moves)
             if moves:
                 self._start(lay, moves)
         self._counted[:] = 0
@@ -184,7 +260,8 @@ class HostTierExperts:
         for s, _ in moves:
             victim = lay.holder[s]
             if victim >= 0:  # else an empty slot (a failed copy's)
-                lay.map[victim] = -2 - victim
+                row = lay.row_of[victim]
+                lay.map[victim] = -2 - row if row >= 0 else -1
             lay.holder[s] = -1
         Transfers.upload_into(lay.rows.device, lay.map, self.stream)
         unpublished = self._xfer.record(Event(), self.stream)
@@ -192,7 +269,7 @@ class HostTierExperts:
         try:
             for s, e in moves:
                 for st in lay.stacks:
-                    self._copy(st.vram[s], st.host[e])
+                    self._copy(st.vram[s], st.host[lay.row_of[e]])
             self._xfer.record(lay.copied, self._xfer.fetch)
         except CUDA_ERRORS as err:  # the newcomers stay in the host tier; their slots stay empty
             self.failed_moves += len(moves)
@@ -215,6 +292,125 @@ class HostTierExperts:
         self.promotions += len(lay.moving)
         lay.moving = []
 
+    # -- cold misses (a host tier smaller than the model) --------------------------------------
+
+    def take_cold(self) -> bool:
+        """Whether the step just launched routed a pair to an expert in no tier (then its outputs
+        are wrong and the model runs it again). Waits for the step; clears the flag. If so, the
+        cold experts its use counts show are read into host rows first, in one read for all
+        layers: exact for the first layer that missed, a guess for the later ones (their inputs
+        were wrong), so a second run usually finds every expert it needs."""
+        if self._cold is None:
+            return False
+        Transfers.d2h(self._cold_seen, self._cold, self.stream)
+        self.stream.synchronize()
+        if not self._cold_seen[0]:
+            return False
+        self.cold_steps += 1
+        Transfers.d2h(self._step_counts, self._usage, self.stream)
+        zero_fill(self._cold, self.stream)
+        zero_fill(self._usage, self.stream)  # the wrong run's counts: the next run counts again
+        self.stream.synchronize()
+        claims = []
+        for i, lay in enumerate(self._layers):
+            used = self._step_counts[i, :lay.map.size] > 0
+            cold = np.flatnonzero(used & (lay.map == -1)).tolist()
+            if cold:
+                claim = self._claim_rows(lay, cold, keep=set(np.flatnonzero(used & (lay.map < 0)).tolist()))
+                if claim:
+                    claims.append((lay, claim))
+        self._fill(claims)
+        return True
+
+    @contextmanager
+    def blocking(self):
+        """Steps in the block: each MoE layer's routing comes to the host, and fetch reads the cold
+        experts it needs before its kernels run (module doc)."""
+        was, self.routing_free = self.routing_free, False
+        self.blocked_steps += 1
+        try:
+            yield self
+        finally:
+            self.routing_free = was
+            if self._cold is not None:  # a wave's kernels flag the cold experts of later waves
+                zero_fill(self._cold, self.stream)
+
+    def fetch(self, layer: int, ids, routed=None):
+        """Every expert is served where the kernels read it. ids (blocking): these experts held in
+        a tier until the next fetch, the cold ones read from the file first."""
+        batch = self._batches[layer]
+        if ids is not None:
+            lay = self._by_layer[layer]
+            check_ids(layer, ids, lay.map.size)
+            cold = [int(e) for e in ids if lay.map[e] == -1]
+            if cold:  # the rows to keep: those the fetch reads (VRAM serves the rest)
+                self._read_cold(lay, cold, keep={int(e) for e in ids if lay.map[e] < 0})
+        return nullcontext(batch)
+
+    def waves(self, layer: int, ids) -> list[list[int]]:
+        """[ids] when the experts not in VRAM fit the layer's host rows, else groups that do (the
+        VRAM ones with the first)."""
+        lay = self._by_layer[layer]
+        ids = [int(e) for e in ids]
+        rest = [e for e in ids if lay.map[e] < 0]
+        n_rows = lay.row_holder.size
+        if len(rest) <= n_rows:
+            return [ids]
+        waves = [rest[i:i + n_rows] for i in range(0, len(rest), n_rows)]
+        waves[0] = [e for e in ids if lay.map[e] >= 0] + waves[0]
+        return waves
+
+    def _read_cold(self, lay: _Layer, cold: list[int], keep: set[int]) -> None:
+        claim = self._claim_rows(lay, cold, keep)
+        if claim is None:
+            raise DeviceError(f"layer {lay.il}: {len(cold)} cold experts for fewer free host rows "
+                              "(EXPERT_CACHE_LIMIT_MB too small for one step's experts)")
+        self._fill([(lay, claim)])
+
+    def _claim_rows(self, lay: _Layer, cold: list[int], keep: set[int]) -> list[tuple[int, int]] | None:
+        """Host rows for the cold experts, from those whose experts are not in `keep`: empty ones,
+        then ones whose expert VRAM also holds, then the least used; their experts leave the host
+        tier now. -> [(expert, row)], or None when too few rows are free."""
+        if lay.moving:  # a copy into VRAM reads its expert's row: let it finish (then the row is free)
+            self._xfer.synchronize(lay.copied)
+            self._publish(lay)
+        free = [h for h in range(lay.row_holder.size) if lay.row_holder[h] not in keep]
+        if len(free) < len(cold):
+            return None
+
+        def rank(h):
+            e = lay.row_holder[h]
+            return (e >= 0, e >= 0 and lay.map[e] < 0, lay.score[e] if e >= 0 else 0.0)
+
+        rows = sorted(free, key=rank)[:len(cold)]
+        for h in rows:
+            old = lay.row_holder[h]
+            if old >= 0:  # it leaves the host tier (a VRAM slot may still hold it)
+                lay.row_of[old] = -1
+                if lay.map[old] < 0:
+                    lay.map[old] = -1
+            lay.row_holder[h] = -1
+        return list(zip(cold, rows))
+
+    def _fill(self, claims: list[tuple[_Layer, list[tuple[int, int]]]]) -> None:
+        """The claimed rows read from the file in one load, repacked on the compute stream (after
+        every earlier reader of those rows), then published in the maps. On a failure the rows
+        stay empty, their experts cold, and the error goes to the step."""
+        targets = [Target(src.name, src.offset + e * src.n * src.rb, src.n, src.rb, src.ggml_type, st.host[h])
+                   for lay, claim in claims for e, h in claim for src, st in zip(lay.sources, lay.stacks)]
+        try:
+            if targets:
+                Uploader(self._gguf, self.stream, buffers=2).run(targets)
+            for lay, claim in claims:
+                for e, h in claim:
+                    lay.row_holder[h] = e
+                    lay.row_of[e] = h
+                    lay.map[e] = -2 - h
+                self.cold_loads += len(claim)
+        finally:
+            for lay, _ in claims:
+                Transfers.upload_into(lay.rows.device, lay.map, self.stream)
+
     def stats(self) -> dict:
         """Over the steps whose use counts were read: the experts they used a layer (requests) and
         the share in VRAM slots, against Belady (demand paging: every miss inserted) and the
@@ -235,10 +431,13 @@ class HostTierExperts:
                 "hit_rate": round(self.hits / self.requests, 4) if self.requests else None,
                 **{f"{p.replace('-', '_')}_hit_rate": round(h / n, 4) if n else None for p, (h, n) in oracle.items()},
                 "pairs": self.pairs, "read_in_place_bytes": self.missed_bytes, "promotions": self.promotions,
-                "failed_moves": self.failed_moves, "promoted_bytes": self.promotions * per_expert}
+                "failed_moves": self.failed_moves, "promoted_bytes": self.promotions * per_expert,
+                "host_rows_per_layer": self.host_rows, "cold_steps": self.cold_steps, "blocked_steps": self.blocked_steps,
+                "cold_loads": self.cold_loads}
 
     def reset_stats(self) -> None:
         self.pairs = self.requests = self.hits = self.missed_bytes = self.promotions = self.failed_moves = 0
+        self.cold_steps = self.blocked_steps = self.cold_loads = 0
         self._used.reset()
 
     def held(self, layer: int) -> list[int]:
@@ -251,7 +450,4 @@ class HostTierExperts:
         """VRAM held (the slots; the biases are the host loader's, in VRAM too)."""
         return self.vram_bytes
 
-    # every expert is served: the kernels pick the tier
     layout = ResidentExperts.layout
-    fetch = ResidentExperts.fetch
-    waves = ResidentExperts.waves

@@ -23,6 +23,8 @@ from .layers import decoder_layer
 from .moe import MoE, dense_ffn, moe_forward
 from .weights import TensorSource
 
+COLD_TRIES = 3  # graph runs of a decode step over a bounded host tier before it blocks
+
 
 class _Uploaded:
     """A TensorSource whose weights come back uploaded to a backend."""
@@ -181,6 +183,8 @@ class Transformer:
         if begin_pass is not None:
             begin_pass()
         plain = self._plain()
+        if getattr(self.experts, "cold_possible", False):
+            return self._run_bounded(step, plain)
         static = plain and (not self.moe_layers or getattr(self.experts, "routing_free", False))
         segmentable = getattr(self.experts, "segmentable", None)  # (row, expert) pairs -> bool
         segmented = plain and not static and segmentable is not None and segmentable(step.T * self.hp.n_expert_used)
@@ -189,6 +193,31 @@ class Transformer:
         if step.samplers is not None:  # sampled in the step (its last segment): not waited for
             return B.run_step(step, lambda: B.sample(self._layers(step), step), static=static, segmented=segmented)
         return B.to_host(B.run_step(step, lambda: self._layers(step), static=static, segmented=segmented))
+
+    def _run_bounded(self, step: Step, plain: bool):
+        """_run over a host tier smaller than the model (cuda_host_tier.py, cold misses): a decode
+        step runs (eagerly) with no routing on the host, its kernels skipping experts in no tier; the tier's flag, read after
+        the layers and before sampling, says whether one was needed, and then the step runs
+        again (up to COLD_TRIES runs, the cold experts its counts show read in between), then
+        blocking (every cold expert read before its layer; KV rewritten at the same positions).
+        A prefill, or a model with recurrent states (not idempotent), always blocks."""
+        B, experts = self.backend, self.experts
+        logits = None
+        if plain and step.T == step.S and self.paddable and experts.routing_free:
+            # eager, not a CUDA graph: a step's graph launched twice gave other logits the second
+            # time (on an H100, cause not found), while an eager step runs again bit for bit
+            for _ in range(COLD_TRIES):  # each flagged run reads the cold experts its counts show
+                logits = B.run_step(step, lambda: self._layers(step))
+                if not experts.take_cold():
+                    break
+            else:
+                logits = None
+        if logits is None:
+            with experts.blocking():
+                logits = B.run_step(step, lambda: self._layers(step))
+        if step.samplers is not None:
+            return B.sample(logits, step)
+        return B.to_host(logits)
 
     def _plain(self) -> bool:
         """No hook, trace or observer: only the experts (at their host points) touch the host while

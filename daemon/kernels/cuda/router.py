@@ -169,12 +169,30 @@ def _count_kernel(ids, usage):
             cuda.atomic.add(usage, e, 1)
 
 
-def count_experts(ids, usage, stream=0) -> None:
+@cuda.jit
+def _count_cold_kernel(ids, usage, slot_of, cold):
+    # _count_kernel, and cold[0] = 1 where a pair's expert is in no tier (slot_of[e] == -1)
+    p = cuda.grid(1)
+    if p < ids.shape[0]:
+        e = ids[p]
+        if 0 <= e < usage.shape[0]:
+            cuda.atomic.add(usage, e, 1)
+            if slot_of[e] == -1:
+                cold[0] = 1
+
+
+def count_experts(ids, usage, stream=0, slot_of=None, cold=None) -> None:
     """usage int32 [E] += how many (token, expert) pairs of ids int32 [T, A] route to each expert,
-    on the device (no host sync: it can live in a captured step)."""
+    on the device (no host sync: it can live in a captured step). With slot_of int32 [E] and
+    cold int32 [1]: cold[0] = 1 if a pair routes to an expert the map has in no tier (-1)."""
     flat = ids.reshape(ids.shape[0] * ids.shape[1])
-    if flat.shape[0]:
-        launch(_count_kernel, (flat.shape[0] + 127) // 128, 128, stream, flat, usage)
+    if not flat.shape[0]:
+        return
+    grid = (flat.shape[0] + 127) // 128
+    if cold is None:
+        launch(_count_kernel, grid, 128, stream, flat, usage)
+    else:
+        launch(_count_cold_kernel, grid, 128, stream, flat, usage, slot_of, cold)
 
 
 @cuda.jit
