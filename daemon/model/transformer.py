@@ -196,20 +196,22 @@ class Transformer:
 
     def _run_bounded(self, step: Step, plain: bool):
         """_run over a host tier smaller than the model (cuda_host_tier.py, cold misses): a decode
-        step runs (eagerly) with no routing on the host, its kernels skipping experts in no tier; the tier's flag, read after
-        the layers and before sampling, says whether one was needed, and then the step runs
+        step runs as one graph, with no routing on the host, its kernels skipping experts in no
+        tier; the tier's flag, read after the layers and before sampling, says whether one was
+        needed, and then the step runs
         again (up to COLD_TRIES runs, the cold experts its counts show read in between), then
         blocking (every cold expert read before its layer; KV rewritten at the same positions).
         A prefill, or a model with recurrent states (not idempotent), always blocks."""
         B, experts = self.backend, self.experts
         logits = None
         if plain and step.T == step.S and self.paddable and experts.routing_free:
-            # eager, not a CUDA graph: a step's graph launched twice gave other logits the second
-            # time (on an H100, cause not found), while an eager step runs again bit for bit
             for _ in range(COLD_TRIES):  # each flagged run reads the cold experts its counts show
-                logits = B.run_step(step, lambda: self._layers(step))
+                logits = B.run_step(step, lambda: self._layers(step), static=True)
                 if not experts.take_cold():
                     break
+                # what the run derived (RoPE tables, inputs) is made again: a graph captured on a
+                # second run would otherwise keep the first run's arrays
+                step.memo.clear()
             else:
                 logits = None
         if logits is None:
