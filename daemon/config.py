@@ -96,6 +96,9 @@ class Settings:
         "VRAM (promoted between steps); no host work in a step (one CUDA graph), the same tokens. With "
         "EXPERT_CACHE_LIMIT_MB the host holds that share; a step that needs another expert runs again, "
         "reading it from the file first. 0 = the VRAM expert cache"))
+    gpu_host_tier_moves: int = field(default=4, metadata=_meta(
+        "MOE_GPU_HOST_TIER_MOVES", "with MOE_GPU_HOST_TIER: experts a layer may move into VRAM slots at "
+        "each promotion (every 4 steps, off the step's path); 0 = the first experts stay", bounds=(0, 1024)))
     gpu_cache_policy: str = field(default="lru", metadata=_meta(
         "MOE_GPU_CACHE_POLICY", "which VRAM expert is evicted for a miss: lru, lfu-decay (frequency "
         "with a decay), or lfru (a fast-decaying count for recency plus a slow one for frequency; "

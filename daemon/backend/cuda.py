@@ -251,7 +251,7 @@ class CUDABackend:
 
             say(f"loading experts into the host tier of {self.name}")
             tier = HostTierExperts.from_gguf(gguf, self, self.expert_budget, say,
-                                             bytes_note(progress, "loading experts"), settings.postfetch_max_transfers,
+                                             bytes_note(progress, "loading experts"), settings.gpu_host_tier_moves,
                                              host_budget_bytes=int(settings.expert_cache_limit_mb * 2**20))
             self.bytes["experts"] += tier.nbytes
             return tier, None

@@ -99,6 +99,18 @@ def test_count_experts_adds_each_pairs_expert():
     assert usage.copy_to_host().tolist() == [6, 0, 3, 1]
 
 
+def test_count_experts_flags_a_pair_whose_expert_is_in_no_tier():
+    """With a slot map (>= 0 VRAM, <= -2 host row, -1 in no tier) the count also raises the cold
+    flag when a pair routes to an expert mapped -1, and leaves it as it was otherwise."""
+    slot_of = cuda.to_device(np.array([0, -2, -1, -3], np.int32))
+    usage = cuda.to_device(np.zeros(4, np.int32))
+    cold = cuda.to_device(np.zeros(1, np.int32))
+    count_experts(cuda.to_device(np.array([[0, 1], [3, 1]], np.int32)), usage, 0, slot_of, cold)
+    assert cold.copy_to_host().tolist() == [0] and usage.copy_to_host().tolist() == [1, 2, 0, 1]
+    count_experts(cuda.to_device(np.array([[3, 2]], np.int32)), usage, 0, slot_of, cold)
+    assert cold.copy_to_host().tolist() == [1] and usage.copy_to_host().tolist() == [1, 2, 1, 2]
+
+
 def test_replay_routes_reads_each_layers_row_at_the_position_mod_the_trace_length():
     table = np.arange(2 * 3 * 2, dtype=np.int32).reshape(2, 3, 2)  # [L 2, N 3, A 2]
     positions = np.array([0, 4, 2, 7], np.int32)
