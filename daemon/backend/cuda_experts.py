@@ -84,6 +84,34 @@ class DevicePlan:
         self.T, self.A = self.ids.shape
 
 
+@dataclass(frozen=True)
+class Source:
+    """Where one projection's stacked experts lie in the file: expert e's N raw rows of RB bytes
+    start at offset + e * N * RB."""
+    name: str
+    offset: int
+    n: int  # N
+    rb: int  # RB
+    ggml_type: int
+
+
+def expert_sources(gguf) -> dict[int, list[Source]]:
+    """Each MoE layer's gate, up and down stacks in the file."""
+    from ..model.weights import TensorSource
+    from ..storage.store import expert_layouts
+
+    src = TensorSource(gguf)
+    sources: dict[int, list[Source]] = {}
+    for il, lay in expert_layouts(gguf).items():
+        sources[il] = []
+        for p in PROJECTIONS:
+            k, n = (lay.n_ff, lay.n_embd) if p == "down" else (lay.n_embd, lay.n_ff)
+            name = f"blk.{il}.ffn_{p}_exps.weight"
+            info = src.stacked_info(name, k, n, lay.n_expert)
+            sources[il].append(Source(name, info.offset, n, row_bytes(info.ggml_type, k), info.ggml_type))
+    return sources
+
+
 class DeviceExperts:
     """Every expert of the given layers in VRAM (an ExpertProvider). batches[il]: gate, up:
     device uint8 [E, F, stride]; down: [E, D, stride]; biases device f32 [E, F|D] or None."""
@@ -115,17 +143,13 @@ class DeviceExperts:
         layouts = expert_layouts(gguf)
         stacks: dict[int, list] = {}
         targets = []
-        for il, lay in layouts.items():
+        for il, projections in expert_sources(gguf).items():
             stacks[il] = []
-            for p in PROJECTIONS:
-                name = f"blk.{il}.ffn_{p}_exps.weight"
-                k, n = (lay.n_ff, lay.n_embd) if p == "down" else (lay.n_embd, lay.n_ff)
-                info = src.stacked_info(name, k, n, lay.n_expert)
-                held = lay.n_expert if rows is None else min(rows, lay.n_expert)
-                rb = row_bytes(info.ggml_type, k)
-                flat = (mapped_matrix if mapped else device_matrix)(held * n, rb, info.ggml_type, stream)  # [E*N, stride]
-                targets.append(Target(name, info.offset, held * n, rb, info.ggml_type, flat))
-                stacks[il].append(flat.reshape(held, n, flat.shape[1]))  # [E, N, stride]
+            held = layouts[il].n_expert if rows is None else min(rows, layouts[il].n_expert)
+            for p in projections:
+                flat = (mapped_matrix if mapped else device_matrix)(held * p.n, p.rb, p.ggml_type, stream)  # [E*N, stride]
+                targets.append(Target(p.name, p.offset, held * p.n, p.rb, p.ggml_type, flat))
+                stacks[il].append(flat.reshape(held, p.n, flat.shape[1]))  # [E, N, stride]
         Uploader(gguf, stream).run(targets, on_bytes)
         batches = {}
         for il, lay in layouts.items():

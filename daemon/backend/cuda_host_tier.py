@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda
@@ -50,44 +49,15 @@ from ..kernels.cuda.device import upload, zero_fill
 from ..experts import promotion
 from ..experts.policies import simulate_layer
 from ..experts.stats import RequestLog
-from ..kernels.quants import row_bytes
-from ..storage.experts import PROJECTIONS, ExpertBatch, ResidentExperts, check_ids
+from ..storage.experts import ExpertBatch, ResidentExperts, check_ids
 from .cuda_errors import CUDA_ERRORS
-from .cuda_experts import DeviceExperts, SlotMap, TieredStack
+from .cuda_experts import DeviceExperts, SlotMap, Source, TieredStack, expert_sources
 from .cuda_transfer import Event, Transfers, pinned_empty
 from .cuda_upload import Target, Uploader
 
 PERIOD = 4  # steps between promotions
 LOG_STEPS = 512  # reads of the use counts kept for the Belady replay in stats (RequestLog)
 log = logging.getLogger("moed.device")
-
-
-@dataclass(frozen=True)
-class Source:
-    """Where one projection's stacked experts lie in the file: expert e's N raw rows of RB bytes
-    start at offset + e * N * RB."""
-    name: str
-    offset: int
-    n: int  # N
-    rb: int  # RB
-    ggml_type: int
-
-
-def expert_sources(gguf) -> dict[int, list[Source]]:
-    """Each MoE layer's gate, up and down stacks in the file."""
-    from ..model.weights import TensorSource
-    from ..storage.store import expert_layouts
-
-    src = TensorSource(gguf)
-    sources: dict[int, list[Source]] = {}
-    for il, lay in expert_layouts(gguf).items():
-        sources[il] = []
-        for p in PROJECTIONS:
-            k, n = (lay.n_ff, lay.n_embd) if p == "down" else (lay.n_embd, lay.n_ff)
-            name = f"blk.{il}.ffn_{p}_exps.weight"
-            info = src.stacked_info(name, k, n, lay.n_expert)
-            sources[il].append(Source(name, info.offset, n, row_bytes(info.ggml_type, k), info.ggml_type))
-    return sources
 
 
 class _Layer:

@@ -198,9 +198,9 @@ class Transformer:
         """_run over a host tier smaller than the model (cuda_host_tier.py, cold misses): a decode
         step runs as one graph, with no routing on the host, its kernels skipping experts in no
         tier; the tier's flag, read after the layers and before sampling, says whether one was
-        needed, and then the step runs
-        again (up to COLD_TRIES runs, the cold experts its counts show read in between), then
-        blocking (every cold expert read before its layer; KV rewritten at the same positions).
+        needed, and then the step runs again (up to COLD_TRIES runs, the cold experts its counts
+        show read in between), then blocking (every cold expert read before its layer; KV
+        rewritten at the same positions).
         A prefill, or a model with recurrent states (not idempotent), always blocks."""
         B, experts = self.backend, self.experts
         logits = None
