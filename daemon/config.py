@@ -99,6 +99,15 @@ class Settings:
     gpu_host_tier_moves: int = field(default=4, metadata=_meta(
         "MOE_GPU_HOST_TIER_MOVES", "with MOE_GPU_HOST_TIER: experts a layer may move into VRAM slots at "
         "each promotion (every 4 steps, off the step's path); 0 = the first experts stay", bounds=(0, 1024)))
+    gpu_host_tier_cpu_mb: float = field(default=0.0, metadata=_meta(
+        "MOE_GPU_HOST_TIER_CPU_MB", "with MOE_GPU_HOST_TIER: host RAM for a copy of experts in the file's "
+        "layout that a CPU worker computes when a decode step misses them in VRAM, beside the GPU "
+        "(hybrid compute: DRAM bandwidth added to PCIe's; results within tolerance, not bit-identical); "
+        "0 = off", bounds=(0, 2**30)))
+    gpu_host_tier_cpu: str = field(default="auto", metadata=_meta(
+        "MOE_GPU_HOST_TIER_CPU", "with MOE_GPU_HOST_TIER_CPU_MB: missed experts a layer the CPU takes in a "
+        "decode step (of at most 16 rows); auto = tuned on the measured step time, 0 when the CPU does "
+        "not pay; N = always N", pattern=r"auto|[0-9]+"))
     gpu_cache_policy: str = field(default="lru", metadata=_meta(
         "MOE_GPU_CACHE_POLICY", "which VRAM expert is evicted for a miss: lru, lfu-decay (frequency "
         "with a decay), or lfru (a fast-decaying count for recency plus a slow one for frequency; "

@@ -165,6 +165,8 @@ class Engine:
             self.vram.close()  # and the host cache under it
         elif self.cache is not None:
             self.cache.close()
+        if self.host_tier is not None:
+            self.host_tier.close()  # its CPU worker, if any
         self.gguf.close()
 
     def stats(self) -> dict:

@@ -252,7 +252,9 @@ class CUDABackend:
             say(f"loading experts into the host tier of {self.name}")
             tier = HostTierExperts.from_gguf(gguf, self, self.expert_budget, say,
                                              bytes_note(progress, "loading experts"), settings.gpu_host_tier_moves,
-                                             host_budget_bytes=int(settings.expert_cache_limit_mb * 2**20))
+                                             host_budget_bytes=int(settings.expert_cache_limit_mb * 2**20),
+                                             cpu_budget_bytes=int(settings.gpu_host_tier_cpu_mb * 2**20),
+                                             cpu_count=settings.gpu_host_tier_cpu, numerics=settings.numerics)
             self.bytes["experts"] += tier.nbytes
             return tier, None
         from .cuda_expert_cache import VRAMExpertCache
@@ -383,7 +385,7 @@ class CUDABackend:
         # once), so one graph serves many steps of a growing context
         cells = 1 << int(step.positions.max()).bit_length()
         return (step.S, step.all_logits, min(max(cells, attn.CHUNK), pool.cells), id(pool),
-                step.samplers is not None)
+                step.samplers is not None, step.variant)
 
     def _graph_inputs(self, step: Step, key) -> None:
         """The step's token ids, positions, KV slots and sampler slots copied into the buffers of

@@ -556,7 +556,7 @@ class VRAMExpertCache:
         vl = self._layers.get(layer)
         return vl is not None and vl.table.holds_all()
 
-    def begin_pass(self) -> None:
+    def begin_pass(self, rows: int = 0) -> None:
         self.host.begin_pass()
 
     # -- work ----------------------------------------------------------------------------------

@@ -30,7 +30,8 @@ layer's experts into groups that fit R rows, and `fetch` reads the cold ones int
 wave does not use (stream-ordered after every earlier reader), as block-on-miss does. KV
 writes at the same positions are idempotent and the sampler has not run, so the tokens are those of
 every expert in VRAM (models with recurrent layers always block: their states are not).
-Hybrid compute is the VRAM expert cache's (cuda_expert_cache.py).
+Hybrid compute: a CPU worker may compute some of a decode step's missed experts from its own
+copy (cuda_cpu_share.py), decided on the device inside the same graph (`split`).
 
 Legend: E = experts of a layer, S = VRAM slots of a layer, R = host rows of a layer (E unless
 bounded), N = output rows, stride = repacked row bytes.
@@ -39,6 +40,7 @@ bounded), N = output rows, stride = repacked row bytes.
 from __future__ import annotations
 
 import logging
+import time
 from contextlib import contextmanager, nullcontext
 
 import numpy as np
@@ -91,7 +93,10 @@ class HostTierExperts:
     host_tier = True  # the engine reports stats() as "host_tier"
 
     def __init__(self, host: DeviceExperts, slots: int, stream=0, max_moves: int = 4, period: int = PERIOD,
-                 gguf=None, sources: dict[int, list[Source]] | None = None):
+                 gguf=None, sources: dict[int, list[Source]] | None = None, share=None):
+        self.share = share  # a CPUShare (hybrid compute), or None
+        self._step_began = None  # when the last step began (the share's tuner times steps)
+        self._step_rows = 0
         self._layouts = host._layouts  # noqa: SLF001  (the same package's loader)
         self._batches: dict[int, ExpertBatch] = {}
         self._layers: list[_Layer] = []
@@ -154,12 +159,14 @@ class HostTierExperts:
 
     @classmethod
     def from_gguf(cls, gguf, backend, budget_bytes: int, say=lambda _msg: None, on_bytes=None,
-                  max_moves: int = 4, host_budget_bytes: int = 0) -> HostTierExperts:
+                  max_moves: int = 4, host_budget_bytes: int = 0, cpu_budget_bytes: int = 0,
+                  cpu_count: str = "auto", numerics: str = "ggml") -> HostTierExperts:
         """The experts of the file loaded into the host tier (repacked on the GPU, written over
         PCIe): every one, or as many a layer as host_budget_bytes holds over all MoE layers (> 0;
         the rest are cold misses, read from the file when a step needs them); then as many VRAM
         slots a layer as budget_bytes holds; up to max_moves promotions a layer per read of the
-        counts."""
+        counts. cpu_budget_bytes > 0: a CPU worker's copy of as many experts a layer (the first
+        not in VRAM) for hybrid compute, taking cpu_count ('auto' or N) a layer a step."""
         sources = expert_sources(gguf)
         rows = None
         if host_budget_bytes > 0 and sources:
@@ -169,17 +176,28 @@ class HostTierExperts:
         per_expert = sum(int(s[0].nbytes) for b in host._batches.values()  # noqa: SLF001
                          for s in (b.gate, b.up, b.down)) // max(1, len(host._batches))  # noqa: SLF001
         slots = int(budget_bytes) // max(1, per_expert * len(host._batches))  # noqa: SLF001
-        tier = cls(host, slots, backend.stream, max_moves, gguf=gguf, sources=sources)
+        share = None
+        if cpu_budget_bytes > 0 and sources:
+            share = _cpu_share(gguf, host, sources, slots, cpu_budget_bytes, cpu_count, numerics, backend.stream)
+            say(f"hybrid compute: {share.nbytes / 2**30:.1f} GiB of experts in host RAM for the CPU "
+                f"({'tuned' if share.tuner.fixed is None else share.tuner.fixed} a layer a step)")
+        tier = cls(host, slots, backend.stream, max_moves, gguf=gguf, sources=sources, share=share)
         held = "every expert" if not tier.cold_possible else f"{tier.host_rows} experts a layer (the rest read when needed)"
         say(f"host tier: {tier.host_bytes / 2**30:.1f} GiB of experts in pinned host memory ({held}), "
             f"{tier.slots} of each layer's experts also in VRAM ({tier.vram_bytes / 2**30:.1f} GiB)")
         return tier
 
-    def begin_pass(self) -> None:
-        """Between steps (the model calls it before each): take the use counts that arrived, read
-        the last steps' (the maps they used kept: nothing has changed them since), publish finished
-        moves, and every `period` steps start the moves the counts call for (module doc)."""
+    def begin_pass(self, rows: int = 0) -> None:
+        """Between steps (the model calls it before each of `rows` rows): take the use counts that
+        arrived, read the last steps' (the maps they used kept: nothing has changed them since),
+        publish finished moves, and every `period` steps start the moves the counts call for
+        (module doc); the CPU share's tuner gets the last step's time."""
         self.passes += 1
+        if self.share is not None:
+            now = time.perf_counter()
+            last = None if self._step_began is None else now - self._step_began
+            self.share.begin_step(self._step_rows, last)
+            self._step_began, self._step_rows = now, rows
         if not self.slots or not self._layers:
             return
         if self._reading and self._xfer.done(self._read_done):
@@ -266,15 +284,19 @@ class HostTierExperts:
 
     def take_cold(self) -> bool:
         """Whether the step just launched routed a pair to an expert in no tier (then its outputs
-        are wrong and the model runs it again). Waits for the step; clears the flag. If so, the
+        are wrong and the model runs it again). Waits for the step; clears the flag; raises the
+        CPU share's failure (DeviceError). If so, the
         cold experts its use counts show are read into host rows first, in one read for all
         layers: exact for the first layer that missed, a guess for the later ones (their inputs
         were wrong), so a second run usually finds every expert it needs."""
-        if self._cold is None:
+        if self._cold is None and self.share is None:
             return False
-        Transfers.d2h(self._cold_seen, self._cold, self.stream)
+        if self._cold is not None:
+            Transfers.d2h(self._cold_seen, self._cold, self.stream)
         self.stream.synchronize()
-        if not self._cold_seen[0]:
+        if self.share is not None:
+            self.share.raise_failure()
+        if self._cold is None or not self._cold_seen[0]:
             return False
         self.cold_steps += 1
         Transfers.d2h(self._step_counts, self._usage, self.stream)
@@ -304,6 +326,23 @@ class HostTierExperts:
             self.routing_free = was
             if self._cold is not None:  # a wave's kernels flag the cold experts of later waves
                 zero_fill(self._cold, self.stream)
+
+    @property
+    def checked(self) -> bool:
+        """Whether the model reads each step's outcome before sampling (take_cold)."""
+        return self.cold_possible or self.share is not None
+
+    @property
+    def graph_variant(self):
+        """What a decode step's graph depends on besides its shape: whether the CPU takes a share."""
+        return None if self.share is None else self.share.variant
+
+    def split(self, layer: int, x, plan, glu: tuple):
+        """A routing-free step's layer split with the CPU worker: (the GPU's plan, finish(y)), or
+        None (no share this step)."""
+        if self.share is None or not self.routing_free:
+            return None
+        return self.share.split(layer, x, plan, glu)
 
     def fetch(self, layer: int, ids, routed=None):
         """Every expert is served where the kernels read it. ids (blocking): these experts held in
@@ -403,12 +442,18 @@ class HostTierExperts:
                 "pairs": self.pairs, "read_in_place_bytes": self.missed_bytes, "promotions": self.promotions,
                 "failed_moves": self.failed_moves, "promoted_bytes": self.promotions * per_expert,
                 "host_rows_per_layer": self.host_rows, "cold_steps": self.cold_steps, "blocked_steps": self.blocked_steps,
-                "cold_loads": self.cold_loads}
+                "cold_loads": self.cold_loads, **(self.share.stats() if self.share is not None else {})}
 
     def reset_stats(self) -> None:
         self.pairs = self.requests = self.hits = self.missed_bytes = self.promotions = self.failed_moves = 0
         self.cold_steps = self.blocked_steps = self.cold_loads = 0
         self._used.reset()
+        if self.share is not None:
+            self.share.reset_stats()
+
+    def close(self) -> None:
+        if self.share is not None:
+            self.share.close()
 
     def held(self, layer: int) -> list[int]:
         """The experts in layer's VRAM slots (published), by slot."""
@@ -421,3 +466,26 @@ class HostTierExperts:
         return self.vram_bytes
 
     layout = ResidentExperts.layout
+
+
+def _cpu_share(gguf, host: DeviceExperts, sources, slots: int, budget_bytes: int, count: str, numerics: str, stream):
+    """The CPU worker of hybrid compute over as many experts a layer as budget_bytes holds in the
+    file's layout: those after the first `slots` (which start in VRAM), among the host rows."""
+    from .cuda_cpu_share import CPUShare
+
+    layouts = host._layouts  # noqa: SLF001
+    raw = sum(s.n * s.rb for ss in sources.values() for s in ss) // len(sources)  # one expert's file bytes
+    per_layer = int(budget_bytes) // max(1, raw * len(sources))
+    held = {}
+    for il, b in host._batches.items():  # noqa: SLF001
+        rows = int(b.gate.shape[0])
+        held[il] = list(range(min(slots, rows), min(slots + per_layer, rows)))
+    held = {il: ids for il, ids in held.items() if ids}
+    lay = next(iter(layouts.values()))
+    fixed = None if str(count).strip().lower() == "auto" else int(count)
+    return CPUShare(gguf, layouts, held, numerics, stream, lay.n_embd, _n_used(gguf), fixed=fixed)
+
+
+def _n_used(gguf) -> int:
+    """Experts a row uses (the file's metadata): the CPU share's buffers hold a step's pairs."""
+    return int(gguf.get(f"{gguf.architecture}.expert_used_count", int))

@@ -128,3 +128,71 @@ class CPUCostFit:
             return policy
         rate, fixed = got
         return replace(policy, cpu_bytes_per_s=rate, cpu_call_s=fixed)
+
+
+class SplitTuner:
+    """How many of a layer's missed experts the CPU computes beside the host tier (0 .. most),
+    chosen by the step time measured, so hybrid compute is on only where it pays.
+
+    Each count is timed over `window` steps (the median; the first `skip` after a change are
+    dropped: a new count's graph is captured then). From 0 it tries 1 and climbs while a count
+    beats the one below by more than `margin`, then keeps the fastest (the smaller count unless a
+    larger one beats it by the margin). Every `recheck` steps it times its count and the two
+    beside it again, since the machine's load changes. A fixed count (`fixed`) is never tuned."""
+
+    def __init__(self, most: int, window: int = 16, margin: float = 0.03, recheck: int = 2048, skip: int = 2,
+                 fixed: int | None = None):
+        self.most = max(0, int(most))
+        self.window, self.margin, self.recheck, self.skip = max(1, window), margin, max(1, recheck), skip
+        self.fixed = fixed
+        self.n = min(fixed, self.most) if fixed is not None else 0
+        self.times: dict[int, float] = {}  # count -> median step seconds, of the current search
+        self._queue: list[int] = [] if fixed is not None else [0, 1][:self.most + 1]
+        self._samples: list[float] = []
+        self._dropped = 0
+        self._settled_for = 0
+        if self._queue:
+            self.n = self._queue.pop(0)
+
+    def observe(self, seconds: float) -> int:
+        """One step's time at the current count -> the count for the next step."""
+        if self.fixed is not None or self.most == 0:
+            return self.n
+        if self._settled_for:
+            self._settled_for += 1
+            if self._settled_for > self.recheck:
+                self._settled_for = 0
+                self.times = {}
+                best = self.n
+                self._queue = [c for c in (best - 1, best + 1) if 0 <= c <= self.most]
+                self._samples, self._dropped = [], 0
+            return self.n
+        if self._dropped < self.skip:
+            self._dropped += 1
+            return self.n
+        self._samples.append(seconds)
+        if len(self._samples) < self.window:
+            return self.n
+        self.times[self.n] = sorted(self._samples)[len(self._samples) // 2]
+        self._samples, self._dropped = [], 0
+        if not self._queue:
+            top = max(self.times)
+            if top < self.most and top - 1 in self.times and self._beats(top, top - 1) and self._best() == top:
+                self._queue = [top + 1]  # still climbing
+        if self._queue:
+            self.n = self._queue.pop(0)
+            return self.n
+        self.n = self._best()
+        self._settled_for = 1
+        return self.n
+
+    def _beats(self, a: int, b: int) -> bool:
+        return self.times[a] < self.times[b] * (1.0 - self.margin)
+
+    def _best(self) -> int:
+        """The fastest count timed, preferring fewer CPU experts unless more beat it by the margin."""
+        best = min(self.times)
+        for c in sorted(self.times):
+            if c > best and self._beats(c, best):
+                best = c
+        return best

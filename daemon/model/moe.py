@@ -58,9 +58,13 @@ def moe_forward(moe: MoE, family: Family, experts: ExpertProvider, x, backend: B
     xa = backend.prepare(x)  # converted once per weight type, shared by gate and up (and waves)
     if trace is None and getattr(experts, "routing_free", False):
         # every expert served where the kernels read it: the routing stays where it was computed
+        split = getattr(experts, "split", None)  # hybrid compute: a share of the misses on the CPU
         with experts.fetch(moe.layer, None) as batch:
             plan = backend.expert_plan(ids, batch.rows, layout, step)
-            y = _apply_experts(family, backend, layout, batch, plan, xa)  # [P, D]
+            shared = split(moe.layer, x, plan, (family.glu, family.glu_alpha, family.glu_limit)) if split else None
+            y = _apply_experts(family, backend, layout, batch, plan if shared is None else shared[0], xa)  # [P, D]
+            if shared is not None:
+                shared[1](y)  # the CPU's pairs' outputs into y
         return _mix(moe, backend, y, plan, weights, x, step)
     ids = backend.routed_ids(ids)  # [T, A] on the host
     if trace is not None:

@@ -181,10 +181,11 @@ class Transformer:
         B = self.backend
         begin_pass = getattr(self.experts, "begin_pass", None)  # a streaming provider's per-pass bookkeeping
         if begin_pass is not None:
-            begin_pass()
+            begin_pass(step.T)
+        step.variant = getattr(self.experts, "graph_variant", None)
         plain = self._plain()
-        if getattr(self.experts, "cold_possible", False):
-            return self._run_bounded(step, plain)
+        if getattr(self.experts, "checked", False):
+            return self._run_checked(step, plain)
         static = plain and (not self.moe_layers or getattr(self.experts, "routing_free", False))
         segmentable = getattr(self.experts, "segmentable", None)  # (row, expert) pairs -> bool
         segmented = plain and not static and segmentable is not None and segmentable(step.T * self.hp.n_expert_used)
@@ -194,14 +195,15 @@ class Transformer:
             return B.run_step(step, lambda: B.sample(self._layers(step), step), static=static, segmented=segmented)
         return B.to_host(B.run_step(step, lambda: self._layers(step), static=static, segmented=segmented))
 
-    def _run_bounded(self, step: Step, plain: bool):
-        """_run over a host tier smaller than the model (cuda_host_tier.py, cold misses): a decode
-        step runs as one graph, with no routing on the host, its kernels skipping experts in no
-        tier; the tier's flag, read after the layers and before sampling, says whether one was
-        needed, and then the step runs again (up to COLD_TRIES runs, the cold experts its counts
-        show read in between), then blocking (every cold expert read before its layer; KV
-        rewritten at the same positions).
-        A prefill, or a model with recurrent states (not idempotent), always blocks."""
+    def _run_checked(self, step: Step, plain: bool):
+        """_run over a host tier whose steps are checked before sampling (cuda_host_tier.py: cold
+        misses, or a CPU worker's share). Cold misses: a decode step runs as one graph, with no
+        routing on the host, its kernels skipping experts in no tier; the tier's flag, read after
+        the layers and before sampling, says whether one was needed, and then the step runs again
+        (up to COLD_TRIES runs, the cold experts its counts show read in between), then blocking
+        (every cold expert read before its layer; KV rewritten at the same positions). A prefill,
+        or a model with recurrent states (not idempotent), always blocks. A failed CPU share fails
+        the step there (take_cold raises), before anything is sampled."""
         B, experts = self.backend, self.experts
         logits = None
         if plain and step.T == step.S and self.paddable and experts.routing_free:
@@ -214,6 +216,11 @@ class Transformer:
                 step.memo.clear()
             else:
                 logits = None
+        elif not experts.cold_possible:  # nothing to block on: only the share to check
+            if step.feed is not None and not (plain and experts.routing_free):
+                raise RequestError("a step whose tokens are read on the host cannot take them from the device")
+            logits = B.run_step(step, lambda: self._layers(step), static=plain and experts.routing_free)
+            experts.take_cold()
         if logits is None:
             with experts.blocking():
                 logits = B.run_step(step, lambda: self._layers(step))

@@ -248,7 +248,7 @@ class ExpertCache:
         lc = self._layers.get(layer)
         return lc is not None and len(lc.entries) == lc.layout.n_expert
 
-    def begin_pass(self) -> None:
+    def begin_pass(self, rows: int = 0) -> None:
         """A new forward pass starts: reads from now on count toward its duplicate check."""
         with self._lock:
             for lc in self._layers.values():

@@ -310,7 +310,7 @@ def test_exact_mode_hooks_nothing_and_each_pass_begins_once(fx, monkeypatch):
     pf.detach()
     assert model.step_hooks is None and model.trace is None
     passes = []
-    monkeypatch.setattr(model.experts, "begin_pass", lambda: passes.append(1), raising=False)
+    monkeypatch.setattr(model.experts, "begin_pass", lambda rows=0: passes.append(1), raising=False)
     cache = model.new_cache(len(TOKENS) + 1)
     model.forward(TOKENS, cache)
     model.forward(TOKENS[:1], cache)
