@@ -165,7 +165,12 @@ def _tier_figures(t: dict, model, n: int) -> dict:
             # a host tier smaller than the model: steps run again for cold misses, experts read from the file
             "host_rows_per_layer": t["host_rows_per_layer"], "cold_runs_per_step": round(t["cold_steps"] / max(1, n), 3),
             "blocked_share": round(t["blocked_steps"] / max(1, n), 3),
-            "cold_loads_per_token": round(t["cold_loads"] / max(1, n), 1)}
+            "cold_loads_per_token": round(t["cold_loads"] / max(1, n), 1),
+            # hybrid compute beside the tier (MOE_GPU_HOST_TIER_CPU_MB): the count the tuner chose, the
+            # median step time it measured at each count, the CPU's experts a token and its time a token
+            **({"cpu_n": t["cpu_n"], "cpu_step_ms": t["cpu_step_ms"],
+                "cpu_pairs_per_token": round(t["cpu_pairs"] / max(1, n), 1),
+                "cpu_ms_per_token": round(t["cpu_ms"] / max(1, n), 2)} if "cpu_n" in t else {})}
 
 
 def run(path: str, cache_mb: str, routing: str, min_batch: str, args) -> dict:
