@@ -10,8 +10,9 @@ the worker answers through mapped host memory (kernels/cuda/cpu_share.py):
 3. the stream waits for the worker's answer (cuStreamWaitValue32 on `done`, captured with the
    step; the simulator, which has no driver, serves the job inline there), and `take` copies the
    CPU's outputs into the GPU's [P, D] before the mix.
-The worker thread spins while steps run (time.sleep(0) between looks, which lets the GIL go) and
-sleeps on an event once idle. A job that fails still answers (its outputs zero) and the error
+The worker thread looks for jobs while a step is in flight (begin_step to end_step): spinning
+with time.sleep(0), which lets the GIL go, for IDLE_S after its last job, then every millisecond
+(a step may spend seconds compiling kernels before it posts); between steps it sleeps on an event. A job that fails still answers (its outputs zero) and the error
 goes to the step's caller after the step, so the GPU never waits forever.
 
 n is tuned on the measured step time (experts/offload.py SplitTuner): 0 turns hybrid off, and a
@@ -44,7 +45,7 @@ from .base import compose_expert_ffn
 from .cpu import CPUBackend
 
 log = logging.getLogger("moed.device")
-IDLE_S = 0.05  # the worker stops spinning this long after its last job
+IDLE_S = 0.05  # the worker spins this long after its last job (or the step's start), then polls
 
 
 def _mapped(shape, dtype):
@@ -137,6 +138,7 @@ class CPUShare:
                 self._set_n(n)
         if self._thread is not None and not self._thread.is_alive():
             raise DeviceError("the CPU worker of hybrid compute has stopped")
+        self._last_job = time.monotonic()
         self._active.set()
 
     def _set_n(self, n: int) -> None:
@@ -172,17 +174,19 @@ class CPUShare:
         if err != drv.CUresult.CUDA_SUCCESS:
             raise DeviceError(f"cuStreamWaitValue32 failed: {err}")
 
+    def end_step(self) -> None:
+        """After a step (synchronized: every job of it answered): the worker may sleep."""
+        self._active.clear()
+
     def _loop(self) -> None:
         job = self._job
         while not self._closed:
-            if not self._active.wait(0.5):
+            if not self._active.wait(0.5):  # no step in flight
                 continue
             if job[0]:
                 self._serve_posted()
-            elif time.monotonic() - self._last_job > IDLE_S:
-                self._active.clear()  # the next begin_step wakes it
-            else:
-                time.sleep(0)
+            else:  # a step in flight: spin (letting the GIL go), then look every millisecond
+                time.sleep(0 if time.monotonic() - self._last_job < IDLE_S else 0.001)
 
     def _serve_posted(self) -> None:
         job = self._job

@@ -295,6 +295,7 @@ class HostTierExperts:
             Transfers.d2h(self._cold_seen, self._cold, self.stream)
         self.stream.synchronize()
         if self.share is not None:
+            self.share.end_step()
             self.share.raise_failure()
         if self._cold is None or not self._cold_seen[0]:
             return False
