@@ -31,6 +31,7 @@ import threading
 import time
 from dataclasses import replace
 
+import numba
 import numpy as np
 from numba import cuda
 
@@ -179,6 +180,9 @@ class CPUShare:
         self._active.clear()
 
     def _loop(self) -> None:
+        # numba's thread count is per calling thread: leave two cores to the serving thread and
+        # this one's polling, else the kernels' threads and they take turns on the cores
+        numba.set_num_threads(max(1, numba.config.NUMBA_NUM_THREADS - 2))
         job = self._job
         while not self._closed:
             if not self._active.wait(0.5):  # no step in flight
