@@ -425,9 +425,10 @@ class HostTierExperts:
         """Over the steps whose use counts were read: the experts they used a layer (requests) and
         the share in VRAM slots, against Belady (demand paging: every miss inserted) and the
         optimum that may leave a miss in the host tier (opt-bypass), both replayed on the same
-        requests with the same slots; (token, expert) pairs, bytes read in place over PCIe;
-        promotions and their bytes."""
+        requests with the same slots; (token, expert) pairs, bytes read in place over PCIe (the
+        CPU share's pairs not); promotions and their bytes; the CPU share's figures."""
         per_expert = self._layers[0].expert_bytes if self._layers else 0
+        cpu_pairs = self.share.pairs if self.share is not None else 0  # counted as misses, computed on the CPU
         oracle = {"belady": [0, 0], "opt-bypass": [0, 0]}
         if self.slots and self._used.counted:
             for i, lay in enumerate(self._layers):
@@ -440,7 +441,7 @@ class HostTierExperts:
                 "requests": self.requests,
                 "hit_rate": round(self.hits / self.requests, 4) if self.requests else None,
                 **{f"{p.replace('-', '_')}_hit_rate": round(h / n, 4) if n else None for p, (h, n) in oracle.items()},
-                "pairs": self.pairs, "read_in_place_bytes": self.missed_bytes, "promotions": self.promotions,
+                "pairs": self.pairs, "read_in_place_bytes": max(0, self.missed_bytes - cpu_pairs * per_expert), "promotions": self.promotions,
                 "failed_moves": self.failed_moves, "promoted_bytes": self.promotions * per_expert,
                 "host_rows_per_layer": self.host_rows, "cold_steps": self.cold_steps, "blocked_steps": self.blocked_steps,
                 "cold_loads": self.cold_loads, **(self.share.stats() if self.share is not None else {})}

@@ -206,3 +206,74 @@ def test_a_refit_policy_sends_fewer_misses_to_a_cpu_slower_than_calibrated():
     assert refit.cpu_bytes_per_s == pytest.approx(MIB / 10e-3) and refit.h2d_bytes_per_s == GIB
     assert refit.on_cpu(misses, MIB) == set()
     assert CPUCostFit().refit(seeded) is seeded  # nothing seen: unchanged
+
+
+# -- SplitTuner: how many missed experts a layer the CPU takes beside the host tier ----------
+
+
+def _settled(seen: list[int]) -> int:
+    """The count run most over the second half (rechecks probe the neighbours now and then)."""
+    tail = seen[len(seen) // 2:]
+    return max(set(tail), key=tail.count)
+
+
+def _tune(cost, most: int = 8, steps: int = 600, **kw) -> list[int]:
+    """The counts a tuner runs at, step by step, when a step at count n takes cost(n) seconds."""
+    from daemon.experts.offload import SplitTuner
+
+    t = SplitTuner(most, window=4, skip=1, recheck=100, **kw)
+    seen = []
+    for _ in range(steps):
+        seen.append(t.n)
+        t.observe(cost(t.n))
+    return seen
+
+
+def test_the_tuner_climbs_to_the_fastest_count():
+    # each expert the CPU takes saves 1 s until the CPU becomes the slower side at 3
+    seen = _tune(lambda n: 10.0 - n + 2.5 * max(0, n - 3))
+    assert seen[0] == 0 and _settled(seen) == 3
+    assert max(seen) <= 4  # it stopped one past the best
+
+
+def test_the_tuner_turns_itself_off_when_the_cpu_never_pays():
+    seen = _tune(lambda n: 10.0 + n)
+    assert _settled(seen) == 0
+    assert seen.count(1) < len(seen) // 10  # a probe now and then, not a share
+
+
+def test_a_gain_within_the_margin_keeps_the_smaller_count():
+    seen = _tune(lambda n: 10.0 - 0.01 * n)  # 0.1% a count: noise, not a gain
+    assert _settled(seen) == 0
+
+
+def test_the_tuner_follows_a_change_in_load():
+    """The CPU pays at first (best 2), then a competitor makes it cost: a recheck steps down."""
+    phase = {"busy": False}
+
+    def cost(n):
+        return 10.0 + n if phase["busy"] else 10.0 - n + 3.0 * max(0, n - 2)
+
+    from daemon.experts.offload import SplitTuner
+
+    t = SplitTuner(8, window=4, skip=1, recheck=50)
+    seen = []
+    for _ in range(200):
+        seen.append(t.n)
+        t.observe(cost(t.n))
+    assert _settled(seen) == 2
+    phase["busy"] = True
+    seen = []
+    for _ in range(600):
+        seen.append(t.n)
+        t.observe(cost(t.n))
+    assert _settled(seen) == 0
+
+
+def test_a_fixed_count_is_never_tuned():
+    from daemon.experts.offload import SplitTuner
+
+    t = SplitTuner(8, fixed=3)
+    for _ in range(100):
+        assert t.observe(100.0) == 3
+    assert SplitTuner(2, fixed=5).n == 2  # at most a row's experts
