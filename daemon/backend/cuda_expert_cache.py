@@ -9,7 +9,7 @@ bytes).
 
 One layer of a step (`fetch` right after routing; the routing came back to the host in the
 router's one small copy):
-1. `_decide`: the experts split into ready (in VRAM), in flight (in VRAM, a prefetch's or
+1. `_decide` (its bookkeeping: experts/demand.py): the experts split into ready (in VRAM), in flight (in VRAM, a prefetch's or
    admission's copy not yet known done) and missing. The offload policy (experts/offload.py) may send
    missing ones to the CPU. The rest get a slot (the policy's victim among slots this step does
    not hold) and are copied on the fetch stream: every missing expert's gate and up first, then
@@ -65,6 +65,7 @@ from ..kernels.cuda.device import upload, zero_fill
 from ..kernels.cuda.layout import repack_into_slots, repacked_stride
 from ..experts.policies import POLICIES
 from ..experts.stats import RequestLog, VRAMStats
+from ..experts import demand
 from ..experts.slots import SlotTable
 from ..storage.experts import PROJECTIONS, ExpertLayout, check_ids
 from .base import compose_expert_ffn
@@ -351,75 +352,18 @@ class VRAMExpertCache:
         if layer == self._first_layer and routed is not self._counted:  # once for all of a step's waves
             self._counted = routed
             st.tokens += routed.shape[0]
-        now = time.monotonic()
         tr = self.transfers
-        ready, flying, missing, cpu, fallback = [], [], [], [], []
-        for e in wanted:
-            si = table.slot(e)
-            if si is None:
-                missing.append(e)
-                continue
-            st.hits += 1
-            if table.prefetched[si] and not table.used[si]:
-                st.prefetch_used += 1
-            table.used[si] = True
-            if table.pending[si] and tr.done(table.copied[si]):
-                table.pending[si] = False
-            if not table.pending[si]:
-                ready.append(e)
-            elif now - table.issued_at[si] > STALE_S:  # a copy that never completes: the CPU computes it
-                self._warn("stale", "an expert copy to %s did not complete in %.0f s: its experts compute on "
-                           "the CPU", self.backend.name, STALE_S)
-                table.drop(e)
-                fallback.append(e)
-            elif not self.block_on_miss and self.offload.hybrid:
-                fallback.append(e)  # not arrived yet, and the settings say not to wait
-            else:
-                flying.append(e)
-        st.misses += len(missing)
-        if self.force_cpu:
-            cpu = missing + ready + flying
-            st.cpu_forced += len(cpu)
-            ready, flying, missing = [], [], []
-        elif missing:
-            if not self.block_on_miss and self.offload.hybrid:
-                chosen = set(missing)
-            elif self.offload.hybrid:
-                counts = np.bincount(routed.reshape(-1), minlength=vl.layout.n_expert)
-                chosen = self.offload.on_cpu({e: int(counts[e]) for e in missing}, vl.layout.expert_nbytes)
-            else:
-                chosen = ()
-            cpu = [e for e in missing if e in chosen]
-            st.cpu_hybrid += len(cpu)
-            missing = [e for e in missing if e not in chosen]
-        st.fallbacks += len(fallback)
-        cpu += fallback
-        for e in ready + flying:
-            table.touch(e, pin=True)
-        copy = []
-        if missing and not vl.capacity:
-            self._warn("noslot", "MOE_GPU_CACHE_MB leaves no VRAM slot for a layer's experts (%.1f MiB each): "
-                       "they compute on the CPU", self._device_expert_bytes(vl.layout) / 2**20)
-        claimed = table.claim_many(len(missing)) if vl.capacity and missing else []
-        for e, si in zip(missing, claimed + [None] * (len(missing) - len(claimed))):
-            if si is not None:
-                table.own(e, si, prefetch=False)
-            else:  # no slot, or every slot held by this step (waves prevent it): the CPU computes it
-                if vl.capacity:
-                    self._warn("full", "a layer's VRAM slots were all in use: an expert computes on the CPU")
-                st.fallbacks += 1
-                cpu.append(e)
-                continue
-            copy.append((e, si))
-        admit = []
-        if cpu and not self.force_cpu:
-            for e in cpu[:self.max_transfers]:
-                if e in table:
-                    continue
-                si = table.take(e, prefetch=True)
-                if si is None:
-                    break
-                admit.append((e, si))
+
+        def choose_cpu(missing):  # the offload policy, on the tokens each miss has this step
+            counts = np.bincount(routed.reshape(-1), minlength=vl.layout.n_expert)
+            return self.offload.on_cpu({e: int(counts[e]) for e in missing}, vl.layout.expert_nbytes)
+
+        d = demand.decide(table, wanted, st, arrived=lambda si: tr.done(table.copied[si]), now=time.monotonic(),
+                          stale_s=STALE_S, hybrid=self.offload.hybrid, block_on_miss=self.block_on_miss,
+                          force_cpu=self.force_cpu, choose_cpu=choose_cpu, max_transfers=self.max_transfers)
+        for key in d.warnings:
+            self._warn(key, *_WARNINGS[key](self, vl))
+        ready, flying, copy, cpu, admit = d.ready, d.flying, d.copy, d.cpu, d.admit
         host_ids = [e for e, _ in copy] + cpu + [e for e, _ in admit if e not in cpu]
         try:
             held = self.host.fetch(layer, host_ids, count=True) if host_ids else None
@@ -470,7 +414,7 @@ class VRAMExpertCache:
         if self.debug:
             log.info("postfetch layer %d: %d experts, %d ready, %d in flight, %d copied (%.1f MiB), %d on the CPU "
                      "(%d fallbacks), %d admitted", layer, len(wanted), len(ready), len(flying), len(copy),
-                     len(copy) * vl.layout.expert_nbytes / 2**20, len(cpu), len(fallback) + len(failed), len(admit))
+                     len(copy) * vl.layout.expert_nbytes / 2**20, len(cpu), len(failed), len(admit))
 
     def after_gpu(self, vl: _VLayer, T: int, P: int, layout, kind, alpha, limit) -> None:
         """The host point after a layer's GPU expert work is queued (module doc, 3)."""
@@ -756,6 +700,15 @@ class _CPUOut:
 
     def __init__(self, y, pairs):
         self.y, self.pairs, self.dirty = y, pairs, False
+
+
+_WARNINGS = {  # demand.decide's warnings -> (message, args), each logged once
+    "stale": lambda c, vl: ("an expert copy to %s did not complete in %.0f s: its experts compute on the CPU",
+                            c.backend.name, STALE_S),
+    "noslot": lambda c, vl: ("MOE_GPU_CACHE_MB leaves no VRAM slot for a layer's experts (%.1f MiB each): "
+                             "they compute on the CPU", c._device_expert_bytes(vl.layout) / 2**20),
+    "full": lambda c, vl: ("a layer's VRAM slots were all in use: an expert computes on the CPU",),
+}
 
 
 def _evicted(vl: _VLayer, wasted: bool) -> None:

@@ -41,8 +41,7 @@ def _model(g, count: str, budget_experts: int = 3, slots: int = 1):
     backend = CUDABackend(0)
     sources = expert_sources(g)
     per_expert = sum(s.n * s.rb for s in sources[next(iter(sources))])  # in the file
-    probe = HostTierExperts.from_gguf(g, backend, 0)
-    per_slot = sum(int(st.host[0].nbytes) for st in probe._layers[0].stacks)  # repacked, one layer
+    per_slot = sum(s.n * -(-s.rb // 16) * 16 for s in sources[next(iter(sources))])  # rows padded to 16 bytes
     said = []
     tier = HostTierExperts.from_gguf(g, backend, slots * per_slot, said.append,
                                      cpu_budget_bytes=budget_experts * per_expert, cpu_count=count)
