@@ -255,3 +255,15 @@ def compose_expert_ffn(backend: Backend, x, batch, layout, plan, kind: str, alph
     """expert_ffn as expert_glu and expert_linear: x [T, D] (prepared) -> [P, D]."""
     h = backend.expert_glu(x, batch, layout, plan, kind, alpha, limit)  # [P, F]
     return backend.expert_linear(h, batch.down, layout.down_type, layout.n_ff, plan, batch.down_bias, per_token=False)
+
+
+def pairs_on_cpu(cpu: Backend, x: np.ndarray, flat_ids: np.ndarray, pairs: np.ndarray, A: int, batch, layout,
+                 kind: str, alpha: float = 0.0, limit: float = 0.0) -> np.ndarray:
+    """Some (row, expert) pairs of a step computed by a CPU backend from host memory (hybrid
+    compute), each as a one-token row of its expert. x [T, D] the step's rows, flat_ids [P] each
+    pair's expert, pairs [Pc] which pairs, A experts a row -> [Pc, D] in `pairs`' order."""
+    xs = np.ascontiguousarray(x[pairs // A], dtype=np.float32)  # [Pc, D]
+    sub = np.asarray(flat_ids)[pairs].astype(np.int64).reshape(-1, 1)
+    plan = cpu.expert_plan(sub, batch.rows, layout, None)
+    y = compose_expert_ffn(cpu, cpu.prepare(xs), batch, layout, plan, kind, alpha, limit)
+    return np.ascontiguousarray(y[plan.slot_rows.reshape(-1)], dtype=np.float32)  # plan order -> pairs

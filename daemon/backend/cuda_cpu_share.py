@@ -42,7 +42,7 @@ from ..kernels.cuda.device import upload
 from ..kernels.cuda.launch import SIMULATOR
 from ..model.weights import TensorSource
 from ..storage.experts import PROJECTIONS, ExpertBatch, expert_biases
-from .base import compose_expert_ffn
+from .base import pairs_on_cpu
 from .cpu import CPUBackend
 
 log = logging.getLogger("moed.device")
@@ -214,13 +214,8 @@ class CPUShare:
         P = T * A
         pairs = np.flatnonzero(self._mask[:P])
         if pairs.size:
-            batch, lay = self._batches[layer], self._layouts[layer]
-            kind, alpha, limit = self._glu[layer]
-            xs = np.ascontiguousarray(self._x[:T][pairs // A])  # [Pc, D]
-            sub = self._ids[:P][pairs].astype(np.int64).reshape(-1, 1)  # each pair a row with one expert
-            plan = self.cpu.expert_plan(sub, batch.rows, lay, None)
-            y = compose_expert_ffn(self.cpu, self.cpu.prepare(xs), batch, lay, plan, kind, alpha, limit)
-            self._y[pairs] = y[plan.slot_rows.reshape(-1)]
+            self._y[pairs] = pairs_on_cpu(self.cpu, self._x[:T], self._ids[:P], pairs, A, self._batches[layer],
+                                          self._layouts[layer], *self._glu[layer])
         self.jobs += 1
         self.pairs += int(pairs.size)
         self.cpu_s += time.perf_counter() - t0

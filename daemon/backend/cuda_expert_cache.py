@@ -68,7 +68,7 @@ from ..experts.stats import RequestLog, VRAMStats
 from ..experts import demand
 from ..experts.slots import SlotTable
 from ..storage.experts import PROJECTIONS, ExpertLayout, check_ids
-from .base import compose_expert_ffn
+from .base import pairs_on_cpu
 from .cuda_errors import CUDA_ERRORS
 from .cuda_weights import scatter_rows
 from .cuda_staged import Decision, StagedBatch, Timer
@@ -508,14 +508,9 @@ class VRAMExpertCache:
     def cpu_pairs(self, x_host, routed, cpu_ids, host_batch, layout, kind, alpha, limit):
         """The pairs of the CPU's experts, computed by the CPU backend from host memory:
         -> (pair indices [Pc], outputs [Pc, D])."""
-        A = routed.shape[1]
         flat = routed.reshape(-1)
         pairs = np.flatnonzero(np.isin(flat, np.asarray(cpu_ids)))
-        xs = np.ascontiguousarray(x_host[pairs // A], dtype=np.float32)  # [Pc, D]
-        sub = flat[pairs].reshape(-1, 1)  # each pair a row with one expert
-        plan = self.cpu.expert_plan(sub, host_batch.rows, layout, None)
-        y = compose_expert_ffn(self.cpu, self.cpu.prepare(xs), host_batch, layout, plan, kind, alpha, limit)
-        return pairs, np.ascontiguousarray(y[plan.slot_rows.reshape(-1)], dtype=np.float32)  # plan order -> pairs
+        return pairs, pairs_on_cpu(self.cpu, x_host, flat, pairs, routed.shape[1], host_batch, layout, kind, alpha, limit)
 
     def _copy_in(self, vl: _VLayer, items: list, host_batch, background: bool) -> Event:
         """Copy experts (expert, slot) from the host batch into their slots on the fetch stream:
