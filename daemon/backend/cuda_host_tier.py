@@ -178,9 +178,7 @@ class HostTierExperts:
         slots = int(budget_bytes) // max(1, per_expert * len(host._batches))  # noqa: SLF001
         share = None
         if cpu_budget_bytes > 0 and sources:
-            share = _cpu_share(gguf, host, sources, slots, cpu_budget_bytes, cpu_count, numerics, backend.stream)
-            say(f"hybrid compute: {share.nbytes / 2**30:.1f} GiB of experts in host RAM for the CPU "
-                f"({'tuned' if share.tuner.fixed is None else share.tuner.fixed} a layer a step)")
+            share = _cpu_share(gguf, host, sources, slots, cpu_budget_bytes, cpu_count, numerics, backend.stream, say)
         tier = cls(host, slots, backend.stream, max_moves, gguf=gguf, sources=sources, share=share)
         held = "every expert" if not tier.cold_possible else f"{tier.host_rows} experts a layer (the rest read when needed)"
         say(f"host tier: {tier.host_bytes / 2**30:.1f} GiB of experts in pinned host memory ({held}), "
@@ -470,7 +468,8 @@ class HostTierExperts:
     layout = ResidentExperts.layout
 
 
-def _cpu_share(gguf, host: DeviceExperts, sources, slots: int, budget_bytes: int, count: str, numerics: str, stream):
+def _cpu_share(gguf, host: DeviceExperts, sources, slots: int, budget_bytes: int, count: str, numerics: str, stream,
+               say=lambda _msg: None):
     """The CPU worker of hybrid compute over as many experts a layer as budget_bytes holds in the
     file's layout: those after the first `slots` (which start in VRAM), among the host rows."""
     from .cuda_cpu_share import CPUShare
@@ -485,6 +484,8 @@ def _cpu_share(gguf, host: DeviceExperts, sources, slots: int, budget_bytes: int
     held = {il: ids for il, ids in held.items() if ids}
     lay = next(iter(layouts.values()))
     fixed = None if str(count).strip().lower() == "auto" else int(count)
+    say(f"hybrid compute: reading {sum(map(len, held.values())) * raw / 2**30:.1f} GiB of experts into host RAM "
+        f"for the CPU ({'a tuned count' if fixed is None else fixed} a layer a step)")
     return CPUShare(gguf, layouts, held, numerics, stream, lay.n_embd, _n_used(gguf), fixed=fixed)
 
 
