@@ -108,12 +108,15 @@ def test_graph_keys_cover_decode_steps_only(fixture_dir):
 
         assert b._graph_key(Step.append([np.array([1, 2])], [c1], True)) is None  # a prefill
         k5, k9 = b._graph_key(decode(5)), b._graph_key(decode(9))
-        assert k5 == (1, True, CHUNK, id(pool), False) and k9 == k5  # both inside the first chunk; not sampled
+        assert k5 == (1, True, CHUNK, id(pool), False, None) and k9 == k5  # both inside the first chunk; not sampled
         assert b._graph_key(decode(CHUNK + 3))[2] == min(2 * CHUNK, pool.cells)
         assert b._graph_key(decode(5, 7))[0] == 2  # two sequences: another graph
         sampled = decode(5)
         sampled.samplers = np.zeros(1, np.int32)
-        assert b._graph_key(sampled) == k5[:4] + (True,)  # sampled on the device: another graph
+        assert b._graph_key(sampled) == k5[:4] + (True, None)  # sampled on the device: another graph
+        split = decode(5)
+        split.variant = "cpu"  # e.g. the host tier's CPU share on: post, wait and take in the graph
+        assert b._graph_key(split) == k5[:5] + ("cpu",)
         assert b.graphs.first_sighting(k5) and not b.graphs.first_sighting(k5)
         b.graphs.clear()  # e.g. the KV pool grew: every shape is new again
         assert b.graphs.first_sighting(k5) and b.graphs.get(k5) is None
