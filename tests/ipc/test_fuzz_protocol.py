@@ -60,15 +60,34 @@ def test_must_fail_agrees_with_the_protocol_decoder(pools):
     assert checked > 1000
 
 
+class _ScriptedRandom:
+    """A random.Random stand-in that plays back its draws: random() values, and choice()'s picks."""
+
+    def __init__(self, randoms: list[float], picks: list):
+        self.randoms, self.picks = list(randoms), list(picks)
+
+    def random(self) -> float:
+        return self.randoms.pop(0)
+
+    def randrange(self, a: int, b: int | None = None) -> int:
+        return a
+
+    def choice(self, seq):
+        pick = self.picks.pop(0)
+        assert pick in seq
+        return pick
+
+
 def test_a_load_setting_drawn_twice_is_judged_by_its_last_value(pools):
-    """Seed 0's case 9505 drew expert_trace_output twice, a NUL first and a valid path last: the
-    request sent the path, yet the fuzzer expected the NUL's refusal and reported a success as a
-    defect. The reason must come from the values that are sent."""
-    case = cases.make_case(9505, 0, pools)
-    assert case.kind == "L"
-    settings = case.msg[3]
-    assert not any("\0" in v for v in settings.values() if isinstance(v, str))
-    assert "NUL" not in case.must_fail
+    """A case once drew one setting twice, a NUL first and a valid value last: the request sent
+    the valid value, yet the fuzzer expected the NUL's refusal and reported a success as a defect.
+    The reason must come from the values that are sent. (The draws are scripted: a fixed case
+    index stops drawing this as soon as the registry gains a setting.)"""
+    key = "gpu_cache_policy"  # a string setting whose default is valid
+    # not empty; two draws; each: a registry setting (not a path), then its value: a NUL string, the default
+    rng = _ScriptedRandom([0.5, 0.9, 0.5, 0.9, 0.9, 0.5, 0.9, 0.1], [key, "\0", key])
+    settings, why = cases._settings(rng, pools)
+    assert settings == {key: cases.SETTINGS[key].default} and why == ""
     for i in range(3000):  # every settings-based reason names a value that is really sent
         c = cases.make_case(i, 0, pools)
         if c.kind == "L" and c.must_fail.endswith("has a NUL"):
