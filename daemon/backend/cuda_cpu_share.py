@@ -41,7 +41,7 @@ from ..kernels.cuda import cpu_share as share_k
 from ..kernels.cuda.device import upload
 from ..kernels.cuda.launch import SIMULATOR
 from ..model.weights import TensorSource
-from ..storage.experts import PROJECTIONS, ExpertBatch, expert_biases
+from ..storage.experts import ExpertBatch, expert_biases
 from .base import pairs_on_cpu
 from .cpu import CPUBackend
 
@@ -64,7 +64,7 @@ def _mapped(shape, dtype):
 class CPUShare:
     """The CPU's copy of C experts a layer and the worker that computes them (module doc)."""
 
-    def __init__(self, gguf, layouts: dict, held: dict[int, list[int]], numerics: str, stream,
+    def __init__(self, gguf, layouts: dict, held: dict[int, list[int]], sources: dict, numerics: str, stream,
                  n_embd: int, n_used: int, max_rows: int = 16, fixed: int | None = None):
         self.cpu = CPUBackend(numerics)
         self.stream = stream
@@ -81,16 +81,11 @@ class CPUShare:
         for il, experts in held.items():
             lay = layouts[il]
             stacks = []
-            for proj, (k, n, qt) in zip(PROJECTIONS, ((lay.n_embd, lay.n_ff, lay.gate_type),
-                                                      (lay.n_embd, lay.n_ff, lay.up_type),
-                                                      (lay.n_ff, lay.n_embd, lay.down_type))):
-                name = f"blk.{il}.ffn_{proj}_exps.weight"
-                src.stacked_info(name, k, n, lay.n_expert)
-                per = lay.nbytes(proj)
-                stack = np.empty((len(experts), per), np.uint8)
+            for place in sources[il]:  # gate, up, down: read straight into the stack [C, N, rb]
+                stack = np.empty((len(experts), place.n, place.rb), np.uint8)
                 for i, e in enumerate(experts):
-                    stack[i] = gguf.read_range(name, e * per, per)
-                stacks.append(stack.reshape(len(experts), n, per // n))
+                    gguf.read_into(place.offset + e * place.n * place.rb, stack[i], f"tensor {place.name!r}")
+                stacks.append(stack)
                 self.nbytes += stack.nbytes
             rows = {e: i for i, e in enumerate(experts)}
             self._batches[il] = ExpertBatch(*stacks, rows, *expert_biases(src, il, lay.n_embd, lay.n_ff, lay.n_expert))

@@ -168,17 +168,18 @@ class HostTierExperts:
         counts. cpu_budget_bytes > 0: a CPU worker's copy of as many experts a layer (the first
         not in VRAM) for hybrid compute, taking cpu_count ('auto' or N) a layer a step."""
         sources = expert_sources(gguf)
+        raw = sum(s.n * s.rb for ss in sources.values() for s in ss) // max(1, len(sources))  # an expert's file bytes
         rows = None
         if host_budget_bytes > 0 and sources:
-            per_expert = sum(s.n * s.rb for ss in sources.values() for s in ss) // len(sources)
-            rows = max(1, int(host_budget_bytes) // max(1, per_expert * len(sources)))
+            rows = max(1, int(host_budget_bytes) // max(1, raw * len(sources)))
         host = DeviceExperts.from_gguf(gguf, None, backend.stream, on_bytes, mapped=True, rows=rows)
         per_expert = sum(int(s[0].nbytes) for b in host._batches.values()  # noqa: SLF001
                          for s in (b.gate, b.up, b.down)) // max(1, len(host._batches))  # noqa: SLF001
         slots = int(budget_bytes) // max(1, per_expert * len(host._batches))  # noqa: SLF001
         share = None
         if cpu_budget_bytes > 0 and sources:
-            share = _cpu_share(gguf, host, sources, slots, cpu_budget_bytes, cpu_count, numerics, backend.stream, say)
+            share = _cpu_share(gguf, host, sources, raw, slots, cpu_budget_bytes, cpu_count, numerics, backend.stream,
+                               say)
         tier = cls(host, slots, backend.stream, max_moves, gguf=gguf, sources=sources, share=share)
         held = "every expert" if not tier.cold_possible else f"{tier.host_rows} experts a layer (the rest read when needed)"
         say(f"host tier: {tier.host_bytes / 2**30:.1f} GiB of experts in pinned host memory ({held}), "
@@ -468,14 +469,13 @@ class HostTierExperts:
     layout = ResidentExperts.layout
 
 
-def _cpu_share(gguf, host: DeviceExperts, sources, slots: int, budget_bytes: int, count: str, numerics: str, stream,
-               say=lambda _msg: None):
+def _cpu_share(gguf, host: DeviceExperts, sources, raw: int, slots: int, budget_bytes: int, count: str,
+               numerics: str, stream, say=lambda _msg: None):
     """The CPU worker of hybrid compute over as many experts a layer as budget_bytes holds in the
     file's layout: those after the first `slots` (which start in VRAM), among the host rows."""
     from .cuda_cpu_share import CPUShare
 
     layouts = host._layouts  # noqa: SLF001
-    raw = sum(s.n * s.rb for ss in sources.values() for s in ss) // len(sources)  # one expert's file bytes
     per_layer = int(budget_bytes) // max(1, raw * len(sources))
     held = {}
     for il, b in host._batches.items():  # noqa: SLF001
@@ -486,7 +486,7 @@ def _cpu_share(gguf, host: DeviceExperts, sources, slots: int, budget_bytes: int
     fixed = None if str(count).strip().lower() == "auto" else int(count)
     say(f"hybrid compute: reading {sum(map(len, held.values())) * raw / 2**30:.1f} GiB of experts into host RAM "
         f"for the CPU ({'a tuned count' if fixed is None else fixed} a layer a step)")
-    return CPUShare(gguf, layouts, held, numerics, stream, lay.n_embd, _n_used(gguf), fixed=fixed)
+    return CPUShare(gguf, layouts, held, sources, numerics, stream, lay.n_embd, _n_used(gguf), fixed=fixed)
 
 
 def _n_used(gguf) -> int:
