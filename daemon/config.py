@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .errors import ConfigError
+from .experts.policies import LIVE_POLICIES
 
 NUMERICS = ("ggml", "float32")
 ROUTING = ("auto", "exact", "approx", "speculative", "all")
@@ -85,6 +86,10 @@ class Settings:
     expert_cache_limit_mb: float = field(default=0.0, metadata=_meta(
         "EXPERT_CACHE_LIMIT_MB", "host memory for expert slices across all MoE layers, split evenly per "
         "layer; 0 = unlimited", bounds=(0, 2**30)))  # 1 PiB: a limit, never allocated beyond the model
+    expert_cache_policy: str = field(default="lru", metadata=_meta(
+        "EXPERT_CACHE_POLICY", "with EXPERT_CACHE_LIMIT_MB: which cached expert a miss evicts: lru, lfu-decay "
+        "(frequency with a decay) or lfru (a fast-decaying count for recency plus a slow one for frequency; "
+        "experts/policies.py); moed trace replay compares them on real traces", LIVE_POLICIES))
     gpu_cache_mb: str = field(default="auto", metadata=_meta(
         "MOE_GPU_CACHE_MB", "on a GPU whose memory cannot hold every expert: VRAM for the expert cache, "
         "split evenly per MoE layer; auto = what is free after the weights, KV caches and a margin (moed ps "
@@ -111,8 +116,7 @@ class Settings:
     gpu_cache_policy: str = field(default="lru", metadata=_meta(
         "MOE_GPU_CACHE_POLICY", "which VRAM expert is evicted for a miss: lru, lfu-decay (frequency "
         "with a decay), or lfru (a fast-decaying count for recency plus a slow one for frequency; "
-        "experts/policies.py); moed trace replay compares them on real traces",
-        ("lru", "lfu-decay", "lfru")))
+        "experts/policies.py); moed trace replay compares them on real traces", LIVE_POLICIES))
     postfetch_enable: bool = field(default=True, metadata=_meta(
         "MOE_POSTFETCH_ENABLE", "copy a layer's missing experts to VRAM on the fetch stream while the "
         "resident ones compute, the copied ones' work waiting on the layer's copies; 0 = copy, wait, then compute"))

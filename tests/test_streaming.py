@@ -208,6 +208,21 @@ def test_stats_of_a_fresh_engine_serialise(refs):
         assert set(back["cache"]["layers"]) == {str(il) for il in ref.moe_layers}
 
 
+@pytest.mark.parametrize("policy", ["lfu-decay", "lfru"])
+def test_the_eviction_policy_changes_no_token(refs, policy):
+    """EXPERT_CACHE_POLICY reaches the host cache and, like the limit, only moves which experts are
+    read: the tokens and logits stay the mapped reference's."""
+    ref = refs[("qwen3moe", "Q8_0")]
+    with load(ref.path, expert_cache_limit_mb=limits(ref)["two-slots"], routing="speculative",
+              expert_cache_policy=policy) as engine:
+        assert np.array_equal(engine.forward(PROMPT), ref.all_logits)
+        _, calls = generate(engine)
+        assert_matches_ref(ref, calls)
+        st = settled_stats(engine)
+        assert st["cache"]["policy"] == policy and st["cache"]["total"]["evictions"] > 0
+        check_reads(ref, st, "speculative")
+
+
 @pytest.mark.parametrize("limit,mode", [("tiny", "exact"), ("none", "all"), ("two-slots", "speculative")])
 def test_truncated_model_fails_the_request_then_recovers(refs, tmp_path, limit, mode):
     ref = refs[("qwen3moe", "Q8_0")]

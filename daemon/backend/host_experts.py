@@ -31,9 +31,10 @@ def host_expert_cache(gguf: GGUFFile, cfg: Settings, say: Callable[[str], None],
     store = store or ExpertStore.from_gguf(gguf, layouts)
     src = TensorSource(gguf)
     biases = {il: tuple(expert_biases(src, il, lay.n_embd, lay.n_ff, lay.n_expert)) for il, lay in layouts.items()}
-    limit = f"{cfg.expert_cache_limit_mb:g} MB" if cfg.expert_cache_limit_mb else "no limit"
+    limit = f"{cfg.expert_cache_limit_mb:g} MB, {cfg.expert_cache_policy}" if cfg.expert_cache_limit_mb else "no limit"
     say(f"streaming experts from the {store.kind} ({limit})")
-    return ExpertCache(store, cfg.expert_cache_limit_mb, cfg.io_depth, biases, demand_reads(cfg), allocate)
+    return ExpertCache(store, cfg.expert_cache_limit_mb, cfg.io_depth, biases, demand_reads(cfg), allocate,
+                       cfg.expert_cache_policy)
 
 
 def demand_reads(cfg: Settings) -> str:

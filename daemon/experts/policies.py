@@ -8,7 +8,8 @@ was already resident. When one token needs more experts than the capacity, they 
 the step anyway (counted as misses) and the cache is trimmed back to capacity afterwards, so a
 budget below one step's need still completes.
 
-Demand policies (`POLICIES`: every miss is inserted; the live caches use these):
+Demand policies (`POLICIES`: every miss is inserted; the live caches use these: the host expert
+cache (storage/cache.py, EXPERT_CACHE_POLICY) and the VRAM expert cache (MOE_GPU_CACHE_POLICY)):
 - `lru`: evict the least recently used expert.
 - `belady`: offline optimum of demand paging; evict the resident expert whose next use is farthest
   in the future (never-again first). Pinned experts of the current step cannot be evicted.
@@ -105,15 +106,21 @@ class _Policy:
 
 
 class _LRU(_Policy):
+    """Least recently touched first, by the order of the touches themselves: experts touched in one
+    step keep their touch order (the simulator touches a step's experts by id; the host cache in
+    request order, hits before misses)."""
+
     def __init__(self, seq):
         super().__init__(seq)
         self.last: dict[int, int] = {}
+        self._touches = 0
 
     def touch(self, e, t):
-        self.last[e] = t
+        self._touches += 1
+        self.last[e] = self._touches
 
     def rank(self, e, t):
-        return self.last[e], e
+        return self.last[e]
 
 
 class _LRU2(_Policy):
@@ -199,6 +206,7 @@ class _LFRU(_Policy):
         return self.score(e, t) + self.weight + 1.0 >= self.score(victim, t)
 
 
+LIVE_POLICIES = ("lru", "lfu-decay", "lfru")  # the live caches' choices (online; belady needs the future)
 POLICIES = {"lru": _LRU, "belady": _Belady, "lfu-decay": _LFUDecay, "lru2": _LRU2, "lfru": _LFRU}
 _ADMITTING = {"lfru-admit": _LFRU}  # live admission policies: a class with admit()
 ADMISSION_POLICIES = (*_ADMITTING, "opt-bypass")

@@ -1,10 +1,12 @@
-"""Per-layer LRU of expert weights in host memory, filled from the expert store by async reads.
+"""Per-layer cache of expert weights in host memory, filled from the expert store by async reads.
 
 Each MoE layer owns an arena of S slots (uint8 [S, rows, row bytes] per projection), S =
 budget per layer / bytes per expert, budget per layer = EXPERT_CACHE_LIMIT_MB / MoE layers (no
 limit: S = E). A fetched batch indexes the arena directly, so a decode step copies nothing.
 
 Rules:
+- Eviction follows the layer's policy (daemon/experts/policies.py: lru by default, lfu-decay or
+  lfru; EXPERT_CACHE_POLICY), whose time is the layer's counted fetches (one a step).
 - `fetch(layer, ids)` pins its experts until the `with` block ends; pinned or loading slots are
   never evicted or overwritten. When every slot is pinned, the extra experts load into buffers of
   their own, are used, and are dropped on release (a budget below one step's need still runs).
@@ -29,7 +31,6 @@ import asyncio
 import itertools
 import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -37,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..errors import GGUFError, StorageError
+from ..experts.policies import LIVE_POLICIES, POLICIES
 from .experts import PROJECTIONS, ExpertBatch, ExpertLayout, check_ids
 from .parallel_read import ParallelReader
 from .store import ExpertStore, StoreReader
@@ -88,9 +90,11 @@ class _Entry:
 class _Layer:
     layout: ExpertLayout
     capacity: int  # S
+    policy: object  # experts/policies.py: which entry is evicted
     arena: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # gate, up, down: [S, rows, rb]
     free: list[int] = field(default_factory=list)
-    entries: OrderedDict = field(default_factory=OrderedDict)  # expert -> _Entry, LRU first
+    entries: dict = field(default_factory=dict)  # expert -> _Entry
+    clock: int = 0  # the policy's time: counted fetches of this layer
     stats: LayerStats = field(default_factory=LayerStats)
     seen: set[int] = field(default_factory=set)
     read_this_pass: set[int] = field(default_factory=set)
@@ -102,9 +106,13 @@ class ExpertCache:
     """Expert provider backed by an ExpertStore and bounded per layer. Close it when done."""
 
     def __init__(self, store: ExpertStore, limit_mb: float = 0.0, io_depth: int = 8,
-                 biases: dict[int, tuple] | None = None, demand_reads: str = "compute", allocate=None):
+                 biases: dict[int, tuple] | None = None, demand_reads: str = "compute", allocate=None,
+                 policy: str = "lru"):
         if demand_reads not in ("compute", "io"):
             raise ValueError(f"demand_reads must be 'compute' or 'io', not {demand_reads!r}")
+        if policy not in LIVE_POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(LIVE_POLICIES)}, not {policy!r}")
+        self.policy = policy
         self.store = store
         self._allocate = allocate or np.empty  # arenas: pinned memory when a GPU copies from them
         self.limit_bytes = int(limit_mb * 2**20)
@@ -113,7 +121,7 @@ class ExpertCache:
         self._layers: dict[int, _Layer] = {}
         for il, lay in store.layouts.items():
             cap = lay.n_expert if not self.limit_bytes else min(lay.n_expert, self.layer_budget // lay.expert_nbytes)
-            self._layers[il] = _Layer(lay, cap, free=list(range(cap - 1, -1, -1)),
+            self._layers[il] = _Layer(lay, cap, POLICIES[policy]([]), free=list(range(cap - 1, -1, -1)),
                                       biases=(biases or {}).get(il, (None, None, None)))
         self._lock = threading.Lock()
         self._seq = itertools.count()
@@ -155,11 +163,14 @@ class ExpertCache:
         try:
             with self._lock:
                 entries = lc.entries
-                if any(e not in entries for e in wanted):
-                    # cached ones first, so that room made for a miss never evicts one this step wants
+                lc.clock += count
+                n_miss = sum(e not in entries for e in wanted)
+                slots = []
+                if n_miss:  # cached ones first (touched first: LRU's order within a step)
                     wanted.sort(key=lambda e: e not in entries)
+                    slots = self._claim(lc, n_miss, prefetch=False, keep=set(wanted))
                 for e in wanted:
-                    held.append(self._demand(lc, layer, e, reads, count))
+                    held.append(self._demand(lc, layer, e, reads, count, slots))
             if self._here is not None:
                 self._read_here(layer, reads)
             else:
@@ -216,19 +227,17 @@ class ExpertCache:
         lc = self._layers.get(layer)
         if lc is None or self._closed:
             return
-        reads: list[_Entry] = []
         with self._lock:
+            new = []
             for e in dict.fromkeys(int(e) for e in ids):
-                ent = lc.entries.get(e)
-                if ent is not None:
-                    lc.entries.move_to_end(e)  # predicted again: keep it
-                    continue
-                ent = self._start(lc, e, PREFETCH)
-                if ent is None:
-                    lc.stats.prefetch_skipped += 1
+                if e in lc.entries:
+                    lc.policy.touch(e, lc.clock)  # predicted again: keep it
                 else:
-                    lc.stats.prefetch_issued += 1
-                    reads.append(ent)
+                    new.append(e)
+            slots = self._claim(lc, len(new), prefetch=True) if new else []
+            reads = [self._start(lc, e, PREFETCH, slot) for e, slot in zip(new, slots)]
+            lc.stats.prefetch_issued += len(reads)
+            lc.stats.prefetch_skipped += len(new) - len(reads)
         self._queue(PREFETCH, layer, reads)
 
     def biases(self, layer: int) -> tuple:
@@ -264,6 +273,7 @@ class ExpertCache:
                 for k, v in asdict(lc.stats).items():
                     setattr(total, k, getattr(total, k) + v)
         return {"source": self.store.kind, "path": self.store.path, "limit_mb": self.limit_bytes / 2**20,
+                "policy": self.policy,
                 "layer_budget_bytes": self.layer_budget,
                 "expert_bytes": {il: lc.layout.expert_nbytes for il, lc in self._layers.items()},
                 "cached_bytes": sum(len(lc.entries) * lc.layout.expert_nbytes for lc in self._layers.values()),
@@ -296,7 +306,9 @@ class ExpertCache:
 
     # -- internals (called with the lock held) ----------------------------------------------------
 
-    def _demand(self, lc: _Layer, layer: int, e: int, reads: list[_Entry], count: bool = True) -> _Entry:
+    def _demand(self, lc: _Layer, layer: int, e: int, reads: list[_Entry], count: bool, slots: list[int]) -> _Entry:
+        """Expert e for a step, pinned: a hit, or a miss read into the next of `slots` (claimed for
+        the step's misses; none left: a buffer of its own)."""
         st = lc.stats if count else LayerStats()  # not counted: a throwaway
         st.requests += 1
         if count and e not in lc.seen:
@@ -307,32 +319,30 @@ class ExpertCache:
             st.hits += 1
             if ent.prefetched and not ent.used:
                 st.prefetch_used += 1
-            lc.entries.move_to_end(e)
             if not ent.started and ent.priority != DEMAND:  # queued prefetch: read it now
                 ent.priority = DEMAND
                 reads.append(ent)
         else:
             st.misses += 1
-            ent = self._start(lc, e, DEMAND)
+            ent = self._start(lc, e, DEMAND, slots.pop(0) if slots else -1)
             reads.append(ent)
+        lc.policy.touch(e, lc.clock)
         ent.used = ent.used or count
         ent.pins += 1
         return ent
 
-    def _start(self, lc: _Layer, e: int, priority: int) -> _Entry | None:
-        """Reserve room for expert e. None: a prefetch with no room."""
-        slot = self._free_slot(lc, prefetch=priority == PREFETCH)
-        if slot is None:
-            if priority == PREFETCH:
-                return None
+    def _start(self, lc: _Layer, e: int, priority: int, slot: int) -> _Entry:
+        """A read of expert e into `slot` (-1: a buffer of its own, dropped after its step)."""
+        if slot < 0:
             views = tuple(np.empty(lc.layout.shape(p), np.uint8) for p in PROJECTIONS)
-            slot = -1
         else:
             views = tuple(a[slot] for a in self._arena(lc))
         ent = _Entry(e, slot, views, Future(), prefetched=priority == PREFETCH, priority=priority)
         self.reads_started += 1
         if slot >= 0:
             lc.entries[e] = ent
+            if priority == PREFETCH:
+                lc.policy.touch(e, lc.clock)
         if e in lc.read_this_pass:
             lc.stats.duplicate_reads += 1
         lc.read_this_pass.add(e)
@@ -368,20 +378,23 @@ class ExpertCache:
         for j in range(n_jobs):
             self._io.submit(priority, next(self._seq), layer, reads[j::n_jobs])
 
-    def _free_slot(self, lc: _Layer, prefetch: bool) -> int | None:
-        if lc.free:
-            return lc.free.pop()
-        for e, ent in lc.entries.items():  # least recently used first
-            if ent.pins or not ent.future.done():
-                continue
-            if prefetch and ent.prefetched and not ent.used:
-                continue
-            del lc.entries[e]
+    def _claim(self, lc: _Layer, n: int, prefetch: bool, keep=frozenset()) -> list[int]:
+        """Up to n slots: free ones, then those of the policy's least wanted entries that no step
+        holds, no read fills, `keep` does not name and (for a prefetch) are not predictions still
+        to be used. Fewer when nothing else can go."""
+        slots = [lc.free.pop() for _ in range(min(n, len(lc.free)))]
+        if len(slots) == n:
+            return slots
+        cands = [e for e, ent in lc.entries.items()
+                 if not ent.pins and ent.future.done() and e not in keep
+                 and not (prefetch and ent.prefetched and not ent.used)]
+        for e in lc.policy.victims(cands, lc.clock, n - len(slots)):
+            ent = lc.entries.pop(e)
             lc.stats.evictions += 1
             if ent.prefetched and not ent.used:
                 lc.stats.prefetch_wasted += 1
-            return ent.slot
-        return None
+            slots.append(ent.slot)
+        return slots
 
     def _arena(self, lc: _Layer):
         if lc.arena is None:  # np.empty: pages are committed as slots fill

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from daemon.errors import GGUFError, ModelFileChanged, StorageError
+from daemon.experts.policies import simulate_layer
 from daemon.storage.cache import ExpertCache
 from daemon.storage.experts import PROJECTIONS
 from daemon.storage.gguf import GGUFFile
@@ -380,6 +381,32 @@ def test_prefetch_never_evicts_pinned_or_unused_predictions(m, make):
         m.check(b, 0, [4, 7])
     s = L(c, 0)
     assert s["prefetch_wasted"] == 1 and s["prefetch_used"] == 3
+
+
+@pytest.mark.parametrize("policy", ["lfu-decay", "lfru"])
+def test_a_frequency_policy_evicts_as_the_replay_simulator_does(m, make, policy):
+    """EXPERT_CACHE_POLICY: the cache's hits and misses step for step equal the replay simulator's
+    demand loop (experts/policies.py) with the same policy, on steps that fit the slots; and they
+    differ from LRU's on this sequence (the simulator: 100 LRU hits against 95-96), so the setting
+    reaches the eviction."""
+    slots = 4
+    rng = random.Random(11)
+    seq = [sorted({rng.choice([0, 1, 2]), *rng.sample(range(3, m.n_expert), 2)}) for _ in range(60)]
+    got = []
+    for kind in (policy, "lru"):
+        c = make(slots, policy=kind)
+        for ids in seq:
+            with c.fetch(0, ids) as b:
+                m.check(b, 0, ids)
+        got.append((L(c, 0)["hits"], L(c, 0)["misses"]))
+    want = simulate_layer([frozenset(ids) for ids in seq], slots, policy)
+    assert got[0] == (want.hits, want.misses)
+    assert got[0] != got[1]
+
+
+def test_an_unknown_policy_is_refused(m):
+    with pytest.raises(ValueError, match="lfru"):
+        ExpertCache(m.store, 1.0, policy="belady")
 
 
 def test_prefetch_of_cached_or_in_flight_reads_nothing(m, make, slow_reads):
