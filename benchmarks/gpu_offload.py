@@ -21,6 +21,7 @@ to llama.cpp's CUDA build.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -82,7 +83,8 @@ def measure(path: str, cache_mb: str, routing: str, min_batch: str, *, prompt: i
         busy0, blocked0 = clock.busy_s, clock.blocked_s
         clock.marks = []  # each replay's GPU time, start to end
         marked: list[int] = []
-        times, token = _decode(model, cache, token, steps, marked)
+        with _CollectorPauses() as pauses:
+            times, token = _decode(model, cache, token, steps, marked)
         host = {"busy_ms": 1e3 * (clock.busy_s - busy0), "blocked_ms": 1e3 * (clock.blocked_s - blocked0)}
         gpu = clock.gpu_ms()
         clock.marks = None
@@ -110,7 +112,11 @@ def measure(path: str, cache_mb: str, routing: str, min_batch: str, *, prompt: i
                "graph_replays": model.backend.graphs.replays,  # decode steps run as graph segments
                # steps run as one graph each: the GPU's time from the graph's start to its end, and
                # what a step costs beyond it (the host's share of a token: inputs, launch, read-back)
-               **(_host_split([times[i] for i in marked], gpu) if gpu else {})}
+               **(_host_split([times[i] for i in marked], gpu) if gpu else {}),
+               # steps over twice the median (where the mean and the median part ways), with their GPU
+               # time where they ran as one graph, and the garbage collector's pauses in the timed steps
+               "slow_steps": _slow_steps(times, dict(zip(marked, gpu or []))),
+               "gc_pauses_ms": pauses.ms}
         if v is not None:
             return out | _cache_figures(v, steps, wall_ms, host)
         if tier is not None:
@@ -145,6 +151,31 @@ def _cache_figures(v: dict, n: int, wall_ms: float, host: dict) -> dict:
                                    "rest": round((wall_ms - host["busy_ms"] - host["blocked_ms"]) / n, 2)},
             "slots_per_layer": sorted({lay["capacity"] for lay in v["layers"].values()}),
             "offload": v["offload"]}
+
+
+def _slow_steps(times: list[float], gpu_of: dict[int, float]) -> list[dict]:
+    med = float(np.median(times)) if times else 0.0
+    return [{"step": i, "ms": round(1e3 * t, 1), "gpu_ms": round(gpu_of[i], 2) if i in gpu_of else None}
+            for i, t in enumerate(times) if t > 2 * med]
+
+
+class _CollectorPauses:
+    """The cyclic garbage collector's pauses while the block runs (ms each, with its generation)."""
+
+    def __enter__(self):
+        self.ms: list[tuple[int, float]] = []
+        self._t0 = 0.0
+        gc.callbacks.append(self._on)
+        return self
+
+    def _on(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.ms.append((info["generation"], round(1e3 * (time.perf_counter() - self._t0), 2)))
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._on)
 
 
 def _host_split(times: list[float], gpu_ms: list[float]) -> dict:

@@ -6,17 +6,18 @@ routing never leaves the device, so a decode step is one CUDA graph whatever the
 and the tokens are those of every expert in VRAM (the kernels compute the same bits from either
 tier).
 
-Promotion follows use, between steps and off the critical path (`begin_pass`, before each step):
+Promotion follows use, off the critical path (`launched`: the host's part runs while the step
+just launched runs on the GPU, everything it enqueues stream-ordered after that step):
 - each step counts its (token, expert) pairs per layer on the device (router.count_experts into the
   slot map's `usage`, captured with the step; a padded step's copies of row 0 count too);
-- before each step the counts of the steps since the last read are copied back in stream order
+- after each launch the counts of the steps since the last read are copied back in stream order
   and zeroed; once arrived they feed the stats (each step's experts, replayed against Belady) and
   add up; every `period` steps each expert's score decays and adds them, and up to `max_moves`
   experts a layer that clearly beat the weakest slot holders move in (experts/promotion.py);
 - a move first unpublishes its victim (the map says host row again, written on the compute stream,
   so every later step reads the host tier), then the copy stream waits for that point (every step
   that may read the old slot is done) and copies the expert's rows from the host tier into the
-  slot; a later begin_pass that finds the copy done publishes the slot (written on the compute
+  slot; a later `launched` that finds the copy done publishes the slot (written on the compute
   stream). So a step sees the old miss or the new hit, never a half copy, and the bits never change.
   A copy that fails (a CUDA error) fails nothing: its expert stays in the host tier, its slot
   empty (unpublished) until a later move fills it, and a warning is logged once.
@@ -187,16 +188,19 @@ class HostTierExperts:
         return tier
 
     def begin_pass(self, rows: int = 0) -> None:
-        """Between steps (the model calls it before each of `rows` rows): take the use counts that
-        arrived, read the last steps' (the maps they used kept: nothing has changed them since),
-        publish finished moves, and every `period` steps start the moves the counts call for
-        (module doc); the CPU share's tuner gets the last step's time."""
+        """Before a step of `rows` rows: the CPU share's tuner gets the last step's time."""
         self.passes += 1
         if self.share is not None:
             now = time.perf_counter()
             last = None if self._step_began is None else now - self._step_began
             self.share.begin_step(self._step_rows, last)
             self._step_began, self._step_rows = now, rows
+
+    def launched(self) -> None:
+        """While the step just launched runs (the model calls it once a step, before waiting for
+        it): take the use counts that arrived, read the launched step's (the maps it reads kept:
+        nothing changes them before this returns), publish finished moves, and every `period`
+        steps start the moves the counts call for (module doc). All it enqueues follows the step."""
         if not self.slots or not self._layers:
             return
         if self._reading and self._xfer.done(self._read_done):

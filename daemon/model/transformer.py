@@ -192,8 +192,17 @@ class Transformer:
         if step.feed is not None and not static:
             raise RequestError("a step whose tokens are read on the host cannot take them from the device")
         if step.samplers is not None:  # sampled in the step (its last segment): not waited for
-            return B.run_step(step, lambda: B.sample(self._layers(step), step), static=static, segmented=segmented)
-        return B.to_host(B.run_step(step, lambda: self._layers(step), static=static, segmented=segmented))
+            return self._launched(B.run_step(step, lambda: B.sample(self._layers(step), step), static=static,
+                                             segmented=segmented))
+        return B.to_host(self._launched(B.run_step(step, lambda: self._layers(step), static=static,
+                                                   segmented=segmented)))
+
+    def _launched(self, out):
+        """The step is launched: the experts' host work that may overlap it (promotion) runs now."""
+        launched = getattr(self.experts, "launched", None)
+        if launched is not None:
+            launched()
+        return out
 
     def _run_checked(self, step: Step, plain: bool):
         """_run over a host tier whose steps are checked before sampling (cuda_host_tier.py: cold
@@ -203,7 +212,8 @@ class Transformer:
         (up to COLD_TRIES runs, the cold experts its counts show read in between), then blocking
         (every cold expert read before its layer; KV rewritten at the same positions). A prefill,
         or a model with recurrent states (not idempotent), always blocks. A failed CPU share fails
-        the step there (take_cold raises), before anything is sampled."""
+        the step there (take_cold raises), before anything is sampled. Promotion (`launched`) follows
+        the final run."""
         B, experts = self.backend, self.experts
         logits = None
         if plain and step.T == step.S and self.paddable and experts.routing_free:
@@ -224,6 +234,9 @@ class Transformer:
         if logits is None:
             with experts.blocking():
                 logits = B.run_step(step, lambda: self._layers(step))
+        # the step is final: its counts are read now (not while it runs: a flagged run's are take_cold's,
+        # and a CPU worker's Python would share the interpreter with promotion's)
+        experts.launched()
         if step.samplers is not None:
             return B.sample(logits, step)
         return B.to_host(logits)

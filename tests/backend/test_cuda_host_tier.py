@@ -63,6 +63,7 @@ def test_a_promoted_expert_serves_from_its_slot_with_the_resident_logits(case):
         lay.rows.usage.copy_to_device(np.array([0, 1, 0, 9], np.int32))  # as if counted by steps
     for _ in range(20):  # read the counts; start the move; publish it (three passes once copies are done)
         tier.begin_pass()
+        tier.launched()
         backend.stream.synchronize()
         tier._xfer.fetch.synchronize()
         if tier.promotions == len(layers):
@@ -118,6 +119,7 @@ def test_a_failed_promotion_fails_nothing(fixture_dir, monkeypatch, caplog):
     def passes():
         for _ in range(20):
             tier.begin_pass()
+            tier.launched()
             backend.stream.synchronize()
             tier._xfer.fetch.synchronize()
 
