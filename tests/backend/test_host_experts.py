@@ -27,7 +27,7 @@ def test_the_cpu_streams_its_experts_from_the_host_cache(fixture_dir):
         try:
             assert isinstance(experts, ExpertCache) and closer is experts
             assert experts.limit_bytes == 2**20
-            assert said == ["streaming experts from the gguf (1 MB)"]
+            assert said == ["streaming experts from the gguf (1 MB, lru)"]  # the limit and the eviction policy
         finally:
             experts.close()
 
