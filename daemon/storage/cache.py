@@ -236,6 +236,8 @@ class ExpertCache:
                     new.append(e)
             slots = self._claim(lc, len(new), prefetch=True) if new else []
             reads = [self._start(lc, e, PREFETCH, slot) for e, slot in zip(new, slots)]
+            for ent in reads:
+                lc.policy.touch(ent.expert, lc.clock)
             lc.stats.prefetch_issued += len(reads)
             lc.stats.prefetch_skipped += len(new) - len(reads)
         self._queue(PREFETCH, layer, reads)
@@ -341,8 +343,6 @@ class ExpertCache:
         self.reads_started += 1
         if slot >= 0:
             lc.entries[e] = ent
-            if priority == PREFETCH:
-                lc.policy.touch(e, lc.clock)
         if e in lc.read_this_pass:
             lc.stats.duplicate_reads += 1
         lc.read_this_pass.add(e)
