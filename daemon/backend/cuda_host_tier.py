@@ -17,8 +17,9 @@ just launched runs on the GPU, everything it enqueues stream-ordered after that 
 - a move first unpublishes its victim (the map says host row again, written on the compute stream,
   so every later step reads the host tier), then the copy stream waits for that point (every step
   that may read the old slot is done) and copies the expert's rows from the host tier into the
-  slot; a later `launched` that finds the copy done publishes the slot (written on the compute
-  stream). So a step sees the old miss or the new hit, never a half copy, and the bits never change.
+  slot (a layer's moves in one batched driver call, Transfers.copy_many); a later `launched`
+  that finds the copy done publishes the slot (written on the compute stream). So a step sees
+  the old miss or the new hit, never a half copy, and the bits never change.
   A copy that fails (a CUDA error) fails nothing: its expert stays in the host tier, its slot
   empty (unpublished) until a later move fills it, and a warning is logged once.
 A host tier smaller than the model (EXPERT_CACHE_LIMIT_MB: R host rows a layer, R < E) leaves
@@ -257,10 +258,8 @@ class HostTierExperts:
         Transfers.upload_into(lay.rows.device, lay.map, self.stream)
         unpublished = self._xfer.record(Event(), self.stream)
         self._xfer.wait(self._xfer.fetch, unpublished)  # every step that may read the old slots is done
-        try:
-            for s, e in moves:
-                for st in lay.stacks:
-                    self._copy(st.vram[s], st.host[lay.row_of[e]])
+        try:  # gate, up and down of every newcomer: one batched call for the layer
+            self._xfer.copy_many([(st.vram[s], st.host[lay.row_of[e]]) for s, e in moves for st in lay.stacks])
             self._xfer.record(lay.copied, self._xfer.fetch)
         except CUDA_ERRORS as err:  # the newcomers stay in the host tier; their slots stay empty
             self.failed_moves += len(moves)
@@ -270,10 +269,6 @@ class HostTierExperts:
                             "host memory", lay.il, err)
             return
         lay.moving = moves
-
-    def _copy(self, slot, host_rows) -> None:
-        """One projection of an expert: its host rows into a VRAM slot, on the copy stream."""
-        slot.copy_to_device(host_rows, stream=self._xfer.fetch)
 
     def _publish(self, lay: _Layer) -> None:
         for s, e in lay.moving:

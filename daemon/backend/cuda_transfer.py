@@ -4,7 +4,9 @@ Copies are driver calls from page-locked memory: numba's own `copy_to_device` sp
 host time per call (7-34 GB/s for 1-5 MB experts), cuMemcpyHtoDAsync 5-11 us (47-53 GB/s, 86-97%
 of the pinned peak; benchmarks/gpu_h2d.py). A layer's scattered expert slices go as one
 cuMemcpyBatchAsync (CUDA 12.8+ drivers; else one call each): on the H100, 12 copies of 1.7 MB ran
-at 50.5 GB/s as one batch against 42 GB/s issued one by one. They run on a fetch stream of their
+at 50.5 GB/s as one batch against 42 GB/s issued one by one. `copy_many` batches copies between
+any two unified addresses the same way (the host tier's promotions: mapped host rows into VRAM
+slots). They run on a fetch stream of their
 own, so the compute stream goes on while they fly; an `Event` recorded after a copy lets the
 compute stream wait for exactly that copy (cuStreamWaitEvent), and the host ask whether it is
 done (cuEventQuery) without waiting.
@@ -155,8 +157,7 @@ class Transfers:
             for offset, src in copies:
                 self.h2d(dst, src, offset)
             return
-        n = len(copies)
-        table = np.empty((3, n), np.uint64)  # destinations, sources, sizes
+        table = np.empty((3, len(copies)), np.uint64)  # destinations, sources, sizes
         base, end = int(dst.gpu_data.device_pointer), int(dst.nbytes)
         for i, (offset, src) in enumerate(copies):
             if self.fault is not None:
@@ -165,15 +166,47 @@ class Transfers:
             if offset + size > end:
                 raise ValueError(f"a copy of {size} bytes at {offset} into {end}")
             table[0, i], table[1, i], table[2, i] = base + offset, src.ctypes.data, size
-        f = _batch_copy
-        err = f(table[0].ctypes.data, table[1].ctypes.data, table[2].ctypes.data, n, ctypes.addressof(f.attrs),
-                ctypes.addressof(f.first), 1, int(self.fetch.handle))
-        if err == _drv().CUresult.CUDA_ERROR_NOT_SUPPORTED:  # a driver that names the call but lacks it
-            _no_batch()
+        if not self._batch(table):
             for offset, src in copies:
                 self.h2d(dst, src, offset)
-        elif err:
+
+    def copy_many(self, copies: list) -> None:
+        """dst <- src for every (dst, src) in copies: C-contiguous arrays of equal size in VRAM or
+        in mapped host memory (unified addresses), on the fetch stream, as one driver call where
+        the driver has it, else one cuMemcpyAsync each; in any order among themselves."""
+        for dst, src in copies:
+            if self.fault is not None:
+                self.fault()
+            if int(dst.nbytes) != int(src.nbytes):
+                raise ValueError(f"a copy of {int(src.nbytes)} bytes into {int(dst.nbytes)}")
+        if SIM:
+            for dst, src in copies:
+                dst.copy_to_device(src)
+            return
+        table = np.array([[int(d.gpu_data.device_pointer) for d, _ in copies],
+                          [int(s.gpu_data.device_pointer) for _, s in copies],
+                          [int(d.nbytes) for d, _ in copies]], np.uint64).reshape(3, len(copies))
+        if len(copies) > 1 and self._batch(table):
+            return
+        drv = _drv()
+        for d, s, n in table.T.tolist():
+            _check(drv.cuMemcpyAsync(d, s, n, int(self.fetch.handle)))
+
+    def _batch(self, table: np.ndarray) -> bool:
+        """The copies of table [3, n] (destination and source addresses, sizes) as one
+        cuMemcpyBatchAsync on the fetch stream; False if the driver has none (nothing issued)."""
+        f = _batch_fn()
+        if not f:
+            return False
+        table = np.ascontiguousarray(table)
+        err = f(table[0].ctypes.data, table[1].ctypes.data, table[2].ctypes.data, table.shape[1],
+                ctypes.addressof(f.attrs), ctypes.addressof(f.first), 1, int(self.fetch.handle))
+        if err == _drv().CUresult.CUDA_ERROR_NOT_SUPPORTED:  # a driver that names the call but lacks it
+            _no_batch()
+            return False
+        if err:
             _check((_drv().CUresult(err),))
+        return True
 
     @staticmethod
     def upload_into(dst, src: np.ndarray, stream) -> None:
