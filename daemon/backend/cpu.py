@@ -19,7 +19,7 @@ import numba
 import numpy as np
 from numba.typed import List
 
-from ..kernels import ops, ssm as ssm_k
+from ..kernels import moe_decode, ops, ssm as ssm_k
 from ..kernels.matmul import Prepared, linear_prepared, prepare
 from ..kernels.quants import dequantize
 from . import cpu_experts
@@ -151,7 +151,15 @@ class CPUBackend:
         return compose_expert_glu(self, x, batch, layout, plan, kind, alpha, limit)
 
     def expert_ffn(self, x, batch, layout, plan, kind, alpha=0.0, limit=0.0) -> np.ndarray:
+        if isinstance(plan, cpu_experts.PerTokenPlan) and self._fusable(batch, layout):  # a one-token step
+            acts = x if isinstance(x, Activations) else Activations(x, self.numerics)
+            return moe_decode.expert_ffn(acts.get(layout.gate_type), batch, layout, plan.slots, plan.experts,
+                                         plan.tokens, kind, alpha, limit)
         return compose_expert_ffn(self, x, batch, layout, plan, kind, alpha, limit)
+
+    def _fusable(self, batch, layout) -> bool:
+        return (self.numerics == "ggml" and moe_decode.supports(layout.gate_type, layout.up_type, layout.down_type)
+                and all(s.flags.c_contiguous for s in (batch.gate, batch.up, batch.down)))
 
     def moe_mix(self, y, plan, weights) -> np.ndarray:
         return ops.moe_mix(y, plan.slot_rows, np.ascontiguousarray(weights, dtype=np.float32))

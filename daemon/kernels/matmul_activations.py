@@ -26,62 +26,71 @@ NUMERICS = ("ggml", "float32")
 # ---- quantizers (numba)
 
 
+@numba.njit(cache=True, inline="always")
+def quantize_row_q8_0_1(x, qs, d, s):
+    """One row: x f32 [K] -> qs int8 [K], d f32 [B] (fp16-rounded), s f32 [B] (Q8_1 sums)."""
+    for b in range(x.shape[0] // 32):
+        o = b * 32
+        amax = np.float32(0.0)
+        for j in range(32):
+            a = abs(x[o + j])
+            if a > amax:
+                amax = a
+        dd = amax / np.float32(127.0)
+        idd = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
+        isum = 0
+        for j in range(32):
+            q = np.int32(np.rint(x[o + j] * idd))
+            qs[o + j] = q
+            isum += q
+        d[b] = round_f16(dd)
+        s[b] = round_f16(dd * np.float32(isum))
+
+
+@numba.njit(cache=True, inline="always")
+def quantize_row_q8_K(x, qs, d, bsums):
+    """One row: x f32 [K] -> qs int8 [K], d f32 [S], bsums int32 [K/16]."""
+    for sb in range(x.shape[0] // 256):
+        o = sb * 256
+        amax = np.float32(0.0)
+        mx = np.float32(0.0)
+        for j in range(256):
+            v = x[o + j]
+            if abs(v) > amax:
+                amax = abs(v)
+                mx = v
+        if amax == 0:
+            d[sb] = 0
+            for j in range(256):
+                qs[o + j] = 0
+            for g in range(16):
+                bsums[sb * 16 + g] = 0
+            continue
+        iscale = np.float32(-127.0) / mx
+        for g in range(16):
+            acc = 0
+            for j in range(16):
+                q = np.int32(np.rint(iscale * x[o + g * 16 + j]))
+                if q > 127:
+                    q = 127
+                qs[o + g * 16 + j] = q
+                acc += q
+            bsums[sb * 16 + g] = acc
+        d[sb] = np.float32(1.0) / iscale
+
+
 @numba.njit(cache=True, parallel=True)
 def _quantize_q8_0_1(x, qs, d, s):
     """x f32 [T, K] -> qs int8 [T, K], d f32 [T, B] (fp16-rounded), s f32 [T, B] (Q8_1 sums)."""
-    T, K = x.shape
-    nb = K // 32
-    for t in prange(T):
-        for b in range(nb):
-            o = b * 32
-            amax = np.float32(0.0)
-            for j in range(32):
-                a = abs(x[t, o + j])
-                if a > amax:
-                    amax = a
-            dd = amax / np.float32(127.0)
-            idd = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
-            isum = 0
-            for j in range(32):
-                q = np.int32(np.rint(x[t, o + j] * idd))
-                qs[t, o + j] = q
-                isum += q
-            d[t, b] = round_f16(dd)
-            s[t, b] = round_f16(dd * np.float32(isum))
+    for t in prange(x.shape[0]):
+        quantize_row_q8_0_1(x[t], qs[t], d[t], s[t])
 
 
 @numba.njit(cache=True, parallel=True)
 def _quantize_q8_K(x, qs, d, bsums):
     """x f32 [T, K] -> qs int8 [T, K], d f32 [T, S], bsums int32 [T, K/16]."""
-    T, K = x.shape
-    for t in prange(T):
-        for sb in range(K // 256):
-            o = sb * 256
-            amax = np.float32(0.0)
-            mx = np.float32(0.0)
-            for j in range(256):
-                v = x[t, o + j]
-                if abs(v) > amax:
-                    amax = abs(v)
-                    mx = v
-            if amax == 0:
-                d[t, sb] = 0
-                for j in range(256):
-                    qs[t, o + j] = 0
-                for g in range(16):
-                    bsums[t, sb * 16 + g] = 0
-                continue
-            iscale = np.float32(-127.0) / mx
-            for g in range(16):
-                acc = 0
-                for j in range(16):
-                    q = np.int32(np.rint(iscale * x[t, o + g * 16 + j]))
-                    if q > 127:
-                        q = 127
-                    qs[t, o + g * 16 + j] = q
-                    acc += q
-                bsums[t, sb * 16 + g] = acc
-            d[t, sb] = np.float32(1.0) / iscale
+    for t in prange(x.shape[0]):
+        quantize_row_q8_K(x[t], qs[t], d[t], bsums[t])
 
 
 def _round_f16(x: np.ndarray) -> np.ndarray:
