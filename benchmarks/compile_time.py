@@ -6,7 +6,8 @@ Each repeat gives numba an empty cache directory (NUMBA_CACHE_DIR) and runs two 
 processes on it: "cold" compiles every kernel, "warm" loads them from the cache the first one
 wrote. A child imports the kernels, then for each weight type makes one call per path the model
 takes: linear (ggml numerics), linear (float32 numerics), linear_selected and linear_grouped on a
-read-only stack of 3 experts, as mmapped weights are. Prints the wall seconds spent in the import
+read-only stack of 3 experts, as mmapped weights are, and for quantized types the one-token
+experts' fused call (kernels/moe_decode.py, gate, up and down of that type). Prints the wall seconds spent in the import
 and in each path's calls (the first call of a path compiles it), the child's total wall and CPU
 seconds (CPU: user + system of all its threads; compiling runs on one thread, so on an idle
 machine the two agree, and on a busy one CPU time is the steadier figure), and the minimum of
@@ -24,7 +25,7 @@ import tempfile
 import time
 
 ALL_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4", "Q4_K", "Q5_K", "Q6_K")
-PATHS = ("linear", "linear_f32", "selected", "grouped")
+PATHS = ("linear", "linear_f32", "selected", "grouped", "fused")
 K = 512  # two K-quant super-blocks
 N = 8
 T = 9  # activation rows: 8 + 1 in the block kernels, >= 8 rows (tiled) for K-quants
@@ -35,8 +36,12 @@ def child(types: list[str]) -> dict:
     t0, c0 = time.perf_counter(), time.process_time()
     import numpy as np
 
+    from types import SimpleNamespace
+
     from daemon.kernels import matmul as M
+    from daemon.kernels import moe_decode
     from daemon.kernels import quants as Q
+    from daemon.storage.experts import ExpertLayout
     times = {"import": time.perf_counter() - t0, **{p: 0.0 for p in PATHS}}
 
     def timed(path, fn, *args, **kw):
@@ -54,6 +59,13 @@ def child(types: list[str]) -> dict:
         xp = M.prepare(x, qt)
         timed("selected", M.linear_selected, xp, stack, np.array([2, 0]), np.array([0, 1]), qt, K)
         timed("grouped", M.linear_grouped, xp, stack, np.array([1, 2]), np.array([0, 1, T]), qt, K)
+        if moe_decode.supports(qt, qt, qt):
+            square = np.zeros((3, K, Q.row_bytes(qt, K)), np.uint8)  # D = F = K
+            square.flags.writeable = False
+            batch = SimpleNamespace(gate=square, up=square, down=square, gate_bias=None)
+            one = np.array([2, 0])
+            timed("fused", moe_decode.expert_ffn, M.prepare(x[:1], qt), batch, ExpertLayout(3, K, K, qt, qt, qt),
+                  one, one, np.zeros(2, np.int64), "silu", 0.0, 0.0)
     times["total"] = time.perf_counter() - t0
     times["cpu"] = time.process_time() - c0
     return times

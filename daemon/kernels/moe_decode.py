@@ -91,19 +91,16 @@ def ffn_kernel(gate_type: int, down_type: int, glu: int):
         P = slots.shape[0]
         F = gate.shape[1]
         D = down.shape[1]
-        total = P * F
-        for c in prange(nchunks):  # gate and up: gu [2, P, F]
+        total = 2 * P * F
+        for c in prange(nchunks):  # gate and up: gu [2, P, F] (one row intrinsic for both)
             for i in range(c * total // nchunks, (c + 1) * total // nchunks):
-                p = i // F
+                p = i // (2 * F)
+                w = (i // F) % 2
                 n = i % F
-                s = slots[p]
-                g = _dot(gk, gate, s, n, xq, tokens[p], xd, xaux)
-                u = _dot(gk, up, s, n, xq, tokens[p], xd, xaux)
+                v = _dot(gk, gate if w == 0 else up, slots[p], n, xq, tokens[p], xd, xaux)
                 if has_bias:
-                    g = g + gate_bias[experts[p], n]
-                    u = u + up_bias[experts[p], n]
-                gu[0, p, n] = g
-                gu[1, p, n] = u
+                    v = v + (gate_bias if w == 0 else up_bias)[experts[p], n]
+                gu[w, p, n] = v
         for p in prange(P):  # the GLU, quantized for down: h [P, F] -> hq, hd, haux
             if spec[3] == 0:
                 _swiglu_row(gu[0, p], gu[1, p], h[p], F - F % 8)
