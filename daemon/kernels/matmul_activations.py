@@ -80,17 +80,40 @@ def quantize_row_q8_K(x, qs, d, bsums):
 
 
 @numba.njit(cache=True, parallel=True)
-def _quantize_q8_0_1(x, qs, d, s):
+def _quantize_q8_0_1_parallel(x, qs, d, s):
     """x f32 [T, K] -> qs int8 [T, K], d f32 [T, B] (fp16-rounded), s f32 [T, B] (Q8_1 sums)."""
     for t in prange(x.shape[0]):
         quantize_row_q8_0_1(x[t], qs[t], d[t], s[t])
 
 
+@numba.njit(cache=True)
+def _quantize_q8_0_1_serial(x, qs, d, s):
+    for t in range(x.shape[0]):
+        quantize_row_q8_0_1(x[t], qs[t], d[t], s[t])
+
+
 @numba.njit(cache=True, parallel=True)
-def _quantize_q8_K(x, qs, d, bsums):
+def _quantize_q8_K_parallel(x, qs, d, bsums):
     """x f32 [T, K] -> qs int8 [T, K], d f32 [T, S], bsums int32 [T, K/16]."""
     for t in prange(x.shape[0]):
         quantize_row_q8_K(x[t], qs[t], d[t], bsums[t])
+
+
+@numba.njit(cache=True)
+def _quantize_q8_K_serial(x, qs, d, bsums):
+    for t in range(x.shape[0]):
+        quantize_row_q8_K(x[t], qs[t], d[t], bsums[t])
+
+
+PARALLEL_FROM = 1 << 14  # values: below, waking the threads costs more than quantizing (a decode row)
+
+
+def _quantize_q8_0_1(x, qs, d, s) -> None:
+    (_quantize_q8_0_1_parallel if x.size >= PARALLEL_FROM else _quantize_q8_0_1_serial)(x, qs, d, s)
+
+
+def _quantize_q8_K(x, qs, d, bsums) -> None:
+    (_quantize_q8_K_parallel if x.size >= PARALLEL_FROM else _quantize_q8_K_serial)(x, qs, d, bsums)
 
 
 def _round_f16(x: np.ndarray) -> np.ndarray:
