@@ -19,7 +19,7 @@ import numba
 import numpy as np
 from numba.typed import List
 
-from ..kernels import moe_decode, ops, ssm as ssm_k
+from ..kernels import decode_linears, moe_decode, ops, ssm as ssm_k
 from ..kernels.matmul import Prepared, linear_prepared, prepare
 from ..kernels.quants import dequantize
 from . import cpu_experts
@@ -71,6 +71,7 @@ def _row_flags(step: Step | None) -> dict:
 
 class CPUBackend:
     name = "cpu"
+    fuse_decode = True  # one-row steps through the fused calls (False: the separate ops, for A/B benchmarks)
 
     def __init__(self, numerics: str = "ggml"):
         if numerics not in NUMERICS:
@@ -133,7 +134,16 @@ class CPUBackend:
     # -- experts -------------------------------------------------------------------------------
 
     def linears(self, x, ws, step: Step | None = None, biases=None) -> list[np.ndarray]:
-        return [self.linear(x, w, step, b) for w, b in zip(ws, biases or [None] * len(ws))]
+        acts = x if isinstance(x, Activations) else Activations(x, self.numerics)
+        biases = biases or [None] * len(ws)
+        if acts.x.shape[0] == 1 and self.fuse_decode and self.numerics == "ggml" and decode_linears.supports(
+                [w.ggml_type for w in ws], [w.n_in for w in ws]):  # one row: one parallel region for all
+            ys = decode_linears.linears(acts.get(ws[0].ggml_type), [w.raw for w in ws], ws[0].ggml_type)
+            for y, b in zip(ys, biases):
+                if b is not None:
+                    y += b
+            return ys
+        return [self.linear(acts, w, step, b) for w, b in zip(ws, biases)]
 
     def expert_plan(self, ids, slots, layout, step, only=None):
         return cpu_experts.plan(ids, slots, layout, step, only)
@@ -158,7 +168,8 @@ class CPUBackend:
         return compose_expert_ffn(self, x, batch, layout, plan, kind, alpha, limit)
 
     def _fusable(self, batch, layout) -> bool:
-        return (self.numerics == "ggml" and moe_decode.supports(layout.gate_type, layout.up_type, layout.down_type)
+        return (self.fuse_decode and self.numerics == "ggml"
+                and moe_decode.supports(layout.gate_type, layout.up_type, layout.down_type)
                 and all(s.flags.c_contiguous for s in (batch.gate, batch.up, batch.down)))
 
     def moe_mix(self, y, plan, weights) -> np.ndarray:

@@ -18,60 +18,21 @@ import functools
 
 import numba
 import numpy as np
-from numba import prange, types
-from numba.extending import overload
+from numba import prange
 
 from daemon.kernels import quants as Q
 from daemon.kernels.matmul import _nchunks
-from daemon.kernels.matmul_activations import Prepared, quantize_row_q8_0_1, quantize_row_q8_K
-from daemon.kernels.matmul_quant import _SOURCES, BLOCK32_KINDS, KQUANT_KINDS, block32_rows, kquant_rows
+from daemon.kernels.matmul_activations import Prepared
 from daemon.kernels.matmul_types import VEC_DOT_TYPE
 from daemon.kernels.ops import _swiglu_row, expf
+from daemon.kernels.row_dot import QUANTIZED, SOURCES, aux_of, dot_row, quantize_row
 
 GLU_KINDS = {"silu": 0, "oai": 1}
 
 
 def supports(gate_type: int, up_type: int, down_type: int) -> bool:
     """Whether these expert weight types have the fused call (quantized, gate and up alike)."""
-    quantized = (*BLOCK32_KINDS, *KQUANT_KINDS)
-    return gate_type == up_type and gate_type in quantized and down_type in quantized
-
-
-def _dot(kind, stack, e, n, xq, t, xd, xaux):
-    """Row n of expert e against activation row t, as a one-row vec_dot (kind: a literal type)."""
-
-
-@overload(_dot, inline="always", prefer_literal=True)
-def _dot_impl(kind, stack, e, n, xq, t, xd, xaux):
-    if not isinstance(kind, types.IntegerLiteral):
-        return None
-    if kind.literal_value in KQUANT_KINDS:
-        def impl(kind, stack, e, n, xq, t, xd, xaux):
-            return kquant_rows(kind, 1, 0, stack, e, n, xq, t, xd, xaux)[0]
-        return impl
-    if kind.literal_value in BLOCK32_KINDS:
-        def impl(kind, stack, e, n, xq, t, xd, xaux):
-            return block32_rows(kind, 1, stack, e, n, xq, t, xd, xaux)[0]
-        return impl
-    return None
-
-
-def _quantize(vec_dot_type, x, qs, d, aux):
-    """One row quantized for weights of this vec_dot_type (a literal): Q8_0/Q8_1 or Q8_K."""
-
-
-@overload(_quantize, inline="always", prefer_literal=True)
-def _quantize_impl(vec_dot_type, x, qs, d, aux):
-    if not isinstance(vec_dot_type, types.IntegerLiteral):
-        return None
-    if vec_dot_type.literal_value == Q.Q8_K:
-        def impl(vec_dot_type, x, qs, d, aux):
-            quantize_row_q8_K(x, qs, d, aux)
-        return impl
-
-    def impl(vec_dot_type, x, qs, d, aux):
-        quantize_row_q8_0_1(x, qs, d, aux)
-    return impl
+    return gate_type == up_type and gate_type in QUANTIZED and down_type in QUANTIZED
 
 
 @functools.cache
@@ -80,7 +41,7 @@ def ffn_kernel(gate_type: int, down_type: int, glu: int):
     has_bias, alpha, limit, gu, h, hq, hd, haux, out, nchunks) for one pair of weight types and
     GLU kind, compiled on first use and cached on disk (a closure over its types, like
     matmul_quant's kernels)."""
-    spec = (int(gate_type), int(down_type), int(VEC_DOT_TYPE[down_type]), int(glu), _SOURCES)
+    spec = (int(gate_type), int(down_type), int(VEC_DOT_TYPE[down_type]), int(glu), SOURCES)
 
     @numba.njit(cache=True, parallel=True, error_model="numpy")
     def expert_ffn(gate, up, down, slots, experts, tokens, xq, xd, xaux, gate_bias, up_bias, down_bias,
@@ -97,7 +58,7 @@ def ffn_kernel(gate_type: int, down_type: int, glu: int):
                 p = i // (2 * F)
                 w = (i // F) % 2
                 n = i % F
-                v = _dot(gk, gate if w == 0 else up, slots[p], n, xq, tokens[p], xd, xaux)
+                v = dot_row(gk, gate if w == 0 else up, slots[p], n, xq, tokens[p], xd, xaux)
                 if has_bias:
                     v = v + (gate_bias if w == 0 else up_bias)[experts[p], n]
                 gu[w, p, n] = v
@@ -110,13 +71,13 @@ def ffn_kernel(gate_type: int, down_type: int, glu: int):
                     y = min(max(gu[1, p, i], -limit), limit)
                     act = np.float32(x / np.float32(np.float32(1.0) + expf(np.float32(alpha * -x))))
                     h[p, i] = np.float32(act * np.float32(y + np.float32(1.0)))
-            _quantize(hv, h[p], hq[p], hd[p], haux[p])
+            quantize_row(hv, h[p], hq[p], hd[p], haux[p])
         total = P * D
         for c in prange(nchunks):  # down: out [P, D]
             for i in range(c * total // nchunks, (c + 1) * total // nchunks):
                 p = i // D
                 n = i % D
-                y = _dot(dk, down, slots[p], n, hq, p, hd, haux)
+                y = dot_row(dk, down, slots[p], n, hq, p, hd, haux)
                 if has_bias:
                     y = y + down_bias[experts[p], n]
                 out[p, n] = y
@@ -139,7 +100,7 @@ def expert_ffn(xp: Prepared, batch, layout, slots: np.ndarray, experts: np.ndarr
         hd, haux = np.empty((P, F // 256), np.float32), np.empty((P, F // 16), np.int32)
     else:
         hd, haux = np.empty((P, F // 32), np.float32), np.empty((P, F // 32), np.float32)
-    xaux = xp.bsums if xp.vec_dot_type == Q.Q8_K else (xp.s if xp.s is not None else xp.d)
+    xaux = aux_of(xp)
     has_bias = batch.gate_bias is not None
     out = np.empty((P, D), np.float32)
     if P:
