@@ -176,15 +176,14 @@ class CPUBackend:
         return ops.moe_mix(y, plan.slot_rows, np.ascontiguousarray(weights, dtype=np.float32))
 
     def router(self, logits, n_used, gating, norm_topk, scale, chosen=None):
-        if chosen is not None:
-            chosen = np.asarray(chosen, np.int64)
+        if chosen is None:  # one compiled call: top-k, then the weights as below
+            return ops.route_top_k(np.ascontiguousarray(logits, np.float32), n_used, gating == "softmax_weight",
+                                   norm_topk, float(scale))
+        ids = np.asarray(chosen, np.int64)  # routing replay: these experts, weighed as the router weighs
         if gating == "softmax_weight":
-            ids = _top_k(logits, n_used) if chosen is None else chosen
             weights = ops.softmax_rows(np.take_along_axis(logits, ids, axis=1))
         else:
-            probs = ops.softmax_rows(logits)
-            ids = _top_k(probs, n_used) if chosen is None else chosen
-            weights = np.take_along_axis(probs, ids, axis=1)
+            weights = np.take_along_axis(ops.softmax_rows(logits), ids, axis=1)
         if norm_topk:
             total = weights.astype(np.float64).sum(axis=1, keepdims=True).astype(np.float32)
             weights = weights / np.maximum(total, np.float32(6.103515625e-5))
@@ -309,7 +308,3 @@ class CPUBackend:
     def take_rows(self, x, rows) -> np.ndarray:
         return np.ascontiguousarray(x[rows])
 
-
-def _top_k(scores: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the k largest per row, largest first; ties keep the lower index first."""
-    return np.argsort(-scores, axis=1, kind="stable")[:, :k]

@@ -719,6 +719,68 @@ def _attn_row_f32(qv, k_cache, v_cache, kh, lo, p, scale, has_sinks, sinks, h, w
 # activations and softmax
 
 
+@njit(cache=True)
+def _f64_sum(v):
+    """numpy's float64 sum of a short row (pairwise_sum up to 128 values): in order below 8 values,
+    else eight running sums combined ((r0+r1)+(r2+r3))+((r4+r5)+(r6+r7)), then the rest in order."""
+    n = v.shape[0]
+    if n < 8:
+        res = 0.0
+        for i in range(n):
+            res += np.float64(v[i])
+        return res
+    r = np.empty(8, np.float64)
+    for j in range(8):
+        r[j] = np.float64(v[j])
+    i = 8
+    while i < n - n % 8:
+        for j in range(8):
+            r[j] += np.float64(v[i + j])
+        i += 8
+    res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]))
+    while i < n:
+        res += np.float64(v[i])
+        i += 1
+    return res
+
+
+@njit(cache=True)  # serial: a decode step's router is one row
+def route_top_k(logits, k, weight_softmax, norm_topk, scale):
+    """The router's choice as CPUBackend.router makes it with numpy, in one call: logits [T, E] ->
+    ids [T, k] int64 (largest first, the lower index first among equals, as a stable argsort of the
+    negated scores), weights [T, k] f32. weight_softmax (gpt-oss): top-k of the logits, weights the
+    softmax of those; else top-k of softmax_rows(logits), weights their probabilities. norm_topk:
+    divided by their float64 sum (numpy's order) rounded to f32, at least 2^-14; scale: times it."""
+    T, E = logits.shape
+    scores = logits if weight_softmax else softmax_rows(logits)
+    ids = np.empty((T, k), np.int64)
+    weights = np.empty((T, k), np.float32)
+    taken = np.zeros(E, np.bool_)
+    for t in range(T):
+        taken[:] = False
+        for a in range(k):
+            best = -1
+            for e in range(E):
+                if not taken[e] and (best < 0 or scores[t, e] > scores[t, best]):
+                    best = e
+            taken[best] = True
+            ids[t, a] = best
+            weights[t, a] = scores[t, best]
+    if weight_softmax:
+        weights = softmax_rows(weights)
+    for t in range(T):
+        if norm_topk:
+            total = np.float32(_f64_sum(weights[t]))
+            if total < np.float32(6.103515625e-5):  # np.maximum: a NaN stays NaN
+                total = np.float32(6.103515625e-5)
+            for a in range(k):
+                weights[t, a] = weights[t, a] / total
+        if scale != 0:
+            for a in range(k):
+                weights[t, a] = weights[t, a] * np.float32(scale)
+    return ids, weights
+
+
 @njit(cache=True)  # serial: per-call thread start-up costs more than this small op
 def moe_mix(y, slot_rows, weights):
     """The weighted sum of each token's expert outputs, in top-k order, in float32:

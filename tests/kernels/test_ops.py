@@ -733,3 +733,38 @@ def test_moe_mix_is_the_float32_chain_in_top_k_order():
     # the order matters in float32: summing the slots the other way round differs somewhere
     rev = ops.moe_mix(y, slot_rows[:, ::-1].copy(), w[:, ::-1].copy())
     assert not same(rev, want)
+
+
+def _route_with_numpy(logits, k, weight_softmax, norm_topk, scale):
+    """The router's top-k and weights as numpy ops (the CPU backend's code before route_top_k)."""
+    if weight_softmax:
+        ids = np.argsort(-logits, axis=1, kind="stable")[:, :k]
+        w = ops.softmax_rows(np.take_along_axis(logits, ids, axis=1))
+    else:
+        probs = ops.softmax_rows(logits)
+        ids = np.argsort(-probs, axis=1, kind="stable")[:, :k]
+        w = np.take_along_axis(probs, ids, axis=1)
+    if norm_topk:
+        total = w.astype(np.float64).sum(axis=1, keepdims=True).astype(np.float32)
+        w = w / np.maximum(total, np.float32(6.103515625e-5))
+    if scale:
+        w = w * np.float32(scale)
+    return ids, w.astype(np.float32)
+
+
+@pytest.mark.parametrize("E,k", [(16, 4), (128, 8), (512, 10), (64, 16), (32, 3)])
+@pytest.mark.parametrize("weight_softmax,norm_topk,scale", [(False, True, 0.0), (False, False, 2.5),
+                                                            (True, False, 0.0), (False, True, 16.0)])
+def test_route_top_k_is_the_numpy_routers_bits(E, k, weight_softmax, norm_topk, scale):
+    """Wide logits (weights from 1 down to underflow), and rows of ties, where the lower index
+    comes first (signed zeros tie)."""
+    rng = np.random.default_rng(E + k)
+    wide = (rng.standard_normal((40, E)) * rng.choice([0.5, 4, 30], (40, 1))).astype(np.float32)
+    ties = np.round(rng.standard_normal((8, E)), 0).astype(np.float32)
+    ties[0] = 0.0
+    ties[1, ::2] = -0.0
+    logits = np.concatenate([wide, ties])
+    ids, w = ops.route_top_k(logits, k, weight_softmax, norm_topk, scale)
+    want_ids, want_w = _route_with_numpy(logits, k, weight_softmax, norm_topk, scale)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_array_equal(w.view(np.uint32), want_w.view(np.uint32))
