@@ -28,6 +28,7 @@ from .cpu_cache import KVCache
 from .step import Step
 
 NUMERICS = ("ggml", "float32")
+_NO_NORM = np.ones(1, np.float32)  # rope_qk without q/k norms (never read)
 
 
 class Activations:
@@ -203,16 +204,20 @@ class CPUBackend:
         return ops.rms_norm_heads(x, weight, np.float32(eps))
 
     def rope(self, x, step: Step, rope) -> np.ndarray:
+        return ops.apply_rope(x, self._rope_table(step, rope), rope.n_dims, rope.neox)
+
+    def rope_qk(self, q, k, step: Step, rope, q_norm=None, k_norm=None, eps=0.0):
+        has_norm = q_norm is not None
+        return ops.norm_rope_qk(q, k, q_norm if has_norm else _NO_NORM, k_norm if has_norm else _NO_NORM, has_norm,
+                                np.float32(eps), self._rope_table(step, rope), rope.n_dims, rope.neox)
+
+    @staticmethod
+    def _rope_table(step: Step, rope) -> np.ndarray:
         table = step.memo.get("rope")
         if table is None:  # [T, n_dims/2, 2], once per step
             table = step.memo["rope"] = ops.rope_cache(step.positions, rope.n_dims, rope.freq_base, rope.freq_scale,
                                                        rope.ext_factor, rope.attn_factor, rope.corr_dims)
-        return ops.apply_rope(x, table, rope.n_dims, rope.neox)
-
-    def rope_qk(self, q, k, step: Step, rope, q_norm=None, k_norm=None, eps=0.0):
-        if q_norm is not None:
-            q, k = self.rms_norm_heads(q, q_norm, eps), self.rms_norm_heads(k, k_norm, eps)
-        return self.rope(q, step, rope), self.rope(k, step, rope)
+        return table
 
     def attention(self, layer, q, k, v, step: Step, scale, window, sinks) -> np.ndarray:
         ggml = self.numerics == "ggml"

@@ -299,6 +299,17 @@ def apply_rope(x, cache, n_dims, neox):
     return out
 
 
+@njit(cache=True)  # serial, as its parts
+def norm_rope_qk(q, k, q_norm, k_norm, has_norm, eps, cache, n_dims, neox):
+    """The queries and keys of an attention layer: per-head RMSNorm (has_norm: qwen3's q/k norms)
+    then RoPE, in one call. q: [T, H, Dh], k: [T, Hkv, Dh] -> rotated copies (the bits of
+    rms_norm_heads and apply_rope called apart)."""
+    if has_norm:
+        q = rms_norm_heads(q, q_norm, eps)
+        k = rms_norm_heads(k, k_norm, eps)
+    return apply_rope(q, cache, n_dims, neox), apply_rope(k, cache, n_dims, neox)
+
+
 def yarn_corr_dims(n_dims: int, n_ctx_orig: int, freq_base: float, beta_fast: float, beta_slow: float) -> tuple[float, float]:
     """ggml_rope_yarn_corr_dims: the dimension range over which YaRN ramps between interpolation
     and extrapolation."""
