@@ -29,6 +29,7 @@ from .step import Step
 
 NUMERICS = ("ggml", "float32")
 _NO_NORM = np.ones(1, np.float32)  # rope_qk without q/k norms (never read)
+_NO_CHOICE = np.zeros((0, 0), np.int64)  # router: the top-k, no replayed ids
 
 
 class Activations:
@@ -177,20 +178,9 @@ class CPUBackend:
         return ops.moe_mix(y, plan.slot_rows, np.ascontiguousarray(weights, dtype=np.float32))
 
     def router(self, logits, n_used, gating, norm_topk, scale, chosen=None):
-        if chosen is None:  # one compiled call: top-k, then the weights as below
-            return ops.route_top_k(np.ascontiguousarray(logits, np.float32), n_used, gating == "softmax_weight",
-                                   norm_topk, float(scale))
-        ids = np.asarray(chosen, np.int64)  # routing replay: these experts, weighed as the router weighs
-        if gating == "softmax_weight":
-            weights = ops.softmax_rows(np.take_along_axis(logits, ids, axis=1))
-        else:
-            weights = np.take_along_axis(ops.softmax_rows(logits), ids, axis=1)
-        if norm_topk:
-            total = weights.astype(np.float64).sum(axis=1, keepdims=True).astype(np.float32)
-            weights = weights / np.maximum(total, np.float32(6.103515625e-5))
-        if scale:
-            weights = weights * np.float32(scale)
-        return ids, weights.astype(np.float32)
+        chosen = _NO_CHOICE if chosen is None else np.ascontiguousarray(chosen, np.int64)  # replay: weigh these
+        return ops.route_top_k(np.ascontiguousarray(logits, np.float32), n_used, gating == "softmax_weight",
+                               norm_topk, float(scale), chosen)
 
     def routed_ids(self, ids: np.ndarray) -> np.ndarray:
         return ids

@@ -185,7 +185,7 @@ class Transfers:
             return
         table = np.array([[int(d.gpu_data.device_pointer) for d, _ in copies],
                           [int(s.gpu_data.device_pointer) for _, s in copies],
-                          [int(d.nbytes) for d, _ in copies]], np.uint64).reshape(3, len(copies))
+                          [int(d.nbytes) for d, _ in copies]], np.uint64)
         if len(copies) > 1 and self._batch(table):
             return
         drv = _drv()

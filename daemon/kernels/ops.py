@@ -756,12 +756,13 @@ def _f64_sum(v):
 
 
 @njit(cache=True)  # serial: a decode step's router is one row
-def route_top_k(logits, k, weight_softmax, norm_topk, scale):
+def route_top_k(logits, k, weight_softmax, norm_topk, scale, chosen):
     """The router's choice as CPUBackend.router makes it with numpy, in one call: logits [T, E] ->
     ids [T, k] int64 (largest first, the lower index first among equals, as a stable argsort of the
     negated scores), weights [T, k] f32. weight_softmax (gpt-oss): top-k of the logits, weights the
     softmax of those; else top-k of softmax_rows(logits), weights their probabilities. norm_topk:
-    divided by their float64 sum (numpy's order) rounded to f32, at least 2^-14; scale: times it."""
+    divided by their float64 sum (numpy's order) rounded to f32, at least 2^-14; scale: times it.
+    chosen: ids [T, k] int64 to weigh instead of the top-k (routing replay), or an empty array."""
     T, E = logits.shape
     scores = logits if weight_softmax else softmax_rows(logits)
     ids = np.empty((T, k), np.int64)
@@ -771,10 +772,13 @@ def route_top_k(logits, k, weight_softmax, norm_topk, scale):
         taken[:] = False
         for a in range(k):
             best = -1
-            for e in range(E):
-                if not taken[e] and (best < 0 or scores[t, e] > scores[t, best]):
-                    best = e
-            taken[best] = True
+            if chosen.shape[0]:
+                best = chosen[t, a]
+            else:
+                for e in range(E):
+                    if not taken[e] and (best < 0 or scores[t, e] > scores[t, best]):
+                        best = e
+                taken[best] = True
             ids[t, a] = best
             weights[t, a] = scores[t, best]
     if weight_softmax:

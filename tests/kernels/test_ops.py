@@ -764,7 +764,7 @@ def test_route_top_k_is_the_numpy_routers_bits(E, k, weight_softmax, norm_topk, 
     ties[0] = 0.0
     ties[1, ::2] = -0.0
     logits = np.concatenate([wide, ties])
-    ids, w = ops.route_top_k(logits, k, weight_softmax, norm_topk, scale)
+    ids, w = ops.route_top_k(logits, k, weight_softmax, norm_topk, scale, np.zeros((0, 0), np.int64))
     want_ids, want_w = _route_with_numpy(logits, k, weight_softmax, norm_topk, scale)
     np.testing.assert_array_equal(ids, want_ids)
     np.testing.assert_array_equal(w.view(np.uint32), want_w.view(np.uint32))
