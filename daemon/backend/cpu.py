@@ -15,6 +15,8 @@ P = T*A pairs.
 
 from __future__ import annotations
 
+import weakref
+
 import numba
 import numpy as np
 from numba.typed import List
@@ -22,7 +24,7 @@ from numba.typed import List
 from ..kernels import decode_linears, moe_decode, ops, ssm as ssm_k
 from ..kernels.matmul import Prepared, linear_prepared, prepare
 from ..kernels.quants import dequantize
-from . import cpu_experts
+from . import cpu_experts, cpu_step
 from .base import compose_expert_ffn, compose_expert_glu
 from .cpu_cache import KVCache
 from .step import Step
@@ -80,6 +82,7 @@ class CPUBackend:
             raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
         self.numerics = numerics
         self.governor = None  # a cpu_threads.ThreadGovernor: each step's thread count (None: as set)
+        self._programs = weakref.WeakKeyDictionary()  # model -> cpu_step.DecodeProgram, or why it has none
 
     def __repr__(self) -> str:
         return f"CPUBackend({self.numerics!r})"
@@ -108,11 +111,33 @@ class CPUBackend:
     # -- dense ---------------------------------------------------------------------------------
 
     def run_step(self, step: Step, compute, static: bool = False, segmented: bool = False):
+        self._set_threads()
+        return compute()
+
+    def _set_threads(self) -> None:
         if self.governor is not None:  # numba's count is the calling thread's: set where the step runs
             n = self.governor.threads()
             if numba.get_num_threads() != n:
                 numba.set_num_threads(n)
-        return compute()
+
+    def decode_step(self, model, step: Step) -> np.ndarray | None:
+        """A decode batch (one row per sequence) as one compiled call (cpu_step.py) -> logits [S, V];
+        None where the model has no compiled step (yet: its experts not all resident), and the
+        per-op path serves it."""
+        if not (self.fuse_decode and step.one_row_each):
+            return None
+        program = self._programs.get(model)
+        if program is None or program == cpu_step.NOT_RESIDENT:
+            program = self._programs[model] = cpu_step.DecodeProgram.build(model)
+        if isinstance(program, str):
+            return None
+        self._set_threads()
+        logits = program.run(step, self._rope_table(step, model.hp.rope), self._step_stores(step))
+        count = getattr(model.experts, "count_resident", None)
+        if count is not None and model.moe_layers:  # the cache's statistics: distinct experts per layer
+            r = np.sort(program.routes.reshape(len(model.moe_layers), -1), axis=1)
+            count(model.moe_layers, 1 + np.count_nonzero(np.diff(r, axis=1), axis=1))
+        return logits
 
     def host_point(self, fn, sync: bool = True) -> None:
         fn()

@@ -9,12 +9,15 @@ Legend: E = weight matrices in a stack, N = rows of one, K = input length, T = a
 
 from __future__ import annotations
 
+import numba
+import numpy as np
 from numba import types
 from numba.extending import overload
 
 from daemon.kernels import matmul_activations, matmul_quant, ops, simd_ir
 from daemon.kernels import quants as Q
 from daemon.kernels.matmul_activations import quantize_row_q8_0_1, quantize_row_q8_K
+from daemon.kernels.matmul_float import float_rows
 from daemon.kernels.matmul_quant import BLOCK32_KINDS, KQUANT_KINDS, block32_rows, kquant_rows
 
 QUANTIZED = (*BLOCK32_KINDS, *KQUANT_KINDS)
@@ -61,6 +64,65 @@ def _quantize_row(vec_dot_type, x, qs, d, aux):
     def impl(vec_dot_type, x, qs, d, aux):
         quantize_row_q8_0_1(x, qs, d, aux)
     return impl
+
+
+def _rows_any_kernel():
+    """rows_any, a closure over the types (compile-time literals) and SOURCES (numba's cache key
+    then changes with the files it inlines)."""
+    spec = (Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.MXFP4, Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F32, SOURCES)
+
+    @numba.njit(cache=True)
+    def rows_any(kind, w, e, n0, n1, x, q32, d32, s32, qk, dk, bk, t, out):
+        """out[n] = dot_row of rows n0..n1-1 of matrix e of w uint8 [E, N, row bytes] against
+        activation row t, for a weight type known only at run time (the compiled decode step's
+        layers differ). The activation row comes in every form a type may need: x f32 [T, K]
+        (F32 weights), q32/d32/s32 (Q8_0 and Q8_1: int8 values, scales, sums), qk/dk/bk (Q8_K:
+        values, super-block scales, block sums). A call per span of rows, not per row: a call
+        passes a dozen arrays, and their reference counts are atomics every thread shares."""
+        q8_0, q4_0, q5_0, mxfp4, q4_1, q5_1, q4_k, q5_k, q6_k, f32 = (
+            spec[0], spec[1], spec[2], spec[3], spec[4], spec[5], spec[6], spec[7], spec[8], spec[9])
+        if kind == q8_0:
+            for n in range(n0, n1):
+                out[n] = dot_row(q8_0, w, e, n, q32, t, d32, s32)
+        elif kind == q4_0:
+            for n in range(n0, n1):
+                out[n] = dot_row(q4_0, w, e, n, q32, t, d32, s32)
+        elif kind == q5_0:
+            for n in range(n0, n1):
+                out[n] = dot_row(q5_0, w, e, n, q32, t, d32, s32)
+        elif kind == mxfp4:
+            for n in range(n0, n1):
+                out[n] = dot_row(mxfp4, w, e, n, q32, t, d32, s32)
+        elif kind == q4_1:
+            for n in range(n0, n1):
+                out[n] = dot_row(q4_1, w, e, n, q32, t, d32, s32)
+        elif kind == q5_1:
+            for n in range(n0, n1):
+                out[n] = dot_row(q5_1, w, e, n, q32, t, d32, s32)
+        elif kind == q4_k:
+            for n in range(n0, n1):
+                out[n] = dot_row(q4_k, w, e, n, qk, t, dk, bk)
+        elif kind == q5_k:
+            for n in range(n0, n1):
+                out[n] = dot_row(q5_k, w, e, n, qk, t, dk, bk)
+        elif kind == q6_k:
+            for n in range(n0, n1):
+                out[n] = dot_row(q6_k, w, e, n, qk, t, dk, bk)
+        elif kind == f32:  # vec_dot's order: a one-row call's
+            wf = w[e].view(np.uint32)
+            for n in range(n0, n1):
+                out[n] = float_rows(f32, 0, 1, wf, n, x, t)[0]
+        else:  # the plan admits no other type (DECODE_STEP_TYPES)
+            for n in range(n0, n1):
+                out[n] = np.nan
+
+    return rows_any
+
+
+rows_any = _rows_any_kernel()
+
+
+DECODE_STEP_TYPES = frozenset(QUANTIZED) | {Q.F32}  # what rows_any computes
 
 
 def aux_of(xp):

@@ -259,6 +259,21 @@ class ExpertCache:
         lc = self._layers.get(layer)
         return lc is not None and len(lc.entries) == lc.layout.n_expert
 
+    def resident(self, layer: int) -> ExpertBatch | None:
+        """Every expert of the layer once an unlimited cache has read them all (they never move
+        again), else None: the CPU's compiled decode step reads them in place."""
+        lc = self._layers.get(layer)
+        return None if lc is None else lc.resident
+
+    def count_resident(self, layers, requests) -> None:
+        """A step read its experts in place (the compiled decode step): requests[i] distinct
+        experts of layers[i] asked for, all hits."""
+        with self._lock:
+            for il, n in zip(layers, requests):
+                st = self._layers[il].stats
+                st.requests += int(n)
+                st.hits += int(n)
+
     def begin_pass(self, rows: int = 0) -> None:
         """A new forward pass starts: reads from now on count toward its duplicate check."""
         with self._lock:

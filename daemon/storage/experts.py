@@ -110,6 +110,10 @@ class ResidentExperts:
     def waves(self, layer: int, ids: Sequence[int]) -> list[list[int]]:
         return [list(ids)]
 
+    def resident(self, layer: int) -> ExpertBatch:
+        """Every expert of the layer, where it stays (the CPU's compiled decode step reads them)."""
+        return self._batches[layer]
+
 
 def expert_biases(source, layer: int, n_embd: int, n_ff: int, n_expert: int) -> list[np.ndarray | None]:
     """Per-expert biases of a layer (gpt-oss), small enough to stay resident: gate, up, down.

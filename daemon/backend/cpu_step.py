@@ -1,0 +1,187 @@
+"""The CPU backend's compiled decode step (kernels/decode_step.py): a model packed once into the
+arrays that step reads, then each decode batch run as one call.
+
+`DecodeProgram.build(model)` says why a model has none (a reason string) or returns one: the
+compiled step covers the shared decoder's layers (attention, then routed experts or a dense FFN)
+with "ggml" numerics, quantized or F32 weights, and every expert resident in memory. The rest,
+hybrids with Gated DeltaNet layers, shared experts, float16 weights, a bounded expert cache,
+keeps the per-op path, which stays the readable reference and the prefill's path.
+
+Legend: S = sequences of the step, L = layers, Lm = MoE layers, E = experts, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import types
+from numba.typed import List
+
+from ..kernels import decode_step as K
+from ..kernels import quants as Q
+from ..kernels.quants import dequantize
+from ..kernels.row_dot import DECODE_STEP_TYPES
+
+_U8_3D = types.Array(types.uint8, 3, "C", readonly=True)
+_F32_1D = types.Array(types.float32, 1, "C")
+_F32_2D = types.Array(types.float32, 2, "C")
+_NONE_1D = np.zeros(1, np.float32)  # an absent vector (never read: its flag is off)
+_NONE_2D = np.zeros((1, 1), np.float32)
+NOT_RESIDENT = "not every expert is resident yet"  # the one reason that may pass: asked again each step
+
+
+def _stack(raw: np.ndarray) -> np.ndarray:
+    """A weight's rows as the step's [E, N, row bytes] read-only stack (E = 1 for a matrix)."""
+    a = np.ascontiguousarray(raw)
+    a = a.reshape((1, *a.shape)) if a.ndim == 2 else a
+    return Q._readonly(a)
+
+
+class DecodeProgram:
+    """One model's decode step as one compiled call; `run` serves any decode batch of it."""
+
+    def __init__(self, model, batches: dict):
+        hp, fam = model.hp, model.family
+        L = hp.n_layer
+        self.tok_embd = model.tok_embd
+        moe_index = {il: i for i, il in enumerate(model.moe_layers)}
+        self.kinds = np.zeros((L, 8), np.int64)
+        self.layer = np.zeros((L, 8), np.int64)
+        lists = {name: List.empty_list(_U8_3D) for name in ("wq", "wk", "wv", "wo", "router", "gate", "up", "down")}
+        vecs = {name: List.empty_list(_F32_1D) for name in ("bq", "bk", "bv", "bo", "q_norm", "k_norm", "sinks",
+                                                               "router_bias")}
+        ebias = {name: List.empty_list(_F32_2D) for name in ("gate_bias", "up_bias", "down_bias")}
+        E = max(hp.n_expert, 1)
+        self.slot_of = np.zeros((max(len(model.moe_layers), 1), E), np.int64)
+        n_kv = 0
+        for il, layer in enumerate(model.layers):
+            at, ffn = layer.mixer, layer.ffn
+            kd, ly = self.kinds[il], self.layer[il]
+            for name, w, col in (("wq", at.wq, K.K_Q), ("wk", at.wk, K.K_K), ("wv", at.wv, K.K_V), ("wo", at.wo, K.K_O)):
+                lists[name].append(_stack(w.raw))
+                kd[col] = w.ggml_type
+            for name, b in (("bq", at.bq), ("bk", at.bk), ("bv", at.bv), ("bo", at.bo), ("q_norm", at.q_norm),
+                            ("k_norm", at.k_norm), ("sinks", at.sinks)):
+                vecs[name].append(np.ascontiguousarray(b, np.float32) if b is not None else
+                                  (np.empty(0, np.float32) if name == "sinks" else _NONE_1D))
+            ly[K.L_BIAS_QKV] = at.bq is not None
+            ly[K.L_BIAS_O] = at.bo is not None
+            ly[K.L_KV_SLOT] = n_kv
+            n_kv += 1
+            ly[K.L_WINDOW] = at.window
+            if il in moe_index:
+                batch = batches[il]
+                lay = model.experts.layout(il)
+                lists["router"].append(_stack(ffn.router.raw))
+                kd[K.K_ROUTER] = ffn.router.ggml_type
+                vecs["router_bias"].append(_vec(ffn.router_bias))
+                ly[K.L_ROUTER_BIAS] = ffn.router_bias is not None
+                for name, stack in (("gate", batch.gate), ("up", batch.up), ("down", batch.down)):
+                    lists[name].append(_stack(stack))
+                kd[K.K_GATE], kd[K.K_UP], kd[K.K_DOWN] = lay.gate_type, lay.up_type, lay.down_type
+                for name, b in (("gate_bias", batch.gate_bias), ("up_bias", batch.up_bias),
+                                ("down_bias", batch.down_bias)):
+                    ebias[name].append(_NONE_2D if b is None else np.ascontiguousarray(b, np.float32))
+                ly[K.L_EXPERT_BIAS] = batch.gate_bias is not None
+                ly[K.L_MOE], ly[K.L_MOE_INDEX] = 1, moe_index[il]
+                for e, slot in batch.rows.items():
+                    self.slot_of[moe_index[il], e] = slot
+            else:
+                lists["router"].append(_stack(np.zeros((1, 1), np.uint8)))
+                kd[K.K_ROUTER] = Q.F32
+                vecs["router_bias"].append(_NONE_1D)
+                for name, w, col in (("gate", ffn.gate, K.K_GATE), ("up", ffn.up, K.K_UP), ("down", ffn.down, K.K_DOWN)):
+                    lists[name].append(_stack(w.raw))
+                    kd[col] = w.ggml_type
+                for name in ebias:
+                    ebias[name].append(_NONE_2D)
+        self.lists, self.vecs, self.ebias = lists, vecs, ebias
+        self.attn_norm = np.stack([np.asarray(l.attn_norm, np.float32) for l in model.layers])  # [L, D]
+        self.ffn_norm = np.stack([np.asarray(l.ffn_norm, np.float32) for l in model.layers])
+        self.out_norm = np.ascontiguousarray(model.output_norm, np.float32)
+        self.out_w = _stack(model.output.raw)
+        rope = hp.rope
+        self.rope = rope
+        dims = np.zeros(14, np.int64)
+        dims[K.D_HEADS], dims[K.D_KV_HEADS], dims[K.D_HEAD], dims[K.D_HEAD_V] = (hp.n_head, hp.n_head_kv, hp.head_dim,
+                                                                                hp.head_dim_v)
+        dims[K.D_ROPE_DIMS], dims[K.D_NEOX] = rope.n_dims, rope.neox
+        dims[K.D_QK_NORM] = {None: K.QK_NONE, "head": K.QK_HEAD, "full": K.QK_FULL}[fam.qk_norm]
+        dims[K.D_USED] = hp.n_expert_used
+        dims[K.D_WEIGHT_SOFTMAX] = fam.gating == "softmax_weight"
+        dims[K.D_NORM_TOPK] = fam.norm_topk
+        dims[K.D_GLU_OAI] = fam.glu == "oai"
+        dims[K.D_GGML] = 1
+        dims[K.D_OUT_KIND] = model.output.ggml_type
+        self.dims = dims
+        self.scalars = np.array([hp.rms_eps, 1.0 / np.sqrt(hp.head_dim), hp.expert_weights_scale, fam.glu_alpha,
+                                 fam.glu_limit], np.float32)
+        self.n_vocab = hp.n_vocab
+
+    @classmethod
+    def build(cls, model) -> DecodeProgram | str:
+        """The model's program, or why it has none (the per-op path then serves it)."""
+        why = _unsupported(model)
+        if why:
+            return why
+        batches = {}
+        for il in model.moe_layers:
+            batch = _resident(model.experts, il)
+            if batch is None:
+                return NOT_RESIDENT
+            batches[il] = batch
+        return cls(model, batches)
+
+    def run(self, step, rope_table: np.ndarray, stores) -> np.ndarray:
+        """The decode batch `step` (one row per sequence; its KV cells reserved) -> logits [S, V].
+        rope_table: the step's [S, n_rot/2, 2]; stores: each sequence's KV arrays (numba Lists)."""
+        x = dequantize(self.tok_embd.raw[step.tokens], self.tok_embd.ggml_type, self.tok_embd.n_in)  # [S, D]
+        logits = np.empty((step.S, self.n_vocab), np.float32)
+        routes = np.empty((self.slot_of.shape[0], step.S, max(1, self.dims[K.D_USED])), np.int64)
+        self.dims[K.D_CHUNKS] = 4 * numba.get_num_threads()
+        L, V, E = self.lists, self.vecs, self.ebias
+        K.decode_step(x, rope_table, step.positions, stores[0], stores[1], self.dims, self.scalars, self.kinds,
+                      self.layer, self.attn_norm, self.ffn_norm, self.out_norm, L["wq"], L["wk"], L["wv"], L["wo"],
+                      V["bq"], V["bk"], V["bv"], V["bo"], V["q_norm"], V["k_norm"], V["sinks"], L["router"],
+                      V["router_bias"], L["gate"], L["up"], L["down"], E["gate_bias"], E["up_bias"],
+                      E["down_bias"], self.slot_of, self.out_w, logits, routes)
+        self.routes = routes
+        return logits
+
+
+def _vec(v) -> np.ndarray:
+    return _NONE_1D if v is None else np.ascontiguousarray(v, np.float32)
+
+
+def _resident(experts, layer: int):
+    """The layer's ExpertBatch when every expert stays in memory (None: not, or not yet)."""
+    resident = getattr(experts, "resident", None)
+    return None if resident is None else resident(layer)
+
+
+def _unsupported(model) -> str:
+    """Why the compiled step cannot run this model ('' when it can)."""
+    from ..model.attention import Attention
+    from ..model.moe import MoE
+
+    if getattr(model.backend, "numerics", None) != "ggml":
+        return "float32 numerics"
+    if model.family.build_layer is not None or any(model.hp.recurrent):
+        return f"{model.family.arch}'s layers have their own builder"
+    types_used = {model.output.ggml_type}
+    for layer in model.layers:
+        at, ffn = layer.mixer, layer.ffn
+        if type(at) is not Attention or at.gated:
+            return "a mixer other than plain attention"
+        types_used |= {at.wq.ggml_type, at.wk.ggml_type, at.wv.ggml_type, at.wo.ggml_type}
+        if isinstance(ffn, MoE):
+            if ffn.shared is not None:
+                return "shared experts"
+            lay = model.experts.layout(ffn.layer)
+            types_used |= {ffn.router.ggml_type, lay.gate_type, lay.up_type, lay.down_type}
+        else:
+            types_used |= {ffn.gate.ggml_type, ffn.up.ggml_type, ffn.down.ggml_type}
+    odd = types_used - DECODE_STEP_TYPES
+    if odd:
+        return "weights of type " + ", ".join(sorted(Q.type_name(t) for t in odd))
+    return ""

@@ -1,0 +1,339 @@
+"""A decode step of S sequences (one new row each) as one compiled call (issue 28): every layer,
+its attention and its FFN (routed experts or dense), then the output norm and head, with no Python
+between the kernels. The per-op path wakes the thread pool and crosses the interpreter dozens of
+times a layer; here a layer is seven parallel regions back to back (q/k/v, attention, output
+projection, router, gate and up, GLU, down), and what lies between them (norms, RoPE, top-k, the
+mix) runs on the calling thread.
+
+Each value comes from the kernels a one-row call of the per-op path uses, in its order: the row
+intrinsics (row_dot.dot_any), the quantizers, ops.rms_norm, ops.norm_rope_qk, ops._attend,
+ops.route_top_k and the GLUs. So the logits are the per-op path's bit for bit, which the tests
+check, and that path's are llama.cpp's.
+
+The host side (backend/cpu_step.py) packs a model into the arrays below once; a layer's weights
+are typed Lists indexed by layer, with each one's type in `kinds`.
+
+Legend: S = sequences (rows), D = hidden size, L = layers, H / Hkv = query / key-value heads,
+Dh / Dv = key / value head size, Nq = q projection rows (H*Dh), E = experts, A = experts per row,
+P = pairs (row, expert) = S*A (S for a dense FFN), F = FFN size, V = vocabulary, C = KV cells.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import prange
+
+from daemon.kernels import quants as Q
+from daemon.kernels.matmul_activations import quantize_row_q8_0_1, quantize_row_q8_K
+from daemon.kernels.matmul_quant import KQUANT_KINDS
+from daemon.kernels.ops import (_attend, _swiglu_row, expf, norm_rope_qk, rms_norm, route_top_k,
+                                to_f16_values)
+from daemon.kernels.row_dot import SOURCES, rows_any
+
+# kinds[il, ...]: each weight's ggml type
+K_Q, K_K, K_V, K_O, K_ROUTER, K_GATE, K_UP, K_DOWN = range(8)
+# layer[il, ...]
+L_MOE, L_KV_SLOT, L_WINDOW, L_MOE_INDEX, L_BIAS_QKV, L_BIAS_O, L_ROUTER_BIAS, L_EXPERT_BIAS = range(8)
+# dims[...]
+D_HEADS, D_KV_HEADS, D_HEAD, D_HEAD_V, D_ROPE_DIMS, D_NEOX, D_QK_NORM, D_USED, D_WEIGHT_SOFTMAX, \
+    D_NORM_TOPK, D_GLU_OAI, D_GGML, D_OUT_KIND, D_CHUNKS = range(14)
+# scalars[...]
+F_EPS, F_ATTN_SCALE, F_ROUTE_SCALE, F_GLU_ALPHA, F_GLU_LIMIT = range(5)
+QK_NONE, QK_HEAD, QK_FULL = 0, 1, 2
+
+
+@numba.njit(cache=True, inline="always")
+def _is_k(kind):
+    return kind == Q.Q4_K or kind == Q.Q5_K or kind == Q.Q6_K
+
+
+@numba.njit(cache=True, inline="always")
+def _quantize_rows(x, want32, wantk, acts):
+    """Rows x [S, K] into the forms the next weights read: acts = (q32, d32, s32, qk, dk, bk)."""
+    q32, d32, s32, qk, dk, bk = acts
+    for t in range(x.shape[0]):
+        if want32:
+            quantize_row_q8_0_1(x[t], q32[t], d32[t], s32[t])
+        if wantk:
+            quantize_row_q8_K(x[t], qk[t], dk[t], bk[t])
+
+
+@numba.njit(cache=True, inline="always")
+def _acts(S, K):
+    """Scratch for rows of K values in every quantized form (see _quantize_rows)."""
+    return (np.empty((S, K), np.int8), np.empty((S, max(1, K // 32)), np.float32),
+            np.empty((S, max(1, K // 32)), np.float32), np.empty((S, K), np.int8),
+            np.empty((S, max(1, K // 256)), np.float32), np.empty((S, max(1, K // 16)), np.int32))
+
+
+@numba.njit(cache=True, inline="always")
+def _rows(kind, w, e, n0, n1, x, acts, t, out):
+    """out[n0:n1] = rows n0..n1-1 of matrix e of w against activation row t (row_dot.rows_any)."""
+    q32, d32, s32, qk, dk, bk = acts
+    rows_any(kind, w, e, n0, n1, x, q32, d32, s32, qk, dk, bk, t, out)
+
+
+@numba.njit(cache=True, inline="always")
+def _span(c, nch, total):
+    """Chunk c of nch over total flat outputs -> [start, end)."""
+    return c * total // nch, (c + 1) * total // nch
+
+@numba.njit(cache=True)
+def _add_bias(y, b):
+    """y [T, N] += b [N] (the per-op path's `y += bias`)."""
+    for t in range(y.shape[0]):
+        for n in range(y.shape[1]):
+            y[t, n] = y[t, n] + b[n]
+
+
+@numba.njit(cache=True)
+def _add(x, a):
+    for t in range(x.shape[0]):
+        for n in range(x.shape[1]):
+            x[t, n] = x[t, n] + a[t, n]
+
+
+@numba.njit(cache=True)
+def _zeros(S, H, Dv):
+    out = np.empty((S, H, Dv), np.float32)
+    out[:] = 0.0
+    return out
+
+
+@numba.njit(cache=True)
+def _write_kv(kstores, vstores, slot, positions, k, v):
+    """Each row's key and value into its sequence's cell -> the most cells a row attends to."""
+    C = 1
+    for s in range(k.shape[0]):
+        kstores[s][slot, positions[s]] = k[s]
+        vstores[s][slot, positions[s]] = v[s]
+        C = max(C, positions[s] + 1)
+    return C
+
+
+@numba.njit(cache=True)
+def _dense_route(S):
+    """A dense FFN as one 'expert' per row, of weight 1 (y * 1 is y, bit for bit)."""
+    ids = np.empty((S, 1), np.int64)
+    ids[:] = 0
+    weights = np.empty((S, 1), np.float32)
+    weights[:] = 1.0
+    slot = np.empty(1, np.int64)
+    slot[:] = 0
+    return ids, weights, slot
+
+
+@numba.njit(cache=True)
+def _keep_route(routes, i, ids):
+    routes[i] = ids
+
+
+@numba.njit(cache=True)
+def _mix_residual(x, yo, weights, per):
+    """x[s] += the row's expert outputs weighed and summed in top-k order (ops.moe_mix)."""
+    S, D = x.shape
+    for s in range(S):
+        for d in range(D):
+            f = yo[s * per, d] * weights[s, 0]
+            for j in range(1, per):
+                f = f + yo[s * per + j, d] * weights[s, j]
+            x[s, d] = x[s, d] + f
+
+
+def _step_kernel():
+    """decode_step, a closure over the inlined files' stamp (numba's cache key follows them)."""
+    spec = (SOURCES, tuple(KQUANT_KINDS))
+
+    @numba.njit(cache=True, parallel=True, error_model="numpy")
+    def decode_step(x, rope, positions, kstores, vstores, dims, scalars, kinds, layer, attn_norm, ffn_norm,
+                    out_norm, wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm, sinks, router, router_bias,
+                    gate, up, down, gate_bias, up_bias, down_bias, slot_of, out_w, logits, routes):
+        """x [S, D] the embedded rows (the residual stream, updated in place) -> logits [S, V].
+        rope [S, n_rot/2, 2] the rows' table; positions [S]; kstores / vstores: each sequence's
+        KV store [La, C, Hkv, Dh|Dv] (the row's cell written here); slot_of [Lm, E] each expert's
+        matrix in its layer's stacks gate / up [E', F, .] and down [E', D, .]; routes [Lm, S, A]
+        receives each MoE layer's choice."""
+        if len(spec) == 0:
+            return
+        S, D = x.shape
+        H, Hkv, Dh, Dv = dims[D_HEADS], dims[D_KV_HEADS], dims[D_HEAD], dims[D_HEAD_V]
+        G = H // Hkv
+        A = dims[D_USED]
+        ggml = dims[D_GGML] != 0
+        nch = dims[D_CHUNKS]
+        eps = scalars[F_EPS]
+        L = kinds.shape[0]
+        acts_d = _acts(S, D)
+        no_choice = np.empty((0, 0), np.int64)  # route_top_k: no replayed ids
+        dense_ids, dense_weights, dense_slot = _dense_route(S)
+        acts_o = _acts(S, H * Dv)
+        h = rms_norm(x, attn_norm[0], eps)  # [S, D]
+        for il in range(L):
+            kd = kinds[il]
+            ly = layer[il]
+            # -- attention: q, k, v [S, N] in one region
+            _quantize_rows(h, not (_is_k(kd[K_Q]) and _is_k(kd[K_K]) and _is_k(kd[K_V])),
+                           _is_k(kd[K_Q]) or _is_k(kd[K_K]) or _is_k(kd[K_V]), acts_d)
+            Wq, Wk, Wv = wq[il], wk[il], wv[il]
+            Nq, Nk, Nv = Wq.shape[1], Wk.shape[1], Wv.shape[1]
+            qf = np.empty((S, Nq), np.float32)
+            kf = np.empty((S, Nk), np.float32)
+            vf = np.empty((S, Nv), np.float32)
+            Nt = Nq + Nk + Nv
+            for c in prange(nch):  # flat over (row, q|k|v rows): spans within one matrix each
+                i, end = _span(c, nch, S * Nt)
+                while i < end:
+                    t, n = i // Nt, i % Nt
+                    if n < Nq:
+                        stop = min(Nq, n + end - i)
+                        _rows(kd[K_Q], Wq, 0, n, stop, h, acts_d, t, qf[t])
+                    elif n < Nq + Nk:
+                        stop = min(Nq + Nk, n + end - i)
+                        _rows(kd[K_K], Wk, 0, n - Nq, stop - Nq, h, acts_d, t, kf[t])
+                    else:
+                        stop = min(Nt, n + end - i)
+                        _rows(kd[K_V], Wv, 0, n - Nq - Nk, stop - Nq - Nk, h, acts_d, t, vf[t])
+                    i += stop - n
+            if ly[L_BIAS_QKV]:
+                _add_bias(qf, bq[il])
+                _add_bias(kf, bk[il])
+                _add_bias(vf, bv[il])
+            qkm = dims[D_QK_NORM]
+            if qkm == QK_FULL:
+                qf = rms_norm(qf, q_norm[il], eps)
+                kf = rms_norm(kf, k_norm[il], eps)
+            q, k = norm_rope_qk(qf.reshape(S, H, Dh), kf.reshape(S, Hkv, Dh), q_norm[il], k_norm[il],
+                                qkm == QK_HEAD, eps, rope, dims[D_ROPE_DIMS], dims[D_NEOX] != 0)
+            v = vf.reshape(S, Hkv, Dv)
+            if ggml:  # the f16 KV cache; q rounded for the f16 K·q product
+                to_f16_values(q)
+                to_f16_values(k)
+                to_f16_values(v)
+            slot = ly[L_KV_SLOT]
+            C = _write_kv(kstores, vstores, slot, positions, k, v)
+            att = _zeros(S, H, Dv)
+            sk = sinks[il]
+            window = ly[L_WINDOW]
+            scale = scalars[F_ATTN_SCALE]
+            for item in prange(S * Hkv):  # (row, KV head): its G query heads
+                s = item // Hkv
+                g = item % Hkv
+                w = np.empty((G, C + 8), np.float32)
+                acc = np.empty((G, 32, Dv), np.float32)
+                _attend(q[s], kstores[s][slot], vstores[s][slot], positions[s], window, g, g + 1, scale, sk,
+                        ggml, False, w, acc, att[s])
+            # -- the output projection, the residual and the FFN's norm
+            ao = att.reshape(S, H * Dv)
+            _quantize_rows(ao, not _is_k(kd[K_O]), _is_k(kd[K_O]), acts_o)
+            Wo = wo[il]
+            a = np.empty((S, D), np.float32)
+            for c in prange(nch):
+                i, end = _span(c, nch, S * D)
+                while i < end:
+                    t, n = i // D, i % D
+                    stop = min(D, n + end - i)
+                    _rows(kd[K_O], Wo, 0, n, stop, ao, acts_o, t, a[t])
+                    i += stop - n
+            if ly[L_BIAS_O]:
+                _add_bias(a, bo[il])
+            _add(x, a)
+            h = rms_norm(x, ffn_norm[il], eps)
+            # -- the FFN: pairs (row, expert), or (row, the dense FFN) with weight 1
+            Wg, Wu, Wd = gate[il], up[il], down[il]
+            F = Wg.shape[1]
+            routed = ly[L_MOE] != 0 and kd[K_ROUTER] != Q.F32
+            _quantize_rows(h, not _is_k(kd[K_GATE]) or not _is_k(kd[K_UP]) or routed and not _is_k(kd[K_ROUTER]),
+                           _is_k(kd[K_GATE]) or _is_k(kd[K_UP]) or routed and _is_k(kd[K_ROUTER]), acts_d)
+            if ly[L_MOE]:
+                Wr = router[il]
+                E = Wr.shape[1]
+                rl = np.empty((S, E), np.float32)
+                for c in prange(nch):
+                    i, end = _span(c, nch, S * E)
+                    while i < end:
+                        t, n = i // E, i % E
+                        stop = min(E, n + end - i)
+                        _rows(kd[K_ROUTER], Wr, 0, n, stop, h, acts_d, t, rl[t])
+                        i += stop - n
+                if ly[L_ROUTER_BIAS]:
+                    _add_bias(rl, router_bias[il])
+                ids, weights = route_top_k(rl, A, dims[D_WEIGHT_SOFTMAX] != 0, dims[D_NORM_TOPK] != 0,
+                                           scalars[F_ROUTE_SCALE], no_choice)
+                per = A
+                so = slot_of[ly[L_MOE_INDEX]]
+                _keep_route(routes, ly[L_MOE_INDEX], ids)
+            else:
+                ids, weights = dense_ids, dense_weights
+                per = 1
+                so = dense_slot
+            P = S * per
+            has_b = ly[L_EXPERT_BIAS] != 0
+            gb, ub, db = gate_bias[il], up_bias[il], down_bias[il]
+            gu = np.empty((2, P, F), np.float32)
+            for c in prange(nch):  # gate and up: flat over (pair, gate|up, rows)
+                i, end = _span(c, nch, 2 * P * F)
+                while i < end:
+                    p, which, n = i // (2 * F), (i // F) % 2, i % F
+                    stop = min(F, n + end - i)
+                    e = ids[p // per, p % per]
+                    out = gu[which, p]
+                    if which == 0:
+                        _rows(kd[K_GATE], Wg, so[e], n, stop, h, acts_d, p // per, out)
+                        if has_b:
+                            for j in range(n, stop):
+                                out[j] = out[j] + gb[e, j]
+                    else:
+                        _rows(kd[K_UP], Wu, so[e], n, stop, h, acts_d, p // per, out)
+                        if has_b:
+                            for j in range(n, stop):
+                                out[j] = out[j] + ub[e, j]
+                    i += stop - n
+            hh = np.empty((P, F), np.float32)
+            acts_f = _acts(P, F)
+            down32 = not _is_k(kd[K_DOWN])
+            alpha, limit = scalars[F_GLU_ALPHA], scalars[F_GLU_LIMIT]
+            oai = dims[D_GLU_OAI] != 0
+            for p in prange(P):  # the GLU, quantized for down
+                if oai:
+                    for i in range(F):
+                        xg = min(gu[0, p, i], limit)
+                        yu = min(max(gu[1, p, i], -limit), limit)
+                        act = np.float32(xg / np.float32(np.float32(1.0) + expf(np.float32(alpha * -xg))))
+                        hh[p, i] = np.float32(act * np.float32(yu + np.float32(1.0)))
+                else:
+                    _swiglu_row(gu[0, p], gu[1, p], hh[p], F - F % 8)
+                if down32:
+                    quantize_row_q8_0_1(hh[p], acts_f[0][p], acts_f[1][p], acts_f[2][p])
+                else:
+                    quantize_row_q8_K(hh[p], acts_f[3][p], acts_f[4][p], acts_f[5][p])
+            yo = np.empty((P, D), np.float32)
+            for c in prange(nch):  # down: flat over (pair, rows)
+                i, end = _span(c, nch, P * D)
+                while i < end:
+                    p, n = i // D, i % D
+                    stop = min(D, n + end - i)
+                    e = ids[p // per, p % per]
+                    _rows(kd[K_DOWN], Wd, so[e], n, stop, hh, acts_f, p, yo[p])
+                    if has_b:
+                        for j in range(n, stop):
+                            yo[p, j] = yo[p, j] + db[e, j]
+                    i += stop - n
+            _mix_residual(x, yo, weights, per)
+            h = rms_norm(x, attn_norm[il + 1] if il + 1 < L else out_norm, eps)
+        # -- the head
+        ok = dims[D_OUT_KIND]
+        _quantize_rows(h, not _is_k(ok), _is_k(ok), acts_d)
+        V = out_w.shape[1]
+        for c in prange(nch):
+            i, end = _span(c, nch, S * V)
+            while i < end:
+                t, n = i // V, i % V
+                stop = min(V, n + end - i)
+                _rows(ok, out_w, 0, n, stop, h, acts_d, t, logits[t])
+                i += stop - n
+
+    return decode_step
+
+
+decode_step = _step_kernel()
