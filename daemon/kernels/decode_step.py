@@ -27,8 +27,9 @@ from numba import prange
 from daemon.kernels import quants as Q
 from daemon.kernels.matmul_activations import quantize_row_q8_0_1, quantize_row_q8_K
 from daemon.kernels.matmul_quant import KQUANT_KINDS
-from daemon.kernels.ops import (_attend, _swiglu_row, expf, norm_rope_qk, rms_norm, route_top_k,
+from daemon.kernels.ops import (_attend, _swiglu_row, expf, norm_rope_qk, rms_norm, round_f16, route_top_k,
                                 to_f16_values)
+from daemon.kernels.matmul_activations import round_bf16
 from daemon.kernels.row_dot import SOURCES, rows_any
 
 # kinds[il, ...]: each weight's ggml type
@@ -43,26 +44,51 @@ F_EPS, F_ATTN_SCALE, F_ROUTE_SCALE, F_GLU_ALPHA, F_GLU_LIMIT = range(5)
 QK_NONE, QK_HEAD, QK_FULL = 0, 1, 2
 
 
-@numba.njit(cache=True, inline="always")
-def _is_k(kind):
-    return kind == Q.Q4_K or kind == Q.Q5_K or kind == Q.Q6_K
+FORM_Q8_0, FORM_Q8_K, FORM_F16, FORM_BF16 = 1, 2, 4, 8  # activation forms a weight type reads
 
 
 @numba.njit(cache=True, inline="always")
-def _quantize_rows(x, want32, wantk, acts):
-    """Rows x [S, K] into the forms the next weights read: acts = (q32, d32, s32, qk, dk, bk)."""
-    q32, d32, s32, qk, dk, bk = acts
+def _form(kind):
+    """The activation form weights of this type read (bit mask; 0: F32, x itself)."""
+    if kind == Q.Q4_K or kind == Q.Q5_K or kind == Q.Q6_K:
+        return FORM_Q8_K
+    if kind == Q.F32:
+        return 0
+    if kind == Q.F16:
+        return FORM_F16
+    if kind == Q.BF16:
+        return FORM_BF16
+    return FORM_Q8_0
+
+
+@numba.njit(cache=True, inline="always")
+def _prepare_row(x, t, forms, acts):
+    """Row t of x [S, K] in the forms (a mask of FORM_*) the next weights read:
+    acts = (xh, xb, q32, d32, s32, qk, dk, bk), see row_dot.rows_any."""
+    xh, xb, q32, d32, s32, qk, dk, bk = acts
+    if forms & FORM_Q8_0:
+        quantize_row_q8_0_1(x[t], q32[t], d32[t], s32[t])
+    if forms & FORM_Q8_K:
+        quantize_row_q8_K(x[t], qk[t], dk[t], bk[t])
+    if forms & FORM_F16:
+        for i in range(x.shape[1]):
+            xh[t, i] = round_f16(x[t, i])
+    if forms & FORM_BF16:
+        for i in range(x.shape[1]):
+            xb[t, i] = round_bf16(x[t, i])
+
+
+@numba.njit(cache=True)
+def _prepare_rows(x, forms, acts):
     for t in range(x.shape[0]):
-        if want32:
-            quantize_row_q8_0_1(x[t], q32[t], d32[t], s32[t])
-        if wantk:
-            quantize_row_q8_K(x[t], qk[t], dk[t], bk[t])
+        _prepare_row(x, t, forms, acts)
 
 
 @numba.njit(cache=True, inline="always")
 def _acts(S, K):
-    """Scratch for rows of K values in every quantized form (see _quantize_rows)."""
-    return (np.empty((S, K), np.int8), np.empty((S, max(1, K // 32)), np.float32),
+    """Scratch for rows of K values in every form (see _prepare_rows)."""
+    return (np.empty((S, K), np.float32), np.empty((S, K), np.float32),
+            np.empty((S, K), np.int8), np.empty((S, max(1, K // 32)), np.float32),
             np.empty((S, max(1, K // 32)), np.float32), np.empty((S, K), np.int8),
             np.empty((S, max(1, K // 256)), np.float32), np.empty((S, max(1, K // 16)), np.int32))
 
@@ -70,8 +96,8 @@ def _acts(S, K):
 @numba.njit(cache=True, inline="always")
 def _rows(kind, w, e, n0, n1, x, acts, t, out):
     """out[n0:n1] = rows n0..n1-1 of matrix e of w against activation row t (row_dot.rows_any)."""
-    q32, d32, s32, qk, dk, bk = acts
-    rows_any(kind, w, e, n0, n1, x, q32, d32, s32, qk, dk, bk, t, out)
+    xh, xb, q32, d32, s32, qk, dk, bk = acts
+    rows_any(kind, w, e, n0, n1, x, xh, xb, q32, d32, s32, qk, dk, bk, t, out)
 
 
 @numba.njit(cache=True, inline="always")
@@ -173,8 +199,7 @@ def _step_kernel():
             kd = kinds[il]
             ly = layer[il]
             # -- attention: q, k, v [S, N] in one region
-            _quantize_rows(h, not (_is_k(kd[K_Q]) and _is_k(kd[K_K]) and _is_k(kd[K_V])),
-                           _is_k(kd[K_Q]) or _is_k(kd[K_K]) or _is_k(kd[K_V]), acts_d)
+            _prepare_rows(h, _form(kd[K_Q]) | _form(kd[K_K]) | _form(kd[K_V]), acts_d)
             Wq, Wk, Wv = wq[il], wk[il], wv[il]
             Nq, Nk, Nv = Wq.shape[1], Wk.shape[1], Wv.shape[1]
             qf = np.empty((S, Nq), np.float32)
@@ -225,7 +250,7 @@ def _step_kernel():
                         ggml, False, w, acc, att[s])
             # -- the output projection, the residual and the FFN's norm
             ao = att.reshape(S, H * Dv)
-            _quantize_rows(ao, not _is_k(kd[K_O]), _is_k(kd[K_O]), acts_o)
+            _prepare_rows(ao, _form(kd[K_O]), acts_o)
             Wo = wo[il]
             a = np.empty((S, D), np.float32)
             for c in prange(nch):
@@ -242,9 +267,7 @@ def _step_kernel():
             # -- the FFN: pairs (row, expert), or (row, the dense FFN) with weight 1
             Wg, Wu, Wd = gate[il], up[il], down[il]
             F = Wg.shape[1]
-            routed = ly[L_MOE] != 0 and kd[K_ROUTER] != Q.F32
-            _quantize_rows(h, not _is_k(kd[K_GATE]) or not _is_k(kd[K_UP]) or routed and not _is_k(kd[K_ROUTER]),
-                           _is_k(kd[K_GATE]) or _is_k(kd[K_UP]) or routed and _is_k(kd[K_ROUTER]), acts_d)
+            _prepare_rows(h, _form(kd[K_GATE]) | _form(kd[K_UP]) | (_form(kd[K_ROUTER]) if ly[L_MOE] else 0), acts_d)
             if ly[L_MOE]:
                 Wr = router[il]
                 E = Wr.shape[1]
@@ -291,7 +314,7 @@ def _step_kernel():
                     i += stop - n
             hh = np.empty((P, F), np.float32)
             acts_f = _acts(P, F)
-            down32 = not _is_k(kd[K_DOWN])
+            down_form = _form(kd[K_DOWN])
             alpha, limit = scalars[F_GLU_ALPHA], scalars[F_GLU_LIMIT]
             oai = dims[D_GLU_OAI] != 0
             for p in prange(P):  # the GLU, quantized for down
@@ -303,10 +326,7 @@ def _step_kernel():
                         hh[p, i] = np.float32(act * np.float32(yu + np.float32(1.0)))
                 else:
                     _swiglu_row(gu[0, p], gu[1, p], hh[p], F - F % 8)
-                if down32:
-                    quantize_row_q8_0_1(hh[p], acts_f[0][p], acts_f[1][p], acts_f[2][p])
-                else:
-                    quantize_row_q8_K(hh[p], acts_f[3][p], acts_f[4][p], acts_f[5][p])
+                _prepare_row(hh, p, down_form, acts_f)
             yo = np.empty((P, D), np.float32)
             for c in prange(nch):  # down: flat over (pair, rows)
                 i, end = _span(c, nch, P * D)
@@ -323,7 +343,7 @@ def _step_kernel():
             h = rms_norm(x, attn_norm[il + 1] if il + 1 < L else out_norm, eps)
         # -- the head
         ok = dims[D_OUT_KIND]
-        _quantize_rows(h, not _is_k(ok), _is_k(ok), acts_d)
+        _prepare_rows(h, _form(ok), acts_d)
         V = out_w.shape[1]
         for c in prange(nch):
             i, end = _span(c, nch, S * V)

@@ -19,7 +19,7 @@ from numba import prange
 from daemon.errors import UnsupportedError
 from daemon.kernels import quants as Q
 from daemon.kernels.matmul_types import VEC_DOT_TYPE
-from daemon.kernels.quants import round_f16
+from daemon.kernels.quants import f32_as_u32, round_f16, u32_as_f32
 
 NUMERICS = ("ggml", "float32")
 
@@ -45,6 +45,18 @@ def quantize_row_q8_0_1(x, qs, d, s):
             isum += q
         d[b] = round_f16(dd)
         s[b] = round_f16(dd * np.float32(isum))
+
+
+@numba.njit(cache=True, inline="always")
+def round_bf16(x):
+    """One float32 as GGML_FP32_TO_BF16 then back (the scalar _round_bf16): nearest even, a NaN
+    kept quiet."""
+    u = f32_as_u32(x)
+    if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        r = (u >> np.uint32(16)) | np.uint32(64)
+    else:
+        r = (u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)
+    return u32_as_f32(np.uint32(r) << np.uint32(16))
 
 
 @numba.njit(cache=True, inline="always")

@@ -69,18 +69,20 @@ def _quantize_row(vec_dot_type, x, qs, d, aux):
 def _rows_any_kernel():
     """rows_any, a closure over the types (compile-time literals) and SOURCES (numba's cache key
     then changes with the files it inlines)."""
-    spec = (Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.MXFP4, Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F32, SOURCES)
+    spec = (Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.MXFP4, Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F32, Q.F16, Q.BF16, SOURCES)
 
     @numba.njit(cache=True)
-    def rows_any(kind, w, e, n0, n1, x, q32, d32, s32, qk, dk, bk, t, out):
+    def rows_any(kind, w, e, n0, n1, x, xh, xb, q32, d32, s32, qk, dk, bk, t, out):
         """out[n] = dot_row of rows n0..n1-1 of matrix e of w uint8 [E, N, row bytes] against
         activation row t, for a weight type known only at run time (the compiled decode step's
         layers differ). The activation row comes in every form a type may need: x f32 [T, K]
-        (F32 weights), q32/d32/s32 (Q8_0 and Q8_1: int8 values, scales, sums), qk/dk/bk (Q8_K:
-        values, super-block scales, block sums). A call per span of rows, not per row: a call
+        (F32 weights), xh / xb the same rounded to f16 / bf16 values (F16 / BF16 weights),
+        q32/d32/s32 (Q8_0 and Q8_1: int8 values, scales, sums), qk/dk/bk (Q8_K: values,
+        super-block scales, block sums). A call per span of rows, not per row: a call
         passes a dozen arrays, and their reference counts are atomics every thread shares."""
-        q8_0, q4_0, q5_0, mxfp4, q4_1, q5_1, q4_k, q5_k, q6_k, f32 = (
-            spec[0], spec[1], spec[2], spec[3], spec[4], spec[5], spec[6], spec[7], spec[8], spec[9])
+        q8_0, q4_0, q5_0, mxfp4, q4_1, q5_1, q4_k, q5_k, q6_k, f32, f16, bf16 = (
+            spec[0], spec[1], spec[2], spec[3], spec[4], spec[5], spec[6], spec[7], spec[8], spec[9], spec[10],
+            spec[11])
         if kind == q8_0:
             for n in range(n0, n1):
                 out[n] = dot_row(q8_0, w, e, n, q32, t, d32, s32)
@@ -112,6 +114,14 @@ def _rows_any_kernel():
             wf = w[e].view(np.uint32)
             for n in range(n0, n1):
                 out[n] = float_rows(f32, 0, 1, wf, n, x, t)[0]
+        elif kind == f16:
+            wh = w[e].view(np.uint16)
+            for n in range(n0, n1):
+                out[n] = float_rows(f16, 0, 1, wh, n, xh, t)[0]
+        elif kind == bf16:
+            wb = w[e].view(np.uint16)
+            for n in range(n0, n1):
+                out[n] = float_rows(bf16, 0, 1, wb, n, xb, t)[0]
         else:  # the plan admits no other type (DECODE_STEP_TYPES)
             for n in range(n0, n1):
                 out[n] = np.nan
@@ -122,7 +132,7 @@ def _rows_any_kernel():
 rows_any = _rows_any_kernel()
 
 
-DECODE_STEP_TYPES = frozenset(QUANTIZED) | {Q.F32}  # what rows_any computes
+DECODE_STEP_TYPES = frozenset(QUANTIZED) | {Q.F32, Q.F16, Q.BF16}  # what rows_any computes
 
 
 def aux_of(xp):
