@@ -127,16 +127,19 @@ class CPUBackend:
         if not (self.fuse_decode and step.one_row_each):
             return None
         program = self._programs.get(model)
-        if program is None or program == cpu_step.NOT_RESIDENT:
+        if program is None:
             program = self._programs[model] = cpu_step.DecodeProgram.build(model)
         if isinstance(program, str):
             return None
         self._set_threads()
-        logits = program.run(step, self._rope_table(step, model.hp.rope), self._step_stores(step))
-        count = getattr(model.experts, "count_resident", None)
+        logits, read = program.run(step, self._rope_table(step, model.hp.rope), self._step_stores(step))
+        count = getattr(model.experts, "count_in_place", None)
         if count is not None and model.moe_layers:  # the cache's statistics: distinct experts per layer
             r = np.sort(program.routes.reshape(len(model.moe_layers), -1), axis=1)
-            count(model.moe_layers, 1 + np.count_nonzero(np.diff(r, axis=1), axis=1))
+            distinct = 1 + np.count_nonzero(np.diff(r, axis=1), axis=1)
+            for il in read:  # their fetch counted them
+                distinct[program.moe_index[il]] = 0
+            count(model.moe_layers, distinct)
         return logits
 
     def host_point(self, fn, sync: bool = True) -> None:

@@ -27,7 +27,6 @@ _F32_1D = types.Array(types.float32, 1, "C")
 _F32_2D = types.Array(types.float32, 2, "C")
 _NONE_1D = np.zeros(1, np.float32)  # an absent vector (never read: its flag is off)
 _NONE_2D = np.zeros((1, 1), np.float32)
-NOT_RESIDENT = "not every expert is resident yet"  # the one reason that may pass: asked again each step
 
 
 def _stack(raw: np.ndarray) -> np.ndarray:
@@ -52,7 +51,8 @@ class DecodeProgram:
                                                                "router_bias")}
         ebias = {name: List.empty_list(_F32_2D) for name in ("gate_bias", "up_bias", "down_bias")}
         E = max(hp.n_expert, 1)
-        self.slot_of = np.zeros((max(len(model.moe_layers), 1), E), np.int64)
+        self.slot_of = np.full((max(len(model.moe_layers), 1), E), -1, np.int64)  # -1: not in memory
+        self.moe_index = moe_index
         n_kv = 0
         for il, layer in enumerate(model.layers):
             at, ffn = layer.mixer, layer.ffn
@@ -84,8 +84,6 @@ class DecodeProgram:
                     ebias[name].append(_NONE_2D if b is None else np.ascontiguousarray(b, np.float32))
                 ly[K.L_EXPERT_BIAS] = batch.gate_bias is not None
                 ly[K.L_MOE], ly[K.L_MOE_INDEX] = 1, moe_index[il]
-                for e, slot in batch.rows.items():
-                    self.slot_of[moe_index[il], e] = slot
             else:
                 lists["router"].append(_stack(np.zeros((1, 1), np.uint8)))
                 kd[K.K_ROUTER] = Q.F32
@@ -96,6 +94,9 @@ class DecodeProgram:
                 for name in ebias:
                     ebias[name].append(_NONE_2D)
         self.lists, self.vecs, self.ebias = lists, vecs, ebias
+        self.experts = model.experts
+        for il, batch in batches.items():
+            self._place(il, batch)
         self.attn_norm = np.stack([np.asarray(l.attn_norm, np.float32) for l in model.layers])  # [L, D]
         self.ffn_norm = np.stack([np.asarray(l.ffn_norm, np.float32) for l in model.layers])
         self.out_norm = np.ascontiguousarray(model.output_norm, np.float32)
@@ -126,37 +127,57 @@ class DecodeProgram:
             return why
         batches = {}
         for il in model.moe_layers:
-            batch = _resident(model.experts, il)
+            batch = _in_place(model.experts, il)
             if batch is None:
-                return NOT_RESIDENT
+                return "a bounded expert cache (experts move between steps)"
             batches[il] = batch
         return cls(model, batches)
 
-    def run(self, step, rope_table: np.ndarray, stores) -> np.ndarray:
-        """The decode batch `step` (one row per sequence; its KV cells reserved) -> logits [S, V].
-        rope_table: the step's [S, n_rot/2, 2]; stores: each sequence's KV arrays (numba Lists)."""
+    def _place(self, il: int, batch) -> None:
+        """Layer il's experts where they lie now: their stacks and each one's slot (-1: absent)."""
+        i = self.moe_index[il]
+        for name, stack in (("gate", batch.gate), ("up", batch.up), ("down", batch.down)):
+            if self.lists[name][il] is not stack:  # an arena made since (np.empty: pages come as filled)
+                self.lists[name][il] = _stack(stack)
+        self.slot_of[i] = -1
+        for e, slot in batch.rows.items():
+            self.slot_of[i, e] = slot
+
+    def run(self, step, rope_table: np.ndarray, stores) -> tuple[np.ndarray, list[int]]:
+        """The decode batch `step` (one row per sequence; its KV cells reserved) -> (logits [S, V],
+        the MoE layers whose experts were read for it). rope_table: the step's [S, n_rot/2, 2];
+        stores: each sequence's KV arrays (numba Lists). A chosen expert not in memory yet ends
+        the compiled call at its layer: it is read, and the step resumes there."""
         x = dequantize(self.tok_embd.raw[step.tokens], self.tok_embd.ggml_type, self.tok_embd.n_in)  # [S, D]
         logits = np.empty((step.S, self.n_vocab), np.float32)
-        routes = np.empty((self.slot_of.shape[0], step.S, max(1, self.dims[K.D_USED])), np.int64)
+        self.routes = np.empty((self.slot_of.shape[0], step.S, max(1, self.dims[K.D_USED])), np.int64)
         self.dims[K.D_CHUNKS] = 4 * numba.get_num_threads()
         L, V, E = self.lists, self.vecs, self.ebias
-        K.decode_step(x, rope_table, step.positions, stores[0], stores[1], self.dims, self.scalars, self.kinds,
-                      self.layer, self.attn_norm, self.ffn_norm, self.out_norm, L["wq"], L["wk"], L["wv"], L["wo"],
-                      V["bq"], V["bk"], V["bv"], V["bo"], V["q_norm"], V["k_norm"], V["sinks"], L["router"],
-                      V["router_bias"], L["gate"], L["up"], L["down"], E["gate_bias"], E["up_bias"],
-                      E["down_bias"], self.slot_of, self.out_w, logits, routes)
-        self.routes = routes
-        return logits
+        read, start = [], -1
+        while True:
+            start = K.decode_step(x, rope_table, step.positions, stores[0], stores[1], self.dims, self.scalars,
+                                  self.kinds, self.layer, self.attn_norm, self.ffn_norm, self.out_norm, L["wq"],
+                                  L["wk"], L["wv"], L["wo"], V["bq"], V["bk"], V["bv"], V["bo"], V["q_norm"],
+                                  V["k_norm"], V["sinks"], L["router"], V["router_bias"], L["gate"], L["up"],
+                                  L["down"], E["gate_bias"], E["up_bias"], E["down_bias"], self.slot_of, self.out_w,
+                                  logits, self.routes, start)
+            if start < 0:
+                return logits, read
+            ids = np.unique(self.routes[self.moe_index[start]]).tolist()
+            with self.experts.fetch(start, ids):  # an unlimited cache: once read, they stay
+                pass
+            self._place(start, self.experts.in_place(start))
+            read.append(start)
 
 
 def _vec(v) -> np.ndarray:
     return _NONE_1D if v is None else np.ascontiguousarray(v, np.float32)
 
 
-def _resident(experts, layer: int):
-    """The layer's ExpertBatch when every expert stays in memory (None: not, or not yet)."""
-    resident = getattr(experts, "resident", None)
-    return None if resident is None else resident(layer)
+def _in_place(experts, layer: int):
+    """The layer's ExpertBatch where its experts stay (None: a provider whose experts move)."""
+    in_place = getattr(experts, "in_place", None)
+    return None if in_place is None else in_place(layer)
 
 
 def _unsupported(model) -> str:

@@ -151,6 +151,16 @@ def _dense_route(S):
 
 
 @numba.njit(cache=True)
+def _missing(slot_of, ids):
+    """Whether a chosen expert is not in memory."""
+    for t in range(ids.shape[0]):
+        for a in range(ids.shape[1]):
+            if slot_of[ids[t, a]] < 0:
+                return True
+    return False
+
+
+@numba.njit(cache=True)
 def _keep_route(routes, i, ids):
     routes[i] = ids
 
@@ -172,14 +182,94 @@ def _step_kernel():
     spec = (SOURCES, tuple(KQUANT_KINDS))
 
     @numba.njit(cache=True, parallel=True, error_model="numpy")
+    def attention_block(il, x, h, rope, positions, kstores, vstores, dims, scalars, kd, ly, ffn_norm, wq, wk, wv,
+                        wo, bq, bk, bv, bo, q_norm, k_norm, sinks, acts_d, acts_o, nch):
+        """Layer il's attention over h [S, D] (normed), added to x -> the FFN's input, normed."""
+        S, D = x.shape
+        H, Hkv, Dh, Dv = dims[D_HEADS], dims[D_KV_HEADS], dims[D_HEAD], dims[D_HEAD_V]
+        G = H // Hkv
+        ggml = dims[D_GGML] != 0
+        eps = scalars[F_EPS]
+        # -- attention: q, k, v [S, N] in one region
+        _prepare_rows(h, _form(kd[K_Q]) | _form(kd[K_K]) | _form(kd[K_V]), acts_d)
+        Wq, Wk, Wv = wq[il], wk[il], wv[il]
+        Nq, Nk, Nv = Wq.shape[1], Wk.shape[1], Wv.shape[1]
+        qf = np.empty((S, Nq), np.float32)
+        kf = np.empty((S, Nk), np.float32)
+        vf = np.empty((S, Nv), np.float32)
+        Nt = Nq + Nk + Nv
+        for c in prange(nch):  # flat over (row, q|k|v rows): spans within one matrix each
+            i, end = _span(c, nch, S * Nt)
+            while i < end:
+                t, n = i // Nt, i % Nt
+                if n < Nq:
+                    stop = min(Nq, n + end - i)
+                    _rows(kd[K_Q], Wq, 0, n, stop, h, acts_d, t, qf[t])
+                elif n < Nq + Nk:
+                    stop = min(Nq + Nk, n + end - i)
+                    _rows(kd[K_K], Wk, 0, n - Nq, stop - Nq, h, acts_d, t, kf[t])
+                else:
+                    stop = min(Nt, n + end - i)
+                    _rows(kd[K_V], Wv, 0, n - Nq - Nk, stop - Nq - Nk, h, acts_d, t, vf[t])
+                i += stop - n
+        if ly[L_BIAS_QKV]:
+            _add_bias(qf, bq[il])
+            _add_bias(kf, bk[il])
+            _add_bias(vf, bv[il])
+        qkm = dims[D_QK_NORM]
+        if qkm == QK_FULL:
+            qf = rms_norm(qf, q_norm[il], eps)
+            kf = rms_norm(kf, k_norm[il], eps)
+        q, k = norm_rope_qk(qf.reshape(S, H, Dh), kf.reshape(S, Hkv, Dh), q_norm[il], k_norm[il],
+                            qkm == QK_HEAD, eps, rope, dims[D_ROPE_DIMS], dims[D_NEOX] != 0)
+        v = vf.reshape(S, Hkv, Dv)
+        if ggml:  # the f16 KV cache; q rounded for the f16 K·q product
+            to_f16_values(q)
+            to_f16_values(k)
+            to_f16_values(v)
+        slot = ly[L_KV_SLOT]
+        C = _write_kv(kstores, vstores, slot, positions, k, v)
+        att = _zeros(S, H, Dv)
+        sk = sinks[il]
+        window = ly[L_WINDOW]
+        scale = scalars[F_ATTN_SCALE]
+        for item in prange(S * Hkv):  # (row, KV head): its G query heads
+            s = item // Hkv
+            g = item % Hkv
+            w = np.empty((G, C + 8), np.float32)
+            acc = np.empty((G, 32, Dv), np.float32)
+            _attend(q[s], kstores[s][slot], vstores[s][slot], positions[s], window, g, g + 1, scale, sk,
+                    ggml, False, w, acc, att[s])
+        # -- the output projection, the residual and the FFN's norm
+        ao = att.reshape(S, H * Dv)
+        _prepare_rows(ao, _form(kd[K_O]), acts_o)
+        Wo = wo[il]
+        a = np.empty((S, D), np.float32)
+        for c in prange(nch):
+            i, end = _span(c, nch, S * D)
+            while i < end:
+                t, n = i // D, i % D
+                stop = min(D, n + end - i)
+                _rows(kd[K_O], Wo, 0, n, stop, ao, acts_o, t, a[t])
+                i += stop - n
+        if ly[L_BIAS_O]:
+            _add_bias(a, bo[il])
+        _add(x, a)
+        h = rms_norm(x, ffn_norm[il], eps)
+        return h
+
+    @numba.njit(cache=True, parallel=True, error_model="numpy")
     def decode_step(x, rope, positions, kstores, vstores, dims, scalars, kinds, layer, attn_norm, ffn_norm,
                     out_norm, wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm, sinks, router, router_bias,
-                    gate, up, down, gate_bias, up_bias, down_bias, slot_of, out_w, logits, routes):
+                    gate, up, down, gate_bias, up_bias, down_bias, slot_of, out_w, logits, routes, start):
         """x [S, D] the embedded rows (the residual stream, updated in place) -> logits [S, V].
         rope [S, n_rot/2, 2] the rows' table; positions [S]; kstores / vstores: each sequence's
         KV store [La, C, Hkv, Dh|Dv] (the row's cell written here); slot_of [Lm, E] each expert's
         matrix in its layer's stacks gate / up [E', F, .] and down [E', D, .]; routes [Lm, S, A]
-        receives each MoE layer's choice."""
+        receives each MoE layer's choice. An expert not in memory (slot_of -1) ends the call at
+        its layer's router -> that layer, whose misses the host reads before it calls again with
+        start = that layer: the step resumes at its FFN (the attention's effects kept). -> -1 once
+        the logits are written."""
         if len(spec) == 0:
             return
         S, D = x.shape
@@ -194,76 +284,15 @@ def _step_kernel():
         no_choice = np.empty((0, 0), np.int64)  # route_top_k: no replayed ids
         dense_ids, dense_weights, dense_slot = _dense_route(S)
         acts_o = _acts(S, H * Dv)
-        h = rms_norm(x, attn_norm[0], eps)  # [S, D]
-        for il in range(L):
+        first = max(start, 0)
+        h = rms_norm(x, attn_norm[0] if start < 0 else ffn_norm[first], eps)  # [S, D]
+        for il in range(first, L):
             kd = kinds[il]
             ly = layer[il]
-            # -- attention: q, k, v [S, N] in one region
-            _prepare_rows(h, _form(kd[K_Q]) | _form(kd[K_K]) | _form(kd[K_V]), acts_d)
-            Wq, Wk, Wv = wq[il], wk[il], wv[il]
-            Nq, Nk, Nv = Wq.shape[1], Wk.shape[1], Wv.shape[1]
-            qf = np.empty((S, Nq), np.float32)
-            kf = np.empty((S, Nk), np.float32)
-            vf = np.empty((S, Nv), np.float32)
-            Nt = Nq + Nk + Nv
-            for c in prange(nch):  # flat over (row, q|k|v rows): spans within one matrix each
-                i, end = _span(c, nch, S * Nt)
-                while i < end:
-                    t, n = i // Nt, i % Nt
-                    if n < Nq:
-                        stop = min(Nq, n + end - i)
-                        _rows(kd[K_Q], Wq, 0, n, stop, h, acts_d, t, qf[t])
-                    elif n < Nq + Nk:
-                        stop = min(Nq + Nk, n + end - i)
-                        _rows(kd[K_K], Wk, 0, n - Nq, stop - Nq, h, acts_d, t, kf[t])
-                    else:
-                        stop = min(Nt, n + end - i)
-                        _rows(kd[K_V], Wv, 0, n - Nq - Nk, stop - Nq - Nk, h, acts_d, t, vf[t])
-                    i += stop - n
-            if ly[L_BIAS_QKV]:
-                _add_bias(qf, bq[il])
-                _add_bias(kf, bk[il])
-                _add_bias(vf, bv[il])
-            qkm = dims[D_QK_NORM]
-            if qkm == QK_FULL:
-                qf = rms_norm(qf, q_norm[il], eps)
-                kf = rms_norm(kf, k_norm[il], eps)
-            q, k = norm_rope_qk(qf.reshape(S, H, Dh), kf.reshape(S, Hkv, Dh), q_norm[il], k_norm[il],
-                                qkm == QK_HEAD, eps, rope, dims[D_ROPE_DIMS], dims[D_NEOX] != 0)
-            v = vf.reshape(S, Hkv, Dv)
-            if ggml:  # the f16 KV cache; q rounded for the f16 K·q product
-                to_f16_values(q)
-                to_f16_values(k)
-                to_f16_values(v)
-            slot = ly[L_KV_SLOT]
-            C = _write_kv(kstores, vstores, slot, positions, k, v)
-            att = _zeros(S, H, Dv)
-            sk = sinks[il]
-            window = ly[L_WINDOW]
-            scale = scalars[F_ATTN_SCALE]
-            for item in prange(S * Hkv):  # (row, KV head): its G query heads
-                s = item // Hkv
-                g = item % Hkv
-                w = np.empty((G, C + 8), np.float32)
-                acc = np.empty((G, 32, Dv), np.float32)
-                _attend(q[s], kstores[s][slot], vstores[s][slot], positions[s], window, g, g + 1, scale, sk,
-                        ggml, False, w, acc, att[s])
-            # -- the output projection, the residual and the FFN's norm
-            ao = att.reshape(S, H * Dv)
-            _prepare_rows(ao, _form(kd[K_O]), acts_o)
-            Wo = wo[il]
-            a = np.empty((S, D), np.float32)
-            for c in prange(nch):
-                i, end = _span(c, nch, S * D)
-                while i < end:
-                    t, n = i // D, i % D
-                    stop = min(D, n + end - i)
-                    _rows(kd[K_O], Wo, 0, n, stop, ao, acts_o, t, a[t])
-                    i += stop - n
-            if ly[L_BIAS_O]:
-                _add_bias(a, bo[il])
-            _add(x, a)
-            h = rms_norm(x, ffn_norm[il], eps)
+            if il != start:
+                h = attention_block(il, x, h, rope, positions, kstores, vstores, dims, scalars, kd, ly,
+                                     ffn_norm, wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm, sinks,
+                                     acts_d, acts_o, nch)
             # -- the FFN: pairs (row, expert), or (row, the dense FFN) with weight 1
             Wg, Wu, Wd = gate[il], up[il], down[il]
             F = Wg.shape[1]
@@ -286,6 +315,8 @@ def _step_kernel():
                 per = A
                 so = slot_of[ly[L_MOE_INDEX]]
                 _keep_route(routes, ly[L_MOE_INDEX], ids)
+                if _missing(so, ids):
+                    return il
             else:
                 ids, weights = dense_ids, dense_weights
                 per = 1
@@ -352,6 +383,7 @@ def _step_kernel():
                 stop = min(V, n + end - i)
                 _rows(ok, out_w, 0, n, stop, h, acts_d, t, logits[t])
                 i += stop - n
+        return -1
 
     return decode_step
 

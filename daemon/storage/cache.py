@@ -259,13 +259,21 @@ class ExpertCache:
         lc = self._layers.get(layer)
         return lc is not None and len(lc.entries) == lc.layout.n_expert
 
-    def resident(self, layer: int) -> ExpertBatch | None:
-        """Every expert of the layer once an unlimited cache has read them all (they never move
-        again), else None: the CPU's compiled decode step reads them in place."""
-        lc = self._layers.get(layer)
-        return None if lc is None else lc.resident
+    def in_place(self, layer: int) -> ExpertBatch | None:
+        """For an unlimited cache, where an expert once read never moves: the layer's arenas, with
+        `rows` naming the experts read so far (a step that needs another fetches it first). None
+        for a bounded cache. The CPU's compiled decode step reads the experts where they lie."""
+        lc = self._layer(layer)
+        if lc.capacity < lc.layout.n_expert:
+            return None
+        with self._lock:
+            if lc.resident is not None:
+                return lc.resident
+            arena = self._arena(lc)
+            rows = {e: ent.slot for e, ent in lc.entries.items() if ent.ready and ent.slot >= 0}
+        return ExpertBatch(*arena, rows, *lc.biases)
 
-    def count_resident(self, layers, requests) -> None:
+    def count_in_place(self, layers, requests) -> None:
         """A step read its experts in place (the compiled decode step): requests[i] distinct
         experts of layers[i] asked for, all hits."""
         with self._lock:

@@ -110,7 +110,7 @@ class ResidentExperts:
     def waves(self, layer: int, ids: Sequence[int]) -> list[list[int]]:
         return [list(ids)]
 
-    def resident(self, layer: int) -> ExpertBatch:
+    def in_place(self, layer: int) -> ExpertBatch:
         """Every expert of the layer, where it stays (the CPU's compiled decode step reads them)."""
         return self._batches[layer]
 

@@ -1,0 +1,97 @@
+"""backend/cpu_step.py + kernels/decode_step.py: a decode batch as one compiled call gives the
+per-op path's logits bit for bit (that path is the one compared with llama.cpp), for every family
+and weight type it covers, alone and batched; an unlimited expert cache's misses are read where
+the step stops and the step resumes; what it does not cover keeps the per-op path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from daemon.backend import CPUBackend, cpu_step
+from daemon.model.transformer import Transformer
+from daemon.storage.cache import ExpertCache
+from daemon.storage.gguf import GGUFFile
+from daemon.storage.store import ExpertStore, expert_layouts
+from tests.fixtures.build import fixture_path
+
+# (arch, weight type): every family of the shared decoder, every weight type the step computes
+# (the fixtures give some roles other types: F32 routers, F16 attention in gpt-oss)
+CASES = [("qwen3moe", "Q8_0"), ("gpt-oss", "MXFP4"), ("llama", "Q4_1"), ("olmoe", "Q4_K"),
+         ("llama-moe", "Q6_K"), ("qwen3moe", "Q5_K"), ("llama", "Q5_0"), ("qwen3moe", "Q5_1"),
+         ("llama", "Q4_0"), ("llama", "F32"), ("llama", "BF16")]
+
+
+def _models(path, experts=None):
+    """The same file as the per-op path (fuse_decode off: the separate ops) and as the compiled step."""
+    g = GGUFFile(path)
+    ref = Transformer(g, backend=CPUBackend())
+    ref.backend.fuse_decode = False
+    return g, ref, Transformer(g, backend=CPUBackend(), experts=experts)
+
+
+def _decode_both(ref, new, n_seq: int, steps: int, seed: int = 0):
+    """n_seq sequences of different prompt lengths, decoded `steps` steps by both models; -> the
+    pairs of logits [S, V] of each step."""
+    rng = np.random.default_rng(seed)
+    V = ref.hp.n_vocab
+    caches = {m: [m.new_cache(32) for _ in range(n_seq)] for m in (ref, new)}
+    prompts = [rng.integers(0, V, 2 + s).tolist() for s in range(n_seq)]
+    for m in (ref, new):
+        for p, c in zip(prompts, caches[m]):
+            m.forward(p, c)
+    out = []
+    for _ in range(steps):
+        tokens = rng.integers(0, V, n_seq)
+        out.append((ref.forward_batch(tokens, caches[ref]), new.forward_batch(tokens, caches[new])))
+    return out
+
+
+@pytest.mark.parametrize("arch,wtype", CASES, ids=[f"{a}-{w}" for a, w in CASES])
+@pytest.mark.parametrize("n_seq", [1, 3])
+def test_the_compiled_step_gives_the_per_op_bits(fixture_dir, arch, wtype, n_seq):
+    g, ref, new = _models(fixture_path(arch, wtype, fixture_dir))
+    with g:
+        for a, b in _decode_both(ref, new, n_seq, steps=3):
+            assert np.isfinite(a).all()
+            np.testing.assert_array_equal(b, a)
+        assert isinstance(new.backend._programs[new], cpu_step.DecodeProgram)  # it ran, not the fallback
+
+
+def test_an_unlimited_cache_is_read_where_the_step_stops(fixture_dir):
+    """Cold: each expert the router picks that is not in memory yet ends the compiled call at its
+    layer; it is read and the step resumes, with the bits of the resident per-op path."""
+    path = fixture_path("qwen3moe", "Q8_0", fixture_dir)
+    with GGUFFile(path) as g0:
+        store = ExpertStore.from_gguf(g0, expert_layouts(g0))
+    with ExpertCache(store, 0.0) as cache:
+        g, ref, new = _models(path, experts=cache)
+        with g:
+            for a, b in _decode_both(ref, new, 2, steps=4, seed=3):
+                np.testing.assert_array_equal(b, a)
+            program = new.backend._programs[new]
+            assert isinstance(program, cpu_step.DecodeProgram)
+            st = cache.stats()["total"]
+            assert st["misses"] > 0 and st["requests"] == st["hits"] + st["misses"]
+
+
+def test_what_the_step_does_not_cover_keeps_the_per_op_path(fixture_dir):
+    cases = {("qwen2moe", "Q8_0", "ggml"): "shared experts",
+             ("qwen3moe", "Q8_0", "float32"): "float32 numerics",
+             ("qwen3next", "Q8_0", "ggml"): "own builder"}
+    for (arch, wtype, numerics), why in cases.items():
+        with GGUFFile(fixture_path(arch, wtype, fixture_dir)) as g:
+            model = Transformer(g, backend=CPUBackend(numerics))
+            model.forward_batch([1], [model.new_cache(4)])
+            reason = model.backend._programs[model]
+            assert isinstance(reason, str) and why in reason
+
+
+def test_a_bounded_cache_keeps_the_per_op_path(fixture_dir):
+    path = fixture_path("qwen3moe", "Q8_0", fixture_dir)
+    with GGUFFile(path) as g:
+        layouts = expert_layouts(g)
+        with ExpertCache(ExpertStore.from_gguf(g, layouts), 0.05) as cache:
+            model = Transformer(g, experts=cache)
+            model.forward_batch([1], [model.new_cache(4)])
+            assert "bounded" in model.backend._programs[model]
