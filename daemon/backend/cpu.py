@@ -76,6 +76,7 @@ def _row_flags(step: Step | None) -> dict:
 class CPUBackend:
     name = "cpu"
     fuse_decode = True  # one-row steps through the fused calls (False: the separate ops, for A/B benchmarks)
+    compiled_step = True  # a decode batch as one compiled call where the model allows (cpu_step.py)
 
     def __init__(self, numerics: str = "ggml"):
         if numerics not in NUMERICS:
@@ -124,7 +125,7 @@ class CPUBackend:
         """A decode batch (one row per sequence) as one compiled call (cpu_step.py) -> logits [S, V];
         None where the model has no compiled step (yet: its experts not all resident), and the
         per-op path serves it."""
-        if not (self.fuse_decode and step.one_row_each):
+        if not (self.compiled_step and self.fuse_decode and step.one_row_each):
             return None
         program = self._programs.get(model)
         if program is None:
