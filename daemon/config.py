@@ -79,7 +79,7 @@ class Settings:
     cpu_step: bool = field(default=True, metadata=_meta(
         "MOE_CPU_STEP", "on the CPU, run a decode step as one compiled call (every layer, no Python "
         "between kernels) where the model allows: the shared decoder's layers, experts in memory (no "
-        "cache limit); 0 = the per-op path (same tokens, for comparison)")),
+        "cache limit); 0 = the per-op path (same tokens, for comparison)"))
     cuda_graphs: bool = field(default=True, metadata=_meta(
         "MOE_CUDA_GRAPHS", "on a GPU, replay decode steps as CUDA graphs (one launch a step instead of "
         "one per kernel; the same results); 0 = launch every kernel from Python"))
