@@ -15,6 +15,7 @@ P = T*A pairs.
 
 from __future__ import annotations
 
+import logging
 import weakref
 
 import numba
@@ -28,6 +29,8 @@ from . import cpu_experts, cpu_step
 from .base import compose_expert_ffn, compose_expert_glu
 from .cpu_cache import KVCache
 from .step import Step
+
+log = logging.getLogger(__name__)
 
 NUMERICS = ("ggml", "float32")
 _NO_NORM = np.ones(1, np.float32)  # rope_qk without q/k norms (never read)
@@ -134,6 +137,9 @@ class CPUBackend:
             return None
         self._set_threads()
         logits, read = program.run(step, self._rope_table(step, model.hp.rope), self._step_stores(step))
+        if logits is None:
+            log.warning("the compiled decode step's threads did not all start; this step runs op by op")
+            return None
         count = getattr(model.experts, "count_in_place", None)
         if count is not None and model.moe_layers:  # the cache's statistics: distinct experts per layer
             r = np.sort(program.routes.reshape(len(model.moe_layers), -1), axis=1)

@@ -51,7 +51,9 @@ class DecodeProgram:
                                                                "router_bias")}
         ebias = {name: List.empty_list(_F32_2D) for name in ("gate_bias", "up_bias", "down_bias")}
         E = max(hp.n_expert, 1)
-        self.slot_of = np.full((max(len(model.moe_layers), 1), E), -1, np.int64)  # -1: not in memory
+        # -1: not in memory; the last row (zeros) serves dense FFNs
+        self.slot_of = np.full((len(model.moe_layers) + 1, E), -1, np.int64)
+        self.slot_of[-1] = 0
         self.moe_index = moe_index
         n_kv = 0
         for il, layer in enumerate(model.layers):
@@ -103,7 +105,7 @@ class DecodeProgram:
         self.out_w = _stack(model.output.raw)
         rope = hp.rope
         self.rope = rope
-        dims = np.zeros(14, np.int64)
+        dims = np.zeros(K.N_DIMS, np.int64)
         dims[K.D_HEADS], dims[K.D_KV_HEADS], dims[K.D_HEAD], dims[K.D_HEAD_V] = (hp.n_head, hp.n_head_kv, hp.head_dim,
                                                                                 hp.head_dim_v)
         dims[K.D_ROPE_DIMS], dims[K.D_NEOX] = rope.n_dims, rope.neox
@@ -114,6 +116,8 @@ class DecodeProgram:
         dims[K.D_GLU_OAI] = fam.glu == "oai"
         dims[K.D_GGML] = 1
         dims[K.D_OUT_KIND] = model.output.ggml_type
+        for col, name in ((K.D_NQ, "wq"), (K.D_NK, "wk"), (K.D_NV, "wv"), (K.D_FF, "gate"), (K.D_EXPERTS, "router")):
+            dims[col] = lists[name][0].shape[1]  # every layer's (_unsupported)
         self.dims = dims
         self.scalars = np.array([hp.rms_eps, 1.0 / np.sqrt(hp.head_dim), hp.expert_weights_scale, fam.glu_alpha,
                                  fam.glu_limit], np.float32)
@@ -143,15 +147,15 @@ class DecodeProgram:
         for e, slot in batch.rows.items():
             self.slot_of[i, e] = slot
 
-    def run(self, step, rope_table: np.ndarray, stores) -> tuple[np.ndarray, list[int]]:
+    def run(self, step, rope_table: np.ndarray, stores) -> tuple[np.ndarray | None, list[int]]:
         """The decode batch `step` (one row per sequence; its KV cells reserved) -> (logits [S, V],
-        the MoE layers whose experts were read for it). rope_table: the step's [S, n_rot/2, 2];
+        the MoE layers whose experts were read for it); logits None when the step's threads could
+        not meet (sync.py), which changed nothing the per-op path does not write again. rope_table: the step's [S, n_rot/2, 2];
         stores: each sequence's KV arrays (numba Lists). A chosen expert not in memory yet ends
         the compiled call at its layer: it is read, and the step resumes there."""
         x = dequantize(self.tok_embd.raw[step.tokens], self.tok_embd.ggml_type, self.tok_embd.n_in)  # [S, D]
         logits = np.empty((step.S, self.n_vocab), np.float32)
-        self.routes = np.empty((self.slot_of.shape[0], step.S, max(1, self.dims[K.D_USED])), np.int64)
-        self.dims[K.D_CHUNKS] = 4 * numba.get_num_threads()
+        self.routes = np.empty((self.slot_of.shape[0] - 1, step.S, max(1, self.dims[K.D_USED])), np.int64)
         L, V, E = self.lists, self.vecs, self.ebias
         read, start = [], -1
         while True:
@@ -160,7 +164,9 @@ class DecodeProgram:
                                   L["wk"], L["wv"], L["wo"], V["bq"], V["bk"], V["bv"], V["bo"], V["q_norm"],
                                   V["k_norm"], V["sinks"], L["router"], V["router_bias"], L["gate"], L["up"],
                                   L["down"], E["gate_bias"], E["up_bias"], E["down_bias"], self.slot_of, self.out_w,
-                                  logits, self.routes, start)
+                                  logits, self.routes, start, numba.get_num_threads())
+            if start == K.VOID:  # the threads could not meet: the caller runs the step the per-op way
+                return None, read
             if start < 0:
                 return logits, read
             ids = np.unique(self.routes[self.moe_index[start]]).tolist()
@@ -202,6 +208,9 @@ def _unsupported(model) -> str:
             types_used |= {ffn.router.ggml_type, lay.gate_type, lay.up_type, lay.down_type}
         else:
             types_used |= {ffn.gate.ggml_type, ffn.up.ggml_type, ffn.down.ggml_type}
+    sizes = {(l.mixer.wq.n_out, l.mixer.wk.n_out, l.mixer.wv.n_out, isinstance(l.ffn, MoE)) for l in model.layers}
+    if len(sizes) > 1:
+        return "layers of different sizes or kinds"
     odd = types_used - DECODE_STEP_TYPES
     if odd:
         return "weights of type " + ", ".join(sorted(Q.type_name(t) for t in odd))

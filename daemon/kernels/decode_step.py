@@ -31,6 +31,7 @@ from daemon.kernels.ops import (_attend, _swiglu_row, expf, norm_rope_qk, rms_no
                                 to_f16_values)
 from daemon.kernels.matmul_activations import round_bf16
 from daemon.kernels.row_dot import SOURCES, rows_any
+from daemon.kernels.sync import STATE_SIZE, barrier
 
 # kinds[il, ...]: each weight's ggml type
 K_Q, K_K, K_V, K_O, K_ROUTER, K_GATE, K_UP, K_DOWN = range(8)
@@ -38,10 +39,12 @@ K_Q, K_K, K_V, K_O, K_ROUTER, K_GATE, K_UP, K_DOWN = range(8)
 L_MOE, L_KV_SLOT, L_WINDOW, L_MOE_INDEX, L_BIAS_QKV, L_BIAS_O, L_ROUTER_BIAS, L_EXPERT_BIAS = range(8)
 # dims[...]
 D_HEADS, D_KV_HEADS, D_HEAD, D_HEAD_V, D_ROPE_DIMS, D_NEOX, D_QK_NORM, D_USED, D_WEIGHT_SOFTMAX, \
-    D_NORM_TOPK, D_GLU_OAI, D_GGML, D_OUT_KIND, D_CHUNKS = range(14)
+    D_NORM_TOPK, D_GLU_OAI, D_GGML, D_OUT_KIND, D_NQ, D_NK, D_NV, D_FF, D_EXPERTS = range(18)  # the last five: every layer's
+N_DIMS = 18
 # scalars[...]
 F_EPS, F_ATTN_SCALE, F_ROUTE_SCALE, F_GLU_ALPHA, F_GLU_LIMIT = range(5)
 QK_NONE, QK_HEAD, QK_FULL = 0, 1, 2
+DONE, VOID = -1, -2  # decode_step's results besides a layer to resume at
 
 
 FORM_Q8_0, FORM_Q8_K, FORM_F16, FORM_BF16 = 1, 2, 4, 8  # activation forms a weight type reads
@@ -121,13 +124,6 @@ def _add(x, a):
 
 
 @numba.njit(cache=True)
-def _zeros(S, H, Dv):
-    out = np.empty((S, H, Dv), np.float32)
-    out[:] = 0.0
-    return out
-
-
-@numba.njit(cache=True)
 def _write_kv(kstores, vstores, slot, positions, k, v):
     """Each row's key and value into its sequence's cell -> the most cells a row attends to."""
     C = 1
@@ -139,18 +135,6 @@ def _write_kv(kstores, vstores, slot, positions, k, v):
 
 
 @numba.njit(cache=True)
-def _dense_route(S):
-    """A dense FFN as one 'expert' per row, of weight 1 (y * 1 is y, bit for bit)."""
-    ids = np.empty((S, 1), np.int64)
-    ids[:] = 0
-    weights = np.empty((S, 1), np.float32)
-    weights[:] = 1.0
-    slot = np.empty(1, np.int64)
-    slot[:] = 0
-    return ids, weights, slot
-
-
-@numba.njit(cache=True)
 def _missing(slot_of, ids):
     """Whether a chosen expert is not in memory."""
     for t in range(ids.shape[0]):
@@ -158,11 +142,6 @@ def _missing(slot_of, ids):
             if slot_of[ids[t, a]] < 0:
                 return True
     return False
-
-
-@numba.njit(cache=True)
-def _keep_route(routes, i, ids):
-    routes[i] = ids
 
 
 @numba.njit(cache=True)
@@ -177,213 +156,290 @@ def _mix_residual(x, yo, weights, per):
             x[s, d] = x[s, d] + f
 
 
+@numba.njit(cache=True)
+def _ffn_input(x, h, norm, eps, kd, ly, acts_d, ids, wts):
+    """h = the FFN's input (x normed), in the forms the router, gate and up read; a dense FFN's
+    one 'expert' per row (id 0, weight 1: y * 1 is y, bit for bit)."""
+    h[:, :] = rms_norm(x, norm, eps)
+    _prepare_rows(h, _form(kd[K_GATE]) | _form(kd[K_UP]) | (_form(kd[K_ROUTER]) if ly[L_MOE] else 0), acts_d)
+    if not ly[L_MOE]:
+        ids[:, 0] = 0
+        wts[:, 0] = 1.0
+
+
+@numba.njit(cache=True)
+def _qkv_to_cache(il, qf, kf, vf, qr, kstores, vstores, positions, rope, dims, eps, ly, bq, bk, bv, q_norm, k_norm):
+    """The projections' biases and norms, RoPE, the f16 rounding of ggml numerics: the queries into
+    qr [S, H, Dh], each row's key and value into its sequence's cell."""
+    S = qf.shape[0]
+    q2, k2, v2 = np.ascontiguousarray(qf), np.ascontiguousarray(kf), np.ascontiguousarray(vf)
+    if ly[L_BIAS_QKV]:
+        _add_bias(q2, bq[il])
+        _add_bias(k2, bk[il])
+        _add_bias(v2, bv[il])
+    qkm = dims[D_QK_NORM]
+    if qkm == QK_FULL:
+        q2 = rms_norm(q2, q_norm[il], eps)
+        k2 = rms_norm(k2, k_norm[il], eps)
+    H, Hkv, Dh, Dv = dims[D_HEADS], dims[D_KV_HEADS], dims[D_HEAD], dims[D_HEAD_V]
+    q, k = norm_rope_qk(q2.reshape(S, H, Dh), k2.reshape(S, Hkv, Dh), q_norm[il], k_norm[il], qkm == QK_HEAD, eps,
+                        rope, dims[D_ROPE_DIMS], dims[D_NEOX] != 0)
+    v = v2.reshape(S, Hkv, Dv)
+    if dims[D_GGML]:  # the f16 KV cache; q rounded for the f16 K·q product
+        to_f16_values(q)
+        to_f16_values(k)
+        to_f16_values(v)
+    qr[:, :, :] = q
+    _write_kv(kstores, vstores, ly[L_KV_SLOT], positions, k, v)
+
+
+@numba.njit(cache=True, error_model="numpy")
+def _glu_oai_row(g, u, o, alpha, limit):
+    """gpt-oss's clamped SwiGLU of one row, as ops.swiglu_oai."""
+    for i in range(g.shape[0]):
+        xg = min(g[i], limit)
+        yu = min(max(u[i], -limit), limit)
+        act = np.float32(xg / np.float32(np.float32(1.0) + expf(np.float32(alpha * -xg))))
+        o[i] = np.float32(act * np.float32(yu + np.float32(1.0)))
+
+
 def _step_kernel():
     """decode_step, a closure over the inlined files' stamp (numba's cache key follows them)."""
     spec = (SOURCES, tuple(KQUANT_KINDS))
 
-    @numba.njit(cache=True, parallel=True, error_model="numpy")
-    def attention_block(il, x, h, rope, positions, kstores, vstores, dims, scalars, kd, ly, ffn_norm, wq, wk, wv,
-                        wo, bq, bk, bv, bo, q_norm, k_norm, sinks, acts_d, acts_o, nch):
-        """Layer il's attention over h [S, D] (normed), added to x -> the FFN's input, normed."""
-        S, D = x.shape
-        H, Hkv, Dh, Dv = dims[D_HEADS], dims[D_KV_HEADS], dims[D_HEAD], dims[D_HEAD_V]
-        G = H // Hkv
-        ggml = dims[D_GGML] != 0
-        eps = scalars[F_EPS]
-        # -- attention: q, k, v [S, N] in one region
-        _prepare_rows(h, _form(kd[K_Q]) | _form(kd[K_K]) | _form(kd[K_V]), acts_d)
-        Wq, Wk, Wv = wq[il], wk[il], wv[il]
-        Nq, Nk, Nv = Wq.shape[1], Wk.shape[1], Wv.shape[1]
-        qf = np.empty((S, Nq), np.float32)
-        kf = np.empty((S, Nk), np.float32)
-        vf = np.empty((S, Nv), np.float32)
-        Nt = Nq + Nk + Nv
-        for c in prange(nch):  # flat over (row, q|k|v rows): spans within one matrix each
-            i, end = _span(c, nch, S * Nt)
-            while i < end:
-                t, n = i // Nt, i % Nt
-                if n < Nq:
-                    stop = min(Nq, n + end - i)
-                    _rows(kd[K_Q], Wq, 0, n, stop, h, acts_d, t, qf[t])
-                elif n < Nq + Nk:
-                    stop = min(Nq + Nk, n + end - i)
-                    _rows(kd[K_K], Wk, 0, n - Nq, stop - Nq, h, acts_d, t, kf[t])
-                else:
-                    stop = min(Nt, n + end - i)
-                    _rows(kd[K_V], Wv, 0, n - Nq - Nk, stop - Nq - Nk, h, acts_d, t, vf[t])
-                i += stop - n
-        if ly[L_BIAS_QKV]:
-            _add_bias(qf, bq[il])
-            _add_bias(kf, bk[il])
-            _add_bias(vf, bv[il])
-        qkm = dims[D_QK_NORM]
-        if qkm == QK_FULL:
-            qf = rms_norm(qf, q_norm[il], eps)
-            kf = rms_norm(kf, k_norm[il], eps)
-        q, k = norm_rope_qk(qf.reshape(S, H, Dh), kf.reshape(S, Hkv, Dh), q_norm[il], k_norm[il],
-                            qkm == QK_HEAD, eps, rope, dims[D_ROPE_DIMS], dims[D_NEOX] != 0)
-        v = vf.reshape(S, Hkv, Dv)
-        if ggml:  # the f16 KV cache; q rounded for the f16 K·q product
-            to_f16_values(q)
-            to_f16_values(k)
-            to_f16_values(v)
-        slot = ly[L_KV_SLOT]
-        C = _write_kv(kstores, vstores, slot, positions, k, v)
-        att = _zeros(S, H, Dv)
-        sk = sinks[il]
-        window = ly[L_WINDOW]
-        scale = scalars[F_ATTN_SCALE]
-        for item in prange(S * Hkv):  # (row, KV head): its G query heads
-            s = item // Hkv
-            g = item % Hkv
-            w = np.empty((G, C + 8), np.float32)
-            acc = np.empty((G, 32, Dv), np.float32)
-            _attend(q[s], kstores[s][slot], vstores[s][slot], positions[s], window, g, g + 1, scale, sk,
-                    ggml, False, w, acc, att[s])
-        # -- the output projection, the residual and the FFN's norm
-        ao = att.reshape(S, H * Dv)
-        _prepare_rows(ao, _form(kd[K_O]), acts_o)
-        Wo = wo[il]
-        a = np.empty((S, D), np.float32)
-        for c in prange(nch):
-            i, end = _span(c, nch, S * D)
-            while i < end:
-                t, n = i // D, i % D
-                stop = min(D, n + end - i)
-                _rows(kd[K_O], Wo, 0, n, stop, ao, acts_o, t, a[t])
-                i += stop - n
-        if ly[L_BIAS_O]:
-            _add_bias(a, bo[il])
-        _add(x, a)
-        h = rms_norm(x, ffn_norm[il], eps)
-        return h
-
-    @numba.njit(cache=True, parallel=True, error_model="numpy")
-    def decode_step(x, rope, positions, kstores, vstores, dims, scalars, kinds, layer, attn_norm, ffn_norm,
-                    out_norm, wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm, sinks, router, router_bias,
-                    gate, up, down, gate_bias, up_bias, down_bias, slot_of, out_w, logits, routes, start):
-        """x [S, D] the embedded rows (the residual stream, updated in place) -> logits [S, V].
-        rope [S, n_rot/2, 2] the rows' table; positions [S]; kstores / vstores: each sequence's
-        KV store [La, C, Hkv, Dh|Dv] (the row's cell written here); slot_of [Lm, E] each expert's
-        matrix in its layer's stacks gate / up [E', F, .] and down [E', D, .]; routes [Lm, S, A]
-        receives each MoE layer's choice. An expert not in memory (slot_of -1) ends the call at
-        its layer's router -> that layer, whose misses the host reads before it calls again with
-        start = that layer: the step resumes at its FFN (the attention's effects kept). -> -1 once
-        the logits are written."""
+    @numba.njit(cache=True, error_model="numpy")
+    def worker(tid, nth, state, status, start, x, h, rope, positions, kstores, vstores, dims, scalars, kinds, layer,
+               attn_norm, ffn_norm, out_norm, wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm, sinks, router,
+               router_bias, gate, up, down, gate_bias, up_bias, down_bias, slot_of, out_w, logits, routes, qf, kf,
+               vf, qr, att, a, rl, ids, wts, gu, hh, yo, acts_d, acts_o, acts_f, w, acc):
+        """Thread tid of nth: its share of each phase, the serial parts on thread 0, a barrier
+        between phases. -> False when the barrier failed (the step is void)."""
         if len(spec) == 0:
-            return
+            return False
         S, D = x.shape
         H, Hkv, Dh, Dv = dims[D_HEADS], dims[D_KV_HEADS], dims[D_HEAD], dims[D_HEAD_V]
         G = H // Hkv
         A = dims[D_USED]
         ggml = dims[D_GGML] != 0
-        nch = dims[D_CHUNKS]
         eps = scalars[F_EPS]
         L = kinds.shape[0]
-        acts_d = _acts(S, D)
-        no_choice = np.empty((0, 0), np.int64)  # route_top_k: no replayed ids
-        dense_ids, dense_weights, dense_slot = _dense_route(S)
-        acts_o = _acts(S, H * Dv)
         first = max(start, 0)
-        h = rms_norm(x, attn_norm[0] if start < 0 else ffn_norm[first], eps)  # [S, D]
+        if tid == 0:
+            if start < 0:
+                h[:, :] = rms_norm(x, attn_norm[0], eps)
+                kd = kinds[0]
+                _prepare_rows(h, _form(kd[K_Q]) | _form(kd[K_K]) | _form(kd[K_V]), acts_d)
+            else:
+                _ffn_input(x, h, ffn_norm[first], eps, kinds[first], layer[first], acts_d, ids, wts)
+        if not barrier(state, nth):
+            return False
         for il in range(first, L):
             kd = kinds[il]
             ly = layer[il]
             if il != start:
-                h = attention_block(il, x, h, rope, positions, kstores, vstores, dims, scalars, kd, ly,
-                                     ffn_norm, wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm, sinks,
-                                     acts_d, acts_o, nch)
-            # -- the FFN: pairs (row, expert), or (row, the dense FFN) with weight 1
-            Wg, Wu, Wd = gate[il], up[il], down[il]
-            F = Wg.shape[1]
-            _prepare_rows(h, _form(kd[K_GATE]) | _form(kd[K_UP]) | (_form(kd[K_ROUTER]) if ly[L_MOE] else 0), acts_d)
+                # -- attention: q, k and v [S, N] (one phase), then norms, RoPE and the KV write (thread 0)
+                Wq, Wk, Wv = wq[il], wk[il], wv[il]
+                Nq, Nk, Nv = Wq.shape[1], Wk.shape[1], Wv.shape[1]
+                Nt = Nq + Nk + Nv
+                i, end = _span(tid, nth, S * Nt)
+                while i < end:  # flat over (row, q|k|v rows): spans within one matrix each
+                    t, n = i // Nt, i % Nt
+                    if n < Nq:
+                        stop = min(Nq, n + end - i)
+                        _rows(kd[K_Q], Wq, 0, n, stop, h, acts_d, t, qf[t])
+                    elif n < Nq + Nk:
+                        stop = min(Nq + Nk, n + end - i)
+                        _rows(kd[K_K], Wk, 0, n - Nq, stop - Nq, h, acts_d, t, kf[t])
+                    else:
+                        stop = min(Nt, n + end - i)
+                        _rows(kd[K_V], Wv, 0, n - Nq - Nk, stop - Nq - Nk, h, acts_d, t, vf[t])
+                    i += stop - n
+                if not barrier(state, nth):
+                    return False
+                if tid == 0:
+                    _qkv_to_cache(il, qf, kf, vf, qr, kstores, vstores, positions, rope,
+                                  dims, eps, ly, bq, bk, bv, q_norm, k_norm)
+                    att[:, :, :] = 0.0
+                if not barrier(state, nth):
+                    return False
+                slot = ly[L_KV_SLOT]
+                sk = sinks[il]
+                for item in range(tid, S * Hkv, nth):  # (row, KV head): its G query heads
+                    s = item // Hkv
+                    g = item % Hkv
+                    _attend(qr[s], kstores[s][slot], vstores[s][slot], positions[s], ly[L_WINDOW], g, g + 1,
+                            scalars[F_ATTN_SCALE], sk, ggml, False, w, acc, att[s])
+                if not barrier(state, nth):
+                    return False
+                ao = att.reshape(S, H * Dv)
+                if tid == 0:
+                    _prepare_rows(ao, _form(kd[K_O]), acts_o)
+                if not barrier(state, nth):
+                    return False
+                # -- the output projection, then (thread 0) the residual and the FFN's norm
+                Wo = wo[il]
+                i, end = _span(tid, nth, S * D)
+                while i < end:
+                    t, n = i // D, i % D
+                    stop = min(D, n + end - i)
+                    _rows(kd[K_O], Wo, 0, n, stop, ao, acts_o, t, a[t])
+                    i += stop - n
+                if not barrier(state, nth):
+                    return False
+                if tid == 0:
+                    if ly[L_BIAS_O]:
+                        _add_bias(a, bo[il])
+                    _add(x, a)
+                    _ffn_input(x, h, ffn_norm[il], eps, kd, ly, acts_d, ids, wts)
+                if not barrier(state, nth):
+                    return False
+            # -- the FFN: pairs (row, expert), or (row, the dense FFN) of weight 1
             if ly[L_MOE]:
                 Wr = router[il]
                 E = Wr.shape[1]
-                rl = np.empty((S, E), np.float32)
-                for c in prange(nch):
-                    i, end = _span(c, nch, S * E)
-                    while i < end:
-                        t, n = i // E, i % E
-                        stop = min(E, n + end - i)
-                        _rows(kd[K_ROUTER], Wr, 0, n, stop, h, acts_d, t, rl[t])
-                        i += stop - n
-                if ly[L_ROUTER_BIAS]:
-                    _add_bias(rl, router_bias[il])
-                ids, weights = route_top_k(rl, A, dims[D_WEIGHT_SOFTMAX] != 0, dims[D_NORM_TOPK] != 0,
-                                           scalars[F_ROUTE_SCALE], no_choice)
+                i, end = _span(tid, nth, S * E)
+                while i < end:
+                    t, n = i // E, i % E
+                    stop = min(E, n + end - i)
+                    _rows(kd[K_ROUTER], Wr, 0, n, stop, h, acts_d, t, rl[t])
+                    i += stop - n
+                if not barrier(state, nth):
+                    return False
+                if tid == 0:
+                    if ly[L_ROUTER_BIAS]:
+                        _add_bias(rl, router_bias[il])
+                    chosen, weights = route_top_k(rl, A, dims[D_WEIGHT_SOFTMAX] != 0, dims[D_NORM_TOPK] != 0,
+                                                  scalars[F_ROUTE_SCALE], np.empty((0, 0), np.int64))
+                    ids[:, :A] = chosen
+                    wts[:, :A] = weights
+                    routes[ly[L_MOE_INDEX]] = chosen
+                    if _missing(slot_of[ly[L_MOE_INDEX]], chosen):
+                        status[0] = il
+                if not barrier(state, nth):
+                    return False
+                if status[0] >= 0:  # an expert to read first: the host resumes here
+                    return True
                 per = A
                 so = slot_of[ly[L_MOE_INDEX]]
-                _keep_route(routes, ly[L_MOE_INDEX], ids)
-                if _missing(so, ids):
-                    return il
             else:
-                ids, weights = dense_ids, dense_weights
                 per = 1
-                so = dense_slot
+                so = slot_of[slot_of.shape[0] - 1]  # the dense FFN's row: [0, ...]
             P = S * per
+            Wg, Wu, Wd = gate[il], up[il], down[il]
+            F = Wg.shape[1]
             has_b = ly[L_EXPERT_BIAS] != 0
             gb, ub, db = gate_bias[il], up_bias[il], down_bias[il]
-            gu = np.empty((2, P, F), np.float32)
-            for c in prange(nch):  # gate and up: flat over (pair, gate|up, rows)
-                i, end = _span(c, nch, 2 * P * F)
-                while i < end:
-                    p, which, n = i // (2 * F), (i // F) % 2, i % F
-                    stop = min(F, n + end - i)
-                    e = ids[p // per, p % per]
-                    out = gu[which, p]
-                    if which == 0:
-                        _rows(kd[K_GATE], Wg, so[e], n, stop, h, acts_d, p // per, out)
-                        if has_b:
-                            for j in range(n, stop):
-                                out[j] = out[j] + gb[e, j]
-                    else:
-                        _rows(kd[K_UP], Wu, so[e], n, stop, h, acts_d, p // per, out)
-                        if has_b:
-                            for j in range(n, stop):
-                                out[j] = out[j] + ub[e, j]
-                    i += stop - n
-            hh = np.empty((P, F), np.float32)
-            acts_f = _acts(P, F)
+            i, end = _span(tid, nth, 2 * P * F)
+            while i < end:  # gate and up: flat over (pair, gate|up, rows)
+                p, which, n = i // (2 * F), (i // F) % 2, i % F
+                stop = min(F, n + end - i)
+                e = ids[p // per, p % per]
+                out = gu[which, p]
+                if which == 0:
+                    _rows(kd[K_GATE], Wg, so[e], n, stop, h, acts_d, p // per, out)
+                    if has_b:
+                        for j in range(n, stop):
+                            out[j] = out[j] + gb[e, j]
+                else:
+                    _rows(kd[K_UP], Wu, so[e], n, stop, h, acts_d, p // per, out)
+                    if has_b:
+                        for j in range(n, stop):
+                            out[j] = out[j] + ub[e, j]
+                i += stop - n
+            if not barrier(state, nth):
+                return False
             down_form = _form(kd[K_DOWN])
-            alpha, limit = scalars[F_GLU_ALPHA], scalars[F_GLU_LIMIT]
-            oai = dims[D_GLU_OAI] != 0
-            for p in prange(P):  # the GLU, quantized for down
-                if oai:
-                    for i in range(F):
-                        xg = min(gu[0, p, i], limit)
-                        yu = min(max(gu[1, p, i], -limit), limit)
-                        act = np.float32(xg / np.float32(np.float32(1.0) + expf(np.float32(alpha * -xg))))
-                        hh[p, i] = np.float32(act * np.float32(yu + np.float32(1.0)))
+            for p in range(tid, P, nth):  # the GLU, quantized for down
+                if dims[D_GLU_OAI] != 0:
+                    _glu_oai_row(gu[0, p], gu[1, p], hh[p], scalars[F_GLU_ALPHA], scalars[F_GLU_LIMIT])
                 else:
                     _swiglu_row(gu[0, p], gu[1, p], hh[p], F - F % 8)
                 _prepare_row(hh, p, down_form, acts_f)
-            yo = np.empty((P, D), np.float32)
-            for c in prange(nch):  # down: flat over (pair, rows)
-                i, end = _span(c, nch, P * D)
-                while i < end:
-                    p, n = i // D, i % D
-                    stop = min(D, n + end - i)
-                    e = ids[p // per, p % per]
-                    _rows(kd[K_DOWN], Wd, so[e], n, stop, hh, acts_f, p, yo[p])
-                    if has_b:
-                        for j in range(n, stop):
-                            yo[p, j] = yo[p, j] + db[e, j]
-                    i += stop - n
-            _mix_residual(x, yo, weights, per)
-            h = rms_norm(x, attn_norm[il + 1] if il + 1 < L else out_norm, eps)
-        # -- the head
-        ok = dims[D_OUT_KIND]
-        _prepare_rows(h, _form(ok), acts_d)
-        V = out_w.shape[1]
-        for c in prange(nch):
-            i, end = _span(c, nch, S * V)
-            while i < end:
-                t, n = i // V, i % V
-                stop = min(V, n + end - i)
-                _rows(ok, out_w, 0, n, stop, h, acts_d, t, logits[t])
+            if not barrier(state, nth):
+                return False
+            i, end = _span(tid, nth, P * D)
+            while i < end:  # down: flat over (pair, rows)
+                p, n = i // D, i % D
+                stop = min(D, n + end - i)
+                e = ids[p // per, p % per]
+                _rows(kd[K_DOWN], Wd, so[e], n, stop, hh, acts_f, p, yo[p])
+                if has_b:
+                    for j in range(n, stop):
+                        yo[p, j] = yo[p, j] + db[e, j]
                 i += stop - n
-        return -1
+            if not barrier(state, nth):
+                return False
+            if tid == 0:  # the mix and the residual, then the next layer's norm (the output norm after the last)
+                _mix_residual(x, yo, wts, per)
+                h[:, :] = rms_norm(x, attn_norm[il + 1] if il + 1 < L else out_norm, eps)
+                if il + 1 < L:
+                    nk = kinds[il + 1]
+                    _prepare_rows(h, _form(nk[K_Q]) | _form(nk[K_K]) | _form(nk[K_V]), acts_d)
+                else:
+                    _prepare_rows(h, _form(dims[D_OUT_KIND]), acts_d)
+            if not barrier(state, nth):
+                return False
+        # -- the head
+        V = out_w.shape[1]
+        i, end = _span(tid, nth, S * V)
+        while i < end:
+            t, n = i // V, i % V
+            stop = min(V, n + end - i)
+            _rows(dims[D_OUT_KIND], out_w, 0, n, stop, h, acts_d, t, logits[t])
+            i += stop - n
+        return True
+
+    @numba.njit(cache=True, parallel=True)
+    def decode_step(x, rope, positions, kstores, vstores, dims, scalars, kinds, layer, attn_norm, ffn_norm,
+                    out_norm, wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm, sinks, router, router_bias,
+                    gate, up, down, gate_bias, up_bias, down_bias, slot_of, out_w, logits, routes, start, nth):
+        """x [S, D] the embedded rows (the residual stream, updated in place) -> logits [S, V].
+        rope [S, n_rot/2, 2] the rows' table; positions [S]; kstores / vstores: each sequence's
+        KV store [La, C, Hkv, Dh|Dv] (the row's cell written here); slot_of [Lm + 1, E] each
+        expert's matrix in its layer's stacks gate / up [E', F, .] and down [E', D, .] (-1: not
+        in memory; the last row, zeros, serves dense FFNs); routes [Lm, S, A] receives each MoE
+        layer's choice. One parallel region of one iteration per thread (sync.py): nth, numba's
+        thread count (its get_num_threads, which a cached function cannot call).
+        -> -1 once the logits are written; a layer, when an expert it chose is not in memory
+        (the host reads it, then calls again with start = that layer: the step resumes at its
+        FFN, the attention's effects kept); -2 when the threads could not meet (the step is
+        void: run it again another way)."""
+        S, D = x.shape
+        H, Hkv, Dv = dims[D_HEADS], dims[D_KV_HEADS], dims[D_HEAD_V]
+        A = max(1, dims[D_USED])
+        nq, nk, nv, nf, ne = dims[D_NQ], dims[D_NK], dims[D_NV], dims[D_FF], dims[D_EXPERTS]
+        C = 1
+        for s in range(S):
+            C = max(C, positions[s] + 1)
+        state = np.zeros(STATE_SIZE, np.int64)
+        status = np.empty(1, np.int64)
+        status[0] = DONE
+        failed = np.zeros(nth, np.int64)
+        h = np.empty((S, D), np.float32)
+        qf, kf, vf = np.empty((S, nq), np.float32), np.empty((S, nk), np.float32), np.empty((S, nv), np.float32)
+        qr = np.empty((S, H, dims[D_HEAD]), np.float32)
+        att = np.empty((S, H, Dv), np.float32)
+        a = np.empty((S, D), np.float32)
+        rl = np.empty((S, ne), np.float32)
+        ids = np.empty((S, A), np.int64)
+        wts = np.empty((S, A), np.float32)
+        gu = np.empty((2, S * A, nf), np.float32)
+        hh = np.empty((S * A, nf), np.float32)
+        yo = np.empty((S * A, D), np.float32)
+        acts_d, acts_o, acts_f = _acts(S, D), _acts(S, H * Dv), _acts(S * A, nf)
+        G = H // Hkv
+        for tid in prange(nth):  # one iteration per thread (numba's OpenMP layer: a static schedule)
+            w = np.empty((G, C + 8), np.float32)  # this thread's attention scratch
+            acc = np.empty((G, 32, Dv), np.float32)
+            if not worker(tid, nth, state, status, start, x, h, rope, positions, kstores, vstores, dims, scalars,
+                          kinds, layer, attn_norm, ffn_norm, out_norm, wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm,
+                          sinks, router, router_bias, gate, up, down, gate_bias, up_bias, down_bias, slot_of, out_w,
+                          logits, routes, qf, kf, vf, qr, att, a, rl, ids, wts, gu, hh, yo, acts_d, acts_o, acts_f,
+                          w, acc):
+                failed[tid] = 1
+        if failed.sum():
+            return VOID
+        return status[0]
 
     return decode_step
 

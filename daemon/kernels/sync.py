@@ -1,0 +1,107 @@
+"""A spin barrier for numba code that runs one parallel region for a whole step (decode_step.py).
+
+A parallel region costs about 10 us to start at 16 threads (2.6 us at 2; measured on the GPU
+machine, docs/benchmarks.md), and a layer needs a dozen synchronization points: as regions they
+cost more than a small layer's compute. So the step starts one region of exactly one iteration per
+thread (numba's OpenMP layer runs `prange(get_num_threads())` that way: `omp parallel for`, static
+schedule) and its threads meet at this barrier between phases, as llama.cpp's threadpool does.
+
+The barrier gives up instead of hanging: a thread that waits past SPIN_LIMIT spins (seconds; a
+thread that never started, or a machine so loaded that its peers are not scheduled) marks the
+state failed, and every thread then leaves at its next barrier; the host runs the step again by
+the per-op path. `state` is an int64 array of STATE_SIZE zeros: the arrival count, the generation
+and the failed flag, each on its own cache line.
+"""
+
+from __future__ import annotations
+
+import numba
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+ARRIVED, GENERATION, FAILED = 0, 8, 16  # int64 slots 64 bytes apart
+STATE_SIZE = 24
+SPIN_LIMIT = 1 << 28  # pause instructions (~10-40 cycles each): seconds, not a stall of a busy machine
+
+
+def _slot(context, builder, arrty, arr, idx):
+    ary = context.make_array(arrty)(context, builder, arr)
+    return cgutils.get_item_pointer(context, builder, arrty, ary, [idx])
+
+
+@intrinsic
+def atomic_add(typingctx, arr, idx, val):
+    """arr[idx] += val atomically (sequentially consistent) -> the value before (int64 arrays)."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and isinstance(idx, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = _slot(context, builder, sig.args[0], args[0], context.cast(builder, args[1], sig.args[1], types.intp))
+        v = context.cast(builder, args[2], sig.args[2], types.int64)
+        return builder.atomic_rmw("add", ptr, v, "seq_cst")
+
+    return types.int64(arr, idx, val), codegen
+
+
+@intrinsic
+def atomic_load(typingctx, arr, idx):
+    """arr[idx], read atomically (acquire) from an int64 array."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and isinstance(idx, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = _slot(context, builder, sig.args[0], args[0], context.cast(builder, args[1], sig.args[1], types.intp))
+        ld = builder.load_atomic(ptr, "acquire", 8)
+        return ld
+
+    return types.int64(arr, idx), codegen
+
+
+@intrinsic
+def atomic_store(typingctx, arr, idx, val):
+    """arr[idx] = val atomically (release) in an int64 array."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and isinstance(idx, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = _slot(context, builder, sig.args[0], args[0], context.cast(builder, args[1], sig.args[1], types.intp))
+        builder.store_atomic(context.cast(builder, args[2], sig.args[2], types.int64), ptr, "release", 8)
+        return context.get_dummy_value()
+
+    return types.none(arr, idx, val), codegen
+
+
+@intrinsic
+def cpu_pause(typingctx):
+    """x86 PAUSE: a spinning thread yields the core's pipeline to its sibling and saves power."""
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse2.pause")
+        builder.call(fn, [])
+        return context.get_dummy_value()
+
+    return types.none(), codegen
+
+
+@numba.njit(cache=True, inline="always")
+def barrier(state, nth):
+    """Wait until all nth threads arrive -> True; False if the state failed (every thread must
+    then leave its work)."""
+    if atomic_load(state, FAILED):
+        return False
+    gen = atomic_load(state, GENERATION)
+    if atomic_add(state, ARRIVED, 1) == nth - 1:  # the last to arrive releases the others
+        atomic_store(state, ARRIVED, 0)
+        atomic_add(state, GENERATION, 1)
+        return True
+    spins = 0
+    while atomic_load(state, GENERATION) == gen:
+        cpu_pause()
+        spins += 1
+        if spins & 1023 == 0 and atomic_load(state, FAILED):
+            return False
+        if spins > SPIN_LIMIT:
+            atomic_store(state, FAILED, 1)
+            return False
+    return True
