@@ -147,10 +147,11 @@ class DecodeProgram:
         for e, slot in batch.rows.items():
             self.slot_of[i, e] = slot
 
-    def run(self, step, rope_table: np.ndarray, stores) -> tuple[np.ndarray | None, list[int]]:
+    def run(self, step, rope_table: np.ndarray, stores, threads: int = 0) -> tuple[np.ndarray | None, list[int]]:
         """The decode batch `step` (one row per sequence; its KV cells reserved) -> (logits [S, V],
         the MoE layers whose experts were read for it); logits None when the step's threads could
-        not meet (sync.py), which changed nothing the per-op path does not write again. rope_table: the step's [S, n_rot/2, 2];
+        not meet (sync.py), which changed nothing the per-op path does not write again. threads:
+        the step's threads (default numba's count; more than numba runs at once never meet). rope_table: the step's [S, n_rot/2, 2];
         stores: each sequence's KV arrays (numba Lists). A chosen expert not in memory yet ends
         the compiled call at its layer: it is read, and the step resumes there."""
         x = dequantize(self.tok_embd.raw[step.tokens], self.tok_embd.ggml_type, self.tok_embd.n_in)  # [S, D]
@@ -164,7 +165,7 @@ class DecodeProgram:
                                   L["wk"], L["wv"], L["wo"], V["bq"], V["bk"], V["bv"], V["bo"], V["q_norm"],
                                   V["k_norm"], V["sinks"], L["router"], V["router_bias"], L["gate"], L["up"],
                                   L["down"], E["gate_bias"], E["up_bias"], E["down_bias"], self.slot_of, self.out_w,
-                                  logits, self.routes, start, numba.get_num_threads())
+                                  logits, self.routes, start, threads or numba.get_num_threads())
             if start == K.VOID:  # the threads could not meet: the caller runs the step the per-op way
                 return None, read
             if start < 0:

@@ -6,10 +6,10 @@ cost more than a small layer's compute. So the step starts one region of exactly
 thread (numba's OpenMP layer runs `prange(get_num_threads())` that way: `omp parallel for`, static
 schedule) and its threads meet at this barrier between phases, as llama.cpp's threadpool does.
 
-The barrier gives up instead of hanging: a thread that waits past SPIN_LIMIT spins (seconds; a
-thread that never started, or a machine so loaded that its peers are not scheduled) marks the
-state failed, and every thread then leaves at its next barrier; the host runs the step again by
-the per-op path. `state` is an int64 array of STATE_SIZE zeros: the arrival count, the generation
+The barrier gives up instead of hanging: a thread that waits past WAIT_LIMIT cycles of the time
+stamp counter (seconds: a thread that never started, or a machine so loaded that its peers are
+not scheduled) marks the state failed, and every thread then leaves at its next barrier; the host
+runs the step again by the per-op path. `state` is an int64 array of STATE_SIZE zeros: the arrival count, the generation
 and the failed flag, each on its own cache line.
 """
 
@@ -23,7 +23,7 @@ from numba.extending import intrinsic
 
 ARRIVED, GENERATION, FAILED = 0, 8, 16  # int64 slots 64 bytes apart
 STATE_SIZE = 24
-SPIN_LIMIT = 1 << 28  # pause instructions (~10-40 cycles each): seconds, not a stall of a busy machine
+WAIT_LIMIT = 1 << 33  # time stamp counter cycles (about 3 s at 3 GHz): not a stall of a busy machine
 
 
 def _slot(context, builder, arrty, arr, idx):
@@ -84,6 +84,17 @@ def cpu_pause(typingctx):
     return types.none(), codegen
 
 
+@intrinsic
+def cycles(typingctx):
+    """The time stamp counter (llvm.readcyclecounter: RDTSC)."""
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), []),
+                                            "llvm.readcyclecounter")
+        return builder.call(fn, [])
+
+    return types.int64(), codegen
+
+
 @numba.njit(cache=True, inline="always")
 def barrier(state, nth):
     """Wait until all nth threads arrive -> True; False if the state failed (every thread must
@@ -96,12 +107,14 @@ def barrier(state, nth):
         atomic_add(state, GENERATION, 1)
         return True
     spins = 0
+    t0 = cycles()
     while atomic_load(state, GENERATION) == gen:
         cpu_pause()
         spins += 1
-        if spins & 1023 == 0 and atomic_load(state, FAILED):
-            return False
-        if spins > SPIN_LIMIT:
-            atomic_store(state, FAILED, 1)
-            return False
+        if spins & 1023 == 0:
+            if atomic_load(state, FAILED):
+                return False
+            if cycles() - t0 > WAIT_LIMIT:
+                atomic_store(state, FAILED, 1)
+                return False
     return True
