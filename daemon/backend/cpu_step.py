@@ -122,6 +122,7 @@ class DecodeProgram:
         self.scalars = np.array([hp.rms_eps, 1.0 / np.sqrt(hp.head_dim), hp.expert_weights_scale, fam.glu_alpha,
                                  fam.glu_limit], np.float32)
         self.n_vocab = hp.n_vocab
+        self.clock = np.zeros(K.CLOCK_SIZE, np.int64)  # cycles per phase, summed over steps (benchmarks)
 
     @classmethod
     def build(cls, model) -> DecodeProgram | str:
@@ -165,7 +166,7 @@ class DecodeProgram:
                                   L["wk"], L["wv"], L["wo"], V["bq"], V["bk"], V["bv"], V["bo"], V["q_norm"],
                                   V["k_norm"], V["sinks"], L["router"], V["router_bias"], L["gate"], L["up"],
                                   L["down"], E["gate_bias"], E["up_bias"], E["down_bias"], self.slot_of, self.out_w,
-                                  logits, self.routes, start, threads or numba.get_num_threads())
+                                  logits, self.routes, start, threads or numba.get_num_threads(), self.clock)
             if start == K.VOID:  # the threads could not meet: the caller runs the step the per-op way
                 return None, read
             if start < 0:

@@ -31,7 +31,7 @@ from daemon.kernels.ops import (_attend, _swiglu_row, expf, norm_rope_qk, rms_no
                                 to_f16_values)
 from daemon.kernels.matmul_activations import round_bf16
 from daemon.kernels.row_dot import SOURCES, rows_any
-from daemon.kernels.sync import STATE_SIZE, barrier
+from daemon.kernels.sync import STATE_SIZE, barrier, cycles
 
 # kinds[il, ...]: each weight's ggml type
 K_Q, K_K, K_V, K_O, K_ROUTER, K_GATE, K_UP, K_DOWN = range(8)
@@ -45,6 +45,12 @@ N_DIMS = 18
 F_EPS, F_ATTN_SCALE, F_ROUTE_SCALE, F_GLU_ALPHA, F_GLU_LIMIT = range(5)
 QK_NONE, QK_HEAD, QK_FULL = 0, 1, 2
 DONE, VOID = -1, -2  # decode_step's results besides a layer to resume at
+# clock[...]: thread 0's time stamp counter cycles in each phase, its barrier's wait included
+PHASES = ("input", "q/k/v", "RoPE, KV write", "attention", "quantize o", "o proj", "residual, norm", "router",
+          "top-k", "gate/up", "GLU", "down", "mix, norm", "head")
+PH_INPUT, PH_QKV, PH_ROPE_KV, PH_ATTENTION, PH_PREP_O, PH_O_PROJ, PH_RESIDUAL, PH_ROUTER, PH_TOP_K, PH_GATE_UP, \
+    PH_GLU, PH_DOWN, PH_MIX, PH_HEAD = range(14)
+CLOCK_SIZE = len(PHASES) + 1  # the last: the previous mark
 
 
 FORM_Q8_0, FORM_Q8_K, FORM_F16, FORM_BF16 = 1, 2, 4, 8  # activation forms a weight type reads
@@ -156,6 +162,17 @@ def _mix_residual(x, yo, weights, per):
             x[s, d] = x[s, d] + f
 
 
+@numba.njit(cache=True, inline="always")
+def _meet(state, nth, tid, clock, phase):
+    """The barrier at the end of a phase; thread 0 adds the phase's cycles to clock[phase]."""
+    ok = barrier(state, nth)
+    if tid == 0:
+        now = cycles()
+        clock[phase] += now - clock[CLOCK_SIZE - 1]
+        clock[CLOCK_SIZE - 1] = now
+    return ok
+
+
 @numba.njit(cache=True)
 def _ffn_input(x, h, norm, eps, kd, ly, acts_d, ids, wts):
     """h = the FFN's input (x normed), in the forms the router, gate and up read; a dense FFN's
@@ -208,7 +225,7 @@ def _step_kernel():
     spec = (SOURCES, tuple(KQUANT_KINDS))
 
     @numba.njit(cache=True, error_model="numpy")
-    def worker(tid, nth, state, status, start, x, h, rope, positions, kstores, vstores, dims, scalars, kinds, layer,
+    def worker(tid, nth, state, clock, status, start, x, h, rope, positions, kstores, vstores, dims, scalars, kinds, layer,
                attn_norm, ffn_norm, out_norm, wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm, sinks, router,
                router_bias, gate, up, down, gate_bias, up_bias, down_bias, slot_of, out_w, logits, routes, qf, kf,
                vf, qr, att, a, rl, ids, wts, gu, hh, yo, acts_d, acts_o, acts_f, w, acc):
@@ -225,13 +242,14 @@ def _step_kernel():
         L = kinds.shape[0]
         first = max(start, 0)
         if tid == 0:
+            clock[CLOCK_SIZE - 1] = cycles()
             if start < 0:
                 h[:, :] = rms_norm(x, attn_norm[0], eps)
                 kd = kinds[0]
                 _prepare_rows(h, _form(kd[K_Q]) | _form(kd[K_K]) | _form(kd[K_V]), acts_d)
             else:
                 _ffn_input(x, h, ffn_norm[first], eps, kinds[first], layer[first], acts_d, ids, wts)
-        if not barrier(state, nth):
+        if not _meet(state, nth, tid, clock, PH_INPUT):
             return False
         for il in range(first, L):
             kd = kinds[il]
@@ -254,13 +272,13 @@ def _step_kernel():
                         stop = min(Nt, n + end - i)
                         _rows(kd[K_V], Wv, 0, n - Nq - Nk, stop - Nq - Nk, h, acts_d, t, vf[t])
                     i += stop - n
-                if not barrier(state, nth):
+                if not _meet(state, nth, tid, clock, PH_QKV):
                     return False
                 if tid == 0:
                     _qkv_to_cache(il, qf, kf, vf, qr, kstores, vstores, positions, rope,
                                   dims, eps, ly, bq, bk, bv, q_norm, k_norm)
                     att[:, :, :] = 0.0
-                if not barrier(state, nth):
+                if not _meet(state, nth, tid, clock, PH_ROPE_KV):
                     return False
                 slot = ly[L_KV_SLOT]
                 sk = sinks[il]
@@ -269,12 +287,12 @@ def _step_kernel():
                     g = item % Hkv
                     _attend(qr[s], kstores[s][slot], vstores[s][slot], positions[s], ly[L_WINDOW], g, g + 1,
                             scalars[F_ATTN_SCALE], sk, ggml, False, w, acc, att[s])
-                if not barrier(state, nth):
+                if not _meet(state, nth, tid, clock, PH_ATTENTION):
                     return False
                 ao = att.reshape(S, H * Dv)
                 if tid == 0:
                     _prepare_rows(ao, _form(kd[K_O]), acts_o)
-                if not barrier(state, nth):
+                if not _meet(state, nth, tid, clock, PH_PREP_O):
                     return False
                 # -- the output projection, then (thread 0) the residual and the FFN's norm
                 Wo = wo[il]
@@ -284,14 +302,14 @@ def _step_kernel():
                     stop = min(D, n + end - i)
                     _rows(kd[K_O], Wo, 0, n, stop, ao, acts_o, t, a[t])
                     i += stop - n
-                if not barrier(state, nth):
+                if not _meet(state, nth, tid, clock, PH_O_PROJ):
                     return False
                 if tid == 0:
                     if ly[L_BIAS_O]:
                         _add_bias(a, bo[il])
                     _add(x, a)
                     _ffn_input(x, h, ffn_norm[il], eps, kd, ly, acts_d, ids, wts)
-                if not barrier(state, nth):
+                if not _meet(state, nth, tid, clock, PH_RESIDUAL):
                     return False
             # -- the FFN: pairs (row, expert), or (row, the dense FFN) of weight 1
             if ly[L_MOE]:
@@ -303,7 +321,7 @@ def _step_kernel():
                     stop = min(E, n + end - i)
                     _rows(kd[K_ROUTER], Wr, 0, n, stop, h, acts_d, t, rl[t])
                     i += stop - n
-                if not barrier(state, nth):
+                if not _meet(state, nth, tid, clock, PH_ROUTER):
                     return False
                 if tid == 0:
                     if ly[L_ROUTER_BIAS]:
@@ -315,7 +333,7 @@ def _step_kernel():
                     routes[ly[L_MOE_INDEX]] = chosen
                     if _missing(slot_of[ly[L_MOE_INDEX]], chosen):
                         status[0] = il
-                if not barrier(state, nth):
+                if not _meet(state, nth, tid, clock, PH_TOP_K):
                     return False
                 if status[0] >= 0:  # an expert to read first: the host resumes here
                     return True
@@ -346,7 +364,7 @@ def _step_kernel():
                         for j in range(n, stop):
                             out[j] = out[j] + ub[e, j]
                 i += stop - n
-            if not barrier(state, nth):
+            if not _meet(state, nth, tid, clock, PH_GATE_UP):
                 return False
             down_form = _form(kd[K_DOWN])
             for p in range(tid, P, nth):  # the GLU, quantized for down
@@ -355,7 +373,7 @@ def _step_kernel():
                 else:
                     _swiglu_row(gu[0, p], gu[1, p], hh[p], F - F % 8)
                 _prepare_row(hh, p, down_form, acts_f)
-            if not barrier(state, nth):
+            if not _meet(state, nth, tid, clock, PH_GLU):
                 return False
             i, end = _span(tid, nth, P * D)
             while i < end:  # down: flat over (pair, rows)
@@ -367,7 +385,7 @@ def _step_kernel():
                     for j in range(n, stop):
                         yo[p, j] = yo[p, j] + db[e, j]
                 i += stop - n
-            if not barrier(state, nth):
+            if not _meet(state, nth, tid, clock, PH_DOWN):
                 return False
             if tid == 0:  # the mix and the residual, then the next layer's norm (the output norm after the last)
                 _mix_residual(x, yo, wts, per)
@@ -377,7 +395,7 @@ def _step_kernel():
                     _prepare_rows(h, _form(nk[K_Q]) | _form(nk[K_K]) | _form(nk[K_V]), acts_d)
                 else:
                     _prepare_rows(h, _form(dims[D_OUT_KIND]), acts_d)
-            if not barrier(state, nth):
+            if not _meet(state, nth, tid, clock, PH_MIX):
                 return False
         # -- the head
         V = out_w.shape[1]
@@ -387,19 +405,22 @@ def _step_kernel():
             stop = min(V, n + end - i)
             _rows(dims[D_OUT_KIND], out_w, 0, n, stop, h, acts_d, t, logits[t])
             i += stop - n
+        if tid == 0:  # its own share only: the region's end waits for the rest
+            clock[PH_HEAD] += cycles() - clock[CLOCK_SIZE - 1]
         return True
 
     @numba.njit(cache=True, parallel=True)
     def decode_step(x, rope, positions, kstores, vstores, dims, scalars, kinds, layer, attn_norm, ffn_norm,
                     out_norm, wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm, sinks, router, router_bias,
-                    gate, up, down, gate_bias, up_bias, down_bias, slot_of, out_w, logits, routes, start, nth):
+                    gate, up, down, gate_bias, up_bias, down_bias, slot_of, out_w, logits, routes, start, nth, clock):
         """x [S, D] the embedded rows (the residual stream, updated in place) -> logits [S, V].
         rope [S, n_rot/2, 2] the rows' table; positions [S]; kstores / vstores: each sequence's
         KV store [La, C, Hkv, Dh|Dv] (the row's cell written here); slot_of [Lm + 1, E] each
         expert's matrix in its layer's stacks gate / up [E', F, .] and down [E', D, .] (-1: not
         in memory; the last row, zeros, serves dense FFNs); routes [Lm, S, A] receives each MoE
         layer's choice. One parallel region of one iteration per thread (sync.py): nth, numba's
-        thread count (its get_num_threads, which a cached function cannot call).
+        thread count (its get_num_threads, which a cached function cannot call); clock [CLOCK_SIZE]
+        accumulates thread 0's cycles per phase (PHASES).
         -> -1 once the logits are written; a layer, when an expert it chose is not in memory
         (the host reads it, then calls again with start = that layer: the step resumes at its
         FFN, the attention's effects kept); -2 when the threads could not meet (the step is
@@ -431,7 +452,7 @@ def _step_kernel():
         for tid in prange(nth):  # one iteration per thread (numba's OpenMP layer: a static schedule)
             w = np.empty((G, C + 8), np.float32)  # this thread's attention scratch
             acc = np.empty((G, 32, Dv), np.float32)
-            if not worker(tid, nth, state, status, start, x, h, rope, positions, kstores, vstores, dims, scalars,
+            if not worker(tid, nth, state, clock, status, start, x, h, rope, positions, kstores, vstores, dims, scalars,
                           kinds, layer, attn_norm, ffn_norm, out_norm, wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm,
                           sinks, router, router_bias, gate, up, down, gate_bias, up_bias, down_bias, slot_of, out_w,
                           logits, routes, qf, kf, vf, qr, att, a, rl, ids, wts, gu, hh, yo, acts_d, acts_o, acts_f,
