@@ -137,8 +137,9 @@ class CPUBackend:
             return None
         self._set_threads()
         logits, read = program.run(step, self._rope_table(step, model.hp.rope), self._step_stores(step))
-        if logits is None:
-            log.warning("the compiled decode step's threads did not all start; this step runs op by op")
+        if logits is None:  # a machine that could not run its threads at once: not again for this model
+            self._programs[model] = "its threads did not all run at once"
+            log.warning("the compiled decode step's threads did not all run at once: op by op from now on")
             return None
         count = getattr(model.experts, "count_in_place", None)
         if count is not None and model.moe_layers:  # the cache's statistics: distinct experts per layer

@@ -3,9 +3,10 @@ arrays that step reads, then each decode batch run as one call.
 
 `DecodeProgram.build(model)` says why a model has none (a reason string) or returns one: the
 compiled step covers the shared decoder's layers (attention, then routed experts or a dense FFN)
-with "ggml" numerics, quantized or F32 weights, and every expert resident in memory. The rest,
-hybrids with Gated DeltaNet layers, shared experts, float16 weights, a bounded expert cache,
-keeps the per-op path, which stays the readable reference and the prefill's path.
+with "ggml" numerics, weights of any type the CPU computes, and experts that stay where they are
+read (resident, or an unlimited expert cache: a miss is read where the step stops). The rest keeps
+the per-op path: the hybrids with Gated DeltaNet layers, shared experts, a bounded expert cache.
+That path also stays the readable reference and the prefill's path.
 
 Legend: S = sequences of the step, L = layers, Lm = MoE layers, E = experts, V = vocabulary.
 """
@@ -21,6 +22,7 @@ from ..kernels import decode_step as K
 from ..kernels import quants as Q
 from ..kernels.quants import dequantize
 from ..kernels.row_dot import DECODE_STEP_TYPES
+from ..kernels.sync import one_thread_per_iteration
 
 _U8_3D = types.Array(types.uint8, 3, "C", readonly=True)
 _F32_1D = types.Array(types.float32, 1, "C")
@@ -195,6 +197,8 @@ def _unsupported(model) -> str:
 
     if getattr(model.backend, "numerics", None) != "ggml":
         return "float32 numerics"
+    if not one_thread_per_iteration():
+        return f"numba's {numba.threading_layer()} threading layer (the step needs OpenMP's)"
     if model.family.build_layer is not None or any(model.hp.recurrent):
         return f"{model.family.arch}'s layers have their own builder"
     types_used = {model.output.ggml_type}
@@ -203,6 +207,8 @@ def _unsupported(model) -> str:
         if type(at) is not Attention or at.gated:
             return "a mixer other than plain attention"
         types_used |= {at.wq.ggml_type, at.wk.ggml_type, at.wv.ggml_type, at.wo.ggml_type}
+        if len({at.bq is None, at.bk is None, at.bv is None}) > 1:
+            return "biases on some of q, k and v only"
         if isinstance(ffn, MoE):
             if ffn.shared is not None:
                 return "shared experts"

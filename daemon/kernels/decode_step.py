@@ -1,16 +1,17 @@
 """A decode step of S sequences (one new row each) as one compiled call (issue 28): every layer,
 its attention and its FFN (routed experts or dense), then the output norm and head, with no Python
 between the kernels. The per-op path wakes the thread pool and crosses the interpreter dozens of
-times a layer; here a layer is seven parallel regions back to back (q/k/v, attention, output
-projection, router, gate and up, GLU, down), and what lies between them (norms, RoPE, top-k, the
-mix) runs on the calling thread.
+times a layer. Here the whole step is one parallel region of one iteration per thread: each
+thread does its share of a phase (a span of weight rows, attention items, GLU rows), and the
+threads meet at a spin barrier (sync.py) before the next phase. Thread 0 does the serial parts
+between phases: norms, RoPE and the KV write, top-k and the mix.
 
 Each value comes from the kernels a one-row call of the per-op path uses, in its order: the row
-intrinsics (row_dot.dot_any), the quantizers, ops.rms_norm, ops.norm_rope_qk, ops._attend,
+intrinsics (row_dot.rows_any), the quantizers, ops.rms_norm, ops.norm_rope_qk, ops._attend,
 ops.route_top_k and the GLUs. So the logits are the per-op path's bit for bit, which the tests
 check, and that path's are llama.cpp's.
 
-The host side (backend/cpu_step.py) packs a model into the arrays below once; a layer's weights
+The host side (backend/cpu_step.py) packs a model into the arrays below once. A layer's weights
 are typed Lists indexed by layer, with each one's type in `kinds`.
 
 Legend: S = sequences (rows), D = hidden size, L = layers, H / Hkv = query / key-value heads,
@@ -25,11 +26,10 @@ import numpy as np
 from numba import prange
 
 from daemon.kernels import quants as Q
-from daemon.kernels.matmul_activations import quantize_row_q8_0_1, quantize_row_q8_K
+from daemon.kernels.matmul_activations import quantize_row_q8_0_1, quantize_row_q8_K, round_bf16
 from daemon.kernels.matmul_quant import KQUANT_KINDS
 from daemon.kernels.ops import (_attend, _swiglu_row, expf, norm_rope_qk, rms_norm, round_f16, route_top_k,
                                 to_f16_values)
-from daemon.kernels.matmul_activations import round_bf16
 from daemon.kernels.row_dot import SOURCES, rows_any
 from daemon.kernels.sync import STATE_SIZE, barrier, cycles
 
@@ -39,7 +39,7 @@ K_Q, K_K, K_V, K_O, K_ROUTER, K_GATE, K_UP, K_DOWN = range(8)
 L_MOE, L_KV_SLOT, L_WINDOW, L_MOE_INDEX, L_BIAS_QKV, L_BIAS_O, L_ROUTER_BIAS, L_EXPERT_BIAS = range(8)
 # dims[...]
 D_HEADS, D_KV_HEADS, D_HEAD, D_HEAD_V, D_ROPE_DIMS, D_NEOX, D_QK_NORM, D_USED, D_WEIGHT_SOFTMAX, \
-    D_NORM_TOPK, D_GLU_OAI, D_GGML, D_OUT_KIND, D_NQ, D_NK, D_NV, D_FF, D_EXPERTS = range(18)  # the last five: every layer's
+    D_NORM_TOPK, D_GLU_OAI, D_GGML, D_OUT_KIND, D_NQ, D_NK, D_NV, D_FF, D_EXPERTS = range(18)  # last 5: every layer's
 N_DIMS = 18
 # scalars[...]
 F_EPS, F_ATTN_SCALE, F_ROUTE_SCALE, F_GLU_ALPHA, F_GLU_LIMIT = range(5)

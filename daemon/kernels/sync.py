@@ -118,3 +118,23 @@ def barrier(state, nth):
                 atomic_store(state, FAILED, 1)
                 return False
     return True
+
+
+@numba.njit(cache=True, parallel=True)
+def _touch(a):
+    for i in numba.prange(a.shape[0]):
+        a[i] = i
+
+
+def one_thread_per_iteration() -> bool:
+    """Whether numba's threading layer runs `prange(get_num_threads())` one iteration per thread,
+    all at once: OpenMP's static schedule does; the workqueue and TBB layers may run two iterations
+    on one thread in turn, which would meet at a barrier never."""
+    try:
+        layer = numba.threading_layer()
+    except ValueError:  # no parallel region has run yet: the layer is chosen at the first
+        import numpy as np
+
+        _touch(np.zeros(2, np.int64))
+        layer = numba.threading_layer()
+    return layer == "omp"
