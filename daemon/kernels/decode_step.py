@@ -56,7 +56,7 @@ CLOCK_SIZE = len(PHASES) + 1  # the last: the previous mark
 FORM_Q8_0, FORM_Q8_K, FORM_F16, FORM_BF16 = 1, 2, 4, 8  # activation forms a weight type reads
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True)
 def _form(kind):
     """The activation form weights of this type read (bit mask; 0: F32, x itself)."""
     if kind == Q.Q4_K or kind == Q.Q5_K or kind == Q.Q6_K:
@@ -70,7 +70,7 @@ def _form(kind):
     return FORM_Q8_0
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True)
 def _prepare_row(x, t, forms, acts):
     """Row t of x [S, K] in the forms (a mask of FORM_*) the next weights read:
     acts = (xh, xb, q32, d32, s32, qk, dk, bk), see row_dot.rows_any."""
@@ -93,7 +93,7 @@ def _prepare_rows(x, forms, acts):
         _prepare_row(x, t, forms, acts)
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True)
 def _acts(S, K):
     """Scratch for rows of K values in every form (see _prepare_rows)."""
     return (np.empty((S, K), np.float32), np.empty((S, K), np.float32),
@@ -102,14 +102,14 @@ def _acts(S, K):
             np.empty((S, max(1, K // 256)), np.float32), np.empty((S, max(1, K // 16)), np.int32))
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True)
 def _rows(kind, w, e, n0, n1, x, acts, t, out):
     """out[n0:n1] = rows n0..n1-1 of matrix e of w against activation row t (row_dot.rows_any)."""
     xh, xb, q32, d32, s32, qk, dk, bk = acts
     rows_any(kind, w, e, n0, n1, x, xh, xb, q32, d32, s32, qk, dk, bk, t, out)
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True)
 def _span(c, nch, total):
     """Chunk c of nch over total flat outputs -> [start, end)."""
     return c * total // nch, (c + 1) * total // nch
@@ -162,7 +162,7 @@ def _mix_residual(x, yo, weights, per):
             x[s, d] = x[s, d] + f
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True)
 def _meet(state, nth, tid, clock, phase):
     """The barrier at the end of a phase; thread 0 adds the phase's cycles to clock[phase]."""
     ok = barrier(state, nth)

@@ -6,7 +6,9 @@ cost more than a small layer's compute. So the step starts one region of exactly
 thread (numba's OpenMP layer runs `prange(get_num_threads())` that way: `omp parallel for`, static
 schedule) and its threads meet at this barrier between phases, as llama.cpp's threadpool does.
 
-The barrier gives up instead of hanging: a thread that waits past WAIT_LIMIT cycles of the time
+A thread that has waited SPINS_BEFORE_YIELD pauses yields its core at each further turn: on a
+machine with fewer free cores than threads (another process, or a second model's step at the same
+time) the peer it waits for then gets to run. The barrier gives up instead of hanging: a thread that waits past WAIT_LIMIT cycles of the time
 stamp counter (seconds: a thread that never started, or a machine so loaded that its peers are
 not scheduled) marks the state failed, and every thread then leaves at its next barrier; the host
 runs the step again by the per-op path. `state` is an int64 array of STATE_SIZE zeros: the arrival count, the generation
@@ -23,6 +25,7 @@ from numba.extending import intrinsic
 
 ARRIVED, GENERATION, FAILED = 0, 8, 16  # int64 slots 64 bytes apart
 STATE_SIZE = 24
+SPINS_BEFORE_YIELD = 1 << 8  # pauses (microseconds): then each wait yields the core
 WAIT_LIMIT = 1 << 33  # time stamp counter cycles (about 3 s at 3 GHz): not a stall of a busy machine
 
 
@@ -85,6 +88,20 @@ def cpu_pause(typingctx):
 
 
 @intrinsic
+def sched_yield(typingctx):
+    """sched_yield(2), as an x86-64 Linux system call (24) in inline assembly: a waiting thread
+    gives its core away (a function pointer from ctypes would keep numba from caching the step)."""
+    def codegen(context, builder, sig, args):
+        i64 = ir.IntType(64)
+        asm = ir.InlineAsm(ir.FunctionType(i64, [i64]), "syscall", "={rax},{rax},~{rcx},~{r11},~{memory}",
+                           side_effect=True)
+        builder.call(asm, [ir.Constant(i64, 24)])
+        return context.get_dummy_value()
+
+    return types.none(), codegen
+
+
+@intrinsic
 def cycles(typingctx):
     """The time stamp counter (llvm.readcyclecounter: RDTSC)."""
     def codegen(context, builder, sig, args):
@@ -95,7 +112,7 @@ def cycles(typingctx):
     return types.int64(), codegen
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True)
 def barrier(state, nth):
     """Wait until all nth threads arrive -> True; False if the state failed (every thread must
     then leave its work)."""
@@ -111,6 +128,8 @@ def barrier(state, nth):
     while atomic_load(state, GENERATION) == gen:
         cpu_pause()
         spins += 1
+        if spins > SPINS_BEFORE_YIELD:  # a peer is not running (more threads than free cores): let it
+            sched_yield()
         if spins & 1023 == 0:
             if atomic_load(state, FAILED):
                 return False
