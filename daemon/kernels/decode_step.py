@@ -26,6 +26,7 @@ import numpy as np
 from numba import prange
 
 from daemon.kernels import quants as Q
+from daemon.kernels import simd_ir, sync
 from daemon.kernels.matmul_activations import quantize_row_q8_0_1, quantize_row_q8_K, round_bf16
 from daemon.kernels.matmul_quant import KQUANT_KINDS
 from daemon.kernels.ops import (_attend, _swiglu_row, expf, norm_rope_qk, rms_norm, round_f16, route_top_k,
@@ -220,9 +221,14 @@ def _glu_oai_row(g, u, o, alpha, limit):
         o[i] = np.float32(act * np.float32(yu + np.float32(1.0)))
 
 
-def _step_kernel():
-    """decode_step, a closure over the inlined files' stamp (numba's cache key follows them)."""
-    spec = (SOURCES, tuple(KQUANT_KINDS))
+# What the step's functions link from other files (numba's cache watches only this one): they keep
+# it in their closures, so an edit to any of them compiles the step again.
+STAMP = (SOURCES, simd_ir.source_stamp(sync.__file__, __file__), tuple(KQUANT_KINDS))
+
+
+def _worker_kernel():
+    """worker, a closure over STAMP."""
+    spec = STAMP
 
     @numba.njit(cache=True, error_model="numpy")
     def worker(tid, nth, state, clock, status, start, x, h, rope, positions, kstores, vstores, dims, scalars, kinds, layer,
@@ -409,6 +415,17 @@ def _step_kernel():
             clock[PH_HEAD] += cycles() - clock[CLOCK_SIZE - 1]
         return True
 
+    return worker
+
+
+worker = _worker_kernel()
+
+
+def _step_kernel():
+    """decode_step, a closure over STAMP only: `worker` is a global here, since a dispatcher in a
+    closure would make numba's cache key differ in every process (it is pickled with an id)."""
+    spec = STAMP
+
     @numba.njit(cache=True, parallel=True)
     def decode_step(x, rope, positions, kstores, vstores, dims, scalars, kinds, layer, attn_norm, ffn_norm,
                     out_norm, wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm, sinks, router, router_bias,
@@ -425,6 +442,8 @@ def _step_kernel():
         (the host reads it, then calls again with start = that layer: the step resumes at its
         FFN, the attention's effects kept); -2 when the threads could not meet (the step is
         void: run it again another way)."""
+        if len(spec) == 0:
+            return VOID
         S, D = x.shape
         H, Hkv, Dv = dims[D_HEADS], dims[D_KV_HEADS], dims[D_HEAD_V]
         A = max(1, dims[D_USED])

@@ -18,10 +18,12 @@ and the failed flag, each on its own cache line.
 from __future__ import annotations
 
 import numba
-from llvmlite import ir
+from llvmlite import binding, ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+binding.initialize_native_asmparser()  # inline assembly (sched_yield) in the object code numba emits
 
 ARRIVED, GENERATION, FAILED = 0, 8, 16  # int64 slots 64 bytes apart
 STATE_SIZE = 24
