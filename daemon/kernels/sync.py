@@ -27,7 +27,7 @@ binding.initialize_native_asmparser()  # inline assembly (sched_yield) in the ob
 
 ARRIVED, GENERATION, FAILED = 0, 8, 16  # int64 slots 64 bytes apart
 STATE_SIZE = 24
-SPINS_BEFORE_YIELD = 1 << 8  # pauses (microseconds): then each wait yields the core
+SPINS_BEFORE_YIELD = 1 << 12  # pauses (tens of microseconds): then each wait yields the core
 WAIT_LIMIT = 1 << 33  # time stamp counter cycles (about 3 s at 3 GHz): not a stall of a busy machine
 
 
