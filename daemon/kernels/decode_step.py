@@ -247,6 +247,7 @@ def _worker_kernel():
         eps = scalars[F_EPS]
         L = kinds.shape[0]
         first = max(start, 0)
+        only = np.int64(0)  # a stack's one matrix (a literal 0 would compile rows_any once more)
         if tid == 0:
             clock[CLOCK_SIZE - 1] = cycles()
             if start < 0:
@@ -270,13 +271,13 @@ def _worker_kernel():
                     t, n = i // Nt, i % Nt
                     if n < Nq:
                         stop = min(Nq, n + end - i)
-                        _rows(kd[K_Q], Wq, 0, n, stop, h, acts_d, t, qf[t])
+                        _rows(kd[K_Q], Wq, only, n, stop, h, acts_d, t, qf[t])
                     elif n < Nq + Nk:
                         stop = min(Nq + Nk, n + end - i)
-                        _rows(kd[K_K], Wk, 0, n - Nq, stop - Nq, h, acts_d, t, kf[t])
+                        _rows(kd[K_K], Wk, only, n - Nq, stop - Nq, h, acts_d, t, kf[t])
                     else:
                         stop = min(Nt, n + end - i)
-                        _rows(kd[K_V], Wv, 0, n - Nq - Nk, stop - Nq - Nk, h, acts_d, t, vf[t])
+                        _rows(kd[K_V], Wv, only, n - Nq - Nk, stop - Nq - Nk, h, acts_d, t, vf[t])
                     i += stop - n
                 if not _meet(state, nth, tid, clock, PH_QKV):
                     return False
@@ -306,7 +307,7 @@ def _worker_kernel():
                 while i < end:
                     t, n = i // D, i % D
                     stop = min(D, n + end - i)
-                    _rows(kd[K_O], Wo, 0, n, stop, ao, acts_o, t, a[t])
+                    _rows(kd[K_O], Wo, only, n, stop, ao, acts_o, t, a[t])
                     i += stop - n
                 if not _meet(state, nth, tid, clock, PH_O_PROJ):
                     return False
@@ -325,7 +326,7 @@ def _worker_kernel():
                 while i < end:
                     t, n = i // E, i % E
                     stop = min(E, n + end - i)
-                    _rows(kd[K_ROUTER], Wr, 0, n, stop, h, acts_d, t, rl[t])
+                    _rows(kd[K_ROUTER], Wr, only, n, stop, h, acts_d, t, rl[t])
                     i += stop - n
                 if not _meet(state, nth, tid, clock, PH_ROUTER):
                     return False
@@ -409,7 +410,7 @@ def _worker_kernel():
         while i < end:
             t, n = i // V, i % V
             stop = min(V, n + end - i)
-            _rows(dims[D_OUT_KIND], out_w, 0, n, stop, h, acts_d, t, logits[t])
+            _rows(dims[D_OUT_KIND], out_w, only, n, stop, h, acts_d, t, logits[t])
             i += stop - n
         if tid == 0:  # its own share only: the region's end waits for the rest
             clock[PH_HEAD] += cycles() - clock[CLOCK_SIZE - 1]
@@ -471,7 +472,7 @@ def _step_kernel():
         for tid in prange(nth):  # one iteration per thread (numba's OpenMP layer: a static schedule)
             w = np.empty((G, C + 8), np.float32)  # this thread's attention scratch
             acc = np.empty((G, 32, Dv), np.float32)
-            if not worker(tid, nth, state, clock, status, start, x, h, rope, positions, kstores, vstores, dims, scalars,
+            if not worker(np.int64(tid), nth, state, clock, status, start, x, h, rope, positions, kstores, vstores, dims, scalars,
                           kinds, layer, attn_norm, ffn_norm, out_norm, wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm,
                           sinks, router, router_bias, gate, up, down, gate_bias, up_bias, down_bias, slot_of, out_w,
                           logits, routes, qf, kf, vf, qr, att, a, rl, ids, wts, gu, hh, yo, acts_d, acts_o, acts_f,
