@@ -91,7 +91,7 @@ def main() -> None:
         numba.set_num_threads(args.threads)
     from daemon.backend.cpu import CPUBackend
 
-    CPUBackend.compiled_step = args.path == "step"
+    CPUBackend.compiled_step = "wait" if args.path == "step" else "off"
     CPUBackend.fuse_decode = args.path != "separate"
     print(f"{'model':44s} {'1 seq ms':>9s} {'tok/s':>8s} {f'{args.batch} seqs ms':>11s} {'tok/s':>8s}")
     for path in args.models or default_models():

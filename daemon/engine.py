@@ -132,7 +132,7 @@ class Engine:
         try:
             backend = select_backend(cfg, gguf)  # MOE_DEVICE; logs which and why
             if isinstance(backend, CPUBackend):
-                backend.compiled_step = cfg.cpu_step
+                backend.compiled_step = {"1": "background", "wait": "wait", "0": "off"}[cfg.cpu_step]
                 if not cfg.n_threads:  # all cores, fewer while others are busy
                     backend.governor = ThreadGovernor(numba.config.NUMBA_NUM_THREADS)
             experts, cache = backend.expert_provider(gguf, cfg, say, progress)

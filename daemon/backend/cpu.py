@@ -79,7 +79,9 @@ def _row_flags(step: Step | None) -> dict:
 class CPUBackend:
     name = "cpu"
     fuse_decode = True  # one-row steps through the fused calls (False: the separate ops, for A/B benchmarks)
-    compiled_step = True  # a decode batch as one compiled call where the model allows (cpu_step.py)
+    # a decode batch as one compiled call where the model allows (cpu_step.py): "background" (compiled on
+    # a thread of its own, the per-op path serving until then), "wait" (the first step waits) or "off"
+    compiled_step = "background"
 
     def __init__(self, numerics: str = "ggml"):
         if numerics not in NUMERICS:
@@ -121,14 +123,16 @@ class CPUBackend:
     def _set_threads(self) -> None:
         if self.governor is not None:  # numba's count is the calling thread's: set where the step runs
             n = self.governor.threads()
+            if cpu_step.compiling():  # its thread keeps a core busy, which the governor counts as ours
+                n = max(1, min(n, self.governor.cores - 1))
             if numba.get_num_threads() != n:
                 numba.set_num_threads(n)
 
     def decode_step(self, model, step: Step) -> np.ndarray | None:
         """A decode batch (one row per sequence) as one compiled call (cpu_step.py) -> logits [S, V];
-        None where the model has no compiled step (yet: its experts not all resident), and the
-        per-op path serves it."""
-        if not (self.compiled_step and self.fuse_decode and step.one_row_each):
+        None where the model has no compiled step, or not yet (compiling in the background, or its
+        experts not all resident), and the per-op path serves it."""
+        if not (self.compiled_step != "off" and self.fuse_decode and step.one_row_each):
             return None
         program = self._programs.get(model)
         if program is None:
@@ -136,10 +140,13 @@ class CPUBackend:
         if isinstance(program, str):
             return None
         self._set_threads()
-        logits, read = program.run(step, self._rope_table(step, model.hp.rope), self._step_stores(step))
-        if logits is None:  # a machine that could not run its threads at once: not again for this model
-            self._programs[model] = "its threads did not all run at once"
-            log.warning("the compiled decode step's threads did not all run at once: op by op from now on")
+        logits, read = program.run(step, self._rope_table(step, model.hp.rope), self._step_stores(step),
+                                   wait=self.compiled_step == "wait")
+        if logits is None:
+            if program.lost:  # not again for this model
+                self._programs[model] = program.lost
+                log.warning("the compiled decode step cannot serve this model (%s): op by op from now on",
+                            program.lost)
             return None
         count = getattr(model.experts, "count_in_place", None)
         if count is not None and model.moe_layers:  # the cache's statistics: distinct experts per layer

@@ -8,10 +8,20 @@ read (resident, or an unlimited expert cache: a miss is read where the step stop
 the per-op path: the hybrids with Gated DeltaNet layers, shared experts, a bounded expert cache.
 That path also stays the readable reference and the prefill's path.
 
+The step's first compile takes about 40 s of one core (then numba's disk cache loads it in about
+1 s). A program can wait for it, or have it compiled on a thread of its own while the per-op path
+serves (`run(wait=False)`): the logits are the same bits either way. That compile starts at the
+second decode step, once the first has compiled the per-op kernels: numba compiles one function
+at a time, and a kernel the per-op path needs would wait behind the step.
+
 Legend: S = sequences of the step, L = layers, Lm = MoE layers, E = experts, V = vocabulary.
 """
 
 from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numba
 import numpy as np
@@ -23,6 +33,8 @@ from ..kernels import quants as Q
 from ..kernels.quants import dequantize
 from ..kernels.row_dot import DECODE_STEP_TYPES
 from ..kernels.sync import one_thread_per_iteration
+
+log = logging.getLogger(__name__)
 
 _U8_3D = types.Array(types.uint8, 3, "C", readonly=True)
 _F32_1D = types.Array(types.float32, 1, "C")
@@ -36,6 +48,33 @@ def _stack(raw: np.ndarray) -> np.ndarray:
     a = np.ascontiguousarray(raw)
     a = a.reshape((1, *a.shape)) if a.ndim == 2 else a
     return Q._readonly(a)
+
+
+_compiler: ThreadPoolExecutor | None = None
+_compiles: dict[tuple, Future] = {}  # the step's argument types -> its compile (one per process)
+
+
+def _compile(signature: tuple) -> Future:
+    """The step compiled for these argument types (or loaded from numba's disk cache), on the
+    compiler's thread. Not a daemon thread: a compile cut off at exit is lost, a finished one is
+    cached for every later process."""
+    global _compiler
+    if signature not in _compiles:
+        if _compiler is None:
+            _compiler = ThreadPoolExecutor(1, thread_name_prefix="moed-step-compile")
+
+        def compile_step():
+            t0 = time.perf_counter()
+            K.decode_step.compile(signature)
+            log.info("the compiled decode step is ready (%.1f s)", time.perf_counter() - t0)
+
+        _compiles[signature] = _compiler.submit(compile_step)
+    return _compiles[signature]
+
+
+def compiling() -> bool:
+    """Whether a compile of the step is under way (its thread keeps a core busy)."""
+    return any(not f.done() for f in _compiles.values())
 
 
 class DecodeProgram:
@@ -125,6 +164,9 @@ class DecodeProgram:
                                  fam.glu_limit], np.float32)
         self.n_vocab = hp.n_vocab
         self.clock = np.zeros(K.CLOCK_SIZE, np.int64)  # cycles per phase, summed over steps (benchmarks)
+        self.lost = ""  # why the step cannot serve this model after all (the per-op path then does)
+        self._compiled: Future | None = None
+        self._steps_seen = 0
 
     @classmethod
     def build(cls, model) -> DecodeProgram | str:
@@ -150,26 +192,32 @@ class DecodeProgram:
         for e, slot in batch.rows.items():
             self.slot_of[i, e] = slot
 
-    def run(self, step, rope_table: np.ndarray, stores, threads: int = 0) -> tuple[np.ndarray | None, list[int]]:
+    def run(self, step, rope_table: np.ndarray, stores, threads: int = 0,
+            wait: bool = True) -> tuple[np.ndarray | None, list[int]]:
         """The decode batch `step` (one row per sequence; its KV cells reserved) -> (logits [S, V],
-        the MoE layers whose experts were read for it); logits None when the step's threads could
-        not meet (sync.py), which changed nothing the per-op path does not write again. threads:
-        the step's threads (default numba's count; more than numba runs at once never meet). rope_table: the step's [S, n_rot/2, 2];
-        stores: each sequence's KV arrays (numba Lists). A chosen expert not in memory yet ends
-        the compiled call at its layer: it is read, and the step resumes there."""
+        the MoE layers whose experts were read for it). Logits None: the step did not run, and
+        changed nothing the per-op path does not write again: not compiled yet (wait False), or
+        `lost` says why it never will (its threads could not meet, sync.py; its compile failed).
+        threads: the step's threads (default numba's count; more than numba runs at once never
+        meet). rope_table: the step's [S, n_rot/2, 2]; stores: each sequence's KV arrays (numba
+        Lists). A chosen expert not in memory yet ends the compiled call at its layer: it is
+        read, and the step resumes there."""
         x = dequantize(self.tok_embd.raw[step.tokens], self.tok_embd.ggml_type, self.tok_embd.n_in)  # [S, D]
         logits = np.empty((step.S, self.n_vocab), np.float32)
         self.routes = np.empty((self.slot_of.shape[0] - 1, step.S, max(1, self.dims[K.D_USED])), np.int64)
         L, V, E = self.lists, self.vecs, self.ebias
-        read, start = [], -1
+        args = [x, rope_table, step.positions, stores[0], stores[1], self.dims, self.scalars, self.kinds,
+                self.layer, self.attn_norm, self.ffn_norm, self.out_norm, L["wq"], L["wk"], L["wv"], L["wo"],
+                V["bq"], V["bk"], V["bv"], V["bo"], V["q_norm"], V["k_norm"], V["sinks"], L["router"],
+                V["router_bias"], L["gate"], L["up"], L["down"], E["gate_bias"], E["up_bias"], E["down_bias"],
+                self.slot_of, self.out_w, logits, self.routes, -1, threads or numba.get_num_threads(), self.clock]
+        if not self._ready(args, wait):
+            return None, []
+        read = []
         while True:
-            start = K.decode_step(x, rope_table, step.positions, stores[0], stores[1], self.dims, self.scalars,
-                                  self.kinds, self.layer, self.attn_norm, self.ffn_norm, self.out_norm, L["wq"],
-                                  L["wk"], L["wv"], L["wo"], V["bq"], V["bk"], V["bv"], V["bo"], V["q_norm"],
-                                  V["k_norm"], V["sinks"], L["router"], V["router_bias"], L["gate"], L["up"],
-                                  L["down"], E["gate_bias"], E["up_bias"], E["down_bias"], self.slot_of, self.out_w,
-                                  logits, self.routes, start, threads or numba.get_num_threads(), self.clock)
-            if start == K.VOID:  # the threads could not meet: the caller runs the step the per-op way
+            start = args[-3] = K.decode_step(*args)
+            if start == K.VOID:
+                self.lost = "its threads did not all run at once"
                 return None, read
             if start < 0:
                 return logits, read
@@ -178,6 +226,20 @@ class DecodeProgram:
                 pass
             self._place(start, self.experts.in_place(start))
             read.append(start)
+
+    def _ready(self, args: list, wait: bool) -> bool:
+        """Whether the step's machine code for these arguments is ready (see the module's doc)."""
+        self._steps_seen += 1
+        if self._compiled is None and (wait or self._steps_seen > 1):
+            self._compiled = _compile(tuple(numba.typeof(a) for a in args))
+        if self._compiled is None or not (wait or self._compiled.done()):
+            return False
+        try:
+            self._compiled.result()
+        except Exception as e:  # noqa: BLE001 - a compiler's error of any kind: the per-op path serves
+            self.lost = f"it did not compile ({type(e).__name__}: {e})"
+            return False
+        return True
 
 
 def _vec(v) -> np.ndarray:

@@ -22,12 +22,15 @@ CASES = [("qwen3moe", "Q8_0"), ("gpt-oss", "MXFP4"), ("llama", "Q4_1"), ("olmoe"
          ("llama", "Q4_0"), ("llama", "F32"), ("llama", "BF16")]
 
 
-def _models(path, experts=None):
-    """The same file as the per-op path (fuse_decode off: the separate ops) and as the compiled step."""
+def _models(path, experts=None, compiled_step="wait"):
+    """The same file as the per-op path (fuse_decode off: the separate ops) and as the compiled step
+    (its first decode step waits for its compile unless told otherwise)."""
     g = GGUFFile(path)
     ref = Transformer(g, backend=CPUBackend())
     ref.backend.fuse_decode = False
-    return g, ref, Transformer(g, backend=CPUBackend(), experts=experts)
+    new = Transformer(g, backend=CPUBackend(), experts=experts)
+    new.backend.compiled_step = compiled_step
+    return g, ref, new
 
 
 def _decode_both(ref, new, n_seq: int, steps: int, seed: int = 0):
@@ -55,7 +58,36 @@ def test_the_compiled_step_gives_the_per_op_bits(fixture_dir, arch, wtype, n_seq
         for a, b in _decode_both(ref, new, n_seq, steps=3):
             assert np.isfinite(a).all()
             np.testing.assert_array_equal(b, a)
-        assert isinstance(new.backend._programs[new], cpu_step.DecodeProgram)  # it ran, not the fallback
+        program = new.backend._programs[new]
+        assert isinstance(program, cpu_step.DecodeProgram)  # it ran, not the fallback
+        assert program.clock.any()
+
+
+def test_compiled_in_the_background_the_per_op_path_serves_until_it_is_ready(fixture_dir):
+    """The first decode step compiles the per-op kernels and starts nothing; the second starts the
+    step's compile on its own thread; once that is done the step serves, with the same bits, and
+    the arguments it gets match what was compiled (no compile in the serving thread)."""
+    from daemon.kernels import decode_step as K
+
+    g, ref, new = _models(fixture_path("qwen3moe", "Q8_0", fixture_dir), compiled_step="background")
+    with g:
+        caches = {m: m.new_cache(16) for m in (ref, new)}
+        for m in (ref, new):
+            m.forward([1, 2, 3], caches[m])
+
+        def step(token):
+            np.testing.assert_array_equal(new.forward_batch([token], [caches[new]]),
+                                          ref.forward_batch([token], [caches[ref]]))
+            return new.backend._programs[new]
+
+        program = step(4)
+        assert program._compiled is None and not program.clock.any()  # the per-op path served
+        program = step(5)
+        program._compiled.result(timeout=600)
+        overloads = len(K.decode_step.overloads)
+        step(6)
+        assert program.clock.any()  # the compiled step served
+        assert len(K.decode_step.overloads) == overloads
 
 
 def test_an_unlimited_cache_is_read_where_the_step_stops(fixture_dir):
@@ -110,7 +142,7 @@ def test_threads_that_cannot_meet_void_the_step_and_the_per_op_path_serves_it(fi
         new.forward([1, 2], caches[1])
         program = new.backend._programs[new] = cpu_step.DecodeProgram.build(new)
         run = program.run
-        program.run = lambda *a: run(*a, threads=numba.get_num_threads() + 1)
+        program.run = lambda *a, **k: run(*a, **k, threads=numba.get_num_threads() + 1)
         np.testing.assert_array_equal(new.forward_batch([3], [caches[1]]), ref.forward_batch([3], [caches[0]]))
         assert "did not all run at once" in new.backend._programs[new]
         np.testing.assert_array_equal(new.forward_batch([4], [caches[1]]), ref.forward_batch([4], [caches[0]]))

@@ -90,3 +90,27 @@ def test_logits_do_not_depend_on_the_thread_count(arch, wtype, over, fixture_dir
         numba.set_num_threads(before)
     for a, b in zip(*runs):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_compile_of_the_decode_step_takes_a_core_from_the_governed_count(monkeypatch):
+    """The step's compile runs on a thread of this process, which the governor counts as ours: the
+    backend leaves it a core, or the per-op path's spinning threads would stall beside it."""
+    from daemon.backend import cpu_step
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("one numba thread: nothing to take")
+    m = Machine()
+    backend = CPUBackend()
+    backend.governor = governor(m, most=numba.config.NUMBA_NUM_THREADS, cores=numba.config.NUMBA_NUM_THREADS)
+    before = numba.get_num_threads()
+    try:
+        backend._set_threads()
+        assert numba.get_num_threads() == numba.config.NUMBA_NUM_THREADS
+        monkeypatch.setattr(cpu_step, "compiling", lambda: True)
+        backend._set_threads()
+        assert numba.get_num_threads() == numba.config.NUMBA_NUM_THREADS - 1
+        monkeypatch.setattr(cpu_step, "compiling", lambda: False)
+        backend._set_threads()
+        assert numba.get_num_threads() == numba.config.NUMBA_NUM_THREADS
+    finally:
+        numba.set_num_threads(before)

@@ -108,7 +108,7 @@ def _record_routes(backend, calls: list) -> None:
 
     backend.router = recording
     if isinstance(backend, CPUBackend):  # its compiled decode step routes inside one call: the per-op path
-        backend.compiled_step = False  # (bit-identical, tests/backend/test_cpu_step.py) exposes each router call
+        backend.compiled_step = "off"  # (bit-identical, tests/backend/test_cpu_step.py) exposes each router call
 
 
 def _flips(cpu_calls, gpu_calls, offsets, tol) -> set[int]:
