@@ -154,9 +154,10 @@ class Settings:
     routing: str = field(default="auto", metadata=_meta(
         "MOE_ROUTING", "which experts load ahead of use: exact (on demand from the router only), approx "
         "(+ Path A: token embeddings x routers), speculative (+ next layer's router on the current "
-        "hidden state), all (both); auto = exact under a cache limit; without one, speculative while "
-        "the cache still reads experts (a cold start: 1.5-12x exact) and exact once it holds every expert "
-        "or 8 passes in a row read nothing new (warm, speculation's hooks cost 30-70%; docs/benchmarks.md)",
+        "hidden state), all (both); auto = exact, except on the CPU without a cache limit for a model the "
+        "compiled decode step does not serve (MOE_CPU_STEP=0, the hybrids, shared experts): there "
+        "speculative while the cache still reads experts (a cold start: 1.9-12x exact op by op), exact once "
+        "it holds every expert or 8 passes in a row read nothing new (docs/benchmarks.md, issue 28)",
         ROUTING))
     routing_verbose: bool = field(default=False, metadata=_meta(
         "MOE_ROUTING_VERBOSE", "log each token's experts per layer and per-layer cache stats lines"))

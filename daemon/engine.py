@@ -31,7 +31,7 @@ import numpy as np
 from ipc.protocol import Chat, Done, Generate, Message, SamplingOptions
 
 from . import heap
-from .backend import CPUBackend
+from .backend import CPUBackend, cpu_step
 from .backend.cpu_threads import ThreadGovernor
 from .backend.select import select_backend
 from .config import Settings
@@ -104,16 +104,25 @@ class Engine:
             gguf.close()
             raise
         self.routing = settings.routing
-        if self.routing == "auto":  # predictors read the real router, so under replay they would guess wrong
-            replayed = self.routing_replay is not None
-            # a GPU's speculation reads each layer's hidden state back: a sync per layer, not worth it
-            self.routing = ("exact" if settings.expert_cache_limit_mb or replayed or self.vram is not None
-                            else "speculative")
+        if self.routing == "auto":  # where prediction was measured to pay (docs/benchmarks.md, issue 28)
+            self.routing = "speculative" if self._prediction_pays(settings) else "exact"
         self.prefetcher = (Prefetcher(model, self.vram or self.cache, self.routing, settings.routing_verbose,
                                       until_quiet=settings.routing == "auto").attach(model)
                            if self.cache is not None else None)
         if self.tracer is not None:
             self.tracer.attach(model)
+
+    def _prediction_pays(self, settings: Settings) -> bool:
+        """MOE_ROUTING=auto's rule. Prediction pays only while an unlimited cache still reads
+        experts for a model the CPU serves op by op. Not under a cache limit (it read 1.3-2.6x the
+        bytes), nor under replay (predictors read the real router), nor on a GPU (speculation reads
+        each layer's hidden state back, a sync per layer), nor where the compiled decode step
+        serves (the hooks keep every step op by op: 16 cores, Q4_K_M, first request 71-77 ms a
+        token against exact's 49-59, prefill 3.5x slower)."""
+        if settings.expert_cache_limit_mb or self.routing_replay is not None or self.vram is not None:
+            return False
+        backend = self.model.backend
+        return not (getattr(backend, "compiled_step", "off") != "off" and not cpu_step.unsupported(self.model))
 
     @classmethod
     def load(cls, path: str | os.PathLike, progress: Callable[[str], None] | None = None,

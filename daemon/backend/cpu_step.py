@@ -158,7 +158,7 @@ class DecodeProgram:
         dims[K.D_GGML] = 1
         dims[K.D_OUT_KIND] = model.output.ggml_type
         for col, name in ((K.D_NQ, "wq"), (K.D_NK, "wk"), (K.D_NV, "wv"), (K.D_FF, "gate"), (K.D_EXPERTS, "router")):
-            dims[col] = lists[name][0].shape[1]  # every layer's (_unsupported)
+            dims[col] = lists[name][0].shape[1]  # every layer's (unsupported)
         self.dims = dims
         self.scalars = np.array([hp.rms_eps, 1.0 / np.sqrt(hp.head_dim), hp.expert_weights_scale, fam.glu_alpha,
                                  fam.glu_limit], np.float32)
@@ -171,7 +171,7 @@ class DecodeProgram:
     @classmethod
     def build(cls, model) -> DecodeProgram | str:
         """The model's program, or why it has none (the per-op path then serves it)."""
-        why = _unsupported(model)
+        why = unsupported(model)
         if why:
             return why
         batches = {}
@@ -252,7 +252,7 @@ def _in_place(experts, layer: int):
     return None if in_place is None else in_place(layer)
 
 
-def _unsupported(model) -> str:
+def unsupported(model) -> str:
     """Why the compiled step cannot run this model ('' when it can)."""
     from ..model.attention import Attention
     from ..model.moe import MoE

@@ -221,5 +221,18 @@ def test_auto_routing_does_not_predict_from_the_real_router_under_replay(qwen3mo
         assert engine.routing == "exact"
     with Engine.load(qwen3moe, routing_replay=str(path), routing="speculative") as engine:
         assert engine.routing == "speculative"  # asked for explicitly: kept
+    with Engine.load(qwen3moe, cpu_step="0") as engine:
+        assert engine.routing == "speculative"  # no limit, no replay, op by op: as before
+
+
+def test_auto_routing_is_exact_where_the_compiled_decode_step_serves(qwen3moe, fixture_dir):
+    """The speculative hooks keep every step op by op, which lost to the compiled step (issue 28);
+    a model the step does not serve (shared experts) keeps the prediction while the cache reads."""
+    from tests.fixtures.build import fixture_path
+
     with Engine.load(qwen3moe) as engine:
-        assert engine.routing == "speculative"  # no limit, no replay: as before
+        assert engine.routing == "exact"
+    with Engine.load(fixture_path("qwen2moe", "Q8_0", fixture_dir)) as engine:
+        assert engine.routing == "speculative"
+    with Engine.load(qwen3moe, expert_cache_limit_mb=1) as engine:
+        assert engine.routing == "exact"
