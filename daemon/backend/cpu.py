@@ -16,6 +16,7 @@ P = T*A pairs.
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 
 import numba
@@ -88,6 +89,7 @@ class CPUBackend:
             raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
         self.numerics = numerics
         self.governor = None  # a cpu_threads.ThreadGovernor: each step's thread count (None: as set)
+        self._asked = None  # the count as set, while a compile of the step lowers it
         self._programs = weakref.WeakKeyDictionary()  # model -> cpu_step.DecodeProgram, or why it has none
 
     def __repr__(self) -> str:
@@ -121,12 +123,20 @@ class CPUBackend:
         return compute()
 
     def _set_threads(self) -> None:
-        if self.governor is not None:  # numba's count is the calling thread's: set where the step runs
-            n = self.governor.threads()
-            if cpu_step.compiling():  # its thread keeps a core busy, which the governor counts as ours
-                n = max(1, min(n, self.governor.cores - 1))
-            if numba.get_num_threads() != n:
-                numba.set_num_threads(n)
+        """The calling thread's numba count for the next step (numba's count is per thread: set
+        where the step runs): the governor's, or as set; less one core while the compiled step
+        compiles, since its thread keeps a core busy and the pool's spinning threads would stall
+        beside it (the governor counts that thread as ours, not as a competitor)."""
+        n = self.governor.threads() if self.governor is not None else self._asked or numba.get_num_threads()
+        if cpu_step.compiling():
+            cores = self.governor.cores if self.governor is not None else len(os.sched_getaffinity(0))
+            if self.governor is None and self._asked is None:
+                self._asked = n  # given back once the compile is done
+            n = max(1, min(n, cores - 1))
+        elif self._asked is not None:
+            self._asked = None
+        if numba.get_num_threads() != n:
+            numba.set_num_threads(n)
 
     def decode_step(self, model, step: Step) -> np.ndarray | None:
         """A decode batch (one row per sequence) as one compiled call (cpu_step.py) -> logits [S, V];

@@ -114,3 +114,25 @@ def test_a_compile_of_the_decode_step_takes_a_core_from_the_governed_count(monke
         assert numba.get_num_threads() == numba.config.NUMBA_NUM_THREADS
     finally:
         numba.set_num_threads(before)
+
+
+def test_a_compile_of_the_decode_step_lowers_a_count_set_by_hand_and_gives_it_back(monkeypatch):
+    from daemon.backend import cpu_step
+
+    cores = len(os.sched_getaffinity(0))
+    if min(cores, numba.config.NUMBA_NUM_THREADS) < 2:
+        pytest.skip("one core or one numba thread: nothing to take")
+    asked = min(cores, numba.config.NUMBA_NUM_THREADS)
+    backend = CPUBackend()
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(asked)
+        monkeypatch.setattr(cpu_step, "compiling", lambda: True)
+        backend._set_threads()
+        backend._set_threads()
+        assert numba.get_num_threads() == min(asked, cores - 1)
+        monkeypatch.setattr(cpu_step, "compiling", lambda: False)
+        backend._set_threads()
+        assert numba.get_num_threads() == asked
+    finally:
+        numba.set_num_threads(before)
