@@ -142,7 +142,9 @@ class Engine:
             backend = select_backend(cfg, gguf)  # MOE_DEVICE; logs which and why
             if isinstance(backend, CPUBackend):
                 backend.compiled_step = {"1": "background", "wait": "wait", "0": "off"}[cfg.cpu_step]
-                if not cfg.n_threads:  # all cores, fewer while others are busy
+                if cfg.n_threads:  # numba's count is per thread: the backend sets it where steps run
+                    backend.threads = min(cfg.n_threads, numba.config.NUMBA_NUM_THREADS)
+                else:  # all cores, fewer while others are busy
                     backend.governor = ThreadGovernor(numba.config.NUMBA_NUM_THREADS)
             experts, cache = backend.expert_provider(gguf, cfg, say, progress)
             say(f"building {gguf.architecture} model")

@@ -89,7 +89,7 @@ class CPUBackend:
             raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
         self.numerics = numerics
         self.governor = None  # a cpu_threads.ThreadGovernor: each step's thread count (None: as set)
-        self._asked = None  # the count as set, while a compile of the step lowers it
+        self.threads = None  # each step's thread count without a governor (None: the first step's thread's)
         self._programs = weakref.WeakKeyDictionary()  # model -> cpu_step.DecodeProgram, or why it has none
 
     def __repr__(self) -> str:
@@ -124,17 +124,14 @@ class CPUBackend:
 
     def _set_threads(self) -> None:
         """The calling thread's numba count for the next step (numba's count is per thread: set
-        where the step runs): the governor's, or as set; less one core while the compiled step
-        compiles, since its thread keeps a core busy and the pool's spinning threads would stall
-        beside it (the governor counts that thread as ours, not as a competitor)."""
-        n = self.governor.threads() if self.governor is not None else self._asked or numba.get_num_threads()
+        where the step runs): the governor's, else `threads`; less one core while the compiled
+        step compiles, since its thread keeps a core busy and the pool's spinning threads would
+        stall beside it (the governor counts that thread as ours, not as a competitor)."""
+        if self.threads is None:
+            self.threads = numba.get_num_threads()  # as the first step's thread finds it
+        n = self.governor.threads() if self.governor is not None else self.threads
         if cpu_step.compiling():
-            cores = self.governor.cores if self.governor is not None else len(os.sched_getaffinity(0))
-            if self.governor is None and self._asked is None:
-                self._asked = n  # given back once the compile is done
-            n = max(1, min(n, cores - 1))
-        elif self._asked is not None:
-            self._asked = None
+            n = max(1, min(n, len(os.sched_getaffinity(0)) - 1))
         if numba.get_num_threads() != n:
             numba.set_num_threads(n)
 

@@ -122,17 +122,36 @@ def test_a_compile_of_the_decode_step_lowers_a_count_set_by_hand_and_gives_it_ba
     cores = len(os.sched_getaffinity(0))
     if min(cores, numba.config.NUMBA_NUM_THREADS) < 2:
         pytest.skip("one core or one numba thread: nothing to take")
-    asked = min(cores, numba.config.NUMBA_NUM_THREADS)
     backend = CPUBackend()
+    backend.threads = min(cores, numba.config.NUMBA_NUM_THREADS)
     before = numba.get_num_threads()
     try:
-        numba.set_num_threads(asked)
         monkeypatch.setattr(cpu_step, "compiling", lambda: True)
         backend._set_threads()
-        backend._set_threads()
-        assert numba.get_num_threads() == min(asked, cores - 1)
+        assert numba.get_num_threads() == min(backend.threads, cores - 1)
         monkeypatch.setattr(cpu_step, "compiling", lambda: False)
         backend._set_threads()
-        assert numba.get_num_threads() == asked
+        assert numba.get_num_threads() == backend.threads
     finally:
         numba.set_num_threads(before)
+
+
+def test_a_count_set_at_load_holds_on_the_thread_that_runs_the_steps(fixture_dir):
+    """numba's count is per thread, and the daemon loads on one thread and computes on another:
+    MOE_N_THREADS must reach the compute thread."""
+    import threading
+
+    from daemon import Engine
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("one numba thread: nothing to compare")
+    seen = []
+    with Engine.load(fixture_path("qwen3moe", "Q8_0", fixture_dir), n_threads=1, device="cpu") as engine:
+        def compute():
+            engine.model.forward([1, 2], engine.model.new_cache(8))
+            seen.append(numba.get_num_threads())
+
+        t = threading.Thread(target=compute)
+        t.start()
+        t.join()
+    assert seen == [1]
