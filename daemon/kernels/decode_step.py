@@ -29,13 +29,13 @@ from daemon.kernels import quants as Q
 from daemon.kernels import simd_ir, sync
 from daemon.kernels.matmul_activations import quantize_row_q8_0_1, quantize_row_q8_K, round_bf16
 from daemon.kernels.matmul_quant import KQUANT_KINDS
-from daemon.kernels.ops import (_attend, _swiglu_row, expf, norm_rope_qk, rms_norm, round_f16, route_top_k,
-                                to_f16_values)
+from daemon.kernels.ops import (_attend, _swiglu_row, moe_mix, norm_rope_qk, rms_norm, round_f16, route_top_k,
+                                swiglu_oai_row, to_f16_values, write_kv)
 from daemon.kernels.row_dot import SOURCES, rows_any
 from daemon.kernels.sync import STATE_SIZE, barrier, cycles
 
 # kinds[il, ...]: each weight's ggml type
-K_Q, K_K, K_V, K_O, K_ROUTER, K_GATE, K_UP, K_DOWN = range(8)
+K_Q, K_K, K_V, K_O, K_ROUTER, K_GATE, K_UP, K_DOWN = range(8)  # K_UP = K_GATE + 1 (gate/up phase)
 # layer[il, ...]
 L_MOE, L_KV_SLOT, L_WINDOW, L_MOE_INDEX, L_BIAS_QKV, L_BIAS_O, L_ROUTER_BIAS, L_EXPERT_BIAS = range(8)
 # dims[...]
@@ -131,17 +131,6 @@ def _add(x, a):
 
 
 @numba.njit(cache=True)
-def _write_kv(kstores, vstores, slot, positions, k, v):
-    """Each row's key and value into its sequence's cell -> the most cells a row attends to."""
-    C = 1
-    for s in range(k.shape[0]):
-        kstores[s][slot, positions[s]] = k[s]
-        vstores[s][slot, positions[s]] = v[s]
-        C = max(C, positions[s] + 1)
-    return C
-
-
-@numba.njit(cache=True)
 def _missing(slot_of, ids):
     """Whether a chosen expert is not in memory."""
     for t in range(ids.shape[0]):
@@ -149,18 +138,6 @@ def _missing(slot_of, ids):
             if slot_of[ids[t, a]] < 0:
                 return True
     return False
-
-
-@numba.njit(cache=True)
-def _mix_residual(x, yo, weights, per):
-    """x[s] += the row's expert outputs weighed and summed in top-k order (ops.moe_mix)."""
-    S, D = x.shape
-    for s in range(S):
-        for d in range(D):
-            f = yo[s * per, d] * weights[s, 0]
-            for j in range(1, per):
-                f = f + yo[s * per + j, d] * weights[s, j]
-            x[s, d] = x[s, d] + f
 
 
 @numba.njit(cache=True)
@@ -208,22 +185,12 @@ def _qkv_to_cache(il, qf, kf, vf, qr, kstores, vstores, positions, rope, dims, e
         to_f16_values(k)
         to_f16_values(v)
     qr[:, :, :] = q
-    _write_kv(kstores, vstores, ly[L_KV_SLOT], positions, k, v)
-
-
-@numba.njit(cache=True, error_model="numpy")
-def _glu_oai_row(g, u, o, alpha, limit):
-    """gpt-oss's clamped SwiGLU of one row, as ops.swiglu_oai."""
-    for i in range(g.shape[0]):
-        xg = min(g[i], limit)
-        yu = min(max(u[i], -limit), limit)
-        act = np.float32(xg / np.float32(np.float32(1.0) + expf(np.float32(alpha * -xg))))
-        o[i] = np.float32(act * np.float32(yu + np.float32(1.0)))
+    write_kv(kstores, vstores, ly[L_KV_SLOT], positions, k, v)
 
 
 # What the step's functions link from other files (numba's cache watches only this one): they keep
 # it in their closures, so an edit to any of them compiles the step again.
-STAMP = (SOURCES, simd_ir.source_stamp(sync.__file__, __file__), tuple(KQUANT_KINDS))
+STAMP = (SOURCES, simd_ir.source_stamp(sync.__file__), tuple(KQUANT_KINDS))
 
 
 def _worker_kernel():
@@ -234,7 +201,7 @@ def _worker_kernel():
     def worker(tid, nth, state, clock, status, start, x, h, rope, positions, kstores, vstores, dims, scalars, kinds, layer,
                attn_norm, ffn_norm, out_norm, wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm, sinks, router,
                router_bias, gate, up, down, gate_bias, up_bias, down_bias, slot_of, out_w, logits, routes, qf, kf,
-               vf, qr, att, a, rl, ids, wts, gu, hh, yo, acts_d, acts_o, acts_f, w, acc):
+               vf, qr, att, a, rl, ids, wts, gu, hh, yo, pair_rows, row_rows, acts_d, acts_o, acts_f, w, acc):
         """Thread tid of nth: its share of each phase, the serial parts on thread 0, a barrier
         between phases. -> False when the barrier failed (the step is void)."""
         if len(spec) == 0:
@@ -360,23 +327,18 @@ def _worker_kernel():
                 stop = min(F, n + end - i)
                 e = ids[p // per, p % per]
                 out = gu[which, p]
-                if which == 0:
-                    _rows(kd[K_GATE], Wg, so[e], n, stop, h, acts_d, p // per, out)
-                    if has_b:
-                        for j in range(n, stop):
-                            out[j] = out[j] + gb[e, j]
-                else:
-                    _rows(kd[K_UP], Wu, so[e], n, stop, h, acts_d, p // per, out)
-                    if has_b:
-                        for j in range(n, stop):
-                            out[j] = out[j] + ub[e, j]
+                _rows(kd[K_GATE + which], Wg if which == 0 else Wu, so[e], n, stop, h, acts_d, p // per, out)
+                if has_b:
+                    b = gb if which == 0 else ub
+                    for j in range(n, stop):
+                        out[j] = out[j] + b[e, j]
                 i += stop - n
             if not _meet(state, nth, tid, clock, PH_GATE_UP):
                 return False
             down_form = _form(kd[K_DOWN])
             for p in range(tid, P, nth):  # the GLU, quantized for down
                 if dims[D_GLU_OAI] != 0:
-                    _glu_oai_row(gu[0, p], gu[1, p], hh[p], scalars[F_GLU_ALPHA], scalars[F_GLU_LIMIT])
+                    swiglu_oai_row(gu[0, p], gu[1, p], hh[p], scalars[F_GLU_ALPHA], scalars[F_GLU_LIMIT])
                 else:
                     _swiglu_row(gu[0, p], gu[1, p], hh[p], F - F % 8)
                 _prepare_row(hh, p, down_form, acts_f)
@@ -395,7 +357,7 @@ def _worker_kernel():
             if not _meet(state, nth, tid, clock, PH_DOWN):
                 return False
             if tid == 0:  # the mix and the residual, then the next layer's norm (the output norm after the last)
-                _mix_residual(x, yo, wts, per)
+                _add(x, moe_mix(yo, pair_rows if per > 1 else row_rows, wts))
                 h[:, :] = rms_norm(x, attn_norm[il + 1] if il + 1 < L else out_norm, eps)
                 if il + 1 < L:
                     nk = kinds[il + 1]
@@ -468,6 +430,8 @@ def _step_kernel():
         hh = np.empty((S * A, nf), np.float32)
         yo = np.empty((S * A, D), np.float32)
         acts_d, acts_o, acts_f = _acts(S, D), _acts(S, H * Dv), _acts(S * A, nf)
+        pair_rows = np.arange(S * A).reshape(S, A)  # each row's rows of yo, for the mix (a dense FFN: row_rows)
+        row_rows = np.arange(S).reshape(S, 1)
         G = H // Hkv
         for tid in prange(nth):  # one iteration per thread (numba's OpenMP layer: a static schedule)
             w = np.empty((G, C + 8), np.float32)  # this thread's attention scratch
@@ -475,7 +439,7 @@ def _step_kernel():
             if not worker(np.int64(tid), nth, state, clock, status, start, x, h, rope, positions, kstores, vstores, dims, scalars,
                           kinds, layer, attn_norm, ffn_norm, out_norm, wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm,
                           sinks, router, router_bias, gate, up, down, gate_bias, up_bias, down_bias, slot_of, out_w,
-                          logits, routes, qf, kf, vf, qr, att, a, rl, ids, wts, gu, hh, yo, acts_d, acts_o, acts_f,
+                          logits, routes, qf, kf, vf, qr, att, a, rl, ids, wts, gu, hh, yo, pair_rows, row_rows, acts_d, acts_o, acts_f,
                           w, acc):
                 failed[tid] = 1
         if failed.sum():

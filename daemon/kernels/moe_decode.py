@@ -24,7 +24,7 @@ from daemon.kernels import quants as Q
 from daemon.kernels.matmul import _nchunks
 from daemon.kernels.matmul_activations import Prepared
 from daemon.kernels.matmul_types import VEC_DOT_TYPE
-from daemon.kernels.ops import _swiglu_row, expf
+from daemon.kernels.ops import _swiglu_row, swiglu_oai_row
 from daemon.kernels.row_dot import QUANTIZED, SOURCES, aux_of, dot_row, quantize_row
 
 GLU_KINDS = {"silu": 0, "oai": 1}
@@ -65,12 +65,8 @@ def ffn_kernel(gate_type: int, down_type: int, glu: int):
         for p in prange(P):  # the GLU, quantized for down: h [P, F] -> hq, hd, haux
             if spec[3] == 0:
                 _swiglu_row(gu[0, p], gu[1, p], h[p], F - F % 8)
-            else:  # gpt-oss, as ops.swiglu_oai
-                for i in range(F):
-                    x = min(gu[0, p, i], limit)
-                    y = min(max(gu[1, p, i], -limit), limit)
-                    act = np.float32(x / np.float32(np.float32(1.0) + expf(np.float32(alpha * -x))))
-                    h[p, i] = np.float32(act * np.float32(y + np.float32(1.0)))
+            else:  # gpt-oss
+                swiglu_oai_row(gu[0, p], gu[1, p], h[p], alpha, limit)
             quantize_row(hv, h[p], hq[p], hd[p], haux[p])
         total = P * D
         for c in prange(nchunks):  # down: out [P, D]

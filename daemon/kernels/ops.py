@@ -540,6 +540,18 @@ def _attention(q, k_cache, v_cache, positions, scale, window, sinks, ggml, kb, n
     return out
 
 
+@njit(cache=True)
+def write_kv(k_caches, v_caches, layer, positions, k_new, v_new):
+    """Row b's key and value [Hkv, Dh|Dv] into its sequence's cache cell (layer, positions[b]) ->
+    the most cells a row attends to."""
+    C = 1
+    for b in range(k_new.shape[0]):
+        k_caches[b][layer, positions[b]] = k_new[b]
+        v_caches[b][layer, positions[b]] = v_new[b]
+        C = max(C, positions[b] + 1)
+    return C
+
+
 @njit(parallel=True, cache=True)
 def _attention_decode(q, k_new, v_new, k_caches, v_caches, layer, positions, scale, window, sinks, ggml,
                       kb, nchunk):
@@ -547,11 +559,7 @@ def _attention_decode(q, k_new, v_new, k_caches, v_caches, layer, positions, sca
     Hkv = k_new.shape[1]
     Dv = v_new.shape[2]
     G = H // Hkv
-    C = 1
-    for b in range(B):  # the step's keys and values go into each sequence's own cache first
-        k_caches[b][layer, positions[b]] = k_new[b]
-        v_caches[b][layer, positions[b]] = v_new[b]
-        C = max(C, positions[b] + 1)
+    C = write_kv(k_caches, v_caches, layer, positions, k_new, v_new)  # the step's cells first
     out = np.zeros((B, H, Dv), dtype=np.float32)
     nblk = -(-Hkv // kb)
     nitem = B * nblk
@@ -867,19 +875,23 @@ def silu(x):
     return out
 
 
+@njit(cache=True, error_model="numpy")
+def swiglu_oai_row(g, u, o, alpha, limit):
+    """gpt-oss's clamped SwiGLU of one row (ggml_compute_forward_swiglu_oai_f32, scalar expf), all
+    in float32: x = min(g, limit); y = clamp(u, -limit, limit); o = x / (1 + expf(alpha * -x)) * (y + 1)."""
+    for i in range(g.shape[0]):
+        x = min(g[i], limit)
+        y = min(max(u[i], -limit), limit)
+        glu = np.float32(x / np.float32(np.float32(1.0) + expf(np.float32(alpha * -x))))
+        o[i] = np.float32(glu * np.float32(y + np.float32(1.0)))
+
+
 @njit(cache=True, error_model="numpy")  # serial: per-call thread start-up costs more than these small ops
 def swiglu_oai(gate, up, alpha, limit):
-    """gpt-oss clamped SwiGLU (ggml_compute_forward_swiglu_oai_f32, scalar expf):
-    x = min(g, limit); y = clamp(u, -limit, limit); out = x / (1 + expf(alpha * -x)) * (y + 1).
-    [T, F] -> [T, F]."""
-    T, F = gate.shape
+    """swiglu_oai_row over [T, F] -> [T, F]."""
     out = np.empty_like(gate)
-    for t in prange(T):
-        for i in range(F):
-            x = min(gate[t, i], limit)
-            y = min(max(up[t, i], -limit), limit)
-            glu = np.float32(x / np.float32(np.float32(1.0) + expf(np.float32(alpha * -x))))
-            out[t, i] = np.float32(glu * np.float32(y + np.float32(1.0)))
+    for t in range(gate.shape[0]):
+        swiglu_oai_row(gate[t], up[t], out[t], alpha, limit)
     return out
 
 

@@ -31,21 +31,27 @@ SPINS_BEFORE_YIELD = 1 << 12  # pauses (tens of microseconds): then each wait yi
 WAIT_LIMIT = 1 << 33  # time stamp counter cycles (about 3 s at 3 GHz): not a stall of a busy machine
 
 
-def _slot(context, builder, arrty, arr, idx):
-    ary = context.make_array(arrty)(context, builder, arr)
-    return cgutils.get_item_pointer(context, builder, arrty, ary, [idx])
+def _int64_slot(arr, idx) -> bool:
+    """Whether (arr, idx) type an element of an int64 array, the atomics' operand."""
+    return isinstance(arr, types.Array) and arr.dtype == types.int64 and isinstance(idx, types.Integer)
+
+
+def _slot(context, builder, sig, args):
+    """A pointer to arr[idx], from an intrinsic's (arr, idx, ...) arguments."""
+    ary = context.make_array(sig.args[0])(context, builder, args[0])
+    idx = context.cast(builder, args[1], sig.args[1], types.intp)
+    return cgutils.get_item_pointer(context, builder, sig.args[0], ary, [idx])
 
 
 @intrinsic
 def atomic_add(typingctx, arr, idx, val):
     """arr[idx] += val atomically (sequentially consistent) -> the value before (int64 arrays)."""
-    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and isinstance(idx, types.Integer)):
+    if not _int64_slot(arr, idx):
         return None
 
     def codegen(context, builder, sig, args):
-        ptr = _slot(context, builder, sig.args[0], args[0], context.cast(builder, args[1], sig.args[1], types.intp))
         v = context.cast(builder, args[2], sig.args[2], types.int64)
-        return builder.atomic_rmw("add", ptr, v, "seq_cst")
+        return builder.atomic_rmw("add", _slot(context, builder, sig, args), v, "seq_cst")
 
     return types.int64(arr, idx, val), codegen
 
@@ -53,13 +59,11 @@ def atomic_add(typingctx, arr, idx, val):
 @intrinsic
 def atomic_load(typingctx, arr, idx):
     """arr[idx], read atomically (acquire) from an int64 array."""
-    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and isinstance(idx, types.Integer)):
+    if not _int64_slot(arr, idx):
         return None
 
     def codegen(context, builder, sig, args):
-        ptr = _slot(context, builder, sig.args[0], args[0], context.cast(builder, args[1], sig.args[1], types.intp))
-        ld = builder.load_atomic(ptr, "acquire", 8)
-        return ld
+        return builder.load_atomic(_slot(context, builder, sig, args), "acquire", 8)
 
     return types.int64(arr, idx), codegen
 
@@ -67,12 +71,12 @@ def atomic_load(typingctx, arr, idx):
 @intrinsic
 def atomic_store(typingctx, arr, idx, val):
     """arr[idx] = val atomically (release) in an int64 array."""
-    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and isinstance(idx, types.Integer)):
+    if not _int64_slot(arr, idx):
         return None
 
     def codegen(context, builder, sig, args):
-        ptr = _slot(context, builder, sig.args[0], args[0], context.cast(builder, args[1], sig.args[1], types.intp))
-        builder.store_atomic(context.cast(builder, args[2], sig.args[2], types.int64), ptr, "release", 8)
+        v = context.cast(builder, args[2], sig.args[2], types.int64)
+        builder.store_atomic(v, _slot(context, builder, sig, args), "release", 8)
         return context.get_dummy_value()
 
     return types.none(arr, idx, val), codegen
