@@ -146,15 +146,18 @@ BATCH_CASES = [("qwen3moe", "Q4_K"), ("qwen3moe", "F16"), ("gpt-oss", "MXFP4"), 
                ("qwen2moe", "Q5_K"), ("llama-moe", "Q8_0")]
 
 
+@pytest.mark.parametrize("compiled_step", ["wait", "off"])
 @pytest.mark.parametrize("arch,wtype", BATCH_CASES)
-def test_forward_batch_is_batch_invariant(arch, wtype, fixture_dir):
+def test_forward_batch_is_batch_invariant(arch, wtype, compiled_step, fixture_dir):
     """A decode step of 9 sequences (at different positions) gives each sequence exactly the
     logits of its own one-token step, for two steps in a row; 9 >= 8 rows would take the tiled
-    K-quant and tinyBLAS paths in an ordinary matmul."""
+    K-quant and tinyBLAS paths in an ordinary matmul. On the CPU's compiled step (where it serves
+    the model) and on the per-op path."""
     rng = np.random.default_rng(11)
     B = 9
     with GGUFFile(fixture_path(arch, wtype, fixture_dir)) as g:
         model = Transformer(g)
+        model.backend.compiled_step = compiled_step
         V = model.hp.n_vocab
         prompts = [rng.integers(0, V, int(rng.integers(1, 6))).tolist() for _ in range(B)]
         steps = rng.integers(0, V, (2, B)).tolist()
@@ -168,6 +171,9 @@ def test_forward_batch_is_batch_invariant(arch, wtype, fixture_dir):
             model.forward(p, c)
         batched = [model.forward_batch(steps[0], caches), model.forward_batch(steps[1], caches)]
         assert [c.n_past for c in caches] == [len(p) + 2 for p in prompts]
+        program = model.backend._programs.get(model)
+        if compiled_step == "wait" and arch != "qwen2moe":  # (shared experts: op by op)
+            assert program.clock.any()  # the compiled step served
     for b in range(B):
         for s in range(2):
             assert np.array_equal(batched[s][b], solo[b][s]), (b, s)
