@@ -4,9 +4,7 @@ between the kernels. The per-op path wakes the thread pool and crosses the inter
 times a layer. Here the whole step is one parallel region of one iteration per thread: each
 thread does its share of a phase (a span of weight rows, attention items, GLU rows), and the
 threads meet at a spin barrier (sync.py) before the next phase. Thread 0 does the serial parts
-between phases: norms, RoPE and the KV write, top-k. The residual adds (o projection, the experts'
-mix) are done by the threads that made the rows, where those rows lie in their caches: thread 0
-reading another core's rows took 45 us a layer at 16 threads.
+between phases: norms, RoPE and the KV write, top-k and the mix.
 
 Each value comes from the kernels a one-row call of the per-op path uses, in its order: the row
 intrinsics (row_dot.rows_any), the quantizers, ops.rms_norm, ops.norm_rope_qk, ops._attend,
@@ -31,7 +29,7 @@ from daemon.kernels import quants as Q
 from daemon.kernels import simd_ir, sync
 from daemon.kernels.matmul_activations import quantize_row_q8_0_1, quantize_row_q8_K, round_bf16
 from daemon.kernels.matmul_quant import KQUANT_KINDS
-from daemon.kernels.ops import (_attend, _swiglu_row, norm_rope_qk, rms_norm, round_f16, route_top_k,
+from daemon.kernels.ops import (_attend, _swiglu_row, moe_mix, norm_rope_qk, rms_norm, round_f16, route_top_k,
                                 swiglu_oai_row, to_f16_values, write_kv)
 from daemon.kernels.row_dot import SOURCES, rows_any
 from daemon.kernels.sync import STATE_SIZE, barrier, cycles
@@ -49,10 +47,10 @@ F_EPS, F_ATTN_SCALE, F_ROUTE_SCALE, F_GLU_ALPHA, F_GLU_LIMIT = range(5)
 QK_NONE, QK_HEAD, QK_FULL = 0, 1, 2
 DONE, VOID = -1, -2  # decode_step's results besides a layer to resume at
 # clock[...]: thread 0's time stamp counter cycles in each phase, its barrier's wait included
-PHASES = ("input", "q/k/v", "RoPE, KV write", "attention", "quantize o", "o proj + residual", "FFN norm", "router",
-          "top-k", "gate/up", "GLU", "down, mix + residual", "next norm", "head")
-PH_INPUT, PH_QKV, PH_ROPE_KV, PH_ATTENTION, PH_PREP_O, PH_O_PROJ, PH_FFN_NORM, PH_ROUTER, PH_TOP_K, PH_GATE_UP, \
-    PH_GLU, PH_DOWN, PH_NEXT_NORM, PH_HEAD = range(14)
+PHASES = ("input", "q/k/v", "RoPE, KV write", "attention", "quantize o", "o proj", "residual, norm", "router",
+          "top-k", "gate/up", "GLU", "down", "mix, norm", "head")
+PH_INPUT, PH_QKV, PH_ROPE_KV, PH_ATTENTION, PH_PREP_O, PH_O_PROJ, PH_RESIDUAL, PH_ROUTER, PH_TOP_K, PH_GATE_UP, \
+    PH_GLU, PH_DOWN, PH_MIX, PH_HEAD = range(14)
 CLOCK_SIZE = len(PHASES) + 1  # the last: the previous mark
 
 
@@ -126,6 +124,13 @@ def _add_bias(y, b):
 
 
 @numba.njit(cache=True)
+def _add(x, a):
+    for t in range(x.shape[0]):
+        for n in range(x.shape[1]):
+            x[t, n] = x[t, n] + a[t, n]
+
+
+@numba.njit(cache=True)
 def _missing(slot_of, ids):
     """Whether a chosen expert is not in memory."""
     for t in range(ids.shape[0]):
@@ -196,7 +201,7 @@ def _worker_kernel():
     def worker(tid, nth, state, clock, status, start, x, h, rope, positions, kstores, vstores, dims, scalars, kinds, layer,
                attn_norm, ffn_norm, out_norm, wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm, sinks, router,
                router_bias, gate, up, down, gate_bias, up_bias, down_bias, slot_of, out_w, logits, routes, qf, kf,
-               vf, qr, att, a, rl, ids, wts, gu, hh, yo, acts_d, acts_o, acts_f, w, acc):
+               vf, qr, att, a, rl, ids, wts, gu, hh, yo, pair_rows, row_rows, acts_d, acts_o, acts_f, w, acc):
         """Thread tid of nth: its share of each phase, the serial parts on thread 0, a barrier
         between phases. -> False when the barrier failed (the step is void)."""
         if len(spec) == 0:
@@ -264,20 +269,21 @@ def _worker_kernel():
                 if not _meet(state, nth, tid, clock, PH_PREP_O):
                     return False
                 # -- the output projection, then (thread 0) the residual and the FFN's norm
-                Wo, b = wo[il], bo[il]
+                Wo = wo[il]
                 i, end = _span(tid, nth, S * D)
-                while i < end:  # each thread adds the rows it made to the residual (no hand-over)
+                while i < end:
                     t, n = i // D, i % D
                     stop = min(D, n + end - i)
                     _rows(kd[K_O], Wo, only, n, stop, ao, acts_o, t, a[t])
-                    for j in range(n, stop):  # the per-op path's y += bias, then x + y
-                        x[t, j] = x[t, j] + (a[t, j] + b[j] if ly[L_BIAS_O] else a[t, j])
                     i += stop - n
                 if not _meet(state, nth, tid, clock, PH_O_PROJ):
                     return False
                 if tid == 0:
+                    if ly[L_BIAS_O]:
+                        _add_bias(a, bo[il])
+                    _add(x, a)
                     _ffn_input(x, h, ffn_norm[il], eps, kd, ly, acts_d, ids, wts)
-                if not _meet(state, nth, tid, clock, PH_FFN_NORM):
+                if not _meet(state, nth, tid, clock, PH_RESIDUAL):
                     return False
             # -- the FFN: pairs (row, expert), or (row, the dense FFN) of weight 1
             if ly[L_MOE]:
@@ -338,30 +344,27 @@ def _worker_kernel():
                 _prepare_row(hh, p, down_form, acts_f)
             if not _meet(state, nth, tid, clock, PH_GLU):
                 return False
-            d0, d1 = _span(tid, nth, D)
-            for s in range(S if d1 > d0 else 0):  # down: a span of output rows of every pair, then
-                for j in range(per):               # their mix and the residual (no hand-over)
-                    p = s * per + j
-                    e = ids[s, j]
-                    _rows(kd[K_DOWN], Wd, so[e], d0, d1, hh, acts_f, p, yo[p])
-                    if has_b:
-                        for n in range(d0, d1):
-                            yo[p, n] = yo[p, n] + db[e, n]
-                for n in range(d0, d1):  # ops.moe_mix's order: y0 * w0 + y1 * w1 + ..., then x + that
-                    f = yo[s * per, n] * wts[s, 0]
-                    for j in range(1, per):
-                        f = f + yo[s * per + j, n] * wts[s, j]
-                    x[s, n] = x[s, n] + f
+            i, end = _span(tid, nth, P * D)
+            while i < end:  # down: flat over (pair, rows)
+                p, n = i // D, i % D
+                stop = min(D, n + end - i)
+                e = ids[p // per, p % per]
+                _rows(kd[K_DOWN], Wd, so[e], n, stop, hh, acts_f, p, yo[p])
+                if has_b:
+                    for j in range(n, stop):
+                        yo[p, j] = yo[p, j] + db[e, j]
+                i += stop - n
             if not _meet(state, nth, tid, clock, PH_DOWN):
                 return False
-            if tid == 0:  # the next layer's norm (the output norm after the last)
+            if tid == 0:  # the mix and the residual, then the next layer's norm (the output norm after the last)
+                _add(x, moe_mix(yo, pair_rows if per > 1 else row_rows, wts))
                 h[:, :] = rms_norm(x, attn_norm[il + 1] if il + 1 < L else out_norm, eps)
                 if il + 1 < L:
                     nk = kinds[il + 1]
                     _prepare_rows(h, _form(nk[K_Q]) | _form(nk[K_K]) | _form(nk[K_V]), acts_d)
                 else:
                     _prepare_rows(h, _form(dims[D_OUT_KIND]), acts_d)
-            if not _meet(state, nth, tid, clock, PH_NEXT_NORM):
+            if not _meet(state, nth, tid, clock, PH_MIX):
                 return False
         # -- the head
         V = out_w.shape[1]
@@ -427,6 +430,8 @@ def _step_kernel():
         hh = np.empty((S * A, nf), np.float32)
         yo = np.empty((S * A, D), np.float32)
         acts_d, acts_o, acts_f = _acts(S, D), _acts(S, H * Dv), _acts(S * A, nf)
+        pair_rows = np.arange(S * A).reshape(S, A)  # each row's rows of yo, for the mix (a dense FFN: row_rows)
+        row_rows = np.arange(S).reshape(S, 1)
         G = H // Hkv
         for tid in prange(nth):  # one iteration per thread (numba's OpenMP layer: a static schedule)
             w = np.empty((G, C + 8), np.float32)  # this thread's attention scratch
@@ -434,7 +439,7 @@ def _step_kernel():
             if not worker(np.int64(tid), nth, state, clock, status, start, x, h, rope, positions, kstores, vstores, dims, scalars,
                           kinds, layer, attn_norm, ffn_norm, out_norm, wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm,
                           sinks, router, router_bias, gate, up, down, gate_bias, up_bias, down_bias, slot_of, out_w,
-                          logits, routes, qf, kf, vf, qr, att, a, rl, ids, wts, gu, hh, yo, acts_d, acts_o, acts_f,
+                          logits, routes, qf, kf, vf, qr, att, a, rl, ids, wts, gu, hh, yo, pair_rows, row_rows, acts_d, acts_o, acts_f,
                           w, acc):
                 failed[tid] = 1
         if failed.sum():
