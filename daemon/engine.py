@@ -121,8 +121,9 @@ class Engine:
         token against exact's 49-59, prefill 3.5x slower)."""
         if settings.expert_cache_limit_mb or self.routing_replay is not None or self.vram is not None:
             return False
-        backend = self.model.backend
-        return not (getattr(backend, "compiled_step", "off") != "off" and not cpu_step.unsupported(self.model))
+        step_serves = (getattr(self.model.backend, "compiled_step", "off") != "off"
+                       and not cpu_step.unsupported(self.model))
+        return not step_serves
 
     @classmethod
     def load(cls, path: str | os.PathLike, progress: Callable[[str], None] | None = None,

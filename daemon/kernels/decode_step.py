@@ -201,7 +201,7 @@ def _worker_kernel():
     def worker(tid, nth, state, clock, status, start, x, h, rope, positions, kstores, vstores, dims, scalars, kinds, layer,
                attn_norm, ffn_norm, out_norm, wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm, sinks, router,
                router_bias, gate, up, down, gate_bias, up_bias, down_bias, slot_of, out_w, logits, routes, qf, kf,
-               vf, qr, att, a, rl, ids, wts, gu, hh, yo, pair_rows, row_rows, acts_d, acts_o, acts_f, w, acc):
+               vf, qr, att, a, rl, ids, wts, gu, hh, yo, acts_d, acts_o, acts_f, w, acc):
         """Thread tid of nth: its share of each phase, the serial parts on thread 0, a barrier
         between phases. -> False when the barrier failed (the step is void)."""
         if len(spec) == 0:
@@ -357,7 +357,7 @@ def _worker_kernel():
             if not _meet(state, nth, tid, clock, PH_DOWN):
                 return False
             if tid == 0:  # the mix and the residual, then the next layer's norm (the output norm after the last)
-                _add(x, moe_mix(yo, pair_rows if per > 1 else row_rows, wts))
+                _add(x, moe_mix(yo, np.arange(P).reshape(S, per), wts))  # row s's pairs: s*per ..
                 h[:, :] = rms_norm(x, attn_norm[il + 1] if il + 1 < L else out_norm, eps)
                 if il + 1 < L:
                     nk = kinds[il + 1]
@@ -430,8 +430,6 @@ def _step_kernel():
         hh = np.empty((S * A, nf), np.float32)
         yo = np.empty((S * A, D), np.float32)
         acts_d, acts_o, acts_f = _acts(S, D), _acts(S, H * Dv), _acts(S * A, nf)
-        pair_rows = np.arange(S * A).reshape(S, A)  # each row's rows of yo, for the mix (a dense FFN: row_rows)
-        row_rows = np.arange(S).reshape(S, 1)
         G = H // Hkv
         for tid in prange(nth):  # one iteration per thread (numba's OpenMP layer: a static schedule)
             w = np.empty((G, C + 8), np.float32)  # this thread's attention scratch
@@ -439,7 +437,7 @@ def _step_kernel():
             if not worker(np.int64(tid), nth, state, clock, status, start, x, h, rope, positions, kstores, vstores, dims, scalars,
                           kinds, layer, attn_norm, ffn_norm, out_norm, wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm,
                           sinks, router, router_bias, gate, up, down, gate_bias, up_bias, down_bias, slot_of, out_w,
-                          logits, routes, qf, kf, vf, qr, att, a, rl, ids, wts, gu, hh, yo, pair_rows, row_rows, acts_d, acts_o, acts_f,
+                          logits, routes, qf, kf, vf, qr, att, a, rl, ids, wts, gu, hh, yo, acts_d, acts_o, acts_f,
                           w, acc):
                 failed[tid] = 1
         if failed.sum():
