@@ -80,8 +80,9 @@ def _row_flags(step: Step | None) -> dict:
 class CPUBackend:
     name = "cpu"
     fuse_decode = True  # one-row steps through the fused calls (False: the separate ops, for A/B benchmarks)
-    # a decode batch as one compiled call where the model allows (cpu_step.py): "background" (compiled on
-    # a thread of its own, the per-op path serving until then), "wait" (the first step waits) or "off"
+    # a step (decode or prefill) as one compiled call where the model allows (cpu_step.py): "background"
+    # (compiled on a thread of its own, the per-op path serving until then), "wait" (the first step waits)
+    # or "off"
     compiled_step = "background"
 
     def __init__(self, numerics: str = "ggml"):
@@ -90,7 +91,7 @@ class CPUBackend:
         self.numerics = numerics
         self.governor = None  # a cpu_threads.ThreadGovernor: each step's thread count (None: as set)
         self.threads = None  # each step's thread count without a governor (None: the first step's thread's)
-        self._programs = weakref.WeakKeyDictionary()  # model -> cpu_step.DecodeProgram, or why it has none
+        self._programs = weakref.WeakKeyDictionary()  # model -> cpu_step.StepProgram, or why it has none
 
     def __repr__(self) -> str:
         return f"CPUBackend({self.numerics!r})"
@@ -135,15 +136,15 @@ class CPUBackend:
         if numba.get_num_threads() != n:
             numba.set_num_threads(n)
 
-    def decode_step(self, model, step: Step) -> np.ndarray | None:
-        """A decode batch (one row per sequence) as one compiled call (cpu_step.py) -> logits [S, V];
-        None where the model has no compiled step, or not yet (compiling in the background, or its
+    def run_compiled(self, model, step: Step) -> np.ndarray | None:
+        """A step (a decode batch, or prompts) as one compiled call (cpu_step.py) -> its logits; None
+        where the model has no compiled step, or not yet (compiling in the background, or its
         experts not all resident), and the per-op path serves it."""
-        if not (self.compiled_step != "off" and self.fuse_decode and step.one_row_each):
+        if not (self.compiled_step != "off" and self.fuse_decode):
             return None
         program = self._programs.get(model)
         if program is None:
-            program = self._programs[model] = cpu_step.DecodeProgram.build(model)
+            program = self._programs[model] = cpu_step.StepProgram.build(model)
         if isinstance(program, str):
             return None
         self._set_threads()
@@ -152,7 +153,7 @@ class CPUBackend:
         if logits is None:
             if program.lost:  # not again for this model
                 self._programs[model] = program.lost
-                log.warning("the compiled decode step cannot serve this model (%s): op by op from now on",
+                log.warning("the compiled step cannot serve this model (%s): op by op from now on",
                             program.lost)
             return None
         count = getattr(model.experts, "count_in_place", None)

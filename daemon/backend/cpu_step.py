@@ -1,20 +1,22 @@
-"""The CPU backend's compiled decode step (kernels/decode_step.py): a model packed once into the
-arrays that step reads, then each decode batch run as one call.
+"""The CPU backend's compiled step (kernels/decode_step.py): a model packed once into the arrays
+that step reads, then each step run as one call: a decode batch, a prompt, or prompts together.
 
-`DecodeProgram.build(model)` says why a model has none (a reason string) or returns one: the
+`StepProgram.build(model)` says why a model has none (a reason string) or returns one: the
 compiled step covers the shared decoder's layers (attention, then routed experts or a dense FFN)
 with "ggml" numerics, weights of any type the CPU computes, and experts that stay where they are
 read (resident, or an unlimited expert cache: a miss is read where the step stops). The rest keeps
 the per-op path: the hybrids with Gated DeltaNet layers, shared experts, a bounded expert cache.
-That path also stays the readable reference and the prefill's path.
+That path also stays the readable reference.
 
 The step's first compile takes about 40 s of one core (then numba's disk cache loads it in about
 1 s). A program can wait for it, or have it compiled on a thread of its own while the per-op path
 serves (`run(wait=False)`): the logits are the same bits either way. That compile starts at the
-second decode step, once the first has compiled the per-op kernels: numba compiles one function
-at a time, and a kernel the per-op path needs would wait behind the step.
+second decode step, once the prompt and the first decode step have compiled the per-op kernels:
+numba compiles one function at a time, and a kernel the per-op path needs would wait behind the
+step.
 
-Legend: S = sequences of the step, L = layers, Lm = MoE layers, E = experts, V = vocabulary.
+Legend: T = rows of the step, S = its sequences, L = layers, Lm = MoE layers, E = experts,
+V = vocabulary.
 """
 
 from __future__ import annotations
@@ -77,8 +79,8 @@ def compiling() -> bool:
     return any(not f.done() for f in _compiles.values())
 
 
-class DecodeProgram:
-    """One model's decode step as one compiled call; `run` serves any decode batch of it."""
+class StepProgram:
+    """One model's step as one compiled call; `run` serves any step of it (decode or prompts)."""
 
     def __init__(self, model, batches: dict):
         hp, fam = model.hp, model.family
@@ -166,10 +168,10 @@ class DecodeProgram:
         self.clock = np.zeros(K.CLOCK_SIZE, np.int64)  # cycles per phase, summed over steps (benchmarks)
         self.lost = ""  # why the step cannot serve this model after all (the per-op path then does)
         self._compiled: Future | None = None
-        self._steps_seen = 0
+        self._decode_steps = 0
 
     @classmethod
-    def build(cls, model) -> DecodeProgram | str:
+    def build(cls, model) -> StepProgram | str:
         """The model's program, or why it has none (the per-op path then serves it)."""
         why = unsupported(model)
         if why:
@@ -194,24 +196,27 @@ class DecodeProgram:
 
     def run(self, step, rope_table: np.ndarray, stores, threads: int = 0,
             wait: bool = True) -> tuple[np.ndarray | None, list[int]]:
-        """The decode batch `step` (one row per sequence; its KV cells reserved) -> (logits [S, V],
-        the MoE layers whose experts were read for it). Logits None: the step did not run, and
-        changed nothing the per-op path does not write again: not compiled yet (wait False), or
-        `lost` says why it never will (its threads could not meet, sync.py; its compile failed).
-        threads: the step's threads (default numba's count; more than numba runs at once never
-        meet). rope_table: the step's [S, n_rot/2, 2]; stores: each sequence's KV arrays (numba
-        Lists). A chosen expert not in memory yet ends the compiled call at its layer: it is
-        read, and the step resumes there."""
-        x = dequantize(self.tok_embd.raw[step.tokens], self.tok_embd.ggml_type, self.tok_embd.n_in)  # [S, D]
-        logits = np.empty((step.S, self.n_vocab), np.float32)
-        self.routes = np.empty((self.slot_of.shape[0] - 1, step.S, max(1, self.dims[K.D_USED])), np.int64)
+        """The step's rows (a decode batch, or prompts; their KV cells reserved) -> (logits [T, V],
+        or [S, V] of each sequence's last row unless step.all_logits; the MoE layers whose experts
+        were read for it). Logits None: the step did not run, and changed nothing the per-op path
+        does not write again: not compiled yet (wait False), or `lost` says why it never will (its
+        threads could not meet, sync.py; its compile failed). threads: the step's threads (default
+        numba's count; more than numba runs at once never meet). rope_table: the step's
+        [T, n_rot/2, 2]; stores: each sequence's KV arrays (numba Lists). A chosen expert not in
+        memory yet ends the compiled call at its layer: it is read, and the step resumes there."""
+        x = dequantize(self.tok_embd.raw[step.tokens], self.tok_embd.ggml_type, self.tok_embd.n_in)  # [T, D]
+        trim = not step.all_logits
+        logits = np.empty((step.S if trim else step.T, self.n_vocab), np.float32)
+        self.routes = np.empty((self.slot_of.shape[0] - 1, step.T, max(1, self.dims[K.D_USED])), np.int64)
+        seq_of = np.repeat(np.arange(step.S, dtype=np.int64), np.diff(step.offsets))  # [T]
         L, V, E = self.lists, self.vecs, self.ebias
-        args = [x, rope_table, step.positions, stores[0], stores[1], self.dims, self.scalars, self.kinds,
-                self.layer, self.attn_norm, self.ffn_norm, self.out_norm, L["wq"], L["wk"], L["wv"], L["wo"],
-                V["bq"], V["bk"], V["bv"], V["bo"], V["q_norm"], V["k_norm"], V["sinks"], L["router"],
-                V["router_bias"], L["gate"], L["up"], L["down"], E["gate_bias"], E["up_bias"], E["down_bias"],
-                self.slot_of, self.out_w, logits, self.routes, -1, threads or numba.get_num_threads(), self.clock]
-        if not self._ready(args, wait):
+        args = [x, rope_table, step.positions, seq_of, step.offsets, int(trim), stores[0], stores[1], self.dims,
+                self.scalars, self.kinds, self.layer, self.attn_norm, self.ffn_norm, self.out_norm, L["wq"], L["wk"],
+                L["wv"], L["wo"], V["bq"], V["bk"], V["bv"], V["bo"], V["q_norm"], V["k_norm"], V["sinks"],
+                L["router"], V["router_bias"], L["gate"], L["up"], L["down"], E["gate_bias"], E["up_bias"],
+                E["down_bias"], self.slot_of, self.out_w, logits, self.routes, -1,
+                threads or numba.get_num_threads(), self.clock]
+        if not self._ready(args, wait, step.one_row_each):
             return None, []
         read = []
         while True:
@@ -227,10 +232,11 @@ class DecodeProgram:
             self._place(start, self.experts.in_place(start))
             read.append(start)
 
-    def _ready(self, args: list, wait: bool) -> bool:
-        """Whether the step's machine code for these arguments is ready (see the module's doc)."""
-        self._steps_seen += 1
-        if self._compiled is None and (wait or self._steps_seen > 1):
+    def _ready(self, args: list, wait: bool, decode: bool) -> bool:
+        """Whether the step's machine code for these arguments is ready (see the module's doc: in
+        the background, the compile starts at the second decode step)."""
+        self._decode_steps += decode
+        if self._compiled is None and (wait or self._decode_steps > 1):
             self._compiled = _compile(tuple(numba.typeof(a) for a in args))
         if self._compiled is None or not (wait or self._compiled.done()):
             return False

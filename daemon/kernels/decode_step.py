@@ -1,22 +1,26 @@
-"""A decode step of S sequences (one new row each) as one compiled call (issue 28): every layer,
-its attention and its FFN (routed experts or dense), then the output norm and head, with no Python
-between the kernels. The per-op path wakes the thread pool and crosses the interpreter dozens of
-times a layer. Here the whole step is one parallel region of one iteration per thread: each
-thread does its share of a phase (a span of weight rows, attention items, GLU rows), and the
-threads meet at a spin barrier (sync.py) before the next phase. Thread 0 does the serial parts
-between phases: norms, RoPE and the KV write, top-k and the mix.
+"""A step of the model as one compiled call (issue 28): rows of S sequences (a decode batch of one
+row each, or prompts of several rows each), every layer, its attention and its FFN (routed experts
+or dense), then the output norm and head, with no Python between the kernels. The per-op path
+wakes the thread pool and crosses the interpreter dozens of times a layer. Here the whole step is
+one parallel region of one iteration per thread: each thread does its share of a phase (weight
+rows for all of a sequence's rows, attention items, GLU rows), and the threads meet at a spin
+barrier (sync.py) before the next phase. Thread 0 does the serial parts between phases: norms,
+RoPE and the KV write, top-k, the experts' grouping and the mix.
 
-Each value comes from the kernels a one-row call of the per-op path uses, in its order: the row
-intrinsics (row_dot.rows_any), the quantizers, ops.rms_norm, ops.norm_rope_qk, ops._attend,
-ops.route_top_k and the GLUs. So the logits are the per-op path's bit for bit, which the tests
-check, and that path's are llama.cpp's.
+Each value comes from the kernels the per-op path uses for the same rows, in its order: the row
+tiles (row_dot.tiles_any, with the path llama.cpp picks for the op's row count), the quantizers,
+ops.rms_norm, ops.norm_rope_qk, ops._attend, ops.route_top_k, the GLUs and ops.moe_mix; the
+experts' rows grouped as backend/cpu_experts.py groups them, and the last layer's FFN and the head
+on each sequence's last row only, as llama.cpp runs them. So the logits are the per-op path's bit
+for bit, which the tests check, and that path's are llama.cpp's.
 
 The host side (backend/cpu_step.py) packs a model into the arrays below once. A layer's weights
 are typed Lists indexed by layer, with each one's type in `kinds`.
 
-Legend: S = sequences (rows), D = hidden size, L = layers, H / Hkv = query / key-value heads,
+Legend: T = rows, S = sequences, D = hidden size, L = layers, H / Hkv = query / key-value heads,
 Dh / Dv = key / value head size, Nq = q projection rows (H*Dh), E = experts, A = experts per row,
-P = pairs (row, expert) = S*A (S for a dense FFN), F = FFN size, V = vocabulary, C = KV cells.
+P = pairs (row, expert) = T*A (T for a dense FFN), J = groups of pairs computed together (an expert's
+rows, or a sequence's), F = FFN size, V = vocabulary, C = KV cells.
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ from daemon.kernels import simd_ir, sync
 from daemon.kernels.matmul_activations import quantize_row_q8_0_1, quantize_row_q8_K, round_bf16
 from daemon.kernels.matmul_quant import KQUANT_KINDS
 from daemon.kernels.ops import (_attend, _swiglu_row, moe_mix, norm_rope_qk, rms_norm, round_f16, route_top_k,
-                                swiglu_oai_row, to_f16_values, write_kv)
-from daemon.kernels.row_dot import SOURCES, rows_any
+                                swiglu_oai_row, to_f16_values)
+from daemon.kernels.row_dot import SOURCES, tiles_any, which_path
 from daemon.kernels.sync import STATE_SIZE, barrier, cycles
 
 # kinds[il, ...]: each weight's ggml type
@@ -48,22 +52,22 @@ QK_NONE, QK_HEAD, QK_FULL = 0, 1, 2
 DONE, VOID = -1, -2  # decode_step's results besides a layer to resume at
 # clock[...]: thread 0's time stamp counter cycles in each phase, its barrier's wait included
 PHASES = ("input", "q/k/v", "RoPE, KV write", "attention", "quantize o", "o proj", "residual, norm", "router",
-          "top-k", "gate/up", "GLU", "down", "mix, norm", "head")
+          "top-k, grouping", "gate/up", "GLU", "down", "mix, norm", "head")
 PH_INPUT, PH_QKV, PH_ROPE_KV, PH_ATTENTION, PH_PREP_O, PH_O_PROJ, PH_RESIDUAL, PH_ROUTER, PH_TOP_K, PH_GATE_UP, \
     PH_GLU, PH_DOWN, PH_MIX, PH_HEAD = range(14)
 CLOCK_SIZE = len(PHASES) + 1  # the last: the previous mark
 
 
-FORM_Q8_0, FORM_Q8_K, FORM_F16, FORM_BF16 = 1, 2, 4, 8  # activation forms a weight type reads
+FORM_Q8_0, FORM_Q8_K, FORM_F16, FORM_BF16, FORM_F32 = 1, 2, 4, 8, 16  # activation forms a weight type reads
 
 
 @numba.njit(cache=True)
 def _form(kind):
-    """The activation form weights of this type read (bit mask; 0: F32, x itself)."""
-    if kind == Q.Q4_K or kind == Q.Q5_K or kind == Q.Q6_K:
+    """The activation form weights of this type read (bit mask; FORM_F32: x itself)."""
+    if _kquant(kind):
         return FORM_Q8_K
     if kind == Q.F32:
-        return 0
+        return FORM_F32
     if kind == Q.F16:
         return FORM_F16
     if kind == Q.BF16:
@@ -73,8 +77,8 @@ def _form(kind):
 
 @numba.njit(cache=True)
 def _prepare_row(x, t, forms, acts):
-    """Row t of x [S, K] in the forms (a mask of FORM_*) the next weights read:
-    acts = (xh, xb, q32, d32, s32, qk, dk, bk), see row_dot.rows_any."""
+    """Row t of x [T, K] in the forms (a mask of FORM_*) the next weights read:
+    acts = (xh, xb, q32, d32, s32, qk, dk, bk), see row_dot.tiles_any."""
     xh, xb, q32, d32, s32, qk, dk, bk = acts
     if forms & FORM_Q8_0:
         quantize_row_q8_0_1(x[t], q32[t], d32[t], s32[t])
@@ -95,25 +99,69 @@ def _prepare_rows(x, forms, acts):
 
 
 @numba.njit(cache=True)
-def _acts(S, K):
-    """Scratch for rows of K values in every form (see _prepare_rows)."""
-    return (np.empty((S, K), np.float32), np.empty((S, K), np.float32),
-            np.empty((S, K), np.int8), np.empty((S, max(1, K // 32)), np.float32),
-            np.empty((S, max(1, K // 32)), np.float32), np.empty((S, K), np.int8),
-            np.empty((S, max(1, K // 256)), np.float32), np.empty((S, max(1, K // 16)), np.int32))
+def _gather_row(forms, x, acts, t, xg, actg, p):
+    """Row t of x and its prepared forms (acts) -> row p of xg and actg (an expert's rows together)."""
+    xh, xb, q32, d32, s32, qk, dk, bk = acts
+    gh, gb, g32, gd32, gs32, gk, gdk, gbk = actg
+    if forms & FORM_Q8_0:
+        g32[p] = q32[t]
+        gd32[p] = d32[t]
+        gs32[p] = s32[t]
+    if forms & FORM_Q8_K:
+        gk[p] = qk[t]
+        gdk[p] = dk[t]
+        gbk[p] = bk[t]
+    if forms & FORM_F16:
+        gh[p] = xh[t]
+    if forms & FORM_BF16:
+        gb[p] = xb[t]
+    if forms & FORM_F32:
+        xg[p] = x[t]
 
 
 @numba.njit(cache=True)
-def _rows(kind, w, e, n0, n1, x, acts, t, out):
-    """out[n0:n1] = rows n0..n1-1 of matrix e of w against activation row t (row_dot.rows_any)."""
+def _acts(T, K):
+    """Scratch for rows of K values in every form (see _prepare_rows)."""
+    return (np.empty((T, K), np.float32), np.empty((T, K), np.float32),
+            np.empty((T, K), np.int8), np.empty((T, max(1, K // 32)), np.float32),
+            np.empty((T, max(1, K // 32)), np.float32), np.empty((T, K), np.int8),
+            np.empty((T, max(1, K // 256)), np.float32), np.empty((T, max(1, K // 16)), np.int32))
+
+
+@numba.njit(cache=True)
+def _tiles(kind, path, w, e, n0, n1, x, acts, t0, t1, out):
+    """out[t0:t1, n0:n1] = activation rows t0..t1-1 against rows n0..n1-1 of matrix e of w, as one
+    op of those rows computes them (row_dot.tiles_any)."""
     xh, xb, q32, d32, s32, qk, dk, bk = acts
-    rows_any(kind, w, e, n0, n1, x, xh, xb, q32, d32, s32, qk, dk, bk, t, out)
+    tiles_any(kind, path, w, e, n0, n1, x, xh, xb, q32, d32, s32, qk, dk, bk, t0, t1, out)
 
 
 @numba.njit(cache=True)
 def _span(c, nch, total):
     """Chunk c of nch over total flat outputs -> [start, end)."""
     return c * total // nch, (c + 1) * total // nch
+
+
+@numba.njit(cache=True)
+def _linear_share(tid, nth, kind, w, x, acts, groups, out):
+    """This thread's share of out [T, N] = x [T, K] @ w[0].T, each sequence's rows (groups [G+1],
+    row offsets) computed as an op of its own: items (sequence, weight rows)."""
+    N, K = w.shape[1], x.shape[1]
+    G = groups.shape[0] - 1
+    only = np.int64(0)  # a stack's one matrix (a literal 0 would compile tiles_any once more)
+    i, end = _span(tid, nth, G * N)
+    while i < end:
+        g, n = i // N, i % N
+        stop = min(N, n + end - i)
+        t0, t1 = groups[g], groups[g + 1]
+        _tiles(kind, which_path(kind, t1 - t0, N, K, False), w, only, n, stop, x, acts, t0, t1, out)
+        i += stop - n
+
+
+@numba.njit(cache=True)
+def _kquant(kind):
+    return kind == Q.Q4_K or kind == Q.Q5_K or kind == Q.Q6_K
+
 
 @numba.njit(cache=True)
 def _add_bias(y, b):
@@ -154,7 +202,7 @@ def _meet(state, nth, tid, clock, phase):
 @numba.njit(cache=True)
 def _ffn_input(x, h, norm, eps, kd, ly, acts_d, ids, wts):
     """h = the FFN's input (x normed), in the forms the router, gate and up read; a dense FFN's
-    one 'expert' per row (id 0, weight 1: y * 1 is y, bit for bit)."""
+    one 'expert' per row (id 0, weight 1: y * 1 is y, bit for bit). x, h: the rows the FFN runs on."""
     h[:, :] = rms_norm(x, norm, eps)
     _prepare_rows(h, _form(kd[K_GATE]) | _form(kd[K_UP]) | (_form(kd[K_ROUTER]) if ly[L_MOE] else 0), acts_d)
     if not ly[L_MOE]:
@@ -163,10 +211,11 @@ def _ffn_input(x, h, norm, eps, kd, ly, acts_d, ids, wts):
 
 
 @numba.njit(cache=True)
-def _qkv_to_cache(il, qf, kf, vf, qr, kstores, vstores, positions, rope, dims, eps, ly, bq, bk, bv, q_norm, k_norm):
+def _qkv_to_cache(il, qf, kf, vf, qr, kstores, vstores, seq_of, positions, rope, dims, eps, ly, bq, bk, bv, q_norm,
+                  k_norm):
     """The projections' biases and norms, RoPE, the f16 rounding of ggml numerics: the queries into
-    qr [S, H, Dh], each row's key and value into its sequence's cell."""
-    S = qf.shape[0]
+    qr [T, H, Dh], each row's key and value into its sequence's cell."""
+    T = qf.shape[0]
     q2, k2, v2 = np.ascontiguousarray(qf), np.ascontiguousarray(kf), np.ascontiguousarray(vf)
     if ly[L_BIAS_QKV]:
         _add_bias(q2, bq[il])
@@ -177,15 +226,45 @@ def _qkv_to_cache(il, qf, kf, vf, qr, kstores, vstores, positions, rope, dims, e
         q2 = rms_norm(q2, q_norm[il], eps)
         k2 = rms_norm(k2, k_norm[il], eps)
     H, Hkv, Dh, Dv = dims[D_HEADS], dims[D_KV_HEADS], dims[D_HEAD], dims[D_HEAD_V]
-    q, k = norm_rope_qk(q2.reshape(S, H, Dh), k2.reshape(S, Hkv, Dh), q_norm[il], k_norm[il], qkm == QK_HEAD, eps,
+    q, k = norm_rope_qk(q2.reshape(T, H, Dh), k2.reshape(T, Hkv, Dh), q_norm[il], k_norm[il], qkm == QK_HEAD, eps,
                         rope, dims[D_ROPE_DIMS], dims[D_NEOX] != 0)
-    v = v2.reshape(S, Hkv, Dv)
+    v = v2.reshape(T, Hkv, Dv)
     if dims[D_GGML]:  # the f16 KV cache; q rounded for the f16 K·q product
         to_f16_values(q)
         to_f16_values(k)
         to_f16_values(v)
     qr[:, :, :] = q
-    write_kv(kstores, vstores, ly[L_KV_SLOT], positions, k, v)
+    slot = ly[L_KV_SLOT]
+    for t in range(T):
+        kstores[seq_of[t]][slot, positions[t]] = k[t]
+        vstores[seq_of[t]][slot, positions[t]] = v[t]
+
+
+@numba.njit(cache=True)
+def _group_pairs(ids, A, seq, S, by_seq, forms, h, acts_d, hg, acts_g, order, pexp, slot_rows, offs):
+    """The pairs (row, expert) of ids [R, A] grouped as cpu_experts.plan groups them: by expert (and
+    by sequence where by_seq: a K-quant kernel's path depends on one sequence's row count), rows
+    ascending; each pair's activation row gathered into hg / acts_g in that order. -> J, with
+    offs [J+1] each group's pairs, pexp [P] each pair's expert, slot_rows [P] the place of pair
+    t*A + a."""
+    R = ids.shape[0]
+    P = R * A
+    key = np.empty(P, np.int64)
+    for t in range(R):
+        for a in range(A):
+            key[t * A + a] = ids[t, a] * S + seq[t] if by_seq else ids[t, a]
+    order[:P] = np.argsort(key, kind="mergesort")
+    J = 0
+    for q in range(P):
+        p = order[q]
+        if q == 0 or key[p] != key[order[q - 1]]:
+            offs[J] = q
+            J += 1
+        pexp[q] = ids[p // A, p % A]
+        slot_rows[p] = q
+        _gather_row(forms, h, acts_d, p // A, hg, acts_g, q)
+    offs[J] = P
+    return J
 
 
 # What the step's functions link from other files (numba's cache watches only this one): they keep
@@ -198,23 +277,23 @@ def _worker_kernel():
     spec = STAMP
 
     @numba.njit(cache=True, error_model="numpy")
-    def worker(tid, nth, state, clock, status, start, x, h, rope, positions, kstores, vstores, dims, scalars, kinds, layer,
-               attn_norm, ffn_norm, out_norm, wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm, sinks, router,
-               router_bias, gate, up, down, gate_bias, up_bias, down_bias, slot_of, out_w, logits, routes, qf, kf,
-               vf, qr, att, a, rl, ids, wts, gu, hh, yo, acts_d, acts_o, acts_f, w, acc):
+    def worker(tid, nth, state, clock, status, start, x, h, rope, positions, seq_of, groups, ones, trim, kstores,
+               vstores, dims, scalars, kinds, layer, attn_norm, ffn_norm, out_norm, wq, wk, wv, wo, bq, bk, bv, bo,
+               q_norm, k_norm, sinks, router, router_bias, gate, up, down, gate_bias, up_bias, down_bias, slot_of,
+               out_w, logits, routes, qf, kf, vf, qr, att, a, rl, ids, wts, gu, hh, yo, hg, acts_d, acts_g, acts_o,
+               acts_f, order, pexp, slot_rows, offs, nj, w, acc):
         """Thread tid of nth: its share of each phase, the serial parts on thread 0, a barrier
         between phases. -> False when the barrier failed (the step is void)."""
         if len(spec) == 0:
             return False
-        S, D = x.shape
-        H, Hkv, Dh, Dv = dims[D_HEADS], dims[D_KV_HEADS], dims[D_HEAD], dims[D_HEAD_V]
-        G = H // Hkv
+        T, D = x.shape
+        S = groups.shape[0] - 1
+        H, Hkv, Dv = dims[D_HEADS], dims[D_KV_HEADS], dims[D_HEAD_V]
         A = dims[D_USED]
         ggml = dims[D_GGML] != 0
         eps = scalars[F_EPS]
         L = kinds.shape[0]
         first = max(start, 0)
-        only = np.int64(0)  # a stack's one matrix (a literal 0 would compile rows_any once more)
         if tid == 0:
             clock[CLOCK_SIZE - 1] = cycles()
             if start < 0:
@@ -222,116 +301,118 @@ def _worker_kernel():
                 kd = kinds[0]
                 _prepare_rows(h, _form(kd[K_Q]) | _form(kd[K_K]) | _form(kd[K_V]), acts_d)
             else:
-                _ffn_input(x, h, ffn_norm[first], eps, kinds[first], layer[first], acts_d, ids, wts)
+                R = S if trim != 0 and start == L - 1 else T  # the last layer's FFN: each sequence's last row
+                _ffn_input(x[:R], h[:R], ffn_norm[first], eps, kinds[first], layer[first], acts_d, ids, wts)
         if not _meet(state, nth, tid, clock, PH_INPUT):
             return False
         for il in range(first, L):
             kd = kinds[il]
             ly = layer[il]
+            last = trim != 0 and il == L - 1
+            R = S if last else T  # the rows the FFN runs on (trimmed: the first S of x)
+            rows = ones if last else groups  # and how they group into sequences
             if il != start:
-                # -- attention: q, k and v [S, N] (one phase), then norms, RoPE and the KV write (thread 0)
-                Wq, Wk, Wv = wq[il], wk[il], wv[il]
-                Nq, Nk, Nv = Wq.shape[1], Wk.shape[1], Wv.shape[1]
-                Nt = Nq + Nk + Nv
-                i, end = _span(tid, nth, S * Nt)
-                while i < end:  # flat over (row, q|k|v rows): spans within one matrix each
-                    t, n = i // Nt, i % Nt
-                    if n < Nq:
-                        stop = min(Nq, n + end - i)
-                        _rows(kd[K_Q], Wq, only, n, stop, h, acts_d, t, qf[t])
-                    elif n < Nq + Nk:
-                        stop = min(Nq + Nk, n + end - i)
-                        _rows(kd[K_K], Wk, only, n - Nq, stop - Nq, h, acts_d, t, kf[t])
-                    else:
-                        stop = min(Nt, n + end - i)
-                        _rows(kd[K_V], Wv, only, n - Nq - Nk, stop - Nq - Nk, h, acts_d, t, vf[t])
-                    i += stop - n
+                # -- attention: q, k and v [T, N] (one phase), then norms, RoPE and the KV write (thread 0)
+                _linear_share(tid, nth, kd[K_Q], wq[il], h, acts_d, groups, qf)
+                _linear_share(tid, nth, kd[K_K], wk[il], h, acts_d, groups, kf)
+                _linear_share(tid, nth, kd[K_V], wv[il], h, acts_d, groups, vf)
                 if not _meet(state, nth, tid, clock, PH_QKV):
                     return False
                 if tid == 0:
-                    _qkv_to_cache(il, qf, kf, vf, qr, kstores, vstores, positions, rope,
+                    _qkv_to_cache(il, qf, kf, vf, qr, kstores, vstores, seq_of, positions, rope,
                                   dims, eps, ly, bq, bk, bv, q_norm, k_norm)
                     att[:, :, :] = 0.0
                 if not _meet(state, nth, tid, clock, PH_ROPE_KV):
                     return False
                 slot = ly[L_KV_SLOT]
                 sk = sinks[il]
-                for item in range(tid, S * Hkv, nth):  # (row, KV head): its G query heads
-                    s = item // Hkv
+                for item in range(tid, T * Hkv, nth):  # (row, KV head): its G query heads
+                    t = item // Hkv
                     g = item % Hkv
-                    _attend(qr[s], kstores[s][slot], vstores[s][slot], positions[s], ly[L_WINDOW], g, g + 1,
-                            scalars[F_ATTN_SCALE], sk, ggml, False, w, acc, att[s])
+                    s = seq_of[t]
+                    many = groups[s + 1] - groups[s] >= 2  # llama.cpp's kernels of an op of several rows
+                    _attend(qr[t], kstores[s][slot], vstores[s][slot], positions[t], ly[L_WINDOW], g, g + 1,
+                            scalars[F_ATTN_SCALE], sk, ggml, many, w, acc, att[t])
                 if not _meet(state, nth, tid, clock, PH_ATTENTION):
                     return False
-                ao = att.reshape(S, H * Dv)
+                ao = att.reshape(T, H * Dv)
                 if tid == 0:
                     _prepare_rows(ao, _form(kd[K_O]), acts_o)
                 if not _meet(state, nth, tid, clock, PH_PREP_O):
                     return False
                 # -- the output projection, then (thread 0) the residual and the FFN's norm
-                Wo = wo[il]
-                i, end = _span(tid, nth, S * D)
-                while i < end:
-                    t, n = i // D, i % D
-                    stop = min(D, n + end - i)
-                    _rows(kd[K_O], Wo, only, n, stop, ao, acts_o, t, a[t])
-                    i += stop - n
+                _linear_share(tid, nth, kd[K_O], wo[il], ao, acts_o, groups, a)
                 if not _meet(state, nth, tid, clock, PH_O_PROJ):
                     return False
                 if tid == 0:
                     if ly[L_BIAS_O]:
                         _add_bias(a, bo[il])
                     _add(x, a)
-                    _ffn_input(x, h, ffn_norm[il], eps, kd, ly, acts_d, ids, wts)
+                    if last:  # each sequence's last row to the front (rows only move forward)
+                        for s in range(S):
+                            x[s] = x[groups[s + 1] - 1]
+                    _ffn_input(x[:R], h[:R], ffn_norm[il], eps, kd, ly, acts_d, ids, wts)
                 if not _meet(state, nth, tid, clock, PH_RESIDUAL):
                     return False
-            # -- the FFN: pairs (row, expert), or (row, the dense FFN) of weight 1
-            if ly[L_MOE]:
-                Wr = router[il]
-                E = Wr.shape[1]
-                i, end = _span(tid, nth, S * E)
-                while i < end:
-                    t, n = i // E, i % E
-                    stop = min(E, n + end - i)
-                    _rows(kd[K_ROUTER], Wr, only, n, stop, h, acts_d, t, rl[t])
-                    i += stop - n
+            # -- the FFN: pairs (row, expert) grouped as the per-op path groups them, or the dense
+            # FFN's (row, 0) of weight 1 grouped by sequence
+            moe = ly[L_MOE] != 0
+            if moe:
+                _linear_share(tid, nth, kd[K_ROUTER], router[il], h, acts_d, rows, rl[:R])
                 if not _meet(state, nth, tid, clock, PH_ROUTER):
                     return False
                 if tid == 0:
+                    logit = rl[:R]
                     if ly[L_ROUTER_BIAS]:
-                        _add_bias(rl, router_bias[il])
-                    chosen, weights = route_top_k(rl, A, dims[D_WEIGHT_SOFTMAX] != 0, dims[D_NORM_TOPK] != 0,
+                        _add_bias(logit, router_bias[il])
+                    chosen, weights = route_top_k(logit, A, dims[D_WEIGHT_SOFTMAX] != 0, dims[D_NORM_TOPK] != 0,
                                                   scalars[F_ROUTE_SCALE], np.empty((0, 0), np.int64))
-                    ids[:, :A] = chosen
-                    wts[:, :A] = weights
-                    routes[ly[L_MOE_INDEX]] = chosen
-                    if _missing(slot_of[ly[L_MOE_INDEX]], chosen):
+                    ids[:R, :A] = chosen
+                    wts[:R, :A] = weights
+                    mi = ly[L_MOE_INDEX]
+                    routes[mi, :R] = chosen
+                    for t in range(R, T):  # rows the last layer skips: counted once, as row 0
+                        routes[mi, t] = chosen[0]
+                    if _missing(slot_of[mi], chosen):
                         status[0] = il
+                    else:
+                        by_seq = _kquant(kd[K_GATE]) or _kquant(kd[K_UP]) or _kquant(kd[K_DOWN])
+                        nj[0] = _group_pairs(chosen, A, seq_of if not last else ones, S, by_seq,
+                                             _form(kd[K_GATE]) | _form(kd[K_UP]), h, acts_d, hg, acts_g, order,
+                                             pexp, slot_rows, offs)
                 if not _meet(state, nth, tid, clock, PH_TOP_K):
                     return False
                 if status[0] >= 0:  # an expert to read first: the host resumes here
                     return True
                 per = A
                 so = slot_of[ly[L_MOE_INDEX]]
+                J = nj[0]
+                jo, xg, ag = offs, hg, acts_g
             else:
                 per = 1
                 so = slot_of[slot_of.shape[0] - 1]  # the dense FFN's row: [0, ...]
-            P = S * per
+                J = S
+                jo, xg, ag = rows, h, acts_d  # pair t is row t, of "expert" 0
+            P = R * per
             Wg, Wu, Wd = gate[il], up[il], down[il]
             F = Wg.shape[1]
             has_b = ly[L_EXPERT_BIAS] != 0
             gb, ub, db = gate_bias[il], up_bias[il], down_bias[il]
-            i, end = _span(tid, nth, 2 * P * F)
-            while i < end:  # gate and up: flat over (pair, gate|up, rows)
-                p, which, n = i // (2 * F), (i // F) % 2, i % F
+            i, end = _span(tid, nth, 2 * J * F)
+            while i < end:  # gate and up: flat over (group, gate|up, rows)
+                j, which, n = i // (2 * F), (i // F) % 2, i % F
                 stop = min(F, n + end - i)
-                e = ids[p // per, p % per]
-                out = gu[which, p]
-                _rows(kd[K_GATE + which], Wg if which == 0 else Wu, so[e], n, stop, h, acts_d, p // per, out)
+                t0, t1 = jo[j], jo[j + 1]
+                e = pexp[t0] if moe else 0
+                kind = kd[K_GATE + which]
+                out = gu[which]
+                _tiles(kind, which_path(kind, t1 - t0, F, D, moe), Wg if which == 0 else Wu, so[e], n, stop, xg, ag,
+                       t0, t1, out)
                 if has_b:
                     b = gb if which == 0 else ub
-                    for j in range(n, stop):
-                        out[j] = out[j] + b[e, j]
+                    for t in range(t0, t1):
+                        for k in range(n, stop):
+                            out[t, k] = out[t, k] + b[e, k]
                 i += stop - n
             if not _meet(state, nth, tid, clock, PH_GATE_UP):
                 return False
@@ -344,36 +425,37 @@ def _worker_kernel():
                 _prepare_row(hh, p, down_form, acts_f)
             if not _meet(state, nth, tid, clock, PH_GLU):
                 return False
-            i, end = _span(tid, nth, P * D)
-            while i < end:  # down: flat over (pair, rows)
-                p, n = i // D, i % D
+            i, end = _span(tid, nth, J * D)
+            while i < end:  # down: flat over (group, rows)
+                j, n = i // D, i % D
                 stop = min(D, n + end - i)
-                e = ids[p // per, p % per]
-                _rows(kd[K_DOWN], Wd, so[e], n, stop, hh, acts_f, p, yo[p])
+                t0, t1 = jo[j], jo[j + 1]
+                e = pexp[t0] if moe else 0
+                _tiles(kd[K_DOWN], which_path(kd[K_DOWN], t1 - t0, D, F, moe), Wd, so[e], n, stop, hh, acts_f, t0,
+                       t1, yo)
                 if has_b:
-                    for j in range(n, stop):
-                        yo[p, j] = yo[p, j] + db[e, j]
+                    for t in range(t0, t1):
+                        for k in range(n, stop):
+                            yo[t, k] = yo[t, k] + db[e, k]
                 i += stop - n
             if not _meet(state, nth, tid, clock, PH_DOWN):
                 return False
             if tid == 0:  # the mix and the residual, then the next layer's norm (the output norm after the last)
-                _add(x, moe_mix(yo, np.arange(P).reshape(S, per), wts))  # row s's pairs: s*per ..
-                h[:, :] = rms_norm(x, attn_norm[il + 1] if il + 1 < L else out_norm, eps)
+                if not moe:
+                    for t in range(R):
+                        slot_rows[t] = t
+                _add(x[:R], moe_mix(yo, slot_rows[:P].reshape(R, per), wts[:R, :per]))
+                h[:R] = rms_norm(x[:R], attn_norm[il + 1] if il + 1 < L else out_norm, eps)
                 if il + 1 < L:
                     nk = kinds[il + 1]
                     _prepare_rows(h, _form(nk[K_Q]) | _form(nk[K_K]) | _form(nk[K_V]), acts_d)
                 else:
-                    _prepare_rows(h, _form(dims[D_OUT_KIND]), acts_d)
+                    _prepare_rows(h[:R], _form(dims[D_OUT_KIND]), acts_d)
             if not _meet(state, nth, tid, clock, PH_MIX):
                 return False
-        # -- the head
-        V = out_w.shape[1]
-        i, end = _span(tid, nth, S * V)
-        while i < end:
-            t, n = i // V, i % V
-            stop = min(V, n + end - i)
-            _rows(dims[D_OUT_KIND], out_w, only, n, stop, h, acts_d, t, logits[t])
-            i += stop - n
+        # -- the head, on the rows the last layer's FFN ran on
+        last_rows = ones if trim != 0 else groups
+        _linear_share(tid, nth, dims[D_OUT_KIND], out_w, h, acts_d, last_rows, logits)
         if tid == 0:  # its own share only: the region's end waits for the rest
             clock[PH_HEAD] += cycles() - clock[CLOCK_SIZE - 1]
         return True
@@ -390,14 +472,17 @@ def _step_kernel():
     spec = STAMP
 
     @numba.njit(cache=True, parallel=True)
-    def decode_step(x, rope, positions, kstores, vstores, dims, scalars, kinds, layer, attn_norm, ffn_norm,
-                    out_norm, wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm, sinks, router, router_bias,
-                    gate, up, down, gate_bias, up_bias, down_bias, slot_of, out_w, logits, routes, start, nth, clock):
-        """x [S, D] the embedded rows (the residual stream, updated in place) -> logits [S, V].
-        rope [S, n_rot/2, 2] the rows' table; positions [S]; kstores / vstores: each sequence's
-        KV store [La, C, Hkv, Dh|Dv] (the row's cell written here); slot_of [Lm + 1, E] each
+    def decode_step(x, rope, positions, seq_of, groups, trim, kstores, vstores, dims, scalars, kinds, layer,
+                    attn_norm, ffn_norm, out_norm, wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm, sinks, router,
+                    router_bias, gate, up, down, gate_bias, up_bias, down_bias, slot_of, out_w, logits, routes, start,
+                    nth, clock):
+        """x [T, D] the embedded rows (the residual stream, updated in place) -> logits [T, V], or
+        [S, V] of each sequence's last row (trim 1: as llama.cpp, the last layer's FFN runs on those
+        rows only). rope [T, n_rot/2, 2] the rows' table; positions [T]; seq_of [T] each row's
+        sequence; groups [S+1] each sequence's rows (offsets); kstores / vstores: each sequence's
+        KV store [La, C, Hkv, Dh|Dv] (the rows' cells written here); slot_of [Lm + 1, E] each
         expert's matrix in its layer's stacks gate / up [E', F, .] and down [E', D, .] (-1: not
-        in memory; the last row, zeros, serves dense FFNs); routes [Lm, S, A] receives each MoE
+        in memory; the last row, zeros, serves dense FFNs); routes [Lm, T, A] receives each MoE
         layer's choice. One parallel region of one iteration per thread (sync.py): nth, numba's
         thread count (its get_num_threads, which a cached function cannot call); clock [CLOCK_SIZE]
         accumulates thread 0's cycles per phase (PHASES).
@@ -407,37 +492,44 @@ def _step_kernel():
         void: run it again another way)."""
         if len(spec) == 0:
             return VOID
-        S, D = x.shape
+        T, D = x.shape
+        S = groups.shape[0] - 1
         H, Hkv, Dv = dims[D_HEADS], dims[D_KV_HEADS], dims[D_HEAD_V]
         A = max(1, dims[D_USED])
         nq, nk, nv, nf, ne = dims[D_NQ], dims[D_NK], dims[D_NV], dims[D_FF], dims[D_EXPERTS]
         C = 1
-        for s in range(S):
-            C = max(C, positions[s] + 1)
+        for t in range(T):
+            C = max(C, positions[t] + 1)
         state = np.zeros(STATE_SIZE, np.int64)
         status = np.empty(1, np.int64)
         status[0] = DONE
         failed = np.zeros(nth, np.int64)
-        h = np.empty((S, D), np.float32)
-        qf, kf, vf = np.empty((S, nq), np.float32), np.empty((S, nk), np.float32), np.empty((S, nv), np.float32)
-        qr = np.empty((S, H, dims[D_HEAD]), np.float32)
-        att = np.empty((S, H, Dv), np.float32)
-        a = np.empty((S, D), np.float32)
-        rl = np.empty((S, ne), np.float32)
-        ids = np.empty((S, A), np.int64)
-        wts = np.empty((S, A), np.float32)
-        gu = np.empty((2, S * A, nf), np.float32)
-        hh = np.empty((S * A, nf), np.float32)
-        yo = np.empty((S * A, D), np.float32)
-        acts_d, acts_o, acts_f = _acts(S, D), _acts(S, H * Dv), _acts(S * A, nf)
+        ones = np.arange(S + 1)  # one row per sequence (the last layer's FFN and the head, trimmed)
+        P = T * A
+        h = np.empty((T, D), np.float32)
+        qf, kf, vf = np.empty((T, nq), np.float32), np.empty((T, nk), np.float32), np.empty((T, nv), np.float32)
+        qr = np.empty((T, H, dims[D_HEAD]), np.float32)
+        att = np.empty((T, H, Dv), np.float32)
+        a = np.empty((T, D), np.float32)
+        rl = np.empty((T, ne), np.float32)
+        ids = np.empty((T, A), np.int64)
+        wts = np.empty((T, A), np.float32)
+        gu = np.empty((2, P, nf), np.float32)
+        hh = np.empty((P, nf), np.float32)
+        yo = np.empty((P, D), np.float32)
+        hg = np.empty((P, D), np.float32)  # the pairs' rows gathered by group (F32 experts)
+        acts_d, acts_g, acts_o, acts_f = _acts(T, D), _acts(P, D), _acts(T, H * Dv), _acts(P, nf)
+        order, pexp, slot_rows = np.empty(P, np.int64), np.empty(P, np.int64), np.empty(P, np.int64)
+        offs, nj = np.empty(P + 1, np.int64), np.zeros(1, np.int64)
         G = H // Hkv
         for tid in prange(nth):  # one iteration per thread (numba's OpenMP layer: a static schedule)
             w = np.empty((G, C + 8), np.float32)  # this thread's attention scratch
             acc = np.empty((G, 32, Dv), np.float32)
-            if not worker(np.int64(tid), nth, state, clock, status, start, x, h, rope, positions, kstores, vstores, dims, scalars,
-                          kinds, layer, attn_norm, ffn_norm, out_norm, wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm,
-                          sinks, router, router_bias, gate, up, down, gate_bias, up_bias, down_bias, slot_of, out_w,
-                          logits, routes, qf, kf, vf, qr, att, a, rl, ids, wts, gu, hh, yo, acts_d, acts_o, acts_f,
+            if not worker(np.int64(tid), nth, state, clock, status, start, x, h, rope, positions, seq_of, groups,
+                          ones, trim, kstores, vstores, dims, scalars, kinds, layer, attn_norm, ffn_norm, out_norm,
+                          wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm, sinks, router, router_bias, gate, up, down,
+                          gate_bias, up_bias, down_bias, slot_of, out_w, logits, routes, qf, kf, vf, qr, att, a, rl,
+                          ids, wts, gu, hh, yo, hg, acts_d, acts_g, acts_o, acts_f, order, pexp, slot_rows, offs, nj,
                           w, acc):
                 failed[tid] = 1
         if failed.sum():

@@ -118,7 +118,7 @@ def float_rows(typingctx, kind, tiny, ntok, w, n, x, t0):
 
 
 @numba.njit(inline="always")
-def _float_tile(kind, m, tiny, w, n, x, t, out):
+def float_tile(kind, m, tiny, w, n, x, t, out):
     """out[t:t+m, n] = activation rows t..t+m-1 against weight row n (kind, m: literals), in
     tinyBLAS's (tiny != 0) or vec_dot's order."""
     if tiny:
@@ -149,8 +149,8 @@ def float_kernel(ggml_type: int):
         for c in prange(nchunks):
             for n in range(c * N // nchunks, (c + 1) * N // nchunks):
                 for t in range(0, T4, 4):
-                    _float_tile(kind, 4, tiny, w, n, x, t, out)
+                    float_tile(kind, 4, tiny, w, n, x, t, out)
                 for t in range(T4, T):
-                    _float_tile(kind, 1, tiny, w, n, x, t, out)
+                    float_tile(kind, 1, tiny, w, n, x, t, out)
 
     return float_ggml

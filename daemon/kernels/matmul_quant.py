@@ -300,7 +300,7 @@ def kquant_rows(typingctx, kind, ntok, tiled, stack, e, n, xq, t0, xd, xbs):
 
 
 @numba.njit(inline="always")
-def _block32_tile(kind, m, stack, e, n, xq, t, xd, xs, out):
+def block32_tile(kind, m, stack, e, n, xq, t, xd, xs, out):
     """out[t:t+m, n] = activation rows t..t+m-1 against row n of expert e (kind, m: literals)."""
     r = block32_rows(kind, m, stack, e, n, xq, t, xd, xs)
     for i in range(m):
@@ -308,7 +308,7 @@ def _block32_tile(kind, m, stack, e, n, xq, t, xd, xs, out):
 
 
 @numba.njit(inline="always")
-def _kquant_tile(kind, m, tiled, stack, e, n, xq, t, xd, xbs, out):
+def kquant_tile(kind, m, tiled, stack, e, n, xq, t, xd, xbs, out):
     """out[t:t+m, n] = activation rows t..t+m-1 against row n of expert e (kind, m: literals),
     with the tiled (tiled != 0) or the vec_dot epilogue."""
     if tiled:
@@ -341,16 +341,16 @@ def block32_kernel(ggml_type: int):
                 t = offs[j]
                 t1 = offs[j + 1]
                 while t + 8 <= t1:
-                    _block32_tile(kind, 8, stack, e, n, xq, t, xd, xs, out)
+                    block32_tile(kind, 8, stack, e, n, xq, t, xd, xs, out)
                     t += 8
                 if t + 4 <= t1:
-                    _block32_tile(kind, 4, stack, e, n, xq, t, xd, xs, out)
+                    block32_tile(kind, 4, stack, e, n, xq, t, xd, xs, out)
                     t += 4
                 if t + 2 <= t1:
-                    _block32_tile(kind, 2, stack, e, n, xq, t, xd, xs, out)
+                    block32_tile(kind, 2, stack, e, n, xq, t, xd, xs, out)
                     t += 2
                 if t < t1:
-                    _block32_tile(kind, 1, stack, e, n, xq, t, xd, xs, out)
+                    block32_tile(kind, 1, stack, e, n, xq, t, xd, xs, out)
 
     return block32_grouped
 
@@ -378,8 +378,8 @@ def kquant_kernel(ggml_type: int):
                 t1 = offs[j + 1]
                 t4 = t1 - (t1 - t0) % 4
                 for t in range(t0, t4, 4):
-                    _kquant_tile(kind, 4, tiled[j], stack, e, n, xq, t, xd, xbs, out)
+                    kquant_tile(kind, 4, tiled[j], stack, e, n, xq, t, xd, xbs, out)
                 for t in range(t4, t1):
-                    _kquant_tile(kind, 1, tiled[j], stack, e, n, xq, t, xd, xbs, out)
+                    kquant_tile(kind, 1, tiled[j], stack, e, n, xq, t, xd, xbs, out)
 
     return kquant_grouped

@@ -1,6 +1,7 @@
 """One weight row against one activation row, and one activation row quantized, for any quantized
 type given as a compile-time literal: the building blocks of the fused decode calls
-(moe_decode.py, decode_linears.py). `dot_row` picks matmul_quant's row intrinsic of the type's
+(moe_decode.py, decode_linears.py); and `tiles_any`, spans of rows against spans of weight rows
+for a type known at run time, the compiled step's matmuls (decode_step.py). `dot_row` picks matmul_quant's row intrinsic of the type's
 family with one token, so a fused call computes what a one-row call of the separate kernels
 computes (llama.cpp's vec_dot); `quantize_row` picks the activation quantizer of a vec_dot type.
 
@@ -14,16 +15,18 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
-from daemon.kernels import matmul_activations, matmul_quant, ops, simd_ir
+from daemon.kernels import matmul_activations, matmul_float, matmul_quant, ops, simd_ir
 from daemon.kernels import quants as Q
 from daemon.kernels.matmul_activations import quantize_row_q8_0_1, quantize_row_q8_K
-from daemon.kernels.matmul_float import float_rows
-from daemon.kernels.matmul_quant import BLOCK32_KINDS, KQUANT_KINDS, block32_rows, kquant_rows
+from daemon.kernels.matmul_float import float_tile
+from daemon.kernels.matmul_quant import (BLOCK32_KINDS, KQUANT_KINDS, block32_tile, kquant_tile, block32_rows,
+                                          kquant_rows)
 
 QUANTIZED = (*BLOCK32_KINDS, *KQUANT_KINDS)
 # What a fused call inlines from other files (numba's cache watches only the caller's file): its
 # kernels keep this in their closure, so an edit to any of them compiles them again.
-SOURCES = matmul_quant._SOURCES + simd_ir.source_stamp(__file__, matmul_activations.__file__, ops.__file__)
+SOURCES = matmul_quant._SOURCES + simd_ir.source_stamp(__file__, matmul_activations.__file__, matmul_float.__file__,
+                                                      ops.__file__)
 
 
 def dot_row(kind, stack, e, n, xq, t, xd, xaux):
@@ -66,73 +69,112 @@ def _quantize_row(vec_dot_type, x, qs, d, aux):
     return impl
 
 
-def _rows_any_kernel():
-    """rows_any, a closure over the types (compile-time literals) and SOURCES (numba's cache key
+@numba.njit(inline="always")
+def _block32_span(kind, w, e, n0, n1, xq, xd, xs, t0, t1, out):
+    """out[t0:t1, n0:n1]: each weight row against the rows in tiles of 8, 4 and 1 (the tile does not
+    change a row's bits: the rows share the block decoding only)."""
+    for n in range(n0, n1):
+        t = t0
+        while t + 8 <= t1:
+            block32_tile(kind, 8, w, e, n, xq, t, xd, xs, out)
+            t += 8
+        if t + 4 <= t1:
+            block32_tile(kind, 4, w, e, n, xq, t, xd, xs, out)
+            t += 4
+        while t < t1:
+            block32_tile(kind, 1, w, e, n, xq, t, xd, xs, out)
+            t += 1
+
+
+@numba.njit(inline="always")
+def _kquant_span(kind, tiled, w, e, n0, n1, xq, xd, xbs, t0, t1, out):
+    for n in range(n0, n1):
+        t = t0
+        while t + 4 <= t1:
+            kquant_tile(kind, 4, tiled, w, e, n, xq, t, xd, xbs, out)
+            t += 4
+        while t < t1:
+            kquant_tile(kind, 1, tiled, w, e, n, xq, t, xd, xbs, out)
+            t += 1
+
+
+@numba.njit(inline="always")
+def _float_span(kind, tiny, w, n0, n1, x, t0, t1, out):
+    for n in range(n0, n1):
+        t = t0
+        while t + 4 <= t1:
+            float_tile(kind, 4, tiny, w, n, x, t, out)
+            t += 4
+        while t < t1:
+            float_tile(kind, 1, tiny, w, n, x, t, out)
+            t += 1
+
+
+def _tiles_any_kernel():
+    """tiles_any, a closure over the types (compile-time literals) and SOURCES (numba's cache key
     then changes with the files it inlines)."""
     spec = (Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.MXFP4, Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F32, Q.F16, Q.BF16, SOURCES)
 
     @numba.njit(cache=True)
-    def rows_any(kind, w, e, n0, n1, x, xh, xb, q32, d32, s32, qk, dk, bk, t, out):
-        """out[n] = dot_row of rows n0..n1-1 of matrix e of w uint8 [E, N, row bytes] against
-        activation row t, for a weight type known only at run time (the compiled decode step's
-        layers differ). The activation row comes in every form a type may need: x f32 [T, K]
-        (F32 weights), xh / xb the same rounded to f16 / bf16 values (F16 / BF16 weights),
+    def tiles_any(kind, path, w, e, n0, n1, x, xh, xb, q32, d32, s32, qk, dk, bk, t0, t1, out):
+        """out[t, n] for activation rows t0..t1-1 against rows n0..n1-1 of matrix e of w uint8
+        [E, N, row bytes], for a weight type known only at run time (the compiled step's layers
+        differ), the rows computed together as one call of the separate kernels computes them:
+        path 1 takes llama.cpp's tiled K-quant kernel or tinyBLAS for float weights (which_path),
+        0 vec_dot. The activation rows come in every form a type may need: x f32 [T, K] (F32
+        weights), xh / xb the same rounded to f16 / bf16 values (F16 / BF16 weights),
         q32/d32/s32 (Q8_0 and Q8_1: int8 values, scales, sums), qk/dk/bk (Q8_K: values,
-        super-block scales, block sums). A call per span of rows, not per row: a call
-        passes a dozen arrays, and their reference counts are atomics every thread shares."""
+        super-block scales, block sums). A call per span of rows, not per row: a call passes a
+        dozen arrays, and their reference counts are atomics every thread shares."""
         q8_0, q4_0, q5_0, mxfp4, q4_1, q5_1, q4_k, q5_k, q6_k, f32, f16, bf16 = (
             spec[0], spec[1], spec[2], spec[3], spec[4], spec[5], spec[6], spec[7], spec[8], spec[9], spec[10],
             spec[11])
         if kind == q8_0:
-            for n in range(n0, n1):
-                out[n] = dot_row(q8_0, w, e, n, q32, t, d32, s32)
+            _block32_span(q8_0, w, e, n0, n1, q32, d32, s32, t0, t1, out)
         elif kind == q4_0:
-            for n in range(n0, n1):
-                out[n] = dot_row(q4_0, w, e, n, q32, t, d32, s32)
+            _block32_span(q4_0, w, e, n0, n1, q32, d32, s32, t0, t1, out)
         elif kind == q5_0:
-            for n in range(n0, n1):
-                out[n] = dot_row(q5_0, w, e, n, q32, t, d32, s32)
+            _block32_span(q5_0, w, e, n0, n1, q32, d32, s32, t0, t1, out)
         elif kind == mxfp4:
-            for n in range(n0, n1):
-                out[n] = dot_row(mxfp4, w, e, n, q32, t, d32, s32)
+            _block32_span(mxfp4, w, e, n0, n1, q32, d32, s32, t0, t1, out)
         elif kind == q4_1:
-            for n in range(n0, n1):
-                out[n] = dot_row(q4_1, w, e, n, q32, t, d32, s32)
+            _block32_span(q4_1, w, e, n0, n1, q32, d32, s32, t0, t1, out)
         elif kind == q5_1:
-            for n in range(n0, n1):
-                out[n] = dot_row(q5_1, w, e, n, q32, t, d32, s32)
+            _block32_span(q5_1, w, e, n0, n1, q32, d32, s32, t0, t1, out)
         elif kind == q4_k:
-            for n in range(n0, n1):
-                out[n] = dot_row(q4_k, w, e, n, qk, t, dk, bk)
+            _kquant_span(q4_k, path, w, e, n0, n1, qk, dk, bk, t0, t1, out)
         elif kind == q5_k:
-            for n in range(n0, n1):
-                out[n] = dot_row(q5_k, w, e, n, qk, t, dk, bk)
+            _kquant_span(q5_k, path, w, e, n0, n1, qk, dk, bk, t0, t1, out)
         elif kind == q6_k:
-            for n in range(n0, n1):
-                out[n] = dot_row(q6_k, w, e, n, qk, t, dk, bk)
-        elif kind == f32:  # vec_dot's order: a one-row call's
-            wf = w[e].view(np.uint32)
-            for n in range(n0, n1):
-                out[n] = float_rows(f32, 0, 1, wf, n, x, t)[0]
+            _kquant_span(q6_k, path, w, e, n0, n1, qk, dk, bk, t0, t1, out)
+        elif kind == f32:
+            _float_span(f32, path, w[e].view(np.uint32), n0, n1, x, t0, t1, out)
         elif kind == f16:
-            wh = w[e].view(np.uint16)
-            for n in range(n0, n1):
-                out[n] = float_rows(f16, 0, 1, wh, n, xh, t)[0]
+            _float_span(f16, path, w[e].view(np.uint16), n0, n1, xh, t0, t1, out)
         elif kind == bf16:
-            wb = w[e].view(np.uint16)
-            for n in range(n0, n1):
-                out[n] = float_rows(bf16, 0, 1, wb, n, xb, t)[0]
+            _float_span(bf16, path, w[e].view(np.uint16), n0, n1, xb, t0, t1, out)
         else:  # the plan admits no other type (DECODE_STEP_TYPES)
-            for n in range(n0, n1):
-                out[n] = np.nan
+            out[t0:t1, n0:n1] = np.nan
 
-    return rows_any
-
-
-rows_any = _rows_any_kernel()
+    return tiles_any
 
 
-DECODE_STEP_TYPES = frozenset(QUANTIZED) | {Q.F32, Q.F16, Q.BF16}  # what rows_any computes
+tiles_any = _tiles_any_kernel()
+
+
+@numba.njit(cache=True)
+def which_path(kind, rows, n, k, expert):
+    """The path llama.cpp's CPU takes for an op of this many activation rows (matmul.py's "Path
+    choice"): 1 for the tiled K-quant kernel (8 rows or more) or tinyBLAS (float weights, an
+    ordinary matmul of 2 rows or more, n % 4 == 0, k % 8 == 0), else 0 (vec_dot)."""
+    if kind == Q.Q4_K or kind == Q.Q5_K or kind == Q.Q6_K:
+        return 1 if rows >= 8 else 0
+    if kind == Q.F32 or kind == Q.F16 or kind == Q.BF16:
+        return 1 if (not expert and rows >= 2 and n % 4 == 0 and k % 8 == 0) else 0
+    return 0
+
+
+DECODE_STEP_TYPES = frozenset(QUANTIZED) | {Q.F32, Q.F16, Q.BF16}  # what tiles_any computes
 
 
 def aux_of(xp):

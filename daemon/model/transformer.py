@@ -191,8 +191,8 @@ class Transformer:
         segmented = plain and not static and segmentable is not None and segmentable(step.T * self.hp.n_expert_used)
         if step.feed is not None and not static:
             raise RequestError("a step whose tokens are read on the host cannot take them from the device")
-        if plain and step.samplers is None and step.one_row_each and self.route_override is None:
-            compiled = getattr(B, "decode_step", None)  # the whole decode step as one call (the CPU's)
+        if plain and step.samplers is None and self.route_override is None:
+            compiled = getattr(B, "run_compiled", None)  # the whole step as one call (the CPU's)
             logits = compiled(self, step) if compiled is not None else None
             if logits is not None:
                 return logits

@@ -1,7 +1,7 @@
-"""backend/cpu_step.py + kernels/decode_step.py: a decode batch as one compiled call gives the
-per-op path's logits bit for bit (that path is the one compared with llama.cpp), for every family
-and weight type it covers, alone and batched; an unlimited expert cache's misses are read where
-the step stops and the step resumes; what it does not cover keeps the per-op path."""
+"""backend/cpu_step.py + kernels/decode_step.py: a step as one compiled call (a decode batch, one
+prompt, prompts together) gives the per-op path's logits bit for bit (that path is the one compared
+with llama.cpp), for every family and weight type it covers; an unlimited expert cache's misses are
+read where the step stops and the step resumes; what it does not cover keeps the per-op path."""
 
 from __future__ import annotations
 
@@ -50,6 +50,38 @@ def _decode_both(ref, new, n_seq: int, steps: int, seed: int = 0):
     return out
 
 
+def _prefill_both(ref, new, seed: int = 0):
+    """Prompts through both models -> the pairs of logits: one of 40 rows (an expert gets 8 rows or
+    more: llama.cpp's tiled K-quant kernel), three together (9, 3 and 1 rows: each its own op),
+    one with every row's logits (no trimmed last layer), then a decode step over the three."""
+    rng = np.random.default_rng(seed)
+    V = ref.hp.n_vocab
+    caches = {m: [m.new_cache(64) for _ in range(3)] for m in (ref, new)}
+    long, batch, every = rng.integers(0, V, 40), [rng.integers(0, V, n) for n in (9, 3, 1)], rng.integers(0, V, 5)
+    tokens = rng.integers(0, V, 3)
+    program = None
+    out = []
+    for run in (lambda m: m.forward(long, caches[m][0]),
+                lambda m: m.forward_many(batch, caches[m]),
+                lambda m: m.forward(every, caches[m][1], all_logits=True),
+                lambda m: m.forward_batch(tokens, caches[m])):
+        cycles = 0 if program is None else program.clock.sum()
+        out.append((run(ref), run(new)))
+        program = new.backend._programs[new]
+        assert isinstance(program, cpu_step.StepProgram) and program.clock.sum() > cycles  # the step served
+    return out
+
+
+@pytest.mark.parametrize("arch,wtype", CASES, ids=[f"{a}-{w}" for a, w in CASES])
+def test_prompts_through_the_compiled_step_give_the_per_op_bits(fixture_dir, arch, wtype):
+    g, ref, new = _models(fixture_path(arch, wtype, fixture_dir))
+    with g:
+        for a, b in _prefill_both(ref, new):
+            assert np.isfinite(a).all()
+            assert b.shape == a.shape
+            np.testing.assert_array_equal(b, a)
+
+
 @pytest.mark.parametrize("arch,wtype", CASES, ids=[f"{a}-{w}" for a, w in CASES])
 @pytest.mark.parametrize("n_seq", [1, 3])
 def test_the_compiled_step_gives_the_per_op_bits(fixture_dir, arch, wtype, n_seq):
@@ -59,7 +91,7 @@ def test_the_compiled_step_gives_the_per_op_bits(fixture_dir, arch, wtype, n_seq
             assert np.isfinite(a).all()
             np.testing.assert_array_equal(b, a)
         program = new.backend._programs[new]
-        assert isinstance(program, cpu_step.DecodeProgram)  # it ran, not the fallback
+        assert isinstance(program, cpu_step.StepProgram)  # it ran, not the fallback
         assert program.clock.any()
 
 
@@ -87,6 +119,9 @@ def test_compiled_in_the_background_the_per_op_path_serves_until_it_is_ready(fix
         overloads = len(K.decode_step.overloads)
         step(6)
         assert program.clock.any()  # the compiled step served
+        cycles = program.clock.sum()
+        np.testing.assert_array_equal(new.forward([7, 8, 9], caches[new]), ref.forward([7, 8, 9], caches[ref]))
+        assert program.clock.sum() > cycles  # and then the prompts too
         assert len(K.decode_step.overloads) == overloads
 
 
@@ -102,7 +137,7 @@ def test_an_unlimited_cache_is_read_where_the_step_stops(fixture_dir):
             for a, b in _decode_both(ref, new, 2, steps=4, seed=3):
                 np.testing.assert_array_equal(b, a)
             program = new.backend._programs[new]
-            assert isinstance(program, cpu_step.DecodeProgram)
+            assert isinstance(program, cpu_step.StepProgram)
             st = cache.stats()["total"]
             assert st["misses"] > 0 and st["requests"] == st["hits"] + st["misses"]
 
@@ -140,7 +175,7 @@ def test_threads_that_cannot_meet_void_the_step_and_the_per_op_path_serves_it(fi
         caches = [m.new_cache(8) for m in (ref, new)]
         ref.forward([1, 2], caches[0])
         new.forward([1, 2], caches[1])
-        program = new.backend._programs[new] = cpu_step.DecodeProgram.build(new)
+        program = new.backend._programs[new] = cpu_step.StepProgram.build(new)
         run = program.run
         program.run = lambda *a, **k: run(*a, **k, threads=numba.get_num_threads() + 1)
         np.testing.assert_array_equal(new.forward_batch([3], [caches[1]]), ref.forward_batch([3], [caches[0]]))
