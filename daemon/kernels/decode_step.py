@@ -93,12 +93,6 @@ def _prepare_row(x, t, forms, acts):
 
 
 @numba.njit(cache=True)
-def _prepare_rows(x, forms, acts):
-    for t in range(x.shape[0]):
-        _prepare_row(x, t, forms, acts)
-
-
-@numba.njit(cache=True)
 def _gather_row(forms, x, acts, t, xg, actg, p):
     """Row t of x and its prepared forms (acts) -> row p of xg and actg (an expert's rows together)."""
     xh, xb, q32, d32, s32, qk, dk, bk = acts
@@ -121,7 +115,7 @@ def _gather_row(forms, x, acts, t, xg, actg, p):
 
 @numba.njit(cache=True)
 def _acts(T, K):
-    """Scratch for rows of K values in every form (see _prepare_rows)."""
+    """Scratch for rows of K values in every form (see _prepare_row)."""
     return (np.empty((T, K), np.float32), np.empty((T, K), np.float32),
             np.empty((T, K), np.int8), np.empty((T, max(1, K // 32)), np.float32),
             np.empty((T, max(1, K // 32)), np.float32), np.empty((T, K), np.int8),
@@ -146,16 +140,25 @@ def _span(c, nch, total):
 def _linear_share(tid, nth, kind, w, x, acts, groups, out):
     """This thread's share of out [T, N] = x [T, K] @ w[0].T, each sequence's rows (groups [G+1],
     row offsets) computed as an op of its own: items (sequence, weight rows)."""
+    _linear_part(tid, nth, kind, w, x, acts, groups, out, 0, w.shape[1])
+
+
+@numba.njit(cache=True)
+def _linear_part(tid, nth, kind, w, x, acts, groups, out, c0, Nt):
+    """_linear_share of one matrix whose rows are items c0 .. c0+N-1 of Nt per sequence (matrices
+    side by side: one span of items over them all)."""
     N, K = w.shape[1], x.shape[1]
     G = groups.shape[0] - 1
     only = np.int64(0)  # a stack's one matrix (a literal 0 would compile tiles_any once more)
-    i, end = _span(tid, nth, G * N)
+    i, end = _span(tid, nth, G * Nt)
     while i < end:
-        g, n = i // N, i % N
-        stop = min(N, n + end - i)
-        t0, t1 = groups[g], groups[g + 1]
-        _tiles(kind, which_path(kind, t1 - t0, N, K, False), w, only, n, stop, x, acts, t0, t1, out)
-        i += stop - n
+        g, c = i // Nt, i % Nt
+        stop = min(Nt, c + end - i)
+        if c < c0 + N and stop > c0:  # the span's part in this matrix
+            t0, t1 = groups[g], groups[g + 1]
+            _tiles(kind, which_path(kind, t1 - t0, N, K, False), w, only, max(c, c0) - c0, min(stop, c0 + N) - c0, x,
+                   acts, t0, t1, out)
+        i += stop - c
 
 
 @numba.njit(cache=True)
@@ -200,14 +203,13 @@ def _meet(state, nth, tid, clock, phase):
 
 
 @numba.njit(cache=True)
-def _ffn_input(x, h, norm, eps, kd, ly, acts_d, ids, wts):
-    """h = the FFN's input (x normed), in the forms the router, gate and up read; a dense FFN's
-    one 'expert' per row (id 0, weight 1: y * 1 is y, bit for bit). x, h: the rows the FFN runs on."""
-    h[:, :] = rms_norm(x, norm, eps)
-    _prepare_rows(h, _form(kd[K_GATE]) | _form(kd[K_UP]) | (_form(kd[K_ROUTER]) if ly[L_MOE] else 0), acts_d)
+def _ffn_input(x, h, t, norm, eps, kd, ly, acts_d, wts):
+    """Row t of h [T, D] = the FFN's input (row t of x normed), in the forms the router, gate and up
+    read; a dense FFN's one 'expert' per row has weight 1 (y * 1 is y, bit for bit)."""
+    h[t] = rms_norm(x[t:t + 1], norm, eps)[0]
+    _prepare_row(h, t, _form(kd[K_GATE]) | _form(kd[K_UP]) | (_form(kd[K_ROUTER]) if ly[L_MOE] else 0), acts_d)
     if not ly[L_MOE]:
-        ids[:, 0] = 0
-        wts[:, 0] = 1.0
+        wts[t, 0] = 1.0
 
 
 @numba.njit(cache=True)
@@ -241,29 +243,38 @@ def _qkv_to_cache(il, qf, kf, vf, qr, kstores, vstores, seq_of, positions, rope,
 
 
 @numba.njit(cache=True)
-def _group_pairs(ids, A, seq, S, by_seq, forms, h, acts_d, hg, acts_g, order, pexp, slot_rows, offs):
+def _group_pairs(ids, A, seq, S, by_seq, forms, h, acts_d, hg, acts_g, pexp, slot_rows, offs, counts):
     """The pairs (row, expert) of ids [R, A] grouped as cpu_experts.plan groups them: by expert (and
     by sequence where by_seq: a K-quant kernel's path depends on one sequence's row count), rows
-    ascending; each pair's activation row gathered into hg / acts_g in that order. -> J, with
-    offs [J+1] each group's pairs, pexp [P] each pair's expert, slot_rows [P] the place of pair
-    t*A + a."""
+    ascending (a counting sort: stable); each pair's activation row gathered into hg / acts_g in
+    that order. -> J, with offs [J+1] each group's pairs, pexp [P] each pair's expert, slot_rows
+    [P] the place of pair t*A + a. counts: scratch of E*S + 1 (S = 1 unless by_seq)."""
     R = ids.shape[0]
     P = R * A
-    key = np.empty(P, np.int64)
-    for t in range(R):
-        for a in range(A):
-            key[t * A + a] = ids[t, a] * S + seq[t] if by_seq else ids[t, a]
-    order[:P] = np.argsort(key, kind="mergesort")
+    nkey = counts.shape[0] - 1
+    counts[:] = 0
+    for p in range(P):
+        t = p // A
+        counts[ids[t, p % A] * S + seq[t] if by_seq else ids[t, p % A]] += 1
     J = 0
-    for q in range(P):
-        p = order[q]
-        if q == 0 or key[p] != key[order[q - 1]]:
-            offs[J] = q
+    at = 0
+    for k in range(nkey):  # each key's first place; the groups in key order
+        c = counts[k]
+        if c:
+            offs[J] = at
             J += 1
-        pexp[q] = ids[p // A, p % A]
-        slot_rows[p] = q
-        _gather_row(forms, h, acts_d, p // A, hg, acts_g, q)
+        counts[k] = at
+        at += c
     offs[J] = P
+    for p in range(P):
+        t = p // A
+        e = ids[t, p % A]
+        k = e * S + seq[t] if by_seq else e
+        q = counts[k]
+        counts[k] = q + 1
+        pexp[q] = e
+        slot_rows[p] = q
+        _gather_row(forms, h, acts_d, t, hg, acts_g, q)
     return J
 
 
@@ -281,7 +292,7 @@ def _worker_kernel():
                vstores, dims, scalars, kinds, layer, attn_norm, ffn_norm, out_norm, wq, wk, wv, wo, bq, bk, bv, bo,
                q_norm, k_norm, sinks, router, router_bias, gate, up, down, gate_bias, up_bias, down_bias, slot_of,
                out_w, logits, routes, qf, kf, vf, qr, att, a, rl, ids, wts, gu, hh, yo, hg, acts_d, acts_g, acts_o,
-               acts_f, order, pexp, slot_rows, offs, nj, w, acc):
+               acts_f, pexp, slot_rows, offs, counts, nj, w, acc):
         """Thread tid of nth: its share of each phase, the serial parts on thread 0, a barrier
         between phases. -> False when the barrier failed (the step is void)."""
         if len(spec) == 0:
@@ -296,13 +307,14 @@ def _worker_kernel():
         first = max(start, 0)
         if tid == 0:
             clock[CLOCK_SIZE - 1] = cycles()
-            if start < 0:
-                h[:, :] = rms_norm(x, attn_norm[0], eps)
-                kd = kinds[0]
-                _prepare_rows(h, _form(kd[K_Q]) | _form(kd[K_K]) | _form(kd[K_V]), acts_d)
-            else:
-                R = S if trim != 0 and start == L - 1 else T  # the last layer's FFN: each sequence's last row
-                _ffn_input(x[:R], h[:R], ffn_norm[first], eps, kinds[first], layer[first], acts_d, ids, wts)
+        if start < 0:  # the first layer's input
+            kd = kinds[0]
+            for t in range(tid, T, nth):
+                h[t] = rms_norm(x[t:t + 1], attn_norm[0], eps)[0]
+                _prepare_row(h, t, _form(kd[K_Q]) | _form(kd[K_K]) | _form(kd[K_V]), acts_d)
+        else:  # resumed at layer start's FFN (the last layer's: each sequence's last row)
+            for t in range(tid, S if trim != 0 and start == L - 1 else T, nth):
+                _ffn_input(x, h, t, ffn_norm[first], eps, kinds[first], layer[first], acts_d, wts)
         if not _meet(state, nth, tid, clock, PH_INPUT):
             return False
         for il in range(first, L):
@@ -313,15 +325,18 @@ def _worker_kernel():
             rows = ones if last else groups  # and how they group into sequences
             if il != start:
                 # -- attention: q, k and v [T, N] (one phase), then norms, RoPE and the KV write (thread 0)
-                _linear_share(tid, nth, kd[K_Q], wq[il], h, acts_d, groups, qf)
-                _linear_share(tid, nth, kd[K_K], wk[il], h, acts_d, groups, kf)
-                _linear_share(tid, nth, kd[K_V], wv[il], h, acts_d, groups, vf)
+                Nq, Nk = qf.shape[1], kf.shape[1]
+                Nt = Nq + Nk + vf.shape[1]  # one span over the three matrices' rows
+                _linear_part(tid, nth, kd[K_Q], wq[il], h, acts_d, groups, qf, 0, Nt)
+                _linear_part(tid, nth, kd[K_K], wk[il], h, acts_d, groups, kf, Nq, Nt)
+                _linear_part(tid, nth, kd[K_V], wv[il], h, acts_d, groups, vf, Nq + Nk, Nt)
                 if not _meet(state, nth, tid, clock, PH_QKV):
                     return False
-                if tid == 0:
-                    _qkv_to_cache(il, qf, kf, vf, qr, kstores, vstores, seq_of, positions, rope,
-                                  dims, eps, ly, bq, bk, bv, q_norm, k_norm)
-                    att[:, :, :] = 0.0
+                for t in range(tid, T, nth):  # rows apart: each one's own numbers
+                    _qkv_to_cache(il, qf[t:t + 1], kf[t:t + 1], vf[t:t + 1], qr[t:t + 1], kstores, vstores,
+                                  seq_of[t:t + 1], positions[t:t + 1], rope[t:t + 1], dims, eps, ly, bq, bk, bv,
+                                  q_norm, k_norm)
+                    att[t] = 0.0
                 if not _meet(state, nth, tid, clock, PH_ROPE_KV):
                     return False
                 slot = ly[L_KV_SLOT]
@@ -336,22 +351,28 @@ def _worker_kernel():
                 if not _meet(state, nth, tid, clock, PH_ATTENTION):
                     return False
                 ao = att.reshape(T, H * Dv)
-                if tid == 0:
-                    _prepare_rows(ao, _form(kd[K_O]), acts_o)
+                for t in range(tid, T, nth):
+                    _prepare_row(ao, t, _form(kd[K_O]), acts_o)
                 if not _meet(state, nth, tid, clock, PH_PREP_O):
                     return False
                 # -- the output projection, then (thread 0) the residual and the FFN's norm
                 _linear_share(tid, nth, kd[K_O], wo[il], ao, acts_o, groups, a)
                 if not _meet(state, nth, tid, clock, PH_O_PROJ):
                     return False
-                if tid == 0:
-                    if ly[L_BIAS_O]:
-                        _add_bias(a, bo[il])
-                    _add(x, a)
-                    if last:  # each sequence's last row to the front (rows only move forward)
-                        for s in range(S):
-                            x[s] = x[groups[s + 1] - 1]
-                    _ffn_input(x[:R], h[:R], ffn_norm[il], eps, kd, ly, acts_d, ids, wts)
+                if ly[L_BIAS_O]:
+                    for t in range(tid, T, nth):
+                        _add_bias(a[t:t + 1], bo[il])
+                if not last:
+                    for t in range(tid, T, nth):
+                        _add(x[t:t + 1], a[t:t + 1])
+                        _ffn_input(x, h, t, ffn_norm[il], eps, kd, ly, acts_d, wts)
+                elif tid == 0:  # each sequence's last row to the front (rows only move forward)
+                    for s in range(S):
+                        r = groups[s + 1] - 1
+                        _add(x[r:r + 1], a[r:r + 1])
+                        x[s] = x[r]
+                    for s in range(S):
+                        _ffn_input(x, h, s, ffn_norm[il], eps, kd, ly, acts_d, wts)
                 if not _meet(state, nth, tid, clock, PH_RESIDUAL):
                     return False
             # -- the FFN: pairs (row, expert) grouped as the per-op path groups them, or the dense
@@ -378,8 +399,8 @@ def _worker_kernel():
                     else:
                         by_seq = _kquant(kd[K_GATE]) or _kquant(kd[K_UP]) or _kquant(kd[K_DOWN])
                         nj[0] = _group_pairs(chosen, A, seq_of if not last else ones, S, by_seq,
-                                             _form(kd[K_GATE]) | _form(kd[K_UP]), h, acts_d, hg, acts_g, order,
-                                             pexp, slot_rows, offs)
+                                             _form(kd[K_GATE]) | _form(kd[K_UP]), h, acts_d, hg, acts_g, pexp,
+                                             slot_rows, offs, counts)
                 if not _meet(state, nth, tid, clock, PH_TOP_K):
                     return False
                 if status[0] >= 0:  # an expert to read first: the host resumes here
@@ -440,17 +461,16 @@ def _worker_kernel():
                 i += stop - n
             if not _meet(state, nth, tid, clock, PH_DOWN):
                 return False
-            if tid == 0:  # the mix and the residual, then the next layer's norm (the output norm after the last)
+            # the mix and the residual, then the next layer's norm (the output norm after the last), row by row
+            norm = attn_norm[il + 1] if il + 1 < L else out_norm
+            nk = kinds[il + 1] if il + 1 < L else kinds[il]
+            forms = _form(nk[K_Q]) | _form(nk[K_K]) | _form(nk[K_V]) if il + 1 < L else _form(dims[D_OUT_KIND])
+            for t in range(tid, R, nth):
                 if not moe:
-                    for t in range(R):
-                        slot_rows[t] = t
-                _add(x[:R], moe_mix(yo, slot_rows[:P].reshape(R, per), wts[:R, :per]))
-                h[:R] = rms_norm(x[:R], attn_norm[il + 1] if il + 1 < L else out_norm, eps)
-                if il + 1 < L:
-                    nk = kinds[il + 1]
-                    _prepare_rows(h, _form(nk[K_Q]) | _form(nk[K_K]) | _form(nk[K_V]), acts_d)
-                else:
-                    _prepare_rows(h[:R], _form(dims[D_OUT_KIND]), acts_d)
+                    slot_rows[t] = t
+                _add(x[t:t + 1], moe_mix(yo, slot_rows[t * per:(t + 1) * per].reshape(1, per), wts[t:t + 1, :per]))
+                h[t] = rms_norm(x[t:t + 1], norm, eps)[0]
+                _prepare_row(h, t, forms, acts_d)
             if not _meet(state, nth, tid, clock, PH_MIX):
                 return False
         # -- the head, on the rows the last layer's FFN ran on
@@ -519,8 +539,9 @@ def _step_kernel():
         yo = np.empty((P, D), np.float32)
         hg = np.empty((P, D), np.float32)  # the pairs' rows gathered by group (F32 experts)
         acts_d, acts_g, acts_o, acts_f = _acts(T, D), _acts(P, D), _acts(T, H * Dv), _acts(P, nf)
-        order, pexp, slot_rows = np.empty(P, np.int64), np.empty(P, np.int64), np.empty(P, np.int64)
+        pexp, slot_rows = np.empty(P, np.int64), np.empty(P, np.int64)
         offs, nj = np.empty(P + 1, np.int64), np.zeros(1, np.int64)
+        counts = np.empty(ne * S + 1, np.int64)  # the grouping's keys: (expert, sequence)
         G = H // Hkv
         for tid in prange(nth):  # one iteration per thread (numba's OpenMP layer: a static schedule)
             w = np.empty((G, C + 8), np.float32)  # this thread's attention scratch
@@ -529,8 +550,8 @@ def _step_kernel():
                           ones, trim, kstores, vstores, dims, scalars, kinds, layer, attn_norm, ffn_norm, out_norm,
                           wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm, sinks, router, router_bias, gate, up, down,
                           gate_bias, up_bias, down_bias, slot_of, out_w, logits, routes, qf, kf, vf, qr, att, a, rl,
-                          ids, wts, gu, hh, yo, hg, acts_d, acts_g, acts_o, acts_f, order, pexp, slot_rows, offs, nj,
-                          w, acc):
+                          ids, wts, gu, hh, yo, hg, acts_d, acts_g, acts_o, acts_f, pexp, slot_rows, offs, counts,
+                          nj, w, acc):
                 failed[tid] = 1
         if failed.sum():
             return VOID
