@@ -52,9 +52,9 @@ QK_NONE, QK_HEAD, QK_FULL = 0, 1, 2
 DONE, VOID = -1, -2  # decode_step's results besides a layer to resume at
 # clock[...]: thread 0's time stamp counter cycles in each phase, its barrier's wait included
 PHASES = ("input", "q/k/v", "RoPE, KV write", "attention", "quantize o", "o proj", "residual, norm", "router",
-          "top-k, grouping", "gate/up", "GLU", "down", "mix, norm", "head")
-PH_INPUT, PH_QKV, PH_ROPE_KV, PH_ATTENTION, PH_PREP_O, PH_O_PROJ, PH_RESIDUAL, PH_ROUTER, PH_TOP_K, PH_GATE_UP, \
-    PH_GLU, PH_DOWN, PH_MIX, PH_HEAD = range(14)
+          "top-k", "grouping", "gate/up", "GLU", "down", "mix, norm", "head")
+PH_INPUT, PH_QKV, PH_ROPE_KV, PH_ATTENTION, PH_PREP_O, PH_O_PROJ, PH_RESIDUAL, PH_ROUTER, PH_TOP_K, PH_GROUP, \
+    PH_GATE_UP, PH_GLU, PH_DOWN, PH_MIX, PH_HEAD = range(15)
 CLOCK_SIZE = len(PHASES) + 1  # the last: the previous mark
 
 
@@ -93,24 +93,32 @@ def _prepare_row(x, t, forms, acts):
 
 
 @numba.njit(cache=True)
+def _copy_row(dst, p, src, t):
+    """dst[p] = src[t], as a plain loop (a slice assignment checks for overlap and may copy through
+    a temporary: microseconds a row, which add up over a prompt's pairs)."""
+    for i in range(src.shape[1]):
+        dst[p, i] = src[t, i]
+
+
+@numba.njit(cache=True)
 def _gather_row(forms, x, acts, t, xg, actg, p):
     """Row t of x and its prepared forms (acts) -> row p of xg and actg (an expert's rows together)."""
     xh, xb, q32, d32, s32, qk, dk, bk = acts
     gh, gb, g32, gd32, gs32, gk, gdk, gbk = actg
     if forms & FORM_Q8_0:
-        g32[p] = q32[t]
-        gd32[p] = d32[t]
-        gs32[p] = s32[t]
+        _copy_row(g32, p, q32, t)
+        _copy_row(gd32, p, d32, t)
+        _copy_row(gs32, p, s32, t)
     if forms & FORM_Q8_K:
-        gk[p] = qk[t]
-        gdk[p] = dk[t]
-        gbk[p] = bk[t]
+        _copy_row(gk, p, qk, t)
+        _copy_row(gdk, p, dk, t)
+        _copy_row(gbk, p, bk, t)
     if forms & FORM_F16:
-        gh[p] = xh[t]
+        _copy_row(gh, p, xh, t)
     if forms & FORM_BF16:
-        gb[p] = xb[t]
+        _copy_row(gb, p, xb, t)
     if forms & FORM_F32:
-        xg[p] = x[t]
+        _copy_row(xg, p, x, t)
 
 
 @numba.njit(cache=True)
@@ -382,26 +390,30 @@ def _worker_kernel():
                 _linear_share(tid, nth, kd[K_ROUTER], router[il], h, acts_d, rows, rl[:R])
                 if not _meet(state, nth, tid, clock, PH_ROUTER):
                     return False
-                if tid == 0:
-                    logit = rl[:R]
+                mi = ly[L_MOE_INDEX]
+                for t in range(tid, R, nth):  # each row's top-k (one row: thread 0's, and no meeting after)
+                    logit = rl[t:t + 1]
                     if ly[L_ROUTER_BIAS]:
                         _add_bias(logit, router_bias[il])
                     chosen, weights = route_top_k(logit, A, dims[D_WEIGHT_SOFTMAX] != 0, dims[D_NORM_TOPK] != 0,
                                                   scalars[F_ROUTE_SCALE], np.empty((0, 0), np.int64))
-                    ids[:R, :A] = chosen
-                    wts[:R, :A] = weights
-                    mi = ly[L_MOE_INDEX]
-                    routes[mi, :R] = chosen
-                    for t in range(R, T):  # rows the last layer skips: counted once, as row 0
-                        routes[mi, t] = chosen[0]
+                    for k in range(A):
+                        ids[t, k] = chosen[0, k]
+                        wts[t, k] = weights[0, k]
+                        routes[mi, t, k] = chosen[0, k]
                     if _missing(slot_of[mi], chosen):
-                        status[0] = il
-                    else:
+                        status[0] = il  # (every thread that finds one writes the same)
+                if R > 1 and not _meet(state, nth, tid, clock, PH_TOP_K):
+                    return False
+                if tid == 0:
+                    for t in range(R, T):  # rows the last layer skips: counted once, as row 0
+                        routes[mi, t] = routes[mi, 0]
+                    if status[0] < 0:
                         by_seq = _kquant(kd[K_GATE]) or _kquant(kd[K_UP]) or _kquant(kd[K_DOWN])
-                        nj[0] = _group_pairs(chosen, A, seq_of if not last else ones, S, by_seq,
+                        nj[0] = _group_pairs(ids[:R, :A], A, seq_of if not last else ones, S, by_seq,
                                              _form(kd[K_GATE]) | _form(kd[K_UP]), h, acts_d, hg, acts_g, pexp,
                                              slot_rows, offs, counts)
-                if not _meet(state, nth, tid, clock, PH_TOP_K):
+                if not _meet(state, nth, tid, clock, PH_GROUP):
                     return False
                 if status[0] >= 0:  # an expert to read first: the host resumes here
                     return True
