@@ -8,7 +8,7 @@ read (resident, or an unlimited expert cache: a miss is read where the step stop
 the per-op path: the hybrids with Gated DeltaNet layers, shared experts, a bounded expert cache.
 That path also stays the readable reference.
 
-The step's first compile takes about 40 s of one core (then numba's disk cache loads it in about
+The step's first compile takes about 55 s of one core (then numba's disk cache loads it in about
 1 s). A program can wait for it, or have it compiled on a thread of its own while the per-op path
 serves (`run(wait=False)`): the logits are the same bits either way. That compile starts at the
 second decode step, once the prompt and the first decode step have compiled the per-op kernels:
