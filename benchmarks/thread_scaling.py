@@ -77,7 +77,11 @@ def child(model: str, threads: int, prefill: int, decode: int, repeat: int, cach
         dec.append(decode / (time.perf_counter() - t0))
     pre.sort()
     dec.sort()
-    print(json.dumps({"threads": threads, "layer": numba.threading_layer(),
+    try:
+        layer = numba.threading_layer()
+    except ValueError:  # this thread ran no parallel region itself (the engine's steps run on another)
+        layer = os.environ.get("NUMBA_THREADING_LAYER", "?")
+    print(json.dumps({"threads": threads, "layer": layer,
                       "numba_threads": numba.get_num_threads(), "warm_s": round(warm_s, 1),
                       "prefill": round(pre[len(pre) // 2], 1), "prefill_min": round(pre[0], 1),
                       "prefill_max": round(pre[-1], 1), "decode": round(dec[len(dec) // 2], 2),
