@@ -79,7 +79,7 @@ def child(model: str, threads: int, prefill: int, decode: int, repeat: int, cach
     dec.sort()
     try:
         layer = numba.threading_layer()
-    except ValueError:  # this thread ran no parallel region itself (the engine's steps run on another)
+    except ValueError:  # seen on the GPU machine's numba after a governed run (its steps had run)
         layer = os.environ.get("NUMBA_THREADING_LAYER", "?")
     print(json.dumps({"threads": threads, "layer": layer,
                       "numba_threads": numba.get_num_threads(), "warm_s": round(warm_s, 1),
