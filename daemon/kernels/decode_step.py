@@ -4,8 +4,9 @@ or dense), then the output norm and head, with no Python between the kernels. Th
 wakes the thread pool and crosses the interpreter dozens of times a layer. Here the whole step is
 one parallel region of one iteration per thread: each thread does its share of a phase (weight
 rows for all of a sequence's rows, attention items, GLU rows), and the threads meet at a spin
-barrier (sync.py) before the next phase. Thread 0 does the serial parts between phases: norms,
-RoPE and the KV write, top-k, the experts' grouping and the mix.
+barrier (sync.py) before the next phase. The row-wise parts between the matmuls (norms, RoPE and
+the KV write, top-k, the mix) go row by row over the threads; thread 0 alone groups the experts'
+pairs and moves the last layer's rows.
 
 Each value comes from the kernels the per-op path uses for the same rows, in its order: the row
 tiles (row_dot.tiles_any, with the path llama.cpp picks for the op's row count), the quantizers,
@@ -211,6 +212,14 @@ def _meet(state, nth, tid, clock, phase):
 
 
 @numba.njit(cache=True)
+def _residual(x, a, t, ly, bo):
+    """x[t] += the attention's output a[t] (with the o bias first, as the per-op path adds it)."""
+    if ly[L_BIAS_O]:
+        _add_bias(a[t:t + 1], bo)
+    _add(x[t:t + 1], a[t:t + 1])
+
+
+@numba.njit(cache=True)
 def _ffn_input(x, h, t, norm, eps, kd, ly, acts_d, wts):
     """Row t of h [T, D] = the FFN's input (row t of x normed), in the forms the router, gate and up
     read; a dense FFN's one 'expert' per row has weight 1 (y * 1 is y, bit for bit)."""
@@ -301,8 +310,8 @@ def _worker_kernel():
                q_norm, k_norm, sinks, router, router_bias, gate, up, down, gate_bias, up_bias, down_bias, slot_of,
                out_w, logits, routes, qf, kf, vf, qr, att, a, rl, ids, wts, gu, hh, yo, hg, acts_d, acts_g, acts_o,
                acts_f, pexp, slot_rows, offs, counts, nj, w, acc):
-        """Thread tid of nth: its share of each phase, the serial parts on thread 0, a barrier
-        between phases. -> False when the barrier failed (the step is void)."""
+        """Thread tid of nth: its share of each phase (rows, or weight rows), a barrier between
+        phases. -> False when the barrier failed (the step is void)."""
         if len(spec) == 0:
             return False
         T, D = x.shape
@@ -332,7 +341,7 @@ def _worker_kernel():
             R = S if last else T  # the rows the FFN runs on (trimmed: the first S of x)
             rows = ones if last else groups  # and how they group into sequences
             if il != start:
-                # -- attention: q, k and v [T, N] (one phase), then norms, RoPE and the KV write (thread 0)
+                # -- attention: q, k and v [T, N] (one phase), then each row's norms, RoPE and KV write
                 Nq, Nk = qf.shape[1], kf.shape[1]
                 Nt = Nq + Nk + vf.shape[1]  # one span over the three matrices' rows
                 _linear_part(tid, nth, kd[K_Q], wq[il], h, acts_d, groups, qf, 0, Nt)
@@ -363,21 +372,18 @@ def _worker_kernel():
                     _prepare_row(ao, t, _form(kd[K_O]), acts_o)
                 if not _meet(state, nth, tid, clock, PH_PREP_O):
                     return False
-                # -- the output projection, then (thread 0) the residual and the FFN's norm
+                # -- the output projection, then each row's residual and FFN norm
                 _linear_share(tid, nth, kd[K_O], wo[il], ao, acts_o, groups, a)
                 if not _meet(state, nth, tid, clock, PH_O_PROJ):
                     return False
-                if ly[L_BIAS_O]:
-                    for t in range(tid, T, nth):
-                        _add_bias(a[t:t + 1], bo[il])
                 if not last:
                     for t in range(tid, T, nth):
-                        _add(x[t:t + 1], a[t:t + 1])
+                        _residual(x, a, t, ly, bo[il])
                         _ffn_input(x, h, t, ffn_norm[il], eps, kd, ly, acts_d, wts)
                 elif tid == 0:  # each sequence's last row to the front (rows only move forward)
                     for s in range(S):
                         r = groups[s + 1] - 1
-                        _add(x[r:r + 1], a[r:r + 1])
+                        _residual(x, a, r, ly, bo[il])
                         x[s] = x[r]
                     for s in range(S):
                         _ffn_input(x, h, s, ffn_norm[il], eps, kd, ly, acts_d, wts)
