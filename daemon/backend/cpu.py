@@ -138,8 +138,8 @@ class CPUBackend:
 
     def run_compiled(self, model, step: Step) -> np.ndarray | None:
         """A step (a decode batch, or prompts) as one compiled call (cpu_step.py) -> its logits; None
-        where the model has no compiled step, or not yet (compiling in the background, or its
-        experts not all resident), and the per-op path serves it."""
+        where the model has no compiled step, or not for this step (compiling in the background,
+        more experts than a layer's slots may be chosen...), and the per-op path serves it."""
         if not (self.compiled_step != "off" and self.fuse_decode):
             return None
         program = self._programs.get(model)
@@ -148,21 +148,11 @@ class CPUBackend:
         if isinstance(program, str):
             return None
         self._set_threads()
-        logits, read = program.run(step, self._rope_table(step, model.hp.rope), self._step_stores(step),
-                                   wait=self.compiled_step == "wait")
-        if logits is None:
-            if program.lost:  # not again for this model
-                self._programs[model] = program.lost
-                log.warning("the compiled step cannot serve this model (%s): op by op from now on",
-                            program.lost)
-            return None
-        count = getattr(model.experts, "count_in_place", None)
-        if count is not None and model.moe_layers:  # the cache's statistics: distinct experts per layer
-            r = np.sort(program.routes.reshape(len(model.moe_layers), -1), axis=1)
-            distinct = 1 + np.count_nonzero(np.diff(r, axis=1), axis=1)
-            for il in read:  # their fetch counted them
-                distinct[program.moe_index[il]] = 0
-            count(model.moe_layers, distinct)
+        logits = program.run(step, self._rope_table(step, model.hp.rope), self._step_stores(step),
+                             wait=self.compiled_step == "wait")
+        if logits is None and program.lost:  # not again for this model
+            self._programs[model] = program.lost
+            log.warning("the compiled step cannot serve this model (%s): op by op from now on", program.lost)
         return logits
 
     def host_point(self, fn, sync: bool = True) -> None:

@@ -3,10 +3,17 @@ that step reads, then each step run as one call: a decode batch, a prompt, or pr
 
 `StepProgram.build(model)` says why a model has none (a reason string) or returns one: the
 compiled step covers the shared decoder's layers (attention, then routed experts or a dense FFN)
-with "ggml" numerics, weights of any type the CPU computes, and experts that stay where they are
-read (resident, or an unlimited expert cache: a miss is read where the step stops). The rest keeps
-the per-op path: the hybrids with Gated DeltaNet layers, shared experts, a bounded expert cache.
-That path also stays the readable reference.
+with "ggml" numerics and weights of any type the CPU computes. The rest keeps the per-op path: the
+hybrids with Gated DeltaNet layers, shared experts. That path also stays the readable reference.
+
+Experts are read where they lie (ExpertCache.in_place): each MoE layer's arenas and a slot map
+(`slot_of`), refreshed before a step for each layer whose experts moved since. A chosen expert not
+in the map ends the compiled call at its layer; the host fetches that layer's choice (read into
+slots, pinned until the step ends) and the step resumes there. A bounded cache moves experts only
+through fetches and prefetches; while the step runs, only its own fetches do (a prefetcher is a step
+hook, and a step with hooks takes the per-op path), and an eviction it did not make voids the step.
+A step that may choose more experts in a layer than its slots (rows x experts used) takes the
+per-op path, whose waves serve it.
 
 The step's first compile takes about 55 s of one core (then numba's disk cache loads it in about
 1 s). A program can wait for it, or have it compiled on a thread of its own while the per-op path
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import ExitStack
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numba
@@ -82,7 +90,7 @@ def compiling() -> bool:
 class StepProgram:
     """One model's step as one compiled call; `run` serves any step of it (decode or prompts)."""
 
-    def __init__(self, model, batches: dict):
+    def __init__(self, model, batches: dict, moves: np.ndarray | None = None):
         hp, fam = model.hp, model.family
         L = hp.n_layer
         self.tok_embd = model.tok_embd
@@ -140,8 +148,14 @@ class StepProgram:
                     ebias[name].append(_NONE_2D)
         self.lists, self.vecs, self.ebias = lists, vecs, ebias
         self.experts = model.experts
+        self.moe_layers = list(model.moe_layers)
+        self._arenas: dict[int, np.ndarray] = {}  # MoE layer -> the gate arena its stacks view
         for il, batch in batches.items():
             self._place(il, batch)
+        self._moves = moves  # [Lm, 2] the experts' moves the maps reflect (None: they never move)
+        slots = getattr(self.experts, "slots", None)  # None: every expert always in place
+        # the fewest slots of a layer; a step choosing at most that many pairs fits (E: any step)
+        self.room = min((slots(il) for il in self.moe_layers), default=E) if slots is not None else E
         self.attn_norm = np.stack([np.asarray(l.attn_norm, np.float32) for l in model.layers])  # [L, D]
         self.ffn_norm = np.stack([np.asarray(l.ffn_norm, np.float32) for l in model.layers])
         self.out_norm = np.ascontiguousarray(model.output_norm, np.float32)
@@ -176,34 +190,36 @@ class StepProgram:
         why = unsupported(model)
         if why:
             return why
-        batches = {}
-        for il in model.moe_layers:
-            batch = _in_place(model.experts, il)
-            if batch is None:
-                return "a bounded expert cache (experts move between steps)"
-            batches[il] = batch
-        return cls(model, batches)
+        in_place = getattr(model.experts, "in_place", None)
+        if model.moe_layers and in_place is None:
+            return f"an expert provider without in-place reads ({type(model.experts).__name__})"
+        moves = getattr(model.experts, "moves", None)
+        # the counts before the maps: a move in between is seen by the next step's refresh
+        before = moves(model.moe_layers) if moves is not None and model.moe_layers else None
+        return cls(model, {il: in_place(il) for il in model.moe_layers}, before)
 
     def _place(self, il: int, batch) -> None:
         """Layer il's experts where they lie now: their stacks and each one's slot (-1: absent)."""
         i = self.moe_index[il]
-        for name, stack in (("gate", batch.gate), ("up", batch.up), ("down", batch.down)):
-            if self.lists[name][il] is not stack:  # an arena made since (np.empty: pages come as filled)
+        if self._arenas.get(il) is not batch.gate:  # an arena made since (np.empty: pages come as filled)
+            for name, stack in (("gate", batch.gate), ("up", batch.up), ("down", batch.down)):
                 self.lists[name][il] = _stack(stack)
+            self._arenas[il] = batch.gate
         self.slot_of[i] = -1
         for e, slot in batch.rows.items():
             self.slot_of[i, e] = slot
 
-    def run(self, step, rope_table: np.ndarray, stores, threads: int = 0,
-            wait: bool = True) -> tuple[np.ndarray | None, list[int]]:
-        """The step's rows (a decode batch, or prompts; their KV cells reserved) -> (logits [T, V],
-        or [S, V] of each sequence's last row unless step.all_logits; the MoE layers whose experts
-        were read for it). Logits None: the step did not run, and changed nothing the per-op path
-        does not write again: not compiled yet (wait False), or `lost` says why it never will (its
-        threads could not meet, sync.py; its compile failed). threads: the step's threads (default
-        numba's count; more than numba runs at once never meet). rope_table: the step's
-        [T, n_rot/2, 2]; stores: each sequence's KV arrays (numba Lists). A chosen expert not in
-        memory yet ends the compiled call at its layer: it is read, and the step resumes there."""
+    def run(self, step, rope_table: np.ndarray, stores, threads: int = 0, wait: bool = True) -> np.ndarray | None:
+        """The step's rows (a decode batch, or prompts; their KV cells reserved) -> logits [T, V],
+        or [S, V] of each sequence's last row unless step.all_logits. None: the step did not run to
+        its end, and changed nothing the per-op path does not write again: not compiled yet (wait
+        False), more experts than a layer's slots may be chosen, a fetched expert outside the
+        arena, an eviction it did not make; or `lost` says why it never will (its threads could not
+        meet, sync.py; its compile failed). threads: the step's threads (default numba's count;
+        more than numba runs at once never meet). rope_table: the step's [T, n_rot/2, 2]; stores:
+        each sequence's KV arrays (numba Lists)."""
+        if self.room < self.dims[K.D_EXPERTS] and step.T * self.dims[K.D_USED] > self.room:
+            return None  # it may choose more experts in a layer than its slots: the per-op path's waves
         x = dequantize(self.tok_embd.raw[step.tokens], self.tok_embd.ggml_type, self.tok_embd.n_in)  # [T, D]
         trim = not step.all_logits
         logits = np.empty((step.S if trim else step.T, self.n_vocab), np.float32)
@@ -217,20 +233,61 @@ class StepProgram:
                 E["down_bias"], self.slot_of, self.out_w, logits, self.routes, -1,
                 threads or numba.get_num_threads(), self.clock]
         if not self._ready(args, wait, step.one_row_each):
-            return None, []
-        read = []
-        while True:
-            start = args[-3] = K.decode_step(*args)
-            if start == K.VOID:
-                self.lost = "its threads did not all run at once"
-                return None, read
-            if start < 0:
-                return logits, read
-            ids = np.unique(self.routes[self.moe_index[start]]).tolist()
-            with self.experts.fetch(start, ids):  # an unlimited cache: once read, they stay
-                pass
-            self._place(start, self.experts.in_place(start))
-            read.append(start)
+            return None
+        self._refresh()
+        read = np.zeros(len(self.moe_layers), bool)  # the layers the step fetched for (they counted)
+        with ExitStack() as held:
+            while True:
+                start = args[-3] = K.decode_step(*args)
+                if start == K.VOID:
+                    self.lost = "its threads did not all run at once"
+                    return None
+                if start < 0:
+                    break
+                if not self._fetch(start, held):
+                    return None
+                read[self.moe_index[start]] = True
+            if self._moves is not None and self._moved_by_others():
+                return None
+            if self.moe_layers and not read.all() and hasattr(self.experts, "count_in_place"):
+                self.experts.count_in_place([il for il, r in zip(self.moe_layers, read) if not r],
+                                            self.routes[~read].reshape(int((~read).sum()), -1))
+        return logits
+
+    def _refresh(self) -> None:
+        """Each MoE layer's map re-read where its experts moved since the last (counts before maps:
+        a move in between shows at the next refresh)."""
+        if self._moves is None:
+            return
+        now = self.experts.moves(self.moe_layers)
+        for i in np.flatnonzero((now != self._moves).any(axis=1)).tolist():
+            il = self.moe_layers[i]
+            self._place(il, self.experts.in_place(il))
+        self._moves = now
+
+    def _fetch(self, il: int, held: ExitStack) -> bool:
+        """The experts layer il chose, read into its slots and pinned until the step ends, and its
+        map re-read. False: one lies outside the arena (every slot pinned or filling), so the step
+        cannot read it there."""
+        ids = np.unique(self.routes[self.moe_index[il]]).tolist()
+        held.enter_context(self.experts.fetch(il, ids))
+        moved = self.experts.moves([il])[0] if self._moves is not None else None  # counts, then the map
+        batch = self.experts.in_place(il)
+        if any(e not in batch.rows for e in ids):
+            return False
+        self._place(il, batch)
+        if moved is not None:  # this fetch's evictions are the step's own (_moved_by_others)
+            self._moves[self.moe_index[il]] = moved
+        return True
+
+    def _moved_by_others(self) -> bool:
+        """Whether an expert the step may have read was evicted by a fetch it did not make (what it
+        computed is void: the per-op path runs the step)."""
+        now = self.experts.moves(self.moe_layers)
+        if (now[:, 1] == self._moves[:, 1]).all():
+            return False
+        log.warning("experts were evicted while the compiled step read them: the step runs op by op")
+        return True  # the next refresh re-reads the layers they left
 
     def _ready(self, args: list, wait: bool, decode: bool) -> bool:
         """Whether the step's machine code for these arguments is ready (see the module's doc: in
@@ -250,12 +307,6 @@ class StepProgram:
 
 def _vec(v) -> np.ndarray:
     return _NONE_1D if v is None else np.ascontiguousarray(v, np.float32)
-
-
-def _in_place(experts, layer: int):
-    """The layer's ExpertBatch where its experts stay (None: a provider whose experts move)."""
-    in_place = getattr(experts, "in_place", None)
-    return None if in_place is None else in_place(layer)
 
 
 def unsupported(model) -> str:

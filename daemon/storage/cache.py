@@ -100,6 +100,8 @@ class _Layer:
     read_this_pass: set[int] = field(default_factory=set)
     biases: tuple = (None, None, None)
     resident: ExpertBatch | None = None  # set once an unlimited layer holds every expert
+    arrived: int = 0  # experts read into slots, ever (moves: not reset with the statistics)
+    evicted: int = 0  # experts whose slot was taken, ever
 
 
 class ExpertCache:
@@ -259,13 +261,12 @@ class ExpertCache:
         lc = self._layers.get(layer)
         return lc is not None and len(lc.entries) == lc.layout.n_expert
 
-    def in_place(self, layer: int) -> ExpertBatch | None:
-        """For an unlimited cache, where an expert once read never moves: the layer's arenas, with
-        `rows` naming the experts read so far (a step that needs another fetches it first). None
-        for a bounded cache. The CPU's compiled decode step reads the experts where they lie."""
+    def in_place(self, layer: int) -> ExpertBatch:
+        """The layer's arenas, with `rows` naming the experts read into them: for a reader that
+        takes the experts where they lie, without pins (the CPU's compiled step). In an unlimited
+        cache an expert once read never moves; in a bounded one it stays until a fetch or prefetch
+        of this layer takes its slot, which `moves` counts."""
         lc = self._layer(layer)
-        if lc.capacity < lc.layout.n_expert:
-            return None
         with self._lock:
             if lc.resident is not None:
                 return lc.resident
@@ -273,14 +274,34 @@ class ExpertCache:
             rows = {e: ent.slot for e, ent in lc.entries.items() if ent.ready and ent.slot >= 0}
         return ExpertBatch(*arena, rows, *lc.biases)
 
-    def count_in_place(self, layers, requests) -> None:
-        """A step read its experts in place (the compiled decode step): requests[i] distinct
-        experts of layers[i] asked for, all hits."""
+    def moves(self, layers: Sequence[int]) -> np.ndarray:
+        """[len(layers), 2] int64: each layer's experts read into slots, and evicted from them, ever
+        (an in_place reader re-reads a layer whose counts moved; an eviction it did not make while
+        it read voids what it computed)."""
         with self._lock:
-            for il, n in zip(layers, requests):
-                st = self._layers[il].stats
-                st.requests += int(n)
-                st.hits += int(n)
+            return np.array([(self._layers[il].arrived, self._layers[il].evicted) for il in layers],
+                            np.int64).reshape(len(layers), 2)
+
+    def slots(self, layer: int) -> int:
+        """The layer's slots (its expert count when unlimited)."""
+        return self._layer(layer).capacity
+
+    def count_in_place(self, layers: Sequence[int], routes: np.ndarray) -> None:
+        """A step read its experts in place (the compiled step): layers[i] chose routes[i] (ids
+        [R], any order, repeats allowed), all hits. Counted as a fetch of them would count them;
+        a bounded layer's policy is touched in a fetch's order (ascending ids), its clock ticks."""
+        routes = np.sort(np.asarray(routes, np.int64).reshape(len(layers), -1), axis=1)
+        distinct = 1 + np.count_nonzero(np.diff(routes, axis=1), axis=1) if routes.shape[1] else np.zeros(len(layers), int)
+        with self._lock:
+            for i, il in enumerate(layers):
+                lc = self._layers[il]
+                if lc.capacity == lc.layout.n_expert:  # nothing is ever evicted: statistics only
+                    lc.stats.requests += int(distinct[i])
+                    lc.stats.hits += int(distinct[i])
+                    continue
+                lc.clock += 1
+                for e in np.unique(routes[i]).tolist():
+                    self._request(lc, lc.stats, lc.entries[e], True, True)
 
     def begin_pass(self, rows: int = 0) -> None:
         """A new forward pass starts: reads from now on count toward its duplicate check."""
@@ -335,26 +356,35 @@ class ExpertCache:
         """Expert e for a step, pinned: a hit, or a miss read into the next of `slots` (claimed for
         the step's misses; none left: a buffer of its own)."""
         st = lc.stats if count else LayerStats()  # not counted: a throwaway
-        st.requests += 1
-        if count and e not in lc.seen:
-            lc.seen.add(e)
-            st.unique_requested += 1
         ent = lc.entries.get(e)
-        if ent is not None:
-            st.hits += 1
-            if ent.prefetched and not ent.used:
-                st.prefetch_used += 1
+        hit = ent is not None
+        if hit:
             if not ent.started and ent.priority != DEMAND:  # queued prefetch: read it now
                 ent.priority = DEMAND
                 reads.append(ent)
         else:
-            st.misses += 1
             ent = self._start(lc, e, DEMAND, slots.pop(0) if slots else -1)
             reads.append(ent)
-        lc.policy.touch(e, lc.clock)
-        ent.used = ent.used or count
+        self._request(lc, st, ent, hit, count)
         ent.pins += 1
         return ent
+
+    def _request(self, lc: _Layer, st: LayerStats, ent: _Entry, hit: bool, count: bool) -> None:
+        """A step asked for ent's expert (a hit: cached or in flight before it asked): counted, and
+        touched."""
+        e = ent.expert
+        st.requests += 1
+        if count and e not in lc.seen:
+            lc.seen.add(e)
+            st.unique_requested += 1
+        if hit:
+            st.hits += 1
+            if ent.prefetched and not ent.used:
+                st.prefetch_used += 1
+        else:
+            st.misses += 1
+        lc.policy.touch(e, lc.clock)
+        ent.used = ent.used or count
 
     def _start(self, lc: _Layer, e: int, priority: int, slot: int) -> _Entry:
         """A read of expert e into `slot` (-1: a buffer of its own, dropped after its step)."""
@@ -414,6 +444,7 @@ class ExpertCache:
         for e in lc.policy.victims(cands, lc.clock, n - len(slots)):
             ent = lc.entries.pop(e)
             lc.stats.evictions += 1
+            lc.evicted += 1
             if ent.prefetched and not ent.used:
                 lc.stats.prefetch_wasted += 1
             slots.append(ent.slot)
@@ -444,6 +475,7 @@ class ExpertCache:
                 lc.stats.loads += 1
                 lc.stats.bytes_read += nbytes
                 ent.ready = True
+                lc.arrived += ent.slot >= 0
             else:
                 lc.read_this_pass.discard(ent.expert)  # nothing was read: a retry is no duplicate
                 if ent.slot >= 0 and lc.entries.get(ent.expert) is ent:  # forget it: a later request retries

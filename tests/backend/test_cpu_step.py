@@ -154,14 +154,91 @@ def test_what_the_step_does_not_cover_keeps_the_per_op_path(fixture_dir):
             assert isinstance(reason, str) and why in reason
 
 
-def test_a_bounded_cache_keeps_the_per_op_path(fixture_dir):
+def _bounded(g, limit_mb: float) -> ExpertCache:
+    return ExpertCache(ExpertStore.from_gguf(g, expert_layouts(g)), limit_mb)
+
+
+def test_a_bounded_cache_is_read_where_the_step_stops_and_keeps_the_per_op_books(fixture_dir):
+    """Five slots of eight experts per layer: decode steps of two rows (two experts each: four at
+    most per layer) run compiled, stopping where a chosen expert is not in its slots; the prompts
+    (more rows than slots) take the per-op path. Same bits as the resident per-op path, and the
+    cache's books (hits, misses, reads, evictions per layer) the same as a per-op run over the same
+    bounded cache keeps: what the step counts and touches is what the per-op fetches would."""
     path = fixture_path("qwen3moe", "Q8_0", fixture_dir)
-    with GGUFFile(path) as g:
-        layouts = expert_layouts(g)
-        with ExpertCache(ExpertStore.from_gguf(g, layouts), 0.05) as cache:
-            model = Transformer(g, experts=cache)
-            model.forward_batch([1], [model.new_cache(4)])
-            assert "bounded" in model.backend._programs[model]
+    with GGUFFile(path) as g0, _bounded(g0, 4.0) as mine, _bounded(g0, 4.0) as theirs:
+        assert {mine.slots(il) for il in expert_layouts(g0)} == {5}
+        g, ref, new = _models(path, experts=mine)
+        with g:
+            per_op = Transformer(g, backend=CPUBackend(), experts=theirs)
+            per_op.backend.compiled_step = "off"
+            rng = np.random.default_rng(5)
+            V = ref.hp.n_vocab
+            caches = {m: [m.new_cache(32) for _ in range(2)] for m in (ref, new, per_op)}
+            for n, c in zip((3, 6), range(2)):
+                prompt = rng.integers(0, V, n)
+                for m in (ref, new, per_op):
+                    m.forward(prompt, caches[m][c])
+            program = new.backend._programs[new]
+            assert isinstance(program, cpu_step.StepProgram) and not program.clock.any()  # prompts: per-op
+            for _ in range(6):
+                tokens = rng.integers(0, V, 2)
+                cycles = program.clock.sum()
+                a = ref.forward_batch(tokens, caches[ref])
+                np.testing.assert_array_equal(new.forward_batch(tokens, caches[new]), a)
+                np.testing.assert_array_equal(per_op.forward_batch(tokens, caches[per_op]), a)
+                assert program.clock.sum() > cycles  # the compiled step served
+            books, theirs_books = mine.stats()["layers"], theirs.stats()["layers"]
+            assert sum(b["evictions"] for b in books.values()) > 0  # the slots were too few: experts moved
+            for il in books:
+                for key in ("requests", "hits", "misses", "loads", "evictions", "unique_requested", "cached"):
+                    assert books[il][key] == theirs_books[il][key], (il, key)
+
+
+def test_an_eviction_the_step_did_not_make_voids_it(fixture_dir):
+    """While the step runs, another fetch takes slots of the last MoE layer, whose map the step
+    already holds (here: when the step stops to read the first layer). Unless the step stops at the
+    last layer too (and maps it again), its result is dropped and the per-op path gives the step's
+    logits; the step after an undisturbed one runs compiled again."""
+    path = fixture_path("qwen3moe", "Q8_0", fixture_dir)
+    with GGUFFile(path) as g0, _bounded(g0, 4.0) as cache:
+        g, ref, new = _models(path, experts=cache)
+        with g:
+            caches = {m: m.new_cache(64) for m in (ref, new)}
+            for m in (ref, new):
+                m.forward([1, 2, 3], caches[m])
+            np.testing.assert_array_equal(new.forward_batch([4], [caches[new]]), ref.forward_batch([4], [caches[ref]]))
+            program = new.backend._programs[new]
+            first, last = program.moe_layers[0], program.moe_layers[-1]
+            fetch, run = program._fetch, program.run
+            fetched, results = [], []
+
+            def fetch_and_meddle(il, held):
+                ok = fetch(il, held)
+                fetched.append(il)
+                if il == first:  # every expert the last layer's slots do not hold: more than its free slots
+                    cached = set(cache.in_place(last).rows)
+                    evicted = cache.moves([last])[0, 1]
+                    with cache.fetch(last, [e for e in range(8) if e not in cached]):
+                        fetched.append(("evicted", cache.moves([last])[0, 1] - evicted))
+                return ok
+
+            program._fetch = fetch_and_meddle
+            program.run = lambda *a, **k: results.append(run(*a, **k)) or results[-1]
+            voided = 0
+            for token in range(5, 45):
+                fetched.clear()
+                np.testing.assert_array_equal(new.forward_batch([token], [caches[new]]),
+                                              ref.forward_batch([token], [caches[ref]]))
+                meddled = [f[1] for f in fetched if isinstance(f, tuple)]
+                if meddled and meddled[0] > 0 and fetched[-1] != last:  # evicted, and not mapped again
+                    assert results[-1] is None
+                    voided += 1
+                elif not meddled:
+                    assert results[-1] is not None
+            assert voided > 0
+            program._fetch = fetch
+            np.testing.assert_array_equal(new.forward_batch([45], [caches[new]]), ref.forward_batch([45], [caches[ref]]))
+            assert results[-1] is not None
 
 
 def test_threads_that_cannot_meet_void_the_step_and_the_per_op_path_serves_it(fixture_dir):
