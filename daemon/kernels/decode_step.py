@@ -36,7 +36,7 @@ from daemon.kernels.matmul_activations import quantize_row_q8_0_1, quantize_row_
 from daemon.kernels.matmul_quant import KQUANT_KINDS
 from daemon.kernels.ops import (_attend, _swiglu_row, moe_mix, norm_rope_qk, rms_norm, round_f16, route_top_k,
                                 swiglu_oai_row, to_f16_values)
-from daemon.kernels.row_dot import SOURCES, tiles_any, which_path
+from daemon.kernels.row_dot import SOURCES, is_kquant, tiles_any, which_path
 from daemon.kernels.sync import STATE_SIZE, barrier, cycles
 
 # kinds[il, ...]: each weight's ggml type
@@ -65,7 +65,7 @@ FORM_Q8_0, FORM_Q8_K, FORM_F16, FORM_BF16, FORM_F32 = 1, 2, 4, 8, 16  # activati
 @numba.njit(cache=True)
 def _form(kind):
     """The activation form weights of this type read (bit mask; FORM_F32: x itself)."""
-    if _kquant(kind):
+    if is_kquant(kind):
         return FORM_Q8_K
     if kind == Q.F32:
         return FORM_F32
@@ -171,11 +171,6 @@ def _linear_part(tid, nth, kind, w, x, acts, groups, out, c0, Nt):
 
 
 @numba.njit(cache=True)
-def _kquant(kind):
-    return kind == Q.Q4_K or kind == Q.Q5_K or kind == Q.Q6_K
-
-
-@numba.njit(cache=True)
 def _add_bias(y, b):
     """y [T, N] += b [N] (the per-op path's `y += bias`)."""
     for t in range(y.shape[0]):
@@ -265,11 +260,12 @@ def _group_pairs(ids, A, seq, S, by_seq, forms, h, acts_d, hg, acts_g, pexp, slo
     by sequence where by_seq: a K-quant kernel's path depends on one sequence's row count), rows
     ascending (a counting sort: stable); each pair's activation row gathered into hg / acts_g in
     that order. -> J, with offs [J+1] each group's pairs, pexp [P] each pair's expert, slot_rows
-    [P] the place of pair t*A + a. counts: scratch of E*S + 1 (S = 1 unless by_seq)."""
+    [P] the place of pair t*A + a. counts: scratch of E*S + 1 or more (keys: expert, or expert and
+    sequence where by_seq)."""
     R = ids.shape[0]
     P = R * A
-    nkey = counts.shape[0] - 1
-    counts[:] = 0
+    nkey = (counts.shape[0] - 1) // S * (S if by_seq else 1)
+    counts[:nkey] = 0
     for p in range(P):
         t = p // A
         counts[ids[t, p % A] * S + seq[t] if by_seq else ids[t, p % A]] += 1
@@ -415,7 +411,7 @@ def _worker_kernel():
                     for t in range(R, T):  # rows the last layer skips: counted once, as row 0
                         routes[mi, t] = routes[mi, 0]
                     if status[0] < 0:
-                        by_seq = _kquant(kd[K_GATE]) or _kquant(kd[K_UP]) or _kquant(kd[K_DOWN])
+                        by_seq = is_kquant(kd[K_GATE]) or is_kquant(kd[K_UP]) or is_kquant(kd[K_DOWN])
                         nj[0] = _group_pairs(ids[:R, :A], A, seq_of if not last else ones, S, by_seq,
                                              _form(kd[K_GATE]) | _form(kd[K_UP]), h, acts_d, hg, acts_g, pexp,
                                              slot_rows, offs, counts)

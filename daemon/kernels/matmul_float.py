@@ -129,6 +129,19 @@ def float_tile(kind, m, tiny, w, n, x, t, out):
         out[t + i, n] = r[i]
 
 
+@numba.njit(inline="always")
+def float_span(kind, tiny, w, n0, n1, x, t0, t1, out):
+    """float_tile's out[t0:t1, n0:n1], in tiles of 4 and 1."""
+    for n in range(n0, n1):
+        t = t0
+        while t + 4 <= t1:
+            float_tile(kind, 4, tiny, w, n, x, t, out)
+            t += 4
+        while t < t1:
+            float_tile(kind, 1, tiny, w, n, x, t, out)
+            t += 1
+
+
 @functools.cache
 def float_kernel(ggml_type: int):
     """kernel(w, tiny, x, out, nchunks) for one float type, compiled on first use: w [N, K] (the raw
@@ -144,13 +157,7 @@ def float_kernel(ggml_type: int):
     def float_ggml(w, tiny, x, out, nchunks):
         kind = spec[0]
         N = w.shape[0]
-        T = x.shape[0]
-        T4 = T - T % 4
         for c in prange(nchunks):
-            for n in range(c * N // nchunks, (c + 1) * N // nchunks):
-                for t in range(0, T4, 4):
-                    float_tile(kind, 4, tiny, w, n, x, t, out)
-                for t in range(T4, T):
-                    float_tile(kind, 1, tiny, w, n, x, t, out)
+            float_span(kind, tiny, w, c * N // nchunks, (c + 1) * N // nchunks, x, 0, x.shape[0], out)
 
     return float_ggml

@@ -319,6 +319,36 @@ def kquant_tile(kind, m, tiled, stack, e, n, xq, t, xd, xbs, out):
         out[t + i, n] = r[i]
 
 
+@numba.njit(inline="always")
+def block32_span(kind, stack, e, n0, n1, xq, xd, xs, t0, t1, out):
+    """out[t0:t1, n0:n1]: rows n0..n1-1 of expert e against activation rows t0..t1-1, in tiles of
+    8, 4 and 1 (a tile shares the block decoding only: a row's bits do not depend on it)."""
+    for n in range(n0, n1):
+        t = t0
+        while t + 8 <= t1:
+            block32_tile(kind, 8, stack, e, n, xq, t, xd, xs, out)
+            t += 8
+        if t + 4 <= t1:
+            block32_tile(kind, 4, stack, e, n, xq, t, xd, xs, out)
+            t += 4
+        while t < t1:
+            block32_tile(kind, 1, stack, e, n, xq, t, xd, xs, out)
+            t += 1
+
+
+@numba.njit(inline="always")
+def kquant_span(kind, tiled, stack, e, n0, n1, xq, xd, xbs, t0, t1, out):
+    """kquant_tile's out[t0:t1, n0:n1], in tiles of 4 and 1."""
+    for n in range(n0, n1):
+        t = t0
+        while t + 4 <= t1:
+            kquant_tile(kind, 4, tiled, stack, e, n, xq, t, xd, xbs, out)
+            t += 4
+        while t < t1:
+            kquant_tile(kind, 1, tiled, stack, e, n, xq, t, xd, xbs, out)
+            t += 1
+
+
 @functools.cache
 def block32_kernel(ggml_type: int):
     """kernel(stack, experts, offs, xq, xd, xs, out, nchunks) for one 32-value block type.
@@ -337,20 +367,7 @@ def block32_kernel(ggml_type: int):
             for i in range(c * total // nchunks, (c + 1) * total // nchunks):
                 j = i // N
                 n = i % N
-                e = experts[j]
-                t = offs[j]
-                t1 = offs[j + 1]
-                while t + 8 <= t1:
-                    block32_tile(kind, 8, stack, e, n, xq, t, xd, xs, out)
-                    t += 8
-                if t + 4 <= t1:
-                    block32_tile(kind, 4, stack, e, n, xq, t, xd, xs, out)
-                    t += 4
-                if t + 2 <= t1:
-                    block32_tile(kind, 2, stack, e, n, xq, t, xd, xs, out)
-                    t += 2
-                if t < t1:
-                    block32_tile(kind, 1, stack, e, n, xq, t, xd, xs, out)
+                block32_span(kind, stack, experts[j], n, n + 1, xq, xd, xs, offs[j], offs[j + 1], out)
 
     return block32_grouped
 
@@ -373,13 +390,6 @@ def kquant_kernel(ggml_type: int):
             for i in range(c * total // nchunks, (c + 1) * total // nchunks):
                 j = i // N
                 n = i % N
-                e = experts[j]
-                t0 = offs[j]
-                t1 = offs[j + 1]
-                t4 = t1 - (t1 - t0) % 4
-                for t in range(t0, t4, 4):
-                    kquant_tile(kind, 4, tiled[j], stack, e, n, xq, t, xd, xbs, out)
-                for t in range(t4, t1):
-                    kquant_tile(kind, 1, tiled[j], stack, e, n, xq, t, xd, xbs, out)
+                kquant_span(kind, tiled[j], stack, experts[j], n, n + 1, xq, xd, xbs, offs[j], offs[j + 1], out)
 
     return kquant_grouped

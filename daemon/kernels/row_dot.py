@@ -18,9 +18,8 @@ from numba.extending import overload
 from daemon.kernels import matmul_activations, matmul_float, matmul_quant, ops, simd_ir
 from daemon.kernels import quants as Q
 from daemon.kernels.matmul_activations import quantize_row_q8_0_1, quantize_row_q8_K
-from daemon.kernels.matmul_float import float_tile
-from daemon.kernels.matmul_quant import (BLOCK32_KINDS, KQUANT_KINDS, block32_tile, kquant_tile, block32_rows,
-                                          kquant_rows)
+from daemon.kernels.matmul_float import float_span
+from daemon.kernels.matmul_quant import BLOCK32_KINDS, KQUANT_KINDS, block32_rows, block32_span, kquant_rows, kquant_span
 
 QUANTIZED = (*BLOCK32_KINDS, *KQUANT_KINDS)
 # What a fused call inlines from other files (numba's cache watches only the caller's file): its
@@ -69,47 +68,6 @@ def _quantize_row(vec_dot_type, x, qs, d, aux):
     return impl
 
 
-@numba.njit(inline="always")
-def _block32_span(kind, w, e, n0, n1, xq, xd, xs, t0, t1, out):
-    """out[t0:t1, n0:n1]: each weight row against the rows in tiles of 8, 4 and 1 (the tile does not
-    change a row's bits: the rows share the block decoding only)."""
-    for n in range(n0, n1):
-        t = t0
-        while t + 8 <= t1:
-            block32_tile(kind, 8, w, e, n, xq, t, xd, xs, out)
-            t += 8
-        if t + 4 <= t1:
-            block32_tile(kind, 4, w, e, n, xq, t, xd, xs, out)
-            t += 4
-        while t < t1:
-            block32_tile(kind, 1, w, e, n, xq, t, xd, xs, out)
-            t += 1
-
-
-@numba.njit(inline="always")
-def _kquant_span(kind, tiled, w, e, n0, n1, xq, xd, xbs, t0, t1, out):
-    for n in range(n0, n1):
-        t = t0
-        while t + 4 <= t1:
-            kquant_tile(kind, 4, tiled, w, e, n, xq, t, xd, xbs, out)
-            t += 4
-        while t < t1:
-            kquant_tile(kind, 1, tiled, w, e, n, xq, t, xd, xbs, out)
-            t += 1
-
-
-@numba.njit(inline="always")
-def _float_span(kind, tiny, w, n0, n1, x, t0, t1, out):
-    for n in range(n0, n1):
-        t = t0
-        while t + 4 <= t1:
-            float_tile(kind, 4, tiny, w, n, x, t, out)
-            t += 4
-        while t < t1:
-            float_tile(kind, 1, tiny, w, n, x, t, out)
-            t += 1
-
-
 def _tiles_any_kernel():
     """tiles_any, a closure over the types (compile-time literals) and SOURCES (numba's cache key
     then changes with the files it inlines)."""
@@ -130,29 +88,29 @@ def _tiles_any_kernel():
             spec[0], spec[1], spec[2], spec[3], spec[4], spec[5], spec[6], spec[7], spec[8], spec[9], spec[10],
             spec[11])
         if kind == q8_0:
-            _block32_span(q8_0, w, e, n0, n1, q32, d32, s32, t0, t1, out)
+            block32_span(q8_0, w, e, n0, n1, q32, d32, s32, t0, t1, out)
         elif kind == q4_0:
-            _block32_span(q4_0, w, e, n0, n1, q32, d32, s32, t0, t1, out)
+            block32_span(q4_0, w, e, n0, n1, q32, d32, s32, t0, t1, out)
         elif kind == q5_0:
-            _block32_span(q5_0, w, e, n0, n1, q32, d32, s32, t0, t1, out)
+            block32_span(q5_0, w, e, n0, n1, q32, d32, s32, t0, t1, out)
         elif kind == mxfp4:
-            _block32_span(mxfp4, w, e, n0, n1, q32, d32, s32, t0, t1, out)
+            block32_span(mxfp4, w, e, n0, n1, q32, d32, s32, t0, t1, out)
         elif kind == q4_1:
-            _block32_span(q4_1, w, e, n0, n1, q32, d32, s32, t0, t1, out)
+            block32_span(q4_1, w, e, n0, n1, q32, d32, s32, t0, t1, out)
         elif kind == q5_1:
-            _block32_span(q5_1, w, e, n0, n1, q32, d32, s32, t0, t1, out)
+            block32_span(q5_1, w, e, n0, n1, q32, d32, s32, t0, t1, out)
         elif kind == q4_k:
-            _kquant_span(q4_k, path, w, e, n0, n1, qk, dk, bk, t0, t1, out)
+            kquant_span(q4_k, path, w, e, n0, n1, qk, dk, bk, t0, t1, out)
         elif kind == q5_k:
-            _kquant_span(q5_k, path, w, e, n0, n1, qk, dk, bk, t0, t1, out)
+            kquant_span(q5_k, path, w, e, n0, n1, qk, dk, bk, t0, t1, out)
         elif kind == q6_k:
-            _kquant_span(q6_k, path, w, e, n0, n1, qk, dk, bk, t0, t1, out)
+            kquant_span(q6_k, path, w, e, n0, n1, qk, dk, bk, t0, t1, out)
         elif kind == f32:
-            _float_span(f32, path, w[e].view(np.uint32), n0, n1, x, t0, t1, out)
+            float_span(f32, path, w[e].view(np.uint32), n0, n1, x, t0, t1, out)
         elif kind == f16:
-            _float_span(f16, path, w[e].view(np.uint16), n0, n1, xh, t0, t1, out)
+            float_span(f16, path, w[e].view(np.uint16), n0, n1, xh, t0, t1, out)
         elif kind == bf16:
-            _float_span(bf16, path, w[e].view(np.uint16), n0, n1, xb, t0, t1, out)
+            float_span(bf16, path, w[e].view(np.uint16), n0, n1, xb, t0, t1, out)
         else:  # the plan admits no other type (DECODE_STEP_TYPES)
             out[t0:t1, n0:n1] = np.nan
 
@@ -163,11 +121,17 @@ tiles_any = _tiles_any_kernel()
 
 
 @numba.njit(cache=True)
+def is_kquant(kind):
+    """Whether the weight type (known at run time) is a K-quant (its activations: Q8_K)."""
+    return kind == Q.Q4_K or kind == Q.Q5_K or kind == Q.Q6_K
+
+
+@numba.njit(cache=True)
 def which_path(kind, rows, n, k, expert):
     """The path llama.cpp's CPU takes for an op of this many activation rows (matmul.py's "Path
     choice"): 1 for the tiled K-quant kernel (8 rows or more) or tinyBLAS (float weights, an
     ordinary matmul of 2 rows or more, n % 4 == 0, k % 8 == 0), else 0 (vec_dot)."""
-    if kind == Q.Q4_K or kind == Q.Q5_K or kind == Q.Q6_K:
+    if is_kquant(kind):
         return 1 if rows >= 8 else 0
     if kind == Q.F32 or kind == Q.F16 or kind == Q.BF16:
         return 1 if (not expert and rows >= 2 and n % 4 == 0 and k % 8 == 0) else 0
