@@ -2,8 +2,9 @@
 that step reads, then each step run as one call: a decode batch, a prompt, or prompts together.
 
 `StepProgram.build(model)` says why a model has none (a reason string) or returns one: the
-compiled step covers the shared decoder's layers (attention, then routed experts or a dense FFN)
-with "ggml" numerics and weights of any type the CPU computes. The rest keeps the per-op path: the
+compiled step runs the model's layer plan (model/plan.py, the stages the per-op path walks) where
+its stages are the shared decoder's (attention, then routed experts or a dense FFN), with "ggml"
+numerics and weights of any type the CPU computes. The rest keeps the per-op path: the
 hybrids with Gated DeltaNet layers, shared experts. That path also stays the readable reference.
 
 Experts are read where they lie (ExpertCache.in_place): each MoE layer's arenas and a slot map
@@ -43,6 +44,7 @@ from ..kernels import quants as Q
 from ..kernels.quants import dequantize
 from ..kernels.row_dot import DECODE_STEP_TYPES
 from ..kernels.sync import one_thread_per_iteration
+from ..model.plan import COL_LAYER
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +96,7 @@ class StepProgram:
         hp, fam = model.hp, model.family
         L = hp.n_layer
         self.tok_embd = model.tok_embd
+        self.stages = model.plan.stages  # the layer plan the per-op path walks (model/plan.py)
         moe_index = {il: i for i, il in enumerate(model.moe_layers)}
         self.kinds = np.zeros((L, 8), np.int64)
         self.layer = np.zeros((L, 8), np.int64)
@@ -226,7 +229,7 @@ class StepProgram:
         self.routes = np.empty((self.slot_of.shape[0] - 1, step.T, max(1, self.dims[K.D_USED])), np.int64)
         seq_of = np.repeat(np.arange(step.S, dtype=np.int64), np.diff(step.offsets))  # [T]
         L, V, E = self.lists, self.vecs, self.ebias
-        args = [x, rope_table, step.positions, seq_of, step.offsets, int(trim), stores[0], stores[1], self.dims,
+        args = [self.stages, x, rope_table, step.positions, seq_of, step.offsets, int(trim), stores[0], stores[1], self.dims,
                 self.scalars, self.kinds, self.layer, self.attn_norm, self.ffn_norm, self.out_norm, L["wq"], L["wk"],
                 L["wv"], L["wo"], V["bq"], V["bk"], V["bv"], V["bo"], V["q_norm"], V["k_norm"], V["sinks"],
                 L["router"], V["router_bias"], L["gate"], L["up"], L["down"], E["gate_bias"], E["up_bias"],
@@ -244,9 +247,10 @@ class StepProgram:
                     return None
                 if start < 0:
                     break
-                if not self._fetch(start, held):
+                il = int(self.stages[start, COL_LAYER])
+                if not self._fetch(il, held):
                     return None
-                read[self.moe_index[start]] = True
+                read[self.moe_index[il]] = True
             if self._moves is not None and self._moved_by_others():
                 return None
             if self.moe_layers and not read.all() and hasattr(self.experts, "count_in_place"):
@@ -320,6 +324,8 @@ def unsupported(model) -> str:
         return f"numba's {numba.threading_layer()} threading layer (the step needs OpenMP's)"
     if model.family.build_layer is not None or any(model.hp.recurrent):
         return f"{model.family.arch}'s layers have their own builder"
+    if model.family.last_layer_all_rows:
+        return "a last layer that keeps every row"
     types_used = {model.output.ggml_type}
     for layer in model.layers:
         at, ffn = layer.mixer, layer.ffn

@@ -15,10 +15,13 @@ experts' rows grouped as backend/cpu_experts.py groups them, and the last layer'
 on each sequence's last row only, as llama.cpp runs them. So the logits are the per-op path's bit
 for bit, which the tests check, and that path's are llama.cpp's.
 
-The host side (backend/cpu_step.py) packs a model into the arrays below once. A layer's weights
-are typed Lists indexed by layer, with each one's type in `kinds`.
+The step runs the model's layer plan (model/plan.py), the stage list the per-op path walks too:
+each MIXER stage (here: attention) with its residual and FFN norm, each FFN stage with its mix,
+residual and the next stage's input norm, then HEAD. The host side (backend/cpu_step.py) packs a
+model into the arrays below once. A layer's weights are typed Lists indexed by layer, with each
+one's type in `kinds`.
 
-Legend: T = rows, S = sequences, D = hidden size, L = layers, H / Hkv = query / key-value heads,
+Legend: T = rows, S = sequences, D = hidden size, L = layers, G = stages, H / Hkv = query / key-value heads,
 Dh / Dv = key / value head size, Nq = q projection rows (H*Dh), E = experts, A = experts per row,
 P = pairs (row, expert) = T*A (T for a dense FFN), J = groups of pairs computed together (an expert's
 rows, or a sequence's), F = FFN size, V = vocabulary, C = KV cells.
@@ -38,6 +41,7 @@ from daemon.kernels.ops import (_attend, _swiglu_row, moe_mix, norm_rope_qk, rms
                                 swiglu_oai_row, to_f16_values)
 from daemon.kernels.row_dot import SOURCES, is_kquant, tiles_any, which_path
 from daemon.kernels.sync import STATE_SIZE, barrier, cycles
+from daemon.model.plan import COL_KIND, COL_LAYER, COL_TRIM, HEAD, MIXER
 
 # kinds[il, ...]: each weight's ggml type
 K_Q, K_K, K_V, K_O, K_ROUTER, K_GATE, K_UP, K_DOWN = range(8)  # K_UP = K_GATE + 1 (gate/up phase)
@@ -50,7 +54,7 @@ N_DIMS = 18
 # scalars[...]
 F_EPS, F_ATTN_SCALE, F_ROUTE_SCALE, F_GLU_ALPHA, F_GLU_LIMIT = range(5)
 QK_NONE, QK_HEAD, QK_FULL = 0, 1, 2
-DONE, VOID = -1, -2  # decode_step's results besides a layer to resume at
+DONE, VOID = -1, -2  # decode_step's results besides a stage to resume at
 # clock[...]: thread 0's time stamp counter cycles in each phase, its barrier's wait included
 PHASES = ("input", "q/k/v", "RoPE, KV write", "attention", "quantize o", "o proj", "residual, norm", "router",
           "top-k", "grouping", "gate/up", "GLU", "down", "mix, norm", "head")
@@ -301,7 +305,7 @@ def _worker_kernel():
     spec = STAMP
 
     @numba.njit(cache=True, error_model="numpy")
-    def worker(tid, nth, state, clock, status, start, x, h, rope, positions, seq_of, groups, ones, trim, kstores,
+    def worker(tid, nth, state, clock, status, stages, start, x, h, rope, positions, seq_of, groups, ones, trim, kstores,
                vstores, dims, scalars, kinds, layer, attn_norm, ffn_norm, out_norm, wq, wk, wv, wo, bq, bk, bv, bo,
                q_norm, k_norm, sinks, router, router_bias, gate, up, down, gate_bias, up_bias, down_bias, slot_of,
                out_w, logits, routes, qf, kf, vf, qr, att, a, rl, ids, wts, gu, hh, yo, hg, acts_d, acts_g, acts_o,
@@ -316,27 +320,34 @@ def _worker_kernel():
         A = dims[D_USED]
         ggml = dims[D_GGML] != 0
         eps = scalars[F_EPS]
-        L = kinds.shape[0]
         first = max(start, 0)
+        kept = False  # whether a MIXER stage trimmed the rows: each sequence's last, the first S of x
+        for si in range(first):
+            kept = kept or (trim != 0 and stages[si, COL_TRIM] != 0)
         if tid == 0:
             clock[CLOCK_SIZE - 1] = cycles()
-        if start < 0:  # the first layer's input
-            kd = kinds[0]
+        if start < 0:  # the first stage's input
+            il = stages[0, COL_LAYER]
+            kd = kinds[il]
             for t in range(tid, T, nth):
-                h[t] = rms_norm(x[t:t + 1], attn_norm[0], eps)[0]
+                h[t] = rms_norm(x[t:t + 1], attn_norm[il], eps)[0]
                 _prepare_row(h, t, _form(kd[K_Q]) | _form(kd[K_K]) | _form(kd[K_V]), acts_d)
-        else:  # resumed at layer start's FFN (the last layer's: each sequence's last row)
-            for t in range(tid, S if trim != 0 and start == L - 1 else T, nth):
-                _ffn_input(x, h, t, ffn_norm[first], eps, kinds[first], layer[first], acts_d, wts)
+        else:  # resumed at FFN stage `start`
+            il = stages[start, COL_LAYER]
+            for t in range(tid, S if kept else T, nth):
+                _ffn_input(x, h, t, ffn_norm[il], eps, kinds[il], layer[il], acts_d, wts)
         if not _meet(state, nth, tid, clock, PH_INPUT):
             return False
-        for il in range(first, L):
+        for si in range(first, stages.shape[0]):
+            kind = stages[si, COL_KIND]
+            if kind == HEAD:  # on the rows kept
+                _linear_share(tid, nth, dims[D_OUT_KIND], out_w, h, acts_d, ones if kept else groups, logits)
+                break
+            il = stages[si, COL_LAYER]
             kd = kinds[il]
             ly = layer[il]
-            last = trim != 0 and il == L - 1
-            R = S if last else T  # the rows the FFN runs on (trimmed: the first S of x)
-            rows = ones if last else groups  # and how they group into sequences
-            if il != start:
+            if kind == MIXER:
+                trims = trim != 0 and stages[si, COL_TRIM] != 0
                 # -- attention: q, k and v [T, N] (one phase), then each row's norms, RoPE and KV write
                 Nq, Nk = qf.shape[1], kf.shape[1]
                 Nt = Nq + Nk + vf.shape[1]  # one span over the three matrices' rows
@@ -372,7 +383,7 @@ def _worker_kernel():
                 _linear_share(tid, nth, kd[K_O], wo[il], ao, acts_o, groups, a)
                 if not _meet(state, nth, tid, clock, PH_O_PROJ):
                     return False
-                if not last:
+                if not trims:
                     for t in range(tid, T, nth):
                         _residual(x, a, t, ly, bo[il])
                         _ffn_input(x, h, t, ffn_norm[il], eps, kd, ly, acts_d, wts)
@@ -383,10 +394,14 @@ def _worker_kernel():
                         x[s] = x[r]
                     for s in range(S):
                         _ffn_input(x, h, s, ffn_norm[il], eps, kd, ly, acts_d, wts)
+                kept = kept or trims
                 if not _meet(state, nth, tid, clock, PH_RESIDUAL):
                     return False
-            # -- the FFN: pairs (row, expert) grouped as the per-op path groups them, or the dense
-            # FFN's (row, 0) of weight 1 grouped by sequence
+                continue
+            # -- FFN: pairs (row, expert) grouped as the per-op path groups them, or the dense FFN's
+            # (row, 0) of weight 1 grouped by sequence
+            R = S if kept else T  # the rows the FFN runs on
+            rows = ones if kept else groups  # and how they group into sequences
             moe = ly[L_MOE] != 0
             if moe:
                 _linear_share(tid, nth, kd[K_ROUTER], router[il], h, acts_d, rows, rl[:R])
@@ -404,7 +419,7 @@ def _worker_kernel():
                         wts[t, k] = weights[0, k]
                         routes[mi, t, k] = chosen[0, k]
                     if _missing(slot_of[mi], chosen):
-                        status[0] = il  # (every thread that finds one writes the same)
+                        status[0] = si  # (every thread that finds one writes the same)
                 if R > 1 and not _meet(state, nth, tid, clock, PH_TOP_K):
                     return False
                 if tid == 0:
@@ -412,7 +427,7 @@ def _worker_kernel():
                         routes[mi, t] = routes[mi, 0]
                     if status[0] < 0:
                         by_seq = is_kquant(kd[K_GATE]) or is_kquant(kd[K_UP]) or is_kquant(kd[K_DOWN])
-                        nj[0] = _group_pairs(ids[:R, :A], A, seq_of if not last else ones, S, by_seq,
+                        nj[0] = _group_pairs(ids[:R, :A], A, seq_of if not kept else ones, S, by_seq,
                                              _form(kd[K_GATE]) | _form(kd[K_UP]), h, acts_d, hg, acts_g, pexp,
                                              slot_rows, offs, counts)
                 if not _meet(state, nth, tid, clock, PH_GROUP):
@@ -475,10 +490,12 @@ def _worker_kernel():
                 i += stop - n
             if not _meet(state, nth, tid, clock, PH_DOWN):
                 return False
-            # the mix and the residual, then the next layer's norm (the output norm after the last), row by row
-            norm = attn_norm[il + 1] if il + 1 < L else out_norm
-            nk = kinds[il + 1] if il + 1 < L else kinds[il]
-            forms = _form(nk[K_Q]) | _form(nk[K_K]) | _form(nk[K_V]) if il + 1 < L else _form(dims[D_OUT_KIND])
+            # the mix and the residual, then the next stage's input norm (the output norm before HEAD),
+            # row by row
+            nl = stages[si + 1, COL_LAYER]
+            norm = attn_norm[nl] if nl >= 0 else out_norm
+            nk = kinds[max(nl, 0)]
+            forms = _form(nk[K_Q]) | _form(nk[K_K]) | _form(nk[K_V]) if nl >= 0 else _form(dims[D_OUT_KIND])
             for t in range(tid, R, nth):
                 if not moe:
                     slot_rows[t] = t
@@ -487,9 +504,6 @@ def _worker_kernel():
                 _prepare_row(h, t, forms, acts_d)
             if not _meet(state, nth, tid, clock, PH_MIX):
                 return False
-        # -- the head, on the rows the last layer's FFN ran on
-        last_rows = ones if trim != 0 else groups
-        _linear_share(tid, nth, dims[D_OUT_KIND], out_w, h, acts_d, last_rows, logits)
         if tid == 0:  # its own share only: the region's end waits for the rest
             clock[PH_HEAD] += cycles() - clock[CLOCK_SIZE - 1]
         return True
@@ -506,13 +520,14 @@ def _step_kernel():
     spec = STAMP
 
     @numba.njit(cache=True, parallel=True)
-    def decode_step(x, rope, positions, seq_of, groups, trim, kstores, vstores, dims, scalars, kinds, layer,
+    def decode_step(stages, x, rope, positions, seq_of, groups, trim, kstores, vstores, dims, scalars, kinds, layer,
                     attn_norm, ffn_norm, out_norm, wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm, sinks, router,
                     router_bias, gate, up, down, gate_bias, up_bias, down_bias, slot_of, out_w, logits, routes, start,
                     nth, clock):
-        """x [T, D] the embedded rows (the residual stream, updated in place) -> logits [T, V], or
-        [S, V] of each sequence's last row (trim 1: as llama.cpp, the last layer's FFN runs on those
-        rows only). rope [T, n_rot/2, 2] the rows' table; positions [T]; seq_of [T] each row's
+        """The stages of the model's plan (model/plan.py: int64 [G, 3]) over x [T, D], the embedded
+        rows (the residual stream, updated in place) -> logits [T, V], or [S, V] of each sequence's
+        last row (trim 1: from the MIXER stage that may trim on, as llama.cpp, the rows are those
+        only; trim 0 keeps every row). rope [T, n_rot/2, 2] the rows' table; positions [T]; seq_of [T] each row's
         sequence; groups [S+1] each sequence's rows (offsets); kstores / vstores: each sequence's
         KV store [La, C, Hkv, Dh|Dv] (the rows' cells written here); slot_of [Lm + 1, E] each
         expert's matrix in its layer's stacks gate / up [E', F, .] and down [E', D, .] (-1: not
@@ -520,9 +535,9 @@ def _step_kernel():
         layer's choice. One parallel region of one iteration per thread (sync.py): nth, numba's
         thread count (its get_num_threads, which a cached function cannot call); clock [CLOCK_SIZE]
         accumulates thread 0's cycles per phase (PHASES).
-        -> -1 once the logits are written; a layer, when an expert it chose is not in memory
-        (the host reads it, then calls again with start = that layer: the step resumes at its
-        FFN, the attention's effects kept); -2 when the threads could not meet (the step is
+        -> -1 once the logits are written; an FFN stage, when an expert its layer chose is not in
+        memory (the host reads it, then calls again with start = that stage: the step resumes
+        there, the earlier stages' effects kept); -2 when the threads could not meet (the step is
         void: run it again another way)."""
         if len(spec) == 0:
             return VOID
@@ -560,7 +575,7 @@ def _step_kernel():
         for tid in prange(nth):  # one iteration per thread (numba's OpenMP layer: a static schedule)
             w = np.empty((G, C + 8), np.float32)  # this thread's attention scratch
             acc = np.empty((G, 32, Dv), np.float32)
-            if not worker(np.int64(tid), nth, state, clock, status, start, x, h, rope, positions, seq_of, groups,
+            if not worker(np.int64(tid), nth, state, clock, status, stages, start, x, h, rope, positions, seq_of, groups,
                           ones, trim, kstores, vstores, dims, scalars, kinds, layer, attn_norm, ffn_norm, out_norm,
                           wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm, sinks, router, router_bias, gate, up, down,
                           gate_bias, up_bias, down_bias, slot_of, out_w, logits, routes, qf, kf, vf, qr, att, a, rl,

@@ -1,5 +1,6 @@
 """The model: embeddings, the layers a family's builder assembles (daemon/model/layers.py), the
-output norm and head; and the pass over a step's rows, shared by every family.
+output norm and head; and the pass over a step's rows, shared by every family: the stages of the
+model's layer plan (plan.py), which the CPU's compiled step runs too.
 
 Legend: T = rows (tokens) in the step, S = sequences, D = hidden size, H = query heads,
 Hkv = key/value heads, Dh = head size, Dv = value head size, V = vocabulary.
@@ -21,6 +22,7 @@ from .family import Family, family_for
 from .hparams import HParams
 from .layers import decoder_layer
 from .moe import MoE, dense_ffn, moe_forward
+from .plan import HEAD, MIXER, LayerPlan
 from .weights import TensorSource
 
 COLD_TRIES = 3  # graph runs of a decode step over a bounded host tier before it blocks
@@ -64,6 +66,7 @@ class Transformer:
                        else self.tok_embd)
         build = self.family.build_layer or decoder_layer
         self.layers = [build(up, hp, self.family, il) for il in range(hp.n_layer)]
+        self.plan = LayerPlan.of(hp.n_layer, self.family.last_layer_all_rows)  # shared with the compiled step
         moe_layers = [il for il, layer in enumerate(self.layers) if isinstance(layer.ffn, MoE)]
         self.moe_layers = moe_layers
         F = hp.n_ff_exp or hp.n_ff
@@ -264,18 +267,23 @@ class Transformer:
         if replay is not None and self.moe_layers:
             routes = B.replay_routes(replay.table, step)
         x = B.embed(self.tok_embd, step.tokens, step)  # [T, D]
-        h = B.rms_norm(x, self.layers[0].attn_norm, eps)  # each layer's input normed: [T, D]
-        trim_last = not step.all_logits and not self.family.last_layer_all_rows
-        for il, layer in enumerate(self.layers):
-            if hooks is not None:
-                hooks.layer_input(il, x)
-            a = layer.mixer.forward(self, il, h, step)
-            if il == hp.n_layer - 1 and trim_last:
-                # as llama.cpp: the last FFN runs on output rows only, one per sequence
-                x, step = B.take_rows(B.add(x, a), step.last_rows()), step.outputs()
-                h = B.rms_norm(x, layer.ffn_norm, eps)
-            else:
-                x, h = B.add_rms_norm(x, a, layer.ffn_norm, eps)
+        h = B.rms_norm(x, self.layers[0].attn_norm, eps)  # each stage's input normed: [T, D]
+        for stage, (kind, il, may_trim) in enumerate(self.plan):  # model/plan.py: each stage and its fusion group
+            if kind == HEAD:
+                if not step.all_logits and step.T != step.S:  # the last layer ran on every row
+                    h, step = B.take_rows(h, step.last_rows()), step.outputs()
+                return B.linear(h, self.output, step)  # [T, V]
+            layer = self.layers[il]
+            if kind == MIXER:
+                if hooks is not None:
+                    hooks.layer_input(il, x)
+                a = layer.mixer.forward(self, il, h, step)
+                if may_trim and not step.all_logits:  # as llama.cpp: the rest runs on output rows only
+                    x, step = B.take_rows(B.add(x, a), step.last_rows()), step.outputs()
+                    h = B.rms_norm(x, layer.ffn_norm, eps)
+                else:
+                    x, h = B.add_rms_norm(x, a, layer.ffn_norm, eps)
+                continue
             if isinstance(layer.ffn, MoE):
                 chosen = None
                 if routes is not None:  # the last layer of a prefill has fewer rows: gathered again
@@ -288,9 +296,6 @@ class Transformer:
                 obs = self.ffn_observer
                 f = dense_ffn(d.gate, d.up, d.down, h, B, step,
                               observe=None if obs is None else (lambda a, b, il=il: obs(il, a, b)))
-            # the residual add and the next layer's norm (the output norm after the last)
-            nxt = self.layers[il + 1].attn_norm if il + 1 < hp.n_layer else self.output_norm
-            x, h = B.add_rms_norm(x, f, nxt, eps)
-        if not step.all_logits and step.T != step.S:  # the last layer ran on every row
-            h, step = B.take_rows(h, step.last_rows()), step.outputs()
-        return B.linear(h, self.output, step)  # [T, V]
+            # the residual add and the next stage's input norm (the output norm before the head)
+            nxt = self.plan.next_layer(stage)
+            x, h = B.add_rms_norm(x, f, self.layers[nxt].attn_norm if nxt >= 0 else self.output_norm, eps)
