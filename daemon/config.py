@@ -79,7 +79,8 @@ class Settings:
     cpu_step: str = field(default="1", metadata=_meta(
         "MOE_CPU_STEP", "on the CPU, run a step (a decode batch or prompts) as one compiled call (every "
         "layer, no Python between kernels) where the model allows: the shared decoder's layers (under a "
-        "cache limit, steps that may choose no more experts in a layer than its slots). 1 = compiled in the background from the second decode step, the "
+        "cache limit, steps that may choose no more experts in a layer than its slots). 1 = compiled "
+        "in the background from the second decode step, the "
         "per-op path serving until it is ready (a first compile takes about 55 s of one core, then "
         "numba's disk cache loads it in about 1 s); wait = the first step waits for it (benchmarks); "
         "0 = the per-op path only. The same tokens either way", ("1", "wait", "0")))

@@ -229,8 +229,8 @@ class StepProgram:
         self.routes = np.empty((self.slot_of.shape[0] - 1, step.T, max(1, self.dims[K.D_USED])), np.int64)
         seq_of = np.repeat(np.arange(step.S, dtype=np.int64), np.diff(step.offsets))  # [T]
         L, V, E = self.lists, self.vecs, self.ebias
-        args = [self.stages, x, rope_table, step.positions, seq_of, step.offsets, int(trim), stores[0], stores[1], self.dims,
-                self.scalars, self.kinds, self.layer, self.attn_norm, self.ffn_norm, self.out_norm, L["wq"], L["wk"],
+        args = [self.stages, x, rope_table, step.positions, seq_of, step.offsets, int(trim), stores[0], stores[1],
+                self.dims, self.scalars, self.kinds, self.layer, self.attn_norm, self.ffn_norm, self.out_norm, L["wq"], L["wk"],
                 L["wv"], L["wo"], V["bq"], V["bk"], V["bv"], V["bo"], V["q_norm"], V["k_norm"], V["sinks"],
                 L["router"], V["router_bias"], L["gate"], L["up"], L["down"], E["gate_bias"], E["up_bias"],
                 E["down_bias"], self.slot_of, self.out_w, logits, self.routes, -1,

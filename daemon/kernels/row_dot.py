@@ -19,7 +19,8 @@ from daemon.kernels import matmul_activations, matmul_float, matmul_quant, ops, 
 from daemon.kernels import quants as Q
 from daemon.kernels.matmul_activations import quantize_row_q8_0_1, quantize_row_q8_K
 from daemon.kernels.matmul_float import float_span
-from daemon.kernels.matmul_quant import BLOCK32_KINDS, KQUANT_KINDS, block32_rows, block32_span, kquant_rows, kquant_span
+from daemon.kernels.matmul_quant import (BLOCK32_KINDS, KQUANT_KINDS, block32_rows, block32_span, kquant_rows,
+                                          kquant_span)
 
 QUANTIZED = (*BLOCK32_KINDS, *KQUANT_KINDS)
 # What a fused call inlines from other files (numba's cache watches only the caller's file): its

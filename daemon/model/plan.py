@@ -19,6 +19,7 @@ Legend: L = layers, G = stages (2L + 1).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -39,9 +40,13 @@ class LayerPlan:
         rows.append((HEAD, -1, 0))
         return cls(np.array(rows, np.int64).reshape(-1, 3))
 
+    @cached_property
+    def _rows(self) -> tuple[tuple[int, int, int], ...]:
+        return tuple(map(tuple, self.stages.tolist()))
+
     def __iter__(self):
         """(kind, layer, may trim) of each stage, as Python ints."""
-        return iter(map(tuple, self.stages.tolist()))
+        return iter(self._rows)
 
     def ffn_stage(self, layer: int) -> int:
         """The index of the layer's FFN stage (where a compiled step resumes after reading experts)."""

@@ -291,16 +291,18 @@ class ExpertCache:
         [R], any order, repeats allowed), all hits. Counted as a fetch of them would count them;
         a bounded layer's policy is touched in a fetch's order (ascending ids), its clock ticks."""
         routes = np.sort(np.asarray(routes, np.int64).reshape(len(layers), -1), axis=1)
-        distinct = 1 + np.count_nonzero(np.diff(routes, axis=1), axis=1) if routes.shape[1] else np.zeros(len(layers), int)
+        first = np.ones(routes.shape, bool)  # each id's first place in its sorted row
+        first[:, 1:] = routes[:, 1:] != routes[:, :-1]
         with self._lock:
             for i, il in enumerate(layers):
                 lc = self._layers[il]
                 if lc.capacity == lc.layout.n_expert:  # nothing is ever evicted: statistics only
-                    lc.stats.requests += int(distinct[i])
-                    lc.stats.hits += int(distinct[i])
+                    n = int(first[i].sum())
+                    lc.stats.requests += n
+                    lc.stats.hits += n
                     continue
                 lc.clock += 1
-                for e in np.unique(routes[i]).tolist():
+                for e in routes[i][first[i]].tolist():
                     self._request(lc, lc.stats, lc.entries[e], True, True)
 
     def begin_pass(self, rows: int = 0) -> None:
