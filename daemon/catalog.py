@@ -103,15 +103,14 @@ class Catalog:
 
     def import_model(self, path: str | os.PathLike, name: str | None = None) -> ModelEntry:
         """A symbolic link to the GGUF file at `path`, named `name` (default: the file's stem).
-        RequestError for a bad name; FileExistsError if the name is taken; FileNotFoundError if
-        the file is missing."""
+        RequestError for a bad name, a name taken, or no file at `path`."""
         src = Path(path).expanduser().resolve()
         if not src.is_file():
-            raise FileNotFoundError(f"{src}: no such file")
+            raise RequestError(f"{src}: no such file")
         base, tag = split_tag(name if name is not None else src.name.removesuffix(SUFFIX))
         stem = base if tag == LATEST else f"{base}:{tag}"
         if self._file(base, tag) is not None:
-            raise FileExistsError(f"a model named {base}:{tag} exists in {self.directory}")
+            raise RequestError(f"a model named {base}:{tag} exists in {self.directory} (choose another with --name)")
         self.directory.mkdir(parents=True, exist_ok=True)
         link = self.directory / f"{stem}{SUFFIX}"
         link.symlink_to(src)

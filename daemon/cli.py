@@ -19,6 +19,7 @@ import contextlib
 import os
 import sys
 
+from . import cli_models
 from .config import Settings, allowed_uid_set, span
 from .errors import MoedError
 
@@ -53,6 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_pack(sub)
     _add_synth(sub)
     _add_daemon(sub)
+    cli_models.add_parsers(sub)
     return ap
 
 
@@ -116,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
                 return _synth(args)
         if args.command in DAEMON_COMMANDS:
             return _daemon_command(args)
+        if args.command in cli_models.COMMANDS:
+            return cli_models.run(args, Settings.load())
         if args.command == "settings":
             bounds, rows = Settings.bounds(), Settings.describe()
             w_env, w_name = (max(len(r[i]) for r in rows) for i in (1, 0))  # aligned however long

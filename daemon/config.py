@@ -193,6 +193,10 @@ class Settings:
         "on = $XDG_CACHE_HOME/moed/kernels (else ~/.cache/moed/kernels), off, or an absolute directory; "
         "read from the environment once per process", path=True, daemon=True, check=_check_kernel_cache))
     # -- the daemon (moed serve) -------------------------------------------------------------------
+    models: str = field(default="", metadata=_meta(
+        "MOED_MODELS", "the models directory: a GGUF file or a symbolic link to one in it is a model "
+        "named by its stem (`moed list`, `moed import`); empty = $XDG_DATA_HOME/moed/models, else "
+        "~/.local/share/moed/models", path=True, daemon=True))
     socket: str = field(default="", metadata=_meta(
         "MOED_SOCKET", "the daemon's unix socket (clients use it too); empty = $XDG_RUNTIME_DIR/moed.sock, "
         "else /tmp/moed-<uid>/moed.sock", daemon=True))

@@ -53,11 +53,11 @@ def test_an_import_is_a_link_never_a_copy_and_names_are_not_overwritten(tmp_path
     assert e.name == "Qwen3-30B-A3B-Q4_K_M:latest" and e.path.is_symlink() and e.size == 40
     assert os.readlink(e.path) == str(src.resolve())
     assert cat.import_model(src, name="qwen3:q4").path.name == "qwen3:q4.gguf"
-    with pytest.raises(FileExistsError):
+    with pytest.raises(RequestError, match="exists"):
         cat.import_model(src, name="qwen3:q4")
     with pytest.raises(RequestError):
         cat.import_model(src, name="../escape")
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(RequestError, match="no such file"):
         cat.import_model(tmp_path / "absent.gguf")
     assert [x.name for x in cat.entries()] == ["Qwen3-30B-A3B-Q4_K_M:latest", "qwen3:q4"]
 
@@ -66,3 +66,19 @@ def test_a_missing_directory_lists_nothing_and_the_default_follows_xdg(tmp_path,
     assert Catalog(tmp_path / "absent").entries() == []
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
     assert default_models_dir() == tmp_path / "moed" / "models"
+
+
+def test_the_cli_imports_lists_and_shows_a_model(tmp_path, monkeypatch, capsys, fixture_dir):
+    from daemon.cli import main
+    from tests.fixtures.build import fixture_path
+
+    monkeypatch.setenv("MOED_MODELS", str(tmp_path / "models"))
+    src = fixture_path("qwen3moe", "Q8_0", fixture_dir)
+    assert main(["import", str(src), "--name", "tiny:q8"]) == 0
+    assert main(["import", str(src), "--name", "tiny:q8"]) == 1  # taken: a clear error, not a traceback
+    assert main(["list"]) == 0
+    assert main(["show", "tiny:q8"]) == 0
+    out = capsys.readouterr()
+    assert "tiny:q8" in out.out and "exists" in out.err
+    assert "architecture     qwen3moe" in out.out and "quantization     Q8_0" in out.out
+    assert main(["show", "absent"]) == 1 and "not found" in capsys.readouterr().err

@@ -46,7 +46,7 @@ def test_nul_in_a_string_setting_rejected():
 def test_daemon_and_path_settings_are_flagged():
     assert {"socket", "allowed_uids", "max_connections", "max_prompt_bytes"} <= Settings.daemon_settings()
     assert "n_ctx" not in Settings.daemon_settings()
-    assert Settings.path_settings() == {"expert_trace_output", "routing_replay", "kernel_cache"}
+    assert Settings.path_settings() == {"expert_trace_output", "routing_replay", "kernel_cache", "models"}
     assert "kernel_cache" in Settings.daemon_settings()  # process-wide: never one model's
 
 
