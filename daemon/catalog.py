@@ -65,6 +65,11 @@ class Catalog:
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)
 
+    @classmethod
+    def of(cls, settings) -> Catalog:
+        """The directory Settings.models names (MOED_MODELS), else default_models_dir()."""
+        return cls(Path(settings.models).expanduser() if settings.models else default_models_dir())
+
     def _file(self, base: str, tag: str) -> Path | None:
         candidates = [f"{base}:{tag}{SUFFIX}"] + ([f"{base}{SUFFIX}"] if tag == LATEST else [])
         for c in candidates:
@@ -116,3 +121,11 @@ class Catalog:
         link.symlink_to(src)
         st = link.stat()
         return ModelEntry(f"{base}:{tag}", link, st.st_size, st.st_mtime)
+
+    def remove(self, name: str) -> None:
+        """Remove a model's symbolic link (an import, or a copy made by /api/copy). A regular file
+        is left alone: RequestError (moed never deletes a model's data)."""
+        p = self.resolve(name)
+        if not p.is_symlink():
+            raise RequestError(f"{p} is a file, not a link: moed does not delete model files; remove it yourself")
+        p.unlink()

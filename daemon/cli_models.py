@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from .catalog import Catalog, default_models_dir, is_path
+from .catalog import Catalog, is_path
 
 COMMANDS = ("list", "show", "import")
 
@@ -20,12 +20,8 @@ def add_parsers(sub) -> None:
     i.add_argument("--name", default=None, help="the model's name, NAME[:TAG] (default: the file's stem)")
 
 
-def catalog(settings) -> Catalog:
-    return Catalog(Path(settings.models).expanduser() if settings.models else default_models_dir())
-
-
 def run(args, settings) -> int:
-    cat = catalog(settings)
+    cat = Catalog.of(settings)
     if args.command == "list":
         rows = [(e.name, f"{e.size / 1e9:.1f} GB", time.strftime("%Y-%m-%d %H:%M", time.localtime(e.modified)))
                 for e in cat.entries()]
@@ -49,21 +45,11 @@ def run(args, settings) -> int:
 
 def describe(path: Path) -> list[tuple[str, str]]:
     """What `moed show` prints of a GGUF file: its header's metadata, no tensor read."""
-    from gguf import LlamaFileType
+    from .storage.card import card
 
-    from .storage.gguf import GGUFFile
-
-    with GGUFFile(path) as g:
-        arch = g.get("general.architecture", str, "?")
-        ftype = g.get("general.file_type", int, None)
-        try:
-            quant = LlamaFileType(ftype).name.removeprefix("MOSTLY_") if ftype is not None else "?"
-        except ValueError:
-            quant = f"file type {ftype}"
-        n_params = sum(t.n_elements for t in g.tensors.values())
-        rows = [("path", str(path)), ("architecture", arch), ("quantization", quant),
-                ("parameters", f"{n_params / 1e9:.2f}B"), ("size", f"{path.stat().st_size / 1e9:.2f} GB"),
-                ("context length", str(g.get(f"{arch}.context_length", int, "?"))),
-                ("experts", f"{g.get(f'{arch}.expert_count', int, 0)} (top {g.get(f'{arch}.expert_used_count', int, 0)})"),
-                ("chat template", "yes" if g.get("tokenizer.chat_template", str, "") else "no")]
-    return rows
+    c = card(path)
+    experts = f"{c.experts} (top {c.experts_used})" if c.experts else "none (dense)"
+    return [("path", str(path)), ("architecture", c.arch), ("quantization", c.quantization),
+            ("parameters", f"{c.parameters / 1e9:.2f}B"), ("size", f"{c.size / 1e9:.2f} GB"),
+            ("context length", str(c.context_length or "?")), ("experts", experts),
+            ("chat template", "yes" if c.chat_template else "no")]

@@ -197,6 +197,13 @@ class Settings:
         "MOED_MODELS", "the models directory: a GGUF file or a symbolic link to one in it is a model "
         "named by its stem (`moed list`, `moed import`); empty = $XDG_DATA_HOME/moed/models, else "
         "~/.local/share/moed/models", path=True, daemon=True))
+    http_host: str = field(default="127.0.0.1:11434", metadata=_meta(
+        "MOED_HTTP_HOST", "where the HTTP server (Ollama's and OpenAI's APIs) listens: host:port; off = no "
+        "TCP (HTTP stays on the unix socket beside MOED_SOCKET). A busy default port leaves TCP off "
+        "with a warning; a non-loopback address needs MOED_API_KEY", daemon=True))
+    api_key: str = field(default="", metadata=_meta(
+        "MOED_API_KEY", "a secret HTTP clients send as `Authorization: Bearer KEY`: required over TCP to "
+        "copy or delete models, and for everything when MOED_HTTP_HOST is not loopback", daemon=True))
     socket: str = field(default="", metadata=_meta(
         "MOED_SOCKET", "the daemon's unix socket (clients use it too); empty = $XDG_RUNTIME_DIR/moed.sock, "
         "else /tmp/moed-<uid>/moed.sock", daemon=True))

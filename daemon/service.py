@@ -55,9 +55,11 @@ def server_config(settings: Settings, socket_path: str | os.PathLike | None = No
 
 def make_scheduler(settings: Settings, **kw: Any):
     """The daemon's Scheduler: Engine.load and the demo MoE unless `kw` says otherwise."""
+    from .catalog import Catalog
     from .scheduler import Scheduler
 
-    return Scheduler(settings, **{"factory": load_engine, "default_model": demo_model, **kw})
+    return Scheduler(settings, **{"factory": load_engine, "default_model": demo_model,
+                                  "catalog": Catalog.of(settings), **kw})
 
 
 def make_server(settings: Settings, socket_path: str | os.PathLike | None = None, *, scheduler=None,
@@ -71,8 +73,23 @@ def make_server(settings: Settings, socket_path: str | os.PathLike | None = None
 
 
 def serve(settings: Settings, socket_path: str | os.PathLike | None = None) -> int:
-    """Run the daemon in the foreground until Shutdown, SIGTERM or SIGINT; the exit status."""
+    """Run the daemon in the foreground until Shutdown, SIGTERM or SIGINT; the exit status. The
+    HTTP server (daemon/http) runs beside the socket server, on the same scheduler."""
     from ipc import server as ipc_server
 
     config = server_config(settings, socket_path)
-    return ipc_server.serve(config, make_scheduler(settings), error_of=wire_error)
+    scheduler = make_scheduler(settings)
+
+    async def start_http(server) -> None:
+        http = make_http(settings, scheduler, server)
+        await http.start()
+        server.on_shutdown.append(http.close)
+
+    return ipc_server.serve(config, scheduler, companion=start_http, error_of=wire_error)
+
+
+def make_http(settings: Settings, scheduler, server):
+    """The HTTP server beside an ipc Server (its socket's path and allowed uids)."""
+    from .http.server import HttpServer
+
+    return HttpServer(settings, scheduler, server.path, server.allowed_uids, server.version)

@@ -164,6 +164,7 @@ class ModelInfo(msgspec.Struct, **_REP):
     device: str = ""  # where it computes: "cpu", "cuda:0", ...
     vram_bytes: int = 0  # GPU memory it holds (weights, experts, KV caches, scratch)
     gpu_cache_bytes: int = 0  # of which its VRAM expert cache (MOE_GPU_CACHE_MB); 0 = every expert resident
+    n_ctx: int = 0  # context length per sequence (0 while it loads)
 
 
 # -- requests (client -> daemon) ----------------------------------------------------------------

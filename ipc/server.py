@@ -97,7 +97,7 @@ from .protocol import (
     encode,
 )
 
-__all__ = ["BACKLOG", "WRITE_LIMIT", "Server", "ServerConfig", "SocketInUse", "UnsafeSocketPath", "peer_cred",
+__all__ = ["BACKLOG", "WRITE_LIMIT", "PeerCred", "Server", "ServerConfig", "SocketInUse", "UnsafeSocketPath", "peer_cred",
            "prepare_socket_dir", "serve"]
 
 log = logging.getLogger("moed.server")
@@ -199,7 +199,7 @@ class _Open:
             self.task.cancel()
 
 
-class _Peer:
+class PeerCred:
     """Who is at the other end of a connection, as the kernel says (SO_PEERCRED); handed to the
     handler with each request (ipc.handler.Peer: the uid and gids it checks access with)."""
 
@@ -237,7 +237,7 @@ class _FrameTimeout(Exception):
 
 
 class _Connection:
-    def __init__(self, server: Server, writer: asyncio.StreamWriter, peer: _Peer | None = None):
+    def __init__(self, server: Server, writer: asyncio.StreamWriter, peer: PeerCred | None = None):
         self.server = server
         self.writer = writer
         self.peer = peer
@@ -299,6 +299,7 @@ class Server:
         self._shutdown_task: asyncio.Task | None = None
         self._closed = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
+        self.on_shutdown: list = []  # async callables, awaited first at shutdown (the daemon's HTTP server)
 
     async def __aenter__(self):
         await self.start()
@@ -459,7 +460,7 @@ class Server:
             log.warning("refused a connection: %d are open (MOED_MAX_CONNECTIONS)", len(self.connections))
             return Error(None, "busy", f"the daemon has {len(self.connections)} connections open "
                                        f"(MOED_MAX_CONNECTIONS={self.max_connections}); retry later")
-        conn.peer = _Peer(uid, gid)
+        conn.peer = PeerCred(uid, gid)
         return None
 
     async def _read_frame(self, reader: asyncio.StreamReader) -> bytes | None:
@@ -581,6 +582,11 @@ class Server:
         if self._server is not None:
             self._server.close()  # stop accepting
         self._release()
+        for close in self.on_shutdown:
+            try:
+                await close()
+            except Exception:
+                log.exception("closing %s failed", close)
         for conn in list(self.connections):
             for op in list(conn.open.values()):
                 op.end("shutdown", "the daemon is shutting down")
@@ -609,12 +615,25 @@ class Server:
 
 # -- moed serve --------------------------------------------------------------------------------------
 
-def serve(config: ServerConfig, handler: Handler, **server_kw) -> int:
-    """Run the daemon in the foreground until Shutdown, SIGTERM or SIGINT; the exit status."""
+class CompanionError(Exception):
+    """A companion of the server (serve's `companion`) could not start: told, and the daemon exits."""
+
+
+def serve(config: ServerConfig, handler: Handler, companion=None, **server_kw) -> int:
+    """Run the daemon in the foreground until Shutdown, SIGTERM or SIGINT; the exit status.
+    `companion`: an async callable given the started Server, which starts whatever else the daemon
+    serves (its HTTP server) and may add closers to server.on_shutdown; if it raises, the daemon
+    stops and exits 1 with its message."""
 
     async def main() -> None:
         server = Server(config, handler=handler, **server_kw)
         await server.start()
+        if companion is not None:
+            try:
+                await companion(server)
+            except Exception as e:
+                await server.shutdown()
+                raise CompanionError(str(e)) from e
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, _on_signal, server, sig)
@@ -622,7 +641,7 @@ def serve(config: ServerConfig, handler: Handler, **server_kw) -> int:
 
     try:
         asyncio.run(main())
-    except (SocketInUse, UnsafeSocketPath) as e:
+    except (SocketInUse, UnsafeSocketPath, CompanionError) as e:
         print(f"moed: error: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # path too long, no permission, read-only file system, ...

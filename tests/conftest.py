@@ -98,3 +98,8 @@ def warm_kernels(fixture_dir) -> None:
         model.forward_many([[1, 2, 3], [4, 5]], caches)
         model.forward_batch([1, 2], caches)
         model.forward([3], model.new_cache(8))
+
+
+# Daemons started by tests serve HTTP only where a test asks (tests/http): else each would try
+# Ollama's port, 11434, and warn when another holds it.
+os.environ.setdefault("MOED_HTTP_HOST", "off")

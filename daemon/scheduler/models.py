@@ -132,6 +132,15 @@ def resolve_path(name: str) -> str:
     return os.path.realpath(os.path.expanduser(name))
 
 
+def runs_with(loaded: Mapping[str, Any], asked: Mapping[str, Any]) -> bool:
+    """Whether a model loaded with `loaded` runs with every setting `asked` names (its defaults and
+    the environment count: asking for the n_ctx it has already does not reload it)."""
+    if not asked or dict(asked) == dict(loaded):
+        return True
+    effective = Settings.load(**loaded)
+    return all(getattr(effective, k) == v for k, v in asked.items())
+
+
 class LoadedModel:
     def __init__(self, name: str, path: str, settings: dict[str, Any], keep_alive: float, max_batch: int):
         self.name = name
@@ -174,7 +183,8 @@ class LoadedModel:
             limit = cache.limit_bytes
         return {"name": self.name, "path": self.path, "arch": self.arch, "size_bytes": self.weights_bytes + kv,
                 "expert_cache_bytes": cached, "expert_cache_limit_bytes": limit,
-                "expires_at": self.expires_at, "active": self.batcher.active, **_device(engine)}
+                "expires_at": self.expires_at, "active": self.batcher.active,
+                "n_ctx": getattr(engine, "n_ctx", 0), **_device(engine)}
 
 
 def _device(engine) -> dict[str, Any]:
@@ -221,7 +231,9 @@ class ModelRegistry:
     # -- acquire / release ---------------------------------------------------------------------
 
     async def acquire(self, name: str, settings: Mapping[str, Any] | None = None,
-                      keep_alive: float | None = None, progress: Report | None = None) -> tuple[LoadedModel, int]:
+                      keep_alive: float | None = None, progress: Report | None = None,
+                      path: str | None = None) -> tuple[LoadedModel, int]:
+        """`path`: the file, when `name` is not one (a model name the scheduler resolved)."""
         settings = dict(settings or {})
         bad = sorted(DAEMON_SETTINGS & settings.keys())
         if bad:
@@ -230,12 +242,12 @@ class ModelRegistry:
             Settings.load(env={}, **settings)  # a typo or bad value fails here, before any (re)load
         except ConfigError as e:
             raise SchedulerError(*wire_error(e)) from None
-        path = resolve_path(name)
+        path = path or resolve_path(name)
         m = self.models.get(path)
         if m is not None and m.batcher.stopping and not m.unloading:  # stopped by itself: load afresh
             await self._unload(m)
             m = self.models.get(path)
-        if m is not None and settings and settings != m.settings:
+        if m is not None and not runs_with(m.settings, settings):
             if m.users or not m.ready.done():
                 raise SchedulerError("busy", f"{m.name} is in use with other settings ({m.settings})")
             await self._unload(m)
@@ -244,7 +256,7 @@ class ModelRegistry:
             if not os.path.exists(path):
                 raise SchedulerError("not_found", f"no model file {name}")
             m, need = await self._make_room(path, settings)
-            if m is not None and settings and settings != m.settings:  # listed by another meanwhile
+            if m is not None and not runs_with(m.settings, settings):  # listed by another meanwhile
                 raise SchedulerError("busy", f"{m.name} is in use with other settings ({m.settings})")
         if m is None:
             m = LoadedModel(name, path, settings, self.default_keep_alive, self.max_batch)

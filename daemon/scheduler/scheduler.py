@@ -7,14 +7,19 @@
                                        starts (busy, not_found, model_error, ...). Cancelling the task
                                        that runs it cancels the sequence (within one decode step).
     load(name, settings, keep_alive, progress, peer) / unload / ps / stats / close
+
+A model is named by a path (it contains "/"; resolved as given) or by a name in the models
+directory (daemon/catalog.py: "qwen3", "qwen3:30b"); `demo` is the demo MoE, built on first use,
+unless the directory has a model of that name.
 The server (ipc/server.py) calls these through ipc.handler.Handler, which the Scheduler is.
 
-    Scheduler(settings, factory=..., default_model=..., warm=True)
+    Scheduler(settings, factory=..., default_model=..., warm=True, catalog=None)
         factory(path, progress=..., **settings) -> engine   loads a model (daemon/service.py passes
                                                              Engine.load, imported when first called)
         default_model(report) -> path                        the model of a request that names none
                                                              while not exactly one is loaded (the
                                                              demo MoE); None: such a request fails
+        catalog                                              the models directory (default: none)
     The scheduler imports neither the engine nor the demo builder: it is given them.
 
 `peer` is who asked (uid and gids, as the server learnt them; None = in-process, trusted): a
@@ -38,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import queue
 import sys
 import threading
@@ -46,6 +52,7 @@ from typing import Any
 
 from ipc.protocol import Chat, Done, Error, Generate, Progress
 
+from ..catalog import DEMO, Catalog, full_name, is_path, split_tag
 from ..config import Settings
 from ..progress import Relay, Renderer, Report
 from ..errors import MoedError, SchedulerError
@@ -122,9 +129,11 @@ class TextThreads:
 
 class Scheduler:
     def __init__(self, settings: Settings | None = None, *, factory: Callable[..., Any],
-                 default_model: Callable[[Report], str] | None = None, warm: bool = True):
+                 default_model: Callable[[Report], str] | None = None, warm: bool = True,
+                 catalog: Catalog | None = None):
         settings = settings or Settings.load()
         self.settings = settings
+        self.catalog = catalog
         self.queue_size = max(1, settings.queue_size)
         self.registry = ModelRegistry(factory, keep_alive=settings.keep_alive,
                                       max_batch=settings.max_batch, warm=warm,
@@ -139,11 +148,16 @@ class Scheduler:
     # -- generation ----------------------------------------------------------------------------
 
     async def generate(self, req: Generate | Chat, emit: Callable[[Any], None], received_ns: int,
-                       peer: Peer | None = None) -> None:
+                       peer: Peer | None = None, settings: dict[str, Any] | None = None) -> None:
+        """`settings`: model settings the request needs (an HTTP num_ctx): a model loaded with
+        others is reloaded, as Ollama does."""
         if self.closing:
             raise SchedulerError("shutdown", "the daemon is shutting down")
+        path = None
         if req.model is not None:  # a named file: refused before it takes a place in the queue
-            check_model(peer, resolve_path(req.model), req.model)
+            path = self.path_of(req.model)
+            if path is not None:
+                check_model(peer, path, req.model)
         self._enqueue()
         model: LoadedModel | None = None
         seq: Sequence | None = None
@@ -151,11 +165,11 @@ class Scheduler:
             emit(Progress(req.id, phase, percent, message))
 
         try:
-            name = req.model
-            if name is None:  # the default is the daemon's choice, but read for this peer all the same
-                name = await self.default_model(progress)
-                check_model(peer, name, "the default model")
-            model, load_ns = await self.registry.acquire(name, keep_alive=req.keep_alive, progress=progress)
+            if path is None:  # the default (or demo) is the daemon's choice, but read for this peer all the same
+                path = await (self.default_model(progress) if req.model is None else self.demo(progress))
+                check_model(peer, path, "the default model")
+            model, load_ns = await self.registry.acquire(self.label(req.model, path), settings,
+                                                         keep_alive=req.keep_alive, progress=progress, path=path)
             try:
                 ids = await self._prompt_ids(req, model)
             except SchedulerError:
@@ -207,12 +221,42 @@ class Scheduler:
             return work()  # no text to render or tokenize: checked in place, no thread hop
         return await self.text.run(work)
 
+    def path_of(self, ref: str) -> str | None:
+        """The file a model reference names: a path as resolved, a name from the models directory;
+        None for the demo when the directory has no model of its name (self.demo builds it).
+        SchedulerError: bad_request for a bad name, not_found for a name the directory lacks."""
+        if is_path(ref) or not ref.strip() or "\0" in ref:
+            return resolve_path(ref)  # (empty and NUL refused there)
+        try:
+            base, tag = split_tag(ref)
+        except MoedError as e:
+            raise SchedulerError("bad_request", str(e)) from None
+        if self.catalog is not None:
+            try:
+                return os.path.realpath(self.catalog.resolve(ref))
+            except SchedulerError:
+                pass
+        if base == DEMO and tag == "latest":
+            return None
+        where = f" in {self.catalog.directory}" if self.catalog is not None else ""
+        raise SchedulerError("not_found", f"model {full_name(ref)!r} not found{where} (`moed list` shows the "
+                                          f"models; `moed import PATH` adds one)")
+
+    @staticmethod
+    def label(ref: str | None, path: str) -> str:
+        """What a model is called in replies: its full name ("qwen3:latest"), else its path."""
+        return path if ref is None or is_path(ref) else full_name(ref)
+
     async def default_model(self, progress: Report | None = None) -> str:
-        """The only loaded model, else the demo MoE (built once, on a thread, on first use; its
-        build reported to `progress` and to the log)."""
+        """The only loaded model, else the demo MoE."""
         models = list(self.registry.models.values())
         if len(models) == 1:
             return models[0].path
+        return await self.demo(progress)
+
+    async def demo(self, progress: Report | None = None) -> str:
+        """The demo MoE's path (built once, on a thread, on first use; its build reported to
+        `progress` and to the log)."""
         if self._default_future is None:
             relay = self._default_progress = Relay()
             log_lines = Renderer(sys.stderr)  # the daemon's log, as before
@@ -237,17 +281,35 @@ class Scheduler:
         if self.closing:
             raise SchedulerError("shutdown", "the daemon is shutting down")
         check_settings(peer, settings)
-        check_model(peer, resolve_path(name), name)
+        path = self.path_of(name)
+        if path is not None:
+            check_model(peer, path, name)
         self._enqueue()  # it may wait for room (MOED_MAX_LOADED_MODELS): a place in the queue
         try:
-            model, load_ns = await self.registry.acquire(name, settings, keep_alive, progress)
+            if path is None:
+                path = await self.demo(progress)
+                check_model(peer, path, "the default model")
+            model, load_ns = await self.registry.acquire(self.label(name, path), settings, keep_alive, progress,
+                                                         path=path)
         finally:
             self.inflight -= 1
         self.registry.release(model)  # keep-alive starts now (0: unloaded right away)
         return model, load_ns
 
     async def unload(self, name: str) -> None:
-        await self.registry.unload(name)
+        await self.registry.unload(self._loaded_key(name))
+
+    def _loaded_key(self, ref: str) -> str:
+        """What the registry finds a loaded model by: its file where the reference names one,
+        else the reference itself (a name it was loaded under)."""
+        try:
+            path = self.path_of(ref)
+        except SchedulerError:
+            return ref
+        if path is None and self._default_future is not None and self._default_future.done() \
+                and not self._default_future.cancelled() and self._default_future.exception() is None:
+            path = self._default_future.result()
+        return path or ref
 
     def ps(self) -> list[dict[str, Any]]:
         return [m.info() for m in self.registry.models.values() if self._serving(m)]
@@ -260,7 +322,7 @@ class Scheduler:
         if name is None:
             models = [m for m in self.registry.models.values() if self._serving(m)]
         else:
-            m = self.registry.find(name)
+            m = self.registry.find(self._loaded_key(name))
             if m is None or not self._serving(m):
                 raise SchedulerError("not_found", f"{name} is not loaded")
             models = [m]

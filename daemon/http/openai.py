@@ -1,0 +1,281 @@
+"""OpenAI's API, the part a local runner can serve (as its API reference names the fields).
+
+    POST /v1/chat/completions   chat.completion, or SSE chat.completion.chunk events
+    POST /v1/completions        text_completion, or SSE text_completion events
+    GET  /v1/models  /v1/models/{id}
+    POST /v1/embeddings         not yet: 501
+
+A stream is `data: {json}` events ending in `data: [DONE]`; `usage` comes in the response, and in
+a stream as a last chunk with no choices when `stream_options.include_usage` asks for it.
+Sampling: temperature (default 1) and top_p (default 1) as OpenAI; seed; stop (a string or up to
+4); max_tokens / max_completion_tokens (chat default: to the end of the context; completions: 16,
+as OpenAI). llama.cpp's extensions top_k, min_p and repeat_penalty are taken too (defaults 40,
+0.05, 1.0 as llama.cpp's server).
+Fields that would change the meaning and are not served (n > 1, logit_bias, logprobs, echo,
+suffix, best_of, penalties, tools, response_format other than text, images) get a 400; harmless
+ones (user, metadata, store, service_tier, ...) are ignored, as LangChain and Open WebUI send them.
+Errors are OpenAI's object: {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from ipc.protocol import Chat, Done, Error, Generate, Message, SamplingOptions
+
+from ..catalog import full_name, is_path
+from .common import ApiError, Generation, collect, model_ref, next_id, read_body
+
+NO_LIMIT = 2**31 - 1
+MAX_STOP = 4  # OpenAI's limit
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    model: str = ""
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    max_tokens: int | None = None
+    n: int = 1
+    logit_bias: dict[str, float] | None = None
+    logprobs: Any = None
+    top_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # llama.cpp's server takes these too
+    top_k: int | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+
+
+class ChatRequest(_Sampling, kw_only=True):
+    messages: list[ChatMessage] = []
+    max_completion_tokens: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    prompt: Any = ""  # a string, a list of one string, or token ids
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+def error_body(status: int, message: str, kind: str) -> dict:
+    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+
+
+def _options(req: _Sampling) -> SamplingOptions:
+    refused = [name for name, bad in (("n", req.n != 1), ("logit_bias", bool(req.logit_bias)),
+                                      ("logprobs", req.logprobs not in (None, False, 0)),
+                                      ("top_logprobs", bool(req.top_logprobs)),
+                                      ("presence_penalty", req.presence_penalty != 0),
+                                      ("frequency_penalty", req.frequency_penalty != 0)) if bad]
+    if refused:
+        raise ApiError(400, f"{', '.join(refused)}: not supported by moed (one choice, no log "
+                            f"probabilities, no logit bias or presence/frequency penalties)")
+    seed = req.seed if req.seed is not None and req.seed >= 0 else None
+    try:
+        return SamplingOptions(temperature=1.0 if req.temperature is None else req.temperature,
+                               top_p=1.0 if req.top_p is None else req.top_p,
+                               top_k=40 if req.top_k is None else req.top_k,
+                               min_p=0.05 if req.min_p is None else req.min_p,
+                               repeat_penalty=1.0 if req.repeat_penalty is None else req.repeat_penalty,
+                               seed=seed)
+    except (ValueError, TypeError) as e:
+        raise ApiError(400, str(e)) from None
+
+
+def _stop(req: _Sampling) -> list[str]:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > MAX_STOP:
+        raise ApiError(400, f"stop: at most {MAX_STOP} sequences")
+    return stop
+
+
+def _max_tokens(value: int | None, default: int) -> int:
+    if value is None:
+        return default
+    if value < 0:
+        raise ApiError(400, "max_tokens must be >= 0")
+    return value
+
+
+def _text(m: ChatMessage) -> str:
+    if m.content is None or isinstance(m.content, str):
+        return m.content or ""
+    parts = []
+    for part in m.content:
+        kind = part.get("type")
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append(part["text"])
+        else:
+            raise ApiError(400, f"message content of type {kind!r}: this model takes text only")
+    return "".join(parts)
+
+
+_ROLES = {"developer": "system"}  # OpenAI's newer name for the system role
+
+
+class Routes:
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+
+    def add_to(self, app: web.Application) -> None:
+        r = app.router
+        r.add_post("/v1/chat/completions", self.chat)
+        r.add_post("/v1/completions", self.completions)
+        r.add_get("/v1/models", self.models)
+        r.add_get("/v1/models/{model:.+}", self.model)
+        r.add_post("/v1/embeddings", self.embeddings)
+
+    async def models(self, request: web.Request) -> web.Response:
+        catalog = self.scheduler.catalog
+        entries = catalog.entries() if catalog is not None else []
+        return _json({"object": "list", "data": [_model(e.name, e.modified) for e in entries]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        catalog = self.scheduler.catalog
+        entries = {e.name: e for e in (catalog.entries() if catalog is not None else [])}
+        try:
+            entry = entries.get(full_name(name))
+        except Exception:  # noqa: BLE001 - not a name: no such model
+            entry = None
+        if entry is None:
+            raise ApiError(404, f"the model {name!r} does not exist", "invalid_request_error")
+        return _json(_model(entry.name, entry.modified))
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        raise ApiError(501, "embeddings are not supported yet")
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        req = await read_body(request, ChatRequest)
+        model = model_ref(request, req.model)
+        if req.tools:
+            raise ApiError(400, "tools: tool calls are not supported yet")
+        if req.response_format and req.response_format.get("type") not in (None, "text"):
+            raise ApiError(400, "response_format: structured output is not supported yet")
+        if not req.messages:
+            raise ApiError(400, "messages must not be empty")
+        msgs = [Message(_ROLES.get(m.role, m.role), _text(m)) for m in req.messages]
+        limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        sreq = Chat(next_id(), msgs, model=model, max_tokens=_max_tokens(limit, NO_LIMIT), options=_options(req),
+                    stop=_stop(req))
+        return await self._serve(request, sreq, req, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        req = await read_body(request, CompletionRequest)
+        model = model_ref(request, req.model)
+        if req.echo or req.suffix or (req.best_of or 1) != 1:
+            raise ApiError(400, "echo, suffix and best_of are not supported by moed")
+        kw = {"model": model, "max_tokens": _max_tokens(req.max_tokens, 16), "options": _options(req),
+              "stop": _stop(req), "raw": True}
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and all(type(p) is int for p in prompt):
+            sreq = Generate(next_id(), tokens=list(prompt), **kw)
+        else:
+            if isinstance(prompt, list) and len(prompt) == 1:
+                prompt = prompt[0]
+            if not isinstance(prompt, str):
+                raise ApiError(400, "prompt: expected a string, a list of one string, or a list of token ids "
+                                    "(one prompt per request)")
+            sreq = Generate(next_id(), prompt=prompt, **kw)
+        return await self._serve(request, sreq, req, chat=False)
+
+    async def _serve(self, request: web.Request, sreq: Generate | Chat, req: _Sampling,
+                     chat: bool) -> web.StreamResponse:
+        model = sreq.model if is_path(sreq.model) else full_name(sreq.model)
+        ident = ("chatcmpl-" if chat else "cmpl-") + f"{sreq.id:x}{time.time_ns() & 0xFFFFFFFF:08x}"
+        head = {"id": ident, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": model}
+        gen = Generation(self.scheduler, sreq, peer=request["peer"])
+        try:
+            first = await gen.start()
+            if not req.stream:
+                text, _ids, done = await collect(gen, first)
+                choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
+                          else {"index": 0, "text": text, "logprobs": None})
+                choice["finish_reason"] = done.done_reason
+                return _json({**head, "object": "chat.completion" if chat else "text_completion",
+                              "choices": [choice], "usage": _usage(done)})
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await resp.prepare(request)
+            if chat:  # the role comes first, in a delta of its own, as OpenAI sends it
+                await resp.write(_event({**head, "choices": [_delta({"role": "assistant", "content": ""}, None)]}))
+            reply = first
+            while True:
+                if isinstance(reply, Error):
+                    await resp.write(_event(error_body(500, reply.message or reply.code, "server_error")))
+                    break
+                if isinstance(reply, Done):
+                    end = _delta({}, reply.done_reason) if chat else _choice("", reply.done_reason)
+                    await resp.write(_event({**head, "choices": [end]}))
+                    if req.stream_options is not None and req.stream_options.include_usage:
+                        await resp.write(_event({**head, "choices": [], "usage": _usage(reply)}))
+                    break
+                if reply.text:
+                    part = _delta({"content": reply.text}, None) if chat else _choice(reply.text, None)
+                    await resp.write(_event({**head, "choices": [part]}))
+                reply = await _next(gen)
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        finally:
+            gen.cancel()
+
+
+async def _next(gen: Generation):
+    try:
+        return await gen._next()
+    except ApiError as e:
+        return Error(0, "internal", str(e))
+
+
+_encode = msgspec.json.Encoder().encode
+
+
+def _json(body: Any, status: int = 200) -> web.Response:
+    return web.Response(body=_encode(body), status=status, content_type="application/json")
+
+
+def _event(body: Any) -> bytes:
+    return b"data: " + _encode(body) + b"\n\n"
+
+
+def _delta(delta: dict, finish: str | None) -> dict:
+    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+
+def _choice(text: str, finish: str | None) -> dict:
+    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+
+def _usage(done: Done) -> dict:
+    return {"prompt_tokens": done.prompt_eval_count, "completion_tokens": done.eval_count,
+            "total_tokens": done.prompt_eval_count + done.eval_count}
+
+
+def _model(name: str, modified: float) -> dict:
+    return {"id": name, "object": "model", "created": int(modified), "owned_by": "moed"}
