@@ -4,6 +4,7 @@ generation through the scheduler as an async stream of its replies.
     ApiError(status, message, kind)    raised by a route; the server's middleware writes it in the
                                        route's API shape (ollama.error_body / openai.error_body)
     read_body(request, Struct)         the JSON body decoded and checked by msgspec -> 400 / 413
+    CALLER                             request[CALLER]: who asks (Caller: over TCP or not, the peer)
     model_ref(request, value)          a model reference as this listener may use it (TCP: names only)
     Generation(scheduler, req, ...)    scheduler.generate on a task; `await start()` waits for the
                                        first token (errors before it become ApiError), then iterate
@@ -18,6 +19,7 @@ import math
 import re
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -26,13 +28,29 @@ from aiohttp import web
 from ipc.protocol import Chat, Chunk, Done, Error, Generate, Progress
 
 from ..catalog import is_path
-from ..errors import MoedError, wire_error
+from ..errors import wire_error
 
 # An HTTP status for each of the scheduler's error codes (ipc.protocol "Error codes").
 STATUS = {"bad_request": 400, "not_found": 404, "forbidden": 403, "busy": 503, "shutdown": 503,
           "model_error": 500, "cancelled": 499, "internal": 500, "bad_frame": 400}
 
 _ids = itertools.count(1)  # request ids for the scheduler (replies are routed by them)
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request, as the server admitted it."""
+
+    tcp: bool  # over TCP: no peer credentials; model names only
+    peer: Any = None  # on the unix socket: its PeerCred (the scheduler checks its access); None over TCP
+    manage: Callable[[], None] = lambda: None  # raises ApiError unless it may copy or delete models
+
+
+CALLER = web.RequestKey("caller", Caller)
+
+
+def caller(request: web.Request) -> Caller:
+    return request[CALLER]
 
 
 class ApiError(Exception):
@@ -59,10 +77,7 @@ def next_id() -> int:
 async def read_body(request: web.Request, kind: type) -> Any:
     """The request's JSON body as `kind` (a msgspec Struct). 413 past the size limit, 400 for bad
     JSON, a wrong type or a bad value (msgspec's message names the field)."""
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge as e:
-        raise ApiError(413, f"the request body is larger than {e.max_size} bytes (MOED_MAX_FRAME)") from None
+    raw = await request.read()  # past client_max_size: HTTPRequestEntityTooLarge, a 413 (server.py)
     if not raw.strip():
         raise ApiError(400, "the request needs a JSON body")
     try:
@@ -78,7 +93,7 @@ def model_ref(request: web.Request, value: str | None) -> str:
     local user can reach TCP, and the daemon would read the file for them)."""
     if not value:
         raise ApiError(400, "model is required")
-    if is_path(value) and request["tcp"]:
+    if is_path(value) and request[CALLER].tcp:
         raise ApiError(400, f"{value!r}: over TCP a model is named, never given as a path (paths are "
                             f"taken on the unix sockets only; `moed import PATH` names a file)")
     return value
@@ -197,12 +212,3 @@ async def collect(gen: Generation, first: Chunk | Done) -> tuple[str, list[int],
         parts.append(reply.text)
         ids.extend(reply.tokens)
         reply = await gen._next()
-
-
-def encoder() -> Callable[[Any], bytes]:
-    """msgspec's JSON encoder (structs and plain values)."""
-    return msgspec.json.Encoder().encode
-
-
-def is_error(e: BaseException) -> bool:
-    return isinstance(e, (ApiError, MoedError))

@@ -34,7 +34,7 @@ from ipc.protocol import Chat, Done, Error, Generate, Message, SamplingOptions
 from ..catalog import full_name, is_path
 from ..errors import MoedError, RequestError, SchedulerError
 from ..storage.card import card
-from .common import (ApiError, Generation, collect, model_ref, next_id, now_rfc3339, parse_keep_alive,
+from .common import (ApiError, caller, Generation, collect, model_ref, next_id, now_rfc3339, parse_keep_alive,
                      read_body, rfc3339)
 
 NO_LIMIT = 2**31 - 1  # num_predict -1/-2 and repeat_last_n -1: the context bounds them
@@ -275,7 +275,7 @@ class Routes:
             return _json({"model": name, "created_at": now_rfc3339(), field: empty, "done": True,
                           "done_reason": "unload"})
         try:
-            loaded, load_ns = await self.scheduler.load(model, None, keep_alive, peer=request["peer"])
+            loaded, load_ns = await self.scheduler.load(model, None, keep_alive, peer=caller(request).peer)
         except MoedError as e:
             raise ApiError.of(e) from None
         return _json({"model": loaded.name, "created_at": now_rfc3339(), field: empty, "done": True,
@@ -284,7 +284,7 @@ class Routes:
     async def _serve(self, request: web.Request, sreq: Generate | Chat, settings: dict, stream: bool,
                      chat: bool) -> web.StreamResponse:
         model = sreq.model if is_path(sreq.model) else full_name(sreq.model)
-        gen = Generation(self.scheduler, sreq, peer=request["peer"], settings=settings)
+        gen = Generation(self.scheduler, sreq, peer=caller(request).peer, settings=settings)
         try:
             first = await gen.start()
             if not stream:
@@ -317,7 +317,7 @@ class Routes:
                             "`moed import PATH [--name NAME]`")
 
     async def copy(self, request: web.Request) -> web.Response:
-        request["manage"]()
+        caller(request).manage()
         req = await read_body(request, CopyRequest)
         src = self._path(request, req.source)
         try:
@@ -327,7 +327,7 @@ class Routes:
         return web.Response()
 
     async def delete(self, request: web.Request) -> web.Response:
-        request["manage"]()
+        caller(request).manage()
         req = await read_body(request, NameRequest)
         ref = model_ref(request, req.ref())
         if is_path(ref):

@@ -28,7 +28,7 @@ from aiohttp import web
 from ipc.protocol import Chat, Done, Error, Generate, Message, SamplingOptions
 
 from ..catalog import full_name, is_path
-from .common import ApiError, Generation, collect, model_ref, next_id, read_body
+from .common import ApiError, caller, Generation, collect, model_ref, next_id, read_body
 
 NO_LIMIT = 2**31 - 1
 MAX_STOP = 4  # OpenAI's limit
@@ -210,7 +210,7 @@ class Routes:
         ident = ("chatcmpl-" if chat else "cmpl-") + f"{sreq.id:x}{time.time_ns() & 0xFFFFFFFF:08x}"
         head = {"id": ident, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": model}
-        gen = Generation(self.scheduler, sreq, peer=request["peer"])
+        gen = Generation(self.scheduler, sreq, peer=caller(request).peer)
         try:
             first = await gen.start()
             if not req.stream:

@@ -43,7 +43,7 @@ from ipc.server import PeerCred
 
 from ..errors import ConfigError, MoedError
 from . import ollama, openai
-from .common import ApiError
+from .common import CALLER, ApiError, Caller
 
 log = logging.getLogger("moed.http")
 
@@ -201,27 +201,26 @@ class HttpServer:
     def _admit(self, request: web.Request) -> None:
         sock = request.transport.get_extra_info("socket") if request.transport is not None else None
         unix = sock is not None and sock.family == socket.AF_UNIX
-        request["tcp"] = not unix
-        request["peer"] = None
+        peer = None
         if unix:
             cred = peer_cred(sock)
             uid, gid = (None, None) if cred is None else cred[1:]
             if uid not in self.allowed_uids:
                 raise ApiError(403, f"uid {uid} may not use this daemon (MOED_ALLOWED_UIDS)")
-            request["peer"] = PeerCred(uid, gid)
+            peer = PeerCred(uid, gid)
         elif self.key_for_all:
             self._check_key(request, "this daemon listens beyond loopback")
-        request["manage"] = lambda: self._may_manage(request)
+        request[CALLER] = Caller(not unix, peer, lambda: self._may_manage(request, peer))
 
-    def _may_manage(self, request: web.Request) -> None:
+    def _may_manage(self, request: web.Request, peer: PeerCred | None) -> None:
         """Creating, copying or deleting a model: over TCP only with MOED_API_KEY; on the unix
         socket only as the daemon's own user."""
-        if request["tcp"]:
+        if peer is None:
             if not self.api_key:
                 raise ApiError(403, "models are managed over TCP only when MOED_API_KEY is set (and sent as "
                                     "Authorization: Bearer); use the unix socket or `moed import`")
             self._check_key(request, "managing models over TCP")
-        elif request["peer"].uid not in (self.uid, 0):
+        elif peer.uid not in (self.uid, 0):
             raise ApiError(403, "only the daemon's own user may manage its models")
 
     def _check_key(self, request: web.Request, why: str) -> None:
