@@ -8,7 +8,9 @@
     moed pack [MODEL] [--level N] [--force]  write the expert pack beside the model (the demo MoE by default)
     moed serve [--socket PATH] [--log PATH] run the daemon in the foreground (logs to stderr, or PATH)
     moed run [MODEL] [PROMPT]               generate through the daemon (started if none runs);
-                                            an interactive chat without PROMPT
+                                            an interactive chat without PROMPT. MODEL: a name from
+                                            the models directory (`demo` is the demo MoE), or a path
+    moed list | moed show MODEL | moed import PATH [--name NAME]   the models directory (MOED_MODELS)
     moed ps | moed stats [MODEL] [--json] | moed stop   loaded models, expert-cache stats, stop the daemon
 """
 
@@ -20,6 +22,7 @@ import os
 import sys
 
 from . import cli_models
+from .catalog import is_path
 from .config import Settings, allowed_uid_set, span
 from .errors import MoedError
 
@@ -483,17 +486,29 @@ def _run_model_and_prompt(words: list[str]) -> tuple[str | None, str | None]:
         return words[0], words[1]
     if len(words) == 1:
         w = words[0]
-        if w.endswith(".gguf") or os.path.isfile(w):
+        if w.endswith(".gguf") or os.path.isfile(w) or _is_model_name(w):
             return w, None
         return None, w
     return None, None
+
+
+def _is_model_name(word: str) -> bool:
+    """Whether a lone word of `moed run` names a model (`demo`, or one in the models directory)
+    rather than being a one-word prompt."""
+    from .catalog import DEMO, Catalog, full_name
+
+    try:
+        name = full_name(word)
+    except MoedError:
+        return False
+    return name == f"{DEMO}:latest" or any(e.name == name for e in Catalog.of(Settings.load()).entries())
 
 
 def _run(args) -> int:
     from .progress import Renderer
 
     model, prompt = _run_model_and_prompt(args.args)
-    if model is not None:
+    if model is not None and (is_path(model) or os.path.exists(model)):  # else a name: the daemon resolves it
         if not os.path.exists(model):
             raise MoedError(f"no model file {model}")
         model = os.path.abspath(model)  # the daemon has its own working directory

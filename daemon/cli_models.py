@@ -23,7 +23,7 @@ def add_parsers(sub) -> None:
 def run(args, settings) -> int:
     cat = Catalog.of(settings)
     if args.command == "list":
-        rows = [(e.name, f"{e.size / 1e9:.1f} GB", time.strftime("%Y-%m-%d %H:%M", time.localtime(e.modified)))
+        rows = [(e.name, _size(e.size), time.strftime("%Y-%m-%d %H:%M", time.localtime(e.modified)))
                 for e in cat.entries()]
         if not rows:
             print(f"no models in {cat.directory} (add one with `moed import PATH`)")
@@ -53,3 +53,7 @@ def describe(path: Path) -> list[tuple[str, str]]:
             ("parameters", f"{c.parameters / 1e9:.2f}B"), ("size", f"{c.size / 1e9:.2f} GB"),
             ("context length", str(c.context_length or "?")), ("experts", experts),
             ("chat template", "yes" if c.chat_template else "no")]
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"

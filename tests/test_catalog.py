@@ -82,3 +82,18 @@ def test_the_cli_imports_lists_and_shows_a_model(tmp_path, monkeypatch, capsys, 
     assert "tiny:q8" in out.out and "exists" in out.err
     assert "architecture     qwen3moe" in out.out and "quantization     Q8_0" in out.out
     assert main(["show", "absent"]) == 1 and "not found" in capsys.readouterr().err
+
+
+def test_remove_takes_a_link_away_never_a_file(tmp_path):
+    target = tmp_path / "m.gguf"
+    target.write_bytes(b"GGUF")
+    cat = Catalog(tmp_path / "models")
+    cat.import_model(target, "linked")
+    (cat.directory / "real.gguf").write_bytes(b"GGUF")
+    cat.remove("linked:latest")
+    assert not (cat.directory / "linked.gguf").exists() and target.exists()
+    with pytest.raises(RequestError, match="not a link"):
+        cat.remove("real")
+    assert (cat.directory / "real.gguf").exists()
+    with pytest.raises(SchedulerError):
+        cat.remove("linked")

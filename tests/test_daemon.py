@@ -121,6 +121,29 @@ def test_cli_run_starts_a_daemon_then_ps_stats_stop(sock, model):
             os.kill(pid, signal.SIGKILL)
 
 
+def test_cli_run_takes_a_model_name_and_a_relative_path(sock, model, tmp_path, monkeypatch):
+    """`moed run NAME` resolves in the daemon's models directory; a relative path is made absolute
+    by the CLI (the daemon runs in "/"); the same model either way gives the same greedy text."""
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "tiny.gguf").symlink_to(model)
+    monkeypatch.setenv("MOED_MODELS", str(models))
+    args = ("Hello world", "--max-tokens", "6", "--temperature", "0")
+    try:
+        by_name = moed(sock, "run", "tiny", *args)
+        assert by_name.returncode == 0, by_name.stderr
+        by_path = subprocess.run([sys.executable, "-m", "daemon.cli", "run", "models/tiny.gguf", *args],
+                                 capture_output=True, text=True, timeout=T, env=env(sock), cwd=tmp_path)
+        assert by_path.returncode == 0, by_path.stderr
+        assert by_name.stdout == by_path.stdout and by_name.stdout.strip()
+        ps = moed(sock, "ps")
+        assert "tiny:latest" in ps.stdout
+        missing = moed(sock, "run", "nope", "Hi")
+        assert missing.returncode == 1 and "'nope:latest' not found" in missing.stderr
+    finally:
+        moed(sock, "stop")
+
+
 def test_second_daemon_on_a_live_socket_refuses(sock):
     proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "serve", "--socket", sock],
                             stderr=subprocess.PIPE, text=True, env=env(sock), cwd=ROOT)

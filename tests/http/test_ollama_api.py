@@ -55,14 +55,14 @@ def unix_client(daemon) -> ollama.Client:
 def client(request, daemon) -> ollama.Client:
     c = tcp_client(daemon) if request.param == "tcp" else unix_client(daemon)
     yield c
-    c._client.close()
+    c.close()
 
 
 @pytest.fixture
 def tcp(daemon) -> ollama.Client:
     c = tcp_client(daemon)
     yield c
-    c._client.close()
+    c.close()
 
 
 # -- the reference: moed's msgspec protocol -------------------------------------------------------------
@@ -99,7 +99,7 @@ def check_final(final, n: int, elapsed_ns: int) -> None:
     assert final.total_duration >= final.prompt_eval_duration
     # nanoseconds: within the wall-clock time the client saw, and not 1000 times smaller than it
     assert final.total_duration <= elapsed_ns
-    assert final.total_duration > elapsed_ns / 100
+    assert final.total_duration > elapsed_ns / 500
 
 
 def timed(fn, *args, **kw):

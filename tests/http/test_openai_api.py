@@ -276,10 +276,11 @@ def test_completions_unsupported_fields_are_refused(tcp, field):
 
 
 def test_image_content_is_refused(tcp):
-    messages = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
-                                             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
-    with pytest.raises(openai.BadRequestError):
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}]
+    with pytest.raises(openai.BadRequestError) as e:
         tcp.chat.completions.create(model=MODEL, messages=messages, max_tokens=N)
+    assert "image_url" in e.value.body["message"]
 
 
 def test_harmless_fields_are_accepted(tcp, daemon):
