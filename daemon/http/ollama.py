@@ -232,6 +232,8 @@ class Routes:
             raise ApiError(400, "suffix: fill-in-the-middle is not supported")
         if req.template:
             raise ApiError(400, "template: moed renders the model's own chat template only")
+        if req.raw and req.system:
+            raise ApiError(400, "raw mode does not take a system prompt (it skips the chat template)")
         if req.context:
             raise ApiError(400, "context: continuing from returned token ids is not supported; send the text")
         keep_alive = parse_keep_alive(req.keep_alive)
@@ -267,6 +269,10 @@ class Routes:
         empty = {"role": "assistant", "content": ""} if field == "message" else ""
         name = model if is_path(model) else full_name(model)
         if keep_alive == 0:
+            try:
+                self.scheduler.path_of(model)  # a model that does not exist is 404, loaded or not
+            except SchedulerError as e:
+                raise ApiError.of(e) from None
             try:
                 await self.scheduler.unload(model)
             except SchedulerError as e:

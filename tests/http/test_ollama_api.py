@@ -357,9 +357,12 @@ def test_unknown_model_is_404(client, stream):
     assert e.value.status_code == 404
 
 
-@pytest.mark.xfail(strict=True, reason="daemon/http/ollama.py _load_or_unload: an unload (empty prompt, keep_alive 0) "
-                                      "of a model that does not exist answers 200 done_reason 'unload'; Ollama "
-                                      "looks the model up first and answers 404")
+def test_raw_mode_refuses_a_system_prompt(tcp):
+    with pytest.raises(ollama.ResponseError) as e:
+        tcp.generate(model="tiny", prompt="x", raw=True, system="s")
+    assert e.value.status_code == 400 and "raw" in str(e.value)
+
+
 def test_unloading_an_unknown_model_is_404(tcp):
     with pytest.raises(ollama.ResponseError) as e:
         tcp.generate(model="no-such-model", prompt="", keep_alive=0)
