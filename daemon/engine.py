@@ -261,6 +261,28 @@ class Engine:
         cache = self.model.new_cache(max(len(tokens), 1))
         return self.model.forward(tokens, cache, all_logits=True)
 
+    def embed(self, texts: Sequence[str], *, truncate: bool = True) -> tuple[np.ndarray, int]:
+        """Embeddings: each text's final hidden states (after the output norm), mean-pooled over
+        its tokens (BOS included, as llama.cpp's mean pooling) and L2-normalized. -> ([N, D]
+        float32, tokens evaluated). A text longer than the context is cut to it (truncate), else
+        a RequestError."""
+        out = np.empty((len(texts), self.model.hp.n_embd), np.float32)
+        evaluated = 0
+        for i, text in enumerate(texts):
+            ids = self.prompt_ids(text)
+            if not ids:
+                raise RequestError(f"input {i} has no tokens")
+            if len(ids) > self.n_ctx:
+                if not truncate:
+                    raise RequestError(f"input {i} has {len(ids)} tokens, more than the context ({self.n_ctx})")
+                ids = ids[:self.n_ctx]
+            h = self.model.hidden_states(ids, self.model.new_cache(len(ids)))  # [T, D]
+            mean = h.astype(np.float64).mean(axis=0)
+            norm = np.linalg.norm(mean)
+            out[i] = mean / norm if norm > 0 else mean
+            evaluated += len(ids)
+        return out, evaluated
+
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 256, *, stop: Sequence[str] = (),
                  options: SamplingOptions | None = None, **sampling) -> Iterator[str]:
         """Yield text pieces as tokens are produced. A text prompt is used raw (no chat template,

@@ -35,6 +35,7 @@ class Step:
     feed: tuple | None = None  # (src [S] int32, prev [S'] device int32): src[s] >= 0 takes sequence
     #                            s's input token from prev[src[s]] (the step before's sampled ids)
     variant: object = None  # what else its computation depends on (a graph is made per variant)
+    hidden: bool = False  # the step returns the final normed hidden states [T, D], not logits (embeddings)
     T: int = field(init=False)  # rows
     S: int = field(init=False)  # sequences
     one_row_each: bool = field(init=False)  # every sequence has exactly one row (a decode step)

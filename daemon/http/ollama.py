@@ -2,7 +2,7 @@
 
     GET  /  /api/version  /api/tags  /api/ps          POST /api/show
     POST /api/generate  /api/chat     NDJSON stream by default; "stream": false gives one object
-    POST /api/embed  /api/embeddings  not yet: 501
+    POST /api/embed  /api/embeddings  mean-pooled final hidden states, L2-normalized (Engine.embed)
     POST /api/pull  /api/push  /api/create            400: moed has no registry, no network
     POST /api/copy  /api/delete                       a link in the models directory (TCP: MOED_API_KEY)
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import time
 from typing import Any
 
 import msgspec
@@ -100,6 +101,15 @@ class NameRequest(msgspec.Struct):
 
     def ref(self) -> str:
         return self.model or self.name
+
+
+class EmbedRequest(msgspec.Struct):
+    model: str = ""
+    input: Any = None  # a string or a list of strings (/api/embed)
+    prompt: str = ""  # /api/embeddings
+    truncate: bool = True
+    options: Options | None = None
+    keep_alive: Any = None
 
 
 class CopyRequest(msgspec.Struct):
@@ -316,7 +326,29 @@ class Routes:
     # -- embeddings, registry, management ------------------------------------------------------
 
     async def embed(self, request: web.Request) -> web.Response:
-        raise ApiError(501, "embeddings are not supported yet")
+        """/api/embed ({"input": text or [texts]} -> "embeddings"), and the older /api/embeddings
+        ({"prompt": text} -> "embedding")."""
+        t0 = time.perf_counter_ns()
+        legacy = request.path == "/api/embeddings"
+        req = await read_body(request, EmbedRequest)
+        model = model_ref(request, req.model)
+        texts = [req.prompt] if legacy else ([req.input] if isinstance(req.input, str) else req.input)
+        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+            raise ApiError(400, "input: expected a string or a list of strings")
+        if not texts:
+            raise ApiError(400, "input must not be empty")
+        settings = _sampling(req.options or Options())[2]
+        try:
+            vectors, count, load_ns = await self.scheduler.embed(
+                model, texts, truncate=req.truncate, keep_alive=parse_keep_alive(req.keep_alive),
+                peer=caller(request).peer, settings=settings)
+        except MoedError as e:
+            raise ApiError.of(e) from None
+        if legacy:
+            return _json({"embedding": vectors[0].tolist()})
+        return _json({"model": self.scheduler.label(model, model), "embeddings": vectors.tolist(),
+                      "total_duration": time.perf_counter_ns() - t0, "load_duration": load_ns,
+                      "prompt_eval_count": count})
 
     async def no_registry(self, request: web.Request) -> web.Response:
         raise ApiError(400, "moed has no model registry and no network: add a local GGUF file with "

@@ -3,7 +3,7 @@
     POST /v1/chat/completions   chat.completion, or SSE chat.completion.chunk events
     POST /v1/completions        text_completion, or SSE text_completion events
     GET  /v1/models  /v1/models/{id}
-    POST /v1/embeddings         not yet: 501
+    POST /v1/embeddings         mean-pooled final hidden states, L2-normalized; float or base64
 
 A stream is `data: {json}` events ending in `data: [DONE]`; `usage` comes in the response, and in
 a stream as a last chunk with no choices when `stream_options.include_usage` asks for it.
@@ -19,6 +19,7 @@ Errors are OpenAI's object: {"error": {"message", "type", "param", "code"}}.
 
 from __future__ import annotations
 
+import base64
 import time
 from typing import Any
 
@@ -28,6 +29,7 @@ from aiohttp import web
 from ipc.protocol import Chat, Done, Error, Generate, Message, SamplingOptions
 
 from ..catalog import full_name, is_path
+from ..errors import MoedError
 from .common import ApiError, caller, Generation, collect, model_ref, next_id, read_body
 
 NO_LIMIT = 2**31 - 1
@@ -80,6 +82,14 @@ class CompletionRequest(_Sampling, kw_only=True):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+
+class EmbeddingsRequest(msgspec.Struct):
+    model: str = ""
+    input: Any = None
+    encoding_format: str = "float"
+    dimensions: int | None = None
+    user: str | None = None
 
 
 def error_body(status: int, message: str, kind: str) -> dict:
@@ -168,7 +178,26 @@ class Routes:
         return _json(_model(entry.name, entry.modified))
 
     async def embeddings(self, request: web.Request) -> web.Response:
-        raise ApiError(501, "embeddings are not supported yet")
+        req = await read_body(request, EmbeddingsRequest)
+        model = model_ref(request, req.model)
+        texts = [req.input] if isinstance(req.input, str) else req.input
+        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+            raise ApiError(400, "input: expected a string or a non-empty list of strings (token ids are not taken)")
+        if req.encoding_format not in ("float", "base64"):
+            raise ApiError(400, "encoding_format: expected float or base64")
+        try:
+            vectors, count, _load_ns = await self.scheduler.embed(model, texts, peer=caller(request).peer)
+        except MoedError as e:
+            raise ApiError.of(e) from None
+        if req.dimensions is not None and req.dimensions != vectors.shape[1]:
+            raise ApiError(400, f"dimensions: this model's embeddings have {vectors.shape[1]}")
+        if req.encoding_format == "base64":  # little-endian float32, as OpenAI's
+            data = [base64.b64encode(v.astype("<f4").tobytes()).decode() for v in vectors]
+        else:
+            data = vectors.tolist()
+        return _json({"object": "list", "model": model if is_path(model) else full_name(model),
+                      "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)],
+                      "usage": {"prompt_tokens": count, "total_tokens": count}})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req = await read_body(request, ChatRequest)

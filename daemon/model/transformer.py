@@ -163,8 +163,13 @@ class Transformer:
             raise RequestError(f"token id out of range 0..{self.hp.n_vocab - 1}")
         return tokens
 
+    def hidden_states(self, tokens, cache: SequenceCache) -> np.ndarray:
+        """Append tokens to the sequence in `cache`; -> the final hidden states [T, D] float32
+        (after the output norm, before the output head), on the host: what embeddings pool."""
+        return self._pass([self._check_tokens(tokens)], [cache], True, hidden=True)
+
     def _pass(self, tokens: list[np.ndarray], caches: list[SequenceCache], all_logits: bool,
-              samplers=None, feed=None, pad: int = 0):
+              samplers=None, feed=None, pad: int = 0, hidden: bool = False):
         """tokens[s] appended to caches[s] in one step. -> logits [T, V], or [S, V] of each
         sequence's last row; with samplers, the sampled (tokens, flags) on the device."""
         if len(caches) > 1 and len({id(c) for c in caches}) != len(caches):
@@ -172,7 +177,7 @@ class Transformer:
         for c, t in zip(caches, tokens):
             c.reserve(c.n_past + t.size)
         step = Step.append(tokens, caches, all_logits)
-        step.samplers, step.feed = samplers, feed
+        step.samplers, step.feed, step.hidden = samplers, feed, hidden
         out = self._run(step.padded(pad))
         for c, t in zip(caches, tokens):
             c.n_past += t.size
@@ -186,6 +191,8 @@ class Transformer:
         if begin_pass is not None:
             begin_pass(step.T)
         step.variant = getattr(self.experts, "graph_variant", None)
+        if step.hidden:  # its own graphs, and never the compiled step (which ends in logits)
+            step.variant = ("hidden", step.variant)
         plain = self._plain()
         if getattr(self.experts, "checked", False):
             return self._run_checked(step, plain)
@@ -194,7 +201,7 @@ class Transformer:
         segmented = plain and not static and segmentable is not None and segmentable(step.T * self.hp.n_expert_used)
         if step.feed is not None and not static:
             raise RequestError("a step whose tokens are read on the host cannot take them from the device")
-        if plain and step.samplers is None and self.route_override is None:
+        if plain and step.samplers is None and self.route_override is None and not step.hidden:
             compiled = getattr(B, "run_compiled", None)  # the whole step as one call (the CPU's)
             logits = compiled(self, step) if compiled is not None else None
             if logits is not None:
@@ -270,6 +277,8 @@ class Transformer:
         h = B.rms_norm(x, self.layers[0].attn_norm, eps)  # each stage's input normed: [T, D]
         for stage, (kind, il, may_trim) in enumerate(self.plan):  # model/plan.py: each stage and its fusion group
             if kind == HEAD:
+                if step.hidden:
+                    return h  # [T, D], after the output norm
                 if not step.all_logits and step.T != step.S:  # the last layer ran on every row
                     h, step = B.take_rows(h, step.last_rows()), step.outputs()
                 return B.linear(h, self.output, step)  # [T, V]

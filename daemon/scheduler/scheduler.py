@@ -7,6 +7,7 @@
                                        starts (busy, not_found, model_error, ...). Cancelling the task
                                        that runs it cancels the sequence (within one decode step).
     load(name, settings, keep_alive, progress, peer) / unload / ps / stats / close
+    embed(name, texts, truncate, keep_alive, peer, settings) -> (vectors, tokens, load ns)
 
 A model is named by a path (it contains "/"; resolved as given) or by a name in the models
 directory (daemon/catalog.py: "qwen3", "qwen3:30b"); `demo` is the demo MoE, built on first use,
@@ -295,6 +296,37 @@ class Scheduler:
             self.inflight -= 1
         self.registry.release(model)  # keep-alive starts now (0: unloaded right away)
         return model, load_ns
+
+    async def embed(self, name: str, texts: list[str], *, truncate: bool = True, keep_alive: float | None = None,
+                    peer: Peer | None = None, settings: dict[str, Any] | None = None):
+        """Embeddings of `texts` by the model `name` (Engine.embed, on its compute thread between
+        two steps) -> (vectors [N, D] float32, tokens evaluated, ns waited for the load). A place
+        in the queue while it waits and runs, as a generation."""
+        if self.closing:
+            raise SchedulerError("shutdown", "the daemon is shutting down")
+        total = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+        if total > self.settings.max_prompt_bytes:
+            raise SchedulerError("bad_request", f"the inputs hold {total} bytes, more than MOED_MAX_PROMPT_BYTES="
+                                                f"{self.settings.max_prompt_bytes}")
+        path = self.path_of(name)
+        if path is not None:
+            check_model(peer, path, name)
+        self._enqueue()
+        model = None
+        try:
+            if path is None:
+                path = await self.demo()
+                check_model(peer, path, "the default model")
+            model, load_ns = await self.registry.acquire(self.label(name, path), settings, keep_alive, path=path)
+            try:
+                vectors, count = await model.batcher.call(lambda engine: engine.embed(texts, truncate=truncate))
+            except RuntimeError as e:
+                raise SchedulerError("model_error", f"{model.name} is being unloaded") from e
+            return vectors, count, load_ns
+        finally:
+            self.inflight -= 1
+            if model is not None:
+                self.registry.release(model)
 
     async def unload(self, name: str) -> None:
         await self.registry.unload(self._loaded_key(name))

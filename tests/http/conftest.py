@@ -132,3 +132,17 @@ def start_daemon(tmp_path, model_file, warm_kernels):
     yield start
     for d in started:
         d.stop()
+
+
+@pytest.fixture(scope="module")
+def reference_embeddings(model_file):
+    """Engine.embed in this process (checked against llama.cpp in tests/test_engine_embed.py):
+    texts -> [N, D]."""
+    from daemon.engine import Engine
+
+    engine = Engine.load(model_file, n_threads=1)
+    yield lambda texts: engine.embed(texts)[0]
+    engine.close()
+
+
+EMBED_TEXTS = ["Hello world", "The quick brown fox jumps over the lazy dog."]

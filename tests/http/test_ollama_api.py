@@ -17,6 +17,7 @@ import time
 from datetime import datetime, timedelta, timezone
 
 import httpx
+import numpy as np
 import ollama
 import pytest
 
@@ -470,3 +471,25 @@ def test_num_ctx_reloads_the_model(tcp, daemon):
     tcp.generate(model=MODEL, prompt="", keep_alive=0)  # leave the daemon as the others found it
 
 
+
+
+# -- embeddings ---------------------------------------------------------------------------------
+
+def test_embed_equals_the_engines_over_both_listeners(client, reference_embeddings):
+    from .conftest import EMBED_TEXTS
+
+    r = client.embed(model="tiny", input=EMBED_TEXTS)
+    got = np.asarray(r.embeddings, np.float32)
+    assert np.array_equal(got, reference_embeddings(EMBED_TEXTS))
+    assert r.model == "tiny:latest" and r.prompt_eval_count > len(EMBED_TEXTS) and r.total_duration > 0
+    one = client.embed(model="tiny", input=EMBED_TEXTS[0])
+    assert np.array_equal(np.asarray(one.embeddings, np.float32), got[:1])
+    legacy = client.embeddings(model="tiny", prompt=EMBED_TEXTS[1])
+    assert np.array_equal(np.asarray(legacy.embedding, np.float32), got[1])
+
+
+def test_embed_errors(tcp):
+    for kw, status in (({"model": "no-such-model", "input": "x"}, 404), ({"model": "tiny", "input": []}, 400)):
+        with pytest.raises(ollama.ResponseError) as e:
+            tcp.embed(**kw)
+        assert e.value.status_code == status

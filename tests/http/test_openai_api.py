@@ -372,3 +372,35 @@ def test_sse_framing_with_curl(daemon, tmp_path, via, route):
         text = "".join(c["choices"][0]["text"] for c in chunks)
         want, _ = ref_generate(daemon, PROMPT)
     assert text == want
+
+
+# -- embeddings ---------------------------------------------------------------------------------
+
+def test_embeddings_equal_the_engines_as_float_and_base64(client, reference_embeddings):
+    import numpy as np
+
+    from .conftest import EMBED_TEXTS
+
+    import base64
+
+    want = reference_embeddings(EMBED_TEXTS)
+    # no format: the client asks for base64 and decodes it; asked for by name, it is left as text
+    for fmt in ("float", None, "base64"):
+        kw = {} if fmt is None else {"encoding_format": fmt}
+        r = client.embeddings.create(model="tiny", input=EMBED_TEXTS, **kw)
+        rows = [d.embedding for d in sorted(r.data, key=lambda d: d.index)]
+        if fmt == "base64":
+            rows = [np.frombuffer(base64.b64decode(e), "<f4") for e in rows]
+        assert np.array_equal(np.asarray(rows, np.float32), want), fmt
+        assert r.usage.prompt_tokens == r.usage.total_tokens > len(EMBED_TEXTS)
+    r = client.embeddings.create(model="tiny", input=EMBED_TEXTS[0])
+    assert np.array_equal(np.asarray(r.data[0].embedding, np.float32), want[0])
+
+
+def test_embeddings_errors(tcp):
+    with pytest.raises(openai.NotFoundError):
+        tcp.embeddings.create(model="no-such-model", input="x")
+    with pytest.raises(openai.BadRequestError, match="dimensions"):
+        tcp.embeddings.create(model="tiny", input="x", dimensions=3)
+    with pytest.raises(openai.BadRequestError, match="token ids"):
+        tcp.embeddings.create(model="tiny", input=[1, 2, 3])
