@@ -18,6 +18,7 @@ so they check, template, stop and finish exactly as a daemon's Generate(raw=True
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import weakref
@@ -284,19 +285,23 @@ class Engine:
         return out, evaluated
 
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 256, *, stop: Sequence[str] = (),
-                 options: SamplingOptions | None = None, **sampling) -> Iterator[str]:
+                 options: SamplingOptions | None = None, format: str | dict | None = None,
+                 **sampling) -> Iterator[str]:
         """Yield text pieces as tokens are produced. A text prompt is used raw (no chat template,
-        BOS as the model wants), token ids as they are. `sampling`: fields of SamplingOptions.
-        A bad request raises RequestError here, before the first piece."""
+        BOS as the model wants), token ids as they are. `sampling`: fields of SamplingOptions;
+        format: "json" or a JSON schema (a dict or its text), which the output is held to
+        (daemon.grammar). A bad request raises RequestError here, before the first piece."""
         fields = dict(prompt=prompt, raw=True) if isinstance(prompt, str) else dict(tokens=[int(t) for t in prompt])
-        return self._start(Generate, fields, max_tokens, stop, options, sampling)
+        return self._start(Generate, {**fields, "format": _format(format)}, max_tokens, stop, options, sampling)
 
     def chat(self, messages: list[dict], max_tokens: int = 256, *, stop: Sequence[str] = (),
-             options: SamplingOptions | None = None, **sampling) -> Iterator[str]:
+             options: SamplingOptions | None = None, format: str | dict | None = None,
+             **sampling) -> Iterator[str]:
         """generate's reply to a conversation of {role, content} strings, rendered as the daemon
         renders a Chat: by the model's template (BOS added unless the template wrote it), or,
         for a model without one, the contents in order."""
-        return self._start(Chat, dict(messages=_messages(messages)), max_tokens, stop, options, sampling)
+        return self._start(Chat, dict(messages=_messages(messages), format=_format(format)), max_tokens, stop,
+                           options, sampling)
 
     def _template_adds_bos(self, prompt: str) -> bool:
         bos = template_tokens(self.tokenizer)["bos_token"]
@@ -345,3 +350,8 @@ def _messages(messages: list[dict]) -> list[Message]:
         return [Message(**msgspec.convert(m, dict[str, str])) for m in messages]
     except (msgspec.ValidationError, TypeError) as e:
         raise RequestError(f"messages must be {{role, content}} strings: {e}") from None
+
+
+def _format(format: str | dict | None) -> str | None:
+    """A format as requests carry it: "json" or a JSON schema's text."""
+    return format if format is None or isinstance(format, str) else json.dumps(format)

@@ -40,15 +40,20 @@ class Sampler:
         self.options = options
         self.rng = np.random.default_rng(options.seed)
 
-    def sample(self, logits: np.ndarray, history: list[int]) -> int:
-        """logits: [V] f32 for the next token; history: tokens so far (prompt + generated).
-        ModelError(NON_FINITE) when a logit is NaN or infinite."""
+    def sample(self, logits: np.ndarray, history: list[int], mask: np.ndarray | None = None) -> int:
+        """logits: [V] f32 for the next token; history: tokens so far (prompt + generated); mask:
+        int32 [ceil(V / 32)], the tokens a grammar allows (daemon.grammar), applied after the
+        repeat penalty. ModelError(NON_FINITE) when a logit is NaN or infinite."""
         o = self.options
         logits = np.asarray(logits, dtype=np.float32)
         if not np.isfinite(logits).all():
             raise ModelError(NON_FINITE)
         if o.repeat_penalty != 1.0 and o.repeat_last_n and history:
             logits = self._penalized(logits, history)
+        if mask is not None:
+            from .grammar import apply_mask
+
+            logits = apply_mask(logits, mask)
         if o.temperature <= 0:
             return int(np.argmax(logits))
         return self._draw(logits)

@@ -115,17 +115,27 @@ def _options(options: SamplingOptions | Mapping[str, Any] | None) -> SamplingOpt
 
 
 def _generate(id: int, prompt: str | Sequence[int], model, max_tokens, options, stop, keep_alive,
-              raw) -> Generate:
+              raw, format=None) -> Generate:
     with _refused_locally():
         text, tokens = (prompt, None) if isinstance(prompt, str) else (None, [int(t) for t in prompt])
-        return Generate(id, model, text, tokens, max_tokens, _options(options), list(stop), keep_alive, raw)
+        return Generate(id, model, text, tokens, max_tokens, _options(options), list(stop), keep_alive, raw,
+                        _format(format))
 
 
 def _chat(id: int, messages: Iterable[Message | Mapping[str, str]], model, max_tokens, options,
-          stop, keep_alive) -> Chat:
+          stop, keep_alive, format=None) -> Chat:
     with _refused_locally():
         msgs = [m if isinstance(m, Message) else Message(m["role"], m["content"]) for m in messages]
-        return Chat(id, msgs, model, max_tokens, _options(options), list(stop), keep_alive)
+        return Chat(id, msgs, model, max_tokens, _options(options), list(stop), keep_alive, _format(format))
+
+
+def _format(format) -> str | None:
+    """A format as the wire takes it: "json", a JSON schema (a dict, sent as its text), or None."""
+    if format is None or isinstance(format, str):
+        return format
+    import json
+
+    return json.dumps(format)
 
 
 def _expect(reply: Reply, kind: type):
@@ -479,16 +489,19 @@ class AsyncClient:
 
     def generate(self, prompt: str | Sequence[int], *, model: str | None = None, max_tokens: int = 256,
                  options: SamplingOptions | Mapping[str, Any] | None = None, stop: Sequence[str] = (),
-                 keep_alive: float | None = None, raw: bool = False, on_progress=None) -> AsyncGeneration:
-        """Stream a completion of `prompt` (text, or token ids)."""
-        msg = _generate(next(self._ids), prompt, model, max_tokens, options, stop, keep_alive, raw)
+                 keep_alive: float | None = None, raw: bool = False, on_progress=None,
+                 format: str | Mapping[str, Any] | None = None) -> AsyncGeneration:
+        """Stream a completion of `prompt` (text, or token ids). format: "json" or a JSON schema
+        (a dict): the output is held to it."""
+        msg = _generate(next(self._ids), prompt, model, max_tokens, options, stop, keep_alive, raw, format)
         return AsyncGeneration(self, msg, on_progress)
 
     def chat(self, messages: Iterable[Message | Mapping[str, str]], *, model: str | None = None,
              max_tokens: int = 256, options: SamplingOptions | Mapping[str, Any] | None = None,
-             stop: Sequence[str] = (), keep_alive: float | None = None, on_progress=None) -> AsyncGeneration:
+             stop: Sequence[str] = (), keep_alive: float | None = None, on_progress=None,
+             format: str | Mapping[str, Any] | None = None) -> AsyncGeneration:
         """Stream the assistant's reply; messages are Message or {"role": ..., "content": ...}."""
-        msg = _chat(next(self._ids), messages, model, max_tokens, options, stop, keep_alive)
+        msg = _chat(next(self._ids), messages, model, max_tokens, options, stop, keep_alive, format)
         return AsyncGeneration(self, msg, on_progress)
 
     async def cancel(self, id: int) -> None:
@@ -675,14 +688,16 @@ class Client:
 
     def generate(self, prompt: str | Sequence[int], *, model: str | None = None, max_tokens: int = 256,
                  options: SamplingOptions | Mapping[str, Any] | None = None, stop: Sequence[str] = (),
-                 keep_alive: float | None = None, raw: bool = False, on_progress=None) -> Generation:
-        msg = _generate(next(self._ids), prompt, model, max_tokens, options, stop, keep_alive, raw)
+                 keep_alive: float | None = None, raw: bool = False, on_progress=None,
+                 format: str | Mapping[str, Any] | None = None) -> Generation:
+        msg = _generate(next(self._ids), prompt, model, max_tokens, options, stop, keep_alive, raw, format)
         return Generation(self, msg, on_progress)
 
     def chat(self, messages: Iterable[Message | Mapping[str, str]], *, model: str | None = None,
              max_tokens: int = 256, options: SamplingOptions | Mapping[str, Any] | None = None,
-             stop: Sequence[str] = (), keep_alive: float | None = None, on_progress=None) -> Generation:
-        msg = _chat(next(self._ids), messages, model, max_tokens, options, stop, keep_alive)
+             stop: Sequence[str] = (), keep_alive: float | None = None, on_progress=None,
+             format: str | Mapping[str, Any] | None = None) -> Generation:
+        msg = _chat(next(self._ids), messages, model, max_tokens, options, stop, keep_alive, format)
         return Generation(self, msg, on_progress)
 
     def cancel(self, id: int) -> None:

@@ -54,7 +54,7 @@ import msgspec
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 2  # 2: the Progress reply (a version-1 client fails on its unknown tag)
+PROTOCOL_VERSION = 3  # 2: the Progress reply (a version-1 client fails on its unknown tag); 3: format
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -196,6 +196,7 @@ class Generate(msgspec.Struct, tag="G", **_REQ):
     stop: StopList = []  # stop strings; the stream ends before them (see Limits)
     keep_alive: float | None = None
     raw: bool = False  # True: the prompt skips the model's chat template
+    format: str | None = None  # "json", or a JSON schema's text: the output is held to it (daemon.grammar)
 
     def __post_init__(self):  # ValueError: bad_request on decode, ValueError when built locally
         if (self.prompt is None) == (self.tokens is None):
@@ -213,6 +214,7 @@ class Chat(msgspec.Struct, tag="C", **_REQ):
     options: SamplingOptions | None = None
     stop: StopList = []
     keep_alive: float | None = None
+    format: str | None = None  # as Generate's
 
     def __post_init__(self):
         if not self.messages:

@@ -153,13 +153,22 @@ def _stop(o: Options) -> list[str]:
     return [o.stop] if isinstance(o.stop, str) else list(o.stop or [])
 
 
-def _refuse(format: Any, images: Any, tools: Any = None) -> None:
+def _refuse(images: Any, tools: Any = None) -> None:
     if images:
         raise ApiError(400, "images: this model takes text only (moed runs no vision encoder)")
-    if format not in (None, ""):
-        raise ApiError(400, "format: structured output is not supported yet")
     if tools:
         raise ApiError(400, "tools: tool calls are not supported yet")
+
+
+def _format(format: Any) -> str | None:
+    """Ollama's format ("json", or a JSON schema object) as the scheduler takes it."""
+    if format in (None, ""):
+        return None
+    if format == "json":
+        return "json"
+    if isinstance(format, dict):
+        return msgspec.json.encode(format).decode()
+    raise ApiError(400, 'format: expected "json" or a JSON schema object')
 
 
 def _message(m: OllamaMessage) -> Message:
@@ -237,7 +246,7 @@ class Routes:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         req = await read_body(request, GenerateRequest)
         model = model_ref(request, req.model)
-        _refuse(req.format, req.images)
+        _refuse(req.images)
         if req.suffix:
             raise ApiError(400, "suffix: fill-in-the-middle is not supported")
         if req.template:
@@ -252,7 +261,7 @@ class Routes:
         sampling, max_tokens, settings = _sampling(req.options or Options())
         stop = _stop(req.options or Options())
         common = {"model": model, "max_tokens": max_tokens, "options": sampling, "stop": stop,
-                  "keep_alive": keep_alive}
+                  "keep_alive": keep_alive, "format": _format(req.format)}
         if req.system and not req.raw:
             msgs = [Message("system", req.system)] + ([Message("user", req.prompt)] if req.prompt else [])
             sreq = Chat(next_id(), msgs, **common)
@@ -263,14 +272,14 @@ class Routes:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req = await read_body(request, ChatRequest)
         model = model_ref(request, req.model)
-        _refuse(req.format, None, req.tools)
+        _refuse(None, req.tools)
         keep_alive = parse_keep_alive(req.keep_alive)
         if not req.messages:
             return await self._load_or_unload(request, model, keep_alive, "message")
         options = req.options or Options()
         sampling, max_tokens, settings = _sampling(options)
         sreq = Chat(next_id(), [_message(m) for m in req.messages], model=model, max_tokens=max_tokens,
-                    options=sampling, stop=_stop(options), keep_alive=keep_alive)
+                    options=sampling, stop=_stop(options), keep_alive=keep_alive, format=_format(req.format))
         return await self._serve(request, sreq, settings, req.stream, chat=True)
 
     async def _load_or_unload(self, request: web.Request, model: str, keep_alive: float | None,

@@ -145,6 +145,23 @@ def _text(m: ChatMessage) -> str:
     return "".join(parts)
 
 
+def _response_format(rf: dict[str, Any] | None) -> str | None:
+    """OpenAI's response_format as the scheduler's format: text (none), json_object ("json"), or
+    json_schema (its schema's text)."""
+    kind = (rf or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "json"
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ApiError(400, "response_format: json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": {...}}}")
+        return msgspec.json.encode(schema).decode()
+    raise ApiError(400, f"response_format: type {kind!r} (text, json_object or json_schema)")
+
+
 _ROLES = {"developer": "system"}  # OpenAI's newer name for the system role
 
 
@@ -204,14 +221,13 @@ class Routes:
         model = model_ref(request, req.model)
         if req.tools:
             raise ApiError(400, "tools: tool calls are not supported yet")
-        if req.response_format and req.response_format.get("type") not in (None, "text"):
-            raise ApiError(400, "response_format: structured output is not supported yet")
+
         if not req.messages:
             raise ApiError(400, "messages must not be empty")
         msgs = [Message(_ROLES.get(m.role, m.role), _text(m)) for m in req.messages]
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         sreq = Chat(next_id(), msgs, model=model, max_tokens=_max_tokens(limit, NO_LIMIT), options=_options(req),
-                    stop=_stop(req))
+                    stop=_stop(req), format=_response_format(req.response_format))
         return await self._serve(request, sreq, req, chat=True)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:

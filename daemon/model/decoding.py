@@ -84,7 +84,7 @@ def _sampled(seqs, logits: np.ndarray) -> tuple[np.ndarray, list]:
     errors: list = [None] * len(seqs)
     for b, s in enumerate(seqs):
         try:
-            tokens[b] = s.sampler.sample(logits[b], s.history)
+            tokens[b] = s.sampler.sample(logits[b], s.history, s.allowed())
         except Exception as e:  # noqa: BLE001 - non-finite logits, or a bug: this row only
             errors[b] = e
     return tokens, errors

@@ -173,6 +173,7 @@ class Scheduler:
                                                          keep_alive=req.keep_alive, progress=progress, path=path)
             try:
                 ids = await self._prompt_ids(req, model)
+                grammar = await self._grammar(req, model)
             except SchedulerError:
                 raise
             except Exception as e:  # noqa: BLE001 - the request's error reply, as the batcher gives it
@@ -190,6 +191,7 @@ class Scheduler:
                     done.set_result(None)
 
             seq = Sequence(req, ids, on_reply, received_ns=received_ns, load_ns=load_ns)
+            seq.grammar = grammar
             try:
                 model.batcher.submit(seq)
             except RuntimeError:
@@ -218,9 +220,18 @@ class Scheduler:
             raise SchedulerError("model_error", f"{model.name} is being unloaded")
         work = functools.partial(prompt_ids, req, engine, max_bytes=self.settings.max_prompt_bytes,
                                  template_timeout=self.settings.template_timeout)
-        if isinstance(req, Generate) and req.tokens is not None:
+        if isinstance(req, Generate) and req.tokens is not None and not req.format:
             return work()  # no text to render or tokenize: checked in place, no thread hop
         return await self.text.run(work)
+
+    async def _grammar(self, req: Generate | Chat, model: LoadedModel):
+        """The request's format compiled (daemon.grammar), off the compute thread; None without one."""
+        if not req.format:
+            return None
+        from ..grammar import compile_format
+
+        tokenizer = model.engine.tokenizer
+        return await self.text.run(lambda: compile_format(req.format, tokenizer).matcher())
 
     def path_of(self, ref: str) -> str | None:
         """The file a model reference names: a path as resolved, a name from the models directory;

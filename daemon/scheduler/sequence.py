@@ -66,6 +66,7 @@ class Sequence:
         self.ended = False  # no token after the accepted ones (an id rule, a failure, or `stopped` seen)
         self.inflight = 0  # launched decode steps with a row of this sequence, not yet processed
         self.slot = None  # its device sampler slot (the Batcher's decoder), if any
+        self.grammar = None  # daemon.grammar.Matcher of a request with a format (the scheduler's, or prepare's)
         # text thread
         self.finished = False  # a terminal reply has been built
         self.stopped = False  # a stop string ended it
@@ -79,6 +80,10 @@ class Sequence:
         """What the token loop needs, the KV cache included (the ids are ready and checked)."""
         self.history = list(self.ids)
         self.sampler = Sampler(self.options)
+        if self.grammar is None and getattr(self.request, "format", None):  # in process (Engine)
+            from ..grammar import compile_format
+
+            self.grammar = compile_format(self.request.format, engine.tokenizer).matcher()
         self.decoder = StreamDecoder(engine.tokenizer)
         self.stopper = StopMatcher(list(self.request.stop))
         self.eog = engine.tokenizer.eog_ids
@@ -131,7 +136,11 @@ class Sequence:
         if self.exhausted():  # max_tokens 0: no token at all
             self.ended = True
             return (self, END, "length")
-        return self.accept(self.sampler.sample(logits, self.history))
+        return self.accept(self.sampler.sample(logits, self.history, self.allowed()))
+
+    def allowed(self):
+        """The tokens its grammar allows next (int32 [ceil(V / 32)]), or None: any."""
+        return None if self.grammar is None else self.grammar.mask()
 
     def accept(self, token: int) -> tuple | None:
         """The token sampled for this sequence: the id rules decided now -> the text event
@@ -142,6 +151,12 @@ class Sequence:
         if token in self.eog:
             self.ended = True
             return (self, END, "stop")
+        if self.grammar is not None:
+            try:
+                self.grammar.consume(token)
+            except RequestError as e:
+                self.ended = True
+                return (self, ERROR, e)
         self.history.append(token)
         self.produced += 1
         if self.exhausted():

@@ -393,16 +393,35 @@ def test_images_are_refused(tcp):
     assert e.value.status_code == 400
 
 
-@pytest.mark.parametrize("format", ["json", {"type": "object", "properties": {"a": {"type": "string"}}}])
-def test_format_is_refused(tcp, format):
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                          "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                                          "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
+                                                   "maxItems": 3}},
+          "required": ["name", "age", "tags"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_format_holds_the_output_to_a_schema(tcp, seed):
+    import jsonschema
+
+    opts = {"temperature": 1.0, "seed": seed, "num_predict": 200}
+    r = tcp.generate(model=MODEL, prompt=f"Describe person {seed} as JSON", format=SCHEMA, stream=False, options=opts)
+    jsonschema.validate(json.loads(r.response), SCHEMA)
+    assert r.done_reason == "stop"
+    parts = [p.message.content for p in tcp.chat(model=MODEL, messages=MESSAGES, format=SCHEMA, stream=True,
+                                                 options=opts)]
+    jsonschema.validate(json.loads("".join(parts)), SCHEMA)
+
+
+def test_format_json_and_bad_formats(tcp, daemon):
+    r = tcp.chat(model=MODEL, messages=MESSAGES, format="json", stream=False,
+                 options={"num_predict": 60, "temperature": 0})
+    assert r.message.content.startswith("{")  # an object, cut by num_predict on this random model
     with pytest.raises(ollama.ResponseError) as e:
-        tcp.generate(model=MODEL, prompt=PROMPT, format=format, stream=False, options=GREEDY)
-    assert e.value.status_code == 400
-    assert "not supported" in e.value.error
-    with pytest.raises(ollama.ResponseError) as e:
-        tcp.chat(model=MODEL, messages=MESSAGES, format=format, stream=False, options=GREEDY)
-    assert e.value.status_code == 400
-    assert "not supported" in e.value.error
+        tcp.generate(model=MODEL, prompt=PROMPT, format={"type": "nonsense-type"}, stream=False, options=GREEDY)
+    assert e.value.status_code == 400 and "format" in e.value.error
+    r = httpx.post(daemon.url + "/api/generate", json={"model": MODEL, "prompt": PROMPT, "format": "yaml"})
+    assert r.status_code == 400 and "format" in r.json()["error"]
 
 
 def test_unsupported_options_are_refused(tcp):

@@ -259,7 +259,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 @pytest.mark.parametrize("field", [{"n": 2}, {"logit_bias": {"1": 5}}, {"logprobs": True},
                                    {"logprobs": True, "top_logprobs": 2}, {"presence_penalty": 0.5},
                                    {"frequency_penalty": 0.5}, {"tools": TOOLS},
-                                   {"response_format": {"type": "json_object"}}])
+                                   {"response_format": {"type": "xml"}},
+                                   {"response_format": {"type": "json_schema"}}])
 def test_chat_unsupported_fields_are_refused(tcp, field):
     with pytest.raises(openai.BadRequestError) as e:
         tcp.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=N, temperature=0, **field)
@@ -404,3 +405,32 @@ def test_embeddings_errors(tcp):
         tcp.embeddings.create(model="tiny", input="x", dimensions=3)
     with pytest.raises(openai.BadRequestError, match="token ids"):
         tcp.embeddings.create(model="tiny", input=[1, 2, 3])
+
+
+# -- structured output --------------------------------------------------------------------------
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                          "sunny": {"type": "boolean"},
+                                          "temp": {"type": "integer", "minimum": -50, "maximum": 60}},
+          "required": ["city", "sunny", "temp"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_response_format_json_schema_is_held_to(client, seed):
+    import jsonschema
+
+    rf = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA, "strict": True}}
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=200, temperature=1.0, seed=seed,
+                                       response_format=rf)
+    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+    assert r.choices[0].finish_reason == "stop"
+    chunks = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=200, temperature=1.0,
+                                            seed=seed, response_format=rf, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_response_format_json_object_starts_an_object(tcp):
+    r = tcp.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0,
+                                    response_format={"type": "json_object"})
+    assert r.choices[0].message.content.startswith("{")
