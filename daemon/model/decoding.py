@@ -8,7 +8,9 @@
     tokens, errors = pending.wait()      [S] int32, and the exception of each row that failed
 
 A sequence here is daemon.scheduler.sequence.Sequence: launch reads its `token` (the input, when
-the host knows it), `cache`, and `sampler` + `history` (host sampling) or `slot` (device).
+the host knows it), `cache`, and `sampler` + `history` (host sampling) or `slot` (device), and
+`grammar` (a request's format): its mask goes into the logits before sampling, on either side
+(the device's in its slot), and a constrained sequence's steps are not overlapped.
 
 DeviceDecoder.launch does not wait: the step samples on the device and copies its ids to pinned
 host memory, and `src[s] >= 0` feeds sequence s the token that `prev` (the step before, still in
@@ -133,8 +135,14 @@ class DeviceDecoder:
 
     def detach(self, seq) -> None:
         if seq.slot is not None:
-            self.slots.release(seq.slot)
+            self.slots.release(seq.slot)  # its grammar mask too
             seq.slot = None
+
+    def _masks(self, seqs) -> None:
+        """Each constrained sequence's grammar mask into its slot, before the step samples it."""
+        for s in seqs:
+            if s.grammar is not None:
+                self.slots.set_mask(s.slot, s.allowed(), stream=self.backend.stream)
 
     def warm(self, n_ctx: int, prefill_rows: int = 512, cells: tuple[int, ...] = WARM_CELLS) -> int:
         """Capture now, at load, the decode graphs of every padded size (1, 2, 4, 8, 16, ...) for
@@ -180,12 +188,15 @@ class DeviceDecoder:
         for s in seqs:
             if s.slot is None:
                 self.attach(s)
+        self._masks(seqs)
         out, flags = self.model.prefill_sampled([s.ids for s in seqs], [s.cache for s in seqs], [s.slot for s in seqs])
         return DevicePending(self.backend, out, flags, len(seqs)).wait()
 
     def overlaps(self, seqs) -> bool:
-        """Whether the step may be launched before the step in flight is waited for."""
-        return self.model.device_fed and not any(s.cache.grows(s.cache.n_past + 1) for s in seqs)
+        """Whether the step may be launched before the step in flight is waited for: not for a
+        sequence with a grammar, whose mask needs its last token."""
+        return self.model.device_fed and not any(s.grammar is not None or s.cache.grows(s.cache.n_past + 1)
+                                                 for s in seqs)
 
     def launch(self, seqs, src=None, prev=None) -> DevicePending:
         S = len(seqs)
@@ -195,6 +206,7 @@ class DeviceDecoder:
         feed = None
         if src is not None and prev is not None and prev.tokens is not None and any(r >= 0 for r in src):
             feed = (np.asarray(src, np.int32), prev.tokens)
+        self._masks(seqs)
         out, flags = self.model.decode_sampled(tokens, [s.cache for s in seqs], slots, feed, pad=n)
         return DevicePending(self.backend, out, flags, S)
 

@@ -185,3 +185,31 @@ async def test_a_first_burst_compiles_and_captures_nothing_the_load_did_not(gpu_
         await asyncio.gather(*(_run(s, r) for r in reqs))
     assert launch.COUNTS == kernels
     assert backend.graphs.captures == captures
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                          "n": {"type": "integer", "minimum": 0, "maximum": 999}},
+          "required": ["name", "n"], "additionalProperties": False}
+
+
+async def test_constrained_requests_beside_free_ones_on_the_device(gpu_sched):
+    """Sequences with a grammar (masked in their sampler slots, their steps not overlapped) share
+    steps with free ones: their output is valid against the schema; the free ones get their solo
+    tokens."""
+    import json
+
+    import jsonschema
+
+    s, model = gpu_sched
+    free = [Generate(300 + i, model, tokens=[5 + i, 9, 13], max_tokens=24, options=GREEDY) for i in range(4)]
+    solo = [await _run(s, r) for r in free]
+    constrained = [Generate(400 + i, model, prompt=f"JSON {i}:", raw=True, max_tokens=200,
+                            options=SamplingOptions(seed=i, temperature=1.0), format=json.dumps(SCHEMA))
+                   for i in range(4)]
+    results = await asyncio.gather(*(_run(s, r) for r in free + constrained))
+    for (t1, _), (t2, _) in zip(solo, results[:4]):
+        assert t1 == t2
+    engine = s.registry.find(model).engine
+    for toks, done in results[4:]:
+        assert done.done_reason == "stop"
+        jsonschema.validate(json.loads(engine.detokenize(toks)), SCHEMA)

@@ -887,6 +887,27 @@ def xoroshiro_state(seed: int) -> np.ndarray:
     return st
 
 
+MASKED = np.float32(-1e30)  # daemon.grammar.MASKED: finite, so the non-finite flag stays a model fault
+
+
+@cuda.jit
+def _apply_masks(logits, slots, masked, masks):
+    """Grid (ceil(W / threads), S): thread w of row r clears, for a slot with a grammar mask
+    (masked[slot] != 0), the logits of the tokens word w of its mask forbids (bit t % 32 of
+    word t // 32 unset) to MASKED. Rows of other slots, and padding rows, return at once."""
+    r = cuda.blockIdx.y
+    w = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    slot = slots[r]
+    if slot < 0 or masked[slot] == 0 or w >= masks.shape[1]:
+        return
+    bits = masks[slot, w]
+    V = logits.shape[1]
+    for b in range(32):
+        t = w * 32 + b
+        if t < V and (bits >> b) & 1 == 0:
+            logits[r, t] = MASKED
+
+
 class SamplerSlots:
     """Device pools of per-sequence sampling state, indexed by slot:
     params f64 [N, 8] (temperature, top_k, top_p, min_p, penalty as float32, window, -, -),
@@ -904,6 +925,9 @@ class SamplerSlots:
         self.generation = 0
         self._free = list(range(capacity))
         self._window: dict[int, int] = {}  # slot -> its repeat window (0: no penalty)
+        self.masks = None  # int32 [N, ceil(V / 32)]: each slot's grammar mask, made at the first set_mask
+        self.masked = None  # int32 [N]: 1 where the slot's mask applies
+        self._masked_slots: set[int] = set()
         self._alloc(capacity, max(1, width))
 
     @property
@@ -928,6 +952,11 @@ class SamplerSlots:
             params[:n0], rng[:n0], ring[:n0, :w0], ringpos[:n0] = old[0], old[1], old[2], old[3]
         self.params, self.rng, self.ring, self.ringpos = (upload(a, self.stream) for a in (params, rng, ring, ringpos))
         self.scratch = cuda.device_array((n, w), np.float32)
+        if self.masks is not None:  # the masks grow with N (a grown pool's graphs are captured again)
+            masks, masked = np.zeros((n, self.masks.shape[1]), np.int32), np.zeros(n, np.int32)
+            n0 = self.masks.shape[0]
+            masks[:n0], masked[:n0] = self.masks.copy_to_host(), self.masked.copy_to_host()
+            self.masks, self.masked = upload(masks, self.stream), upload(masked, self.stream)
         key = getattr(self, "_chunk_key", None)
         self._chunk_key = None
         if key is not None:  # phase 1's scratch at the new N now, not in a launch (maybe captured)
@@ -984,9 +1013,32 @@ class SamplerSlots:
         self.ring[slot:slot + 1].copy_to_device(ring, stream=stream)
         self.ringpos[slot:slot + 1].copy_to_device(pos, stream=stream)
 
+    def set_mask(self, slot: int, mask: np.ndarray | None, stream=0) -> None:
+        """The tokens the slot may draw next (int32 [ceil(V / 32)], daemon.grammar's layout), or
+        None: any. Between steps, as assign. The first mask makes the pools (bumping `generation`:
+        graphs captured before hold no mask kernel)."""
+        if mask is None:
+            if slot in self._masked_slots:
+                self._masked_slots.discard(slot)
+                self.masked[slot:slot + 1].copy_to_device(np.zeros(1, np.int32), stream=stream)
+            return
+        mask = np.ascontiguousarray(mask, np.int32).reshape(1, -1)
+        if self.masks is None or self.masks.shape[1] != mask.shape[1]:
+            if self.masks is not None:
+                cuda.synchronize()
+            self.masks = upload(np.zeros((self.capacity, mask.shape[1]), np.int32), self.stream)
+            self.masked = upload(np.zeros(self.capacity, np.int32), self.stream)
+            self._masked_slots.clear()
+            self.generation += 1
+        self.masks[slot:slot + 1].copy_to_device(mask, stream=stream)
+        if slot not in self._masked_slots:
+            self._masked_slots.add(slot)
+            self.masked[slot:slot + 1].copy_to_device(np.ones(1, np.int32), stream=stream)
+
     def release(self, slot: int) -> None:
         if not 0 <= slot < self.capacity or slot in self._free:
             raise ValueError(f"SamplerSlots.release: slot {slot} is not assigned")
+        self.set_mask(slot, None, self.stream or 0)
         self._window.pop(slot, None)
         heapq.heappush(self._free, slot)
 
@@ -1013,6 +1065,9 @@ def sample_rows(logits, slots, pool: SamplerSlots, tokens_out, flags_out, stream
     C = -(-V // chunk)
     cap = max(1, min(C * min(sort_max, chunk), CAND_MAX))  # candidates a row: min(k, chunk) a chunk
     best, bad, cand_v, cand_i = pool.chunk_scratch(C, cap)
+    if pool.masks is not None:  # a grammar's mask, for the rows whose slot has one
+        W = pool.masks.shape[1]
+        launch(_apply_masks, (-(-W // 128), S), 128, stream, logits, slots, pool.masked, pool.masks)
     P = 1
     while P < min(chunk, V):
         P *= 2

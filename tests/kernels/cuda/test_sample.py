@@ -505,3 +505,49 @@ def test_too_many_candidates_fall_back_to_the_one_block_path(monkeypatch):
     o = _opts(top_k=3, temperature=1e300)
     first_k = sorted(range(len(_SPLIT)), key=lambda i: (-_SPLIT[i], i))[:3]
     assert set(_draws(_SPLIT, o, 40, chunk=4)) == set(first_k)
+
+
+# ---- grammar masks (daemon.grammar's layout: bit t % 32 of word t // 32) ------------------------
+
+def _pack(ids, V):
+    words = np.zeros(-(-V // 32), np.uint32)
+    for t in ids:
+        words[t // 32] |= np.uint32(1) << np.uint32(t % 32)
+    return words.view(np.int32)
+
+
+def test_a_grammar_mask_limits_the_draw_and_leaves_other_rows_alone():
+    rng = np.random.default_rng(3)
+    V = 150
+    logits = rng.normal(size=(4, V)).astype(np.float32) * 3
+    allowed = [[3, 77, 140], None, rng.choice(V, 20, replace=False).tolist(), [5]]
+    options = [_opts(temperature=0.0, repeat_penalty=1.3, repeat_last_n=8), _opts(temperature=0.0),
+               _opts(temperature=1.0, seed=7), _opts(temperature=0.0)]
+    history = rng.integers(0, V, size=12).tolist() + [3, 77]
+    pool = SamplerSlots(4, 16)
+    slots = [pool.assign(o, history, 200) for o in options]
+    for slot, ids in zip(slots, allowed):
+        pool.set_mask(slot, None if ids is None else _pack(ids, V))
+    tokens, flags = sample(logits, slots, pool, threads=32)
+    assert not flags.any()
+    for r in (0, 1, 3):  # greedy: the CPU sampler's token under the same mask (it masks after the penalty)
+        mask = None if allowed[r] is None else _pack(allowed[r], V)
+        assert tokens[r] == Sampler(options[r]).sample(logits[r], history, mask)
+    assert tokens[0] in allowed[0] and tokens[3] == 5 and tokens[2] in allowed[2]
+    draws = _masked_draws(logits[2], allowed[2], V, 64)
+    assert set(draws) <= set(allowed[2]) and len(set(draws)) > 3
+    pool.release(slots[3])  # a slot given back loses its mask
+    again = pool.assign(options[3], [], 200)
+    assert again == slots[3]
+    tokens, _ = sample(logits[3:4], [again], pool, threads=32)
+    assert tokens[0] == int(np.argmax(logits[3]))
+
+
+def _masked_draws(logits, ids, V, n):
+    pool = SamplerSlots(n, 4)
+    slots = [pool.assign(_opts(temperature=1.0, seed=100 + s), [], 64) for s in range(n)]
+    for slot in slots:
+        pool.set_mask(slot, _pack(ids, V))
+    tokens, flags = sample(np.tile(logits, (n, 1)), slots, pool, threads=32)
+    assert not flags.any()
+    return tokens.tolist()
