@@ -72,8 +72,11 @@ def ll_tokenizer(tokenizer):
         if ll is None:
             vocab = _Vocabulary(tokenizer)
             eog = sorted(tokenizer.eog_ids) or [vocab.eos_token_id]
-            ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocab), n_vocab=len(vocab.tokens),
-                                        eos_token=eog)
+            wrapper = llguidance.TokenizerWrapper(vocab)
+            try:
+                ll = llguidance.LLTokenizer(wrapper, n_vocab=len(vocab.tokens), eos_token=eog)
+            except TypeError:  # llguidance before 1.7 takes one end token
+                ll = llguidance.LLTokenizer(wrapper, n_vocab=len(vocab.tokens), eos_token=vocab.eos_token_id)
             _tokenizers[tokenizer] = ll
         return ll
 

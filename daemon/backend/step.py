@@ -36,6 +36,7 @@ class Step:
     #                            s's input token from prev[src[s]] (the step before's sampled ids)
     variant: object = None  # what else its computation depends on (a graph is made per variant)
     hidden: bool = False  # the step returns the final normed hidden states [T, D], not logits (embeddings)
+    deferred: bool = False  # with samplers: the layers now, the sampling when the caller asks (grammar masks)
     T: int = field(init=False)  # rows
     S: int = field(init=False)  # sequences
     one_row_each: bool = field(init=False)  # every sequence has exactly one row (a decode step)
@@ -79,7 +80,8 @@ class Step:
         return Step(np.concatenate([self.tokens, self.tokens[zeros]]),
                     np.concatenate([self.positions, self.positions[zeros]]),
                     np.arange(n + 1, dtype=np.int64), [*self.caches, *[self.caches[0]] * extra],
-                    self.all_logits, samplers=samplers, feed=feed)  # padding: sampled by no slot
+                    self.all_logits, samplers=samplers, feed=feed,  # padding: sampled by no slot
+                    deferred=self.deferred)
 
     def last_rows(self) -> np.ndarray:
         """[S] the index of each sequence's last row."""

@@ -106,6 +106,34 @@ class DevicePending:
         return tokens[:self.S], [ModelError(NON_FINITE) if f else None for f in flags[:self.S]]
 
 
+class DeferredPending:
+    """A step whose layers are launched and whose sampling waits for its grammar masks: issued
+    (masks into the slots, then the sampling kernels on the stream) when its tokens are first
+    needed, by the next launch (its feed) or by wait. By then the host has accepted the tokens of
+    the step before, so each grammar is at this step's position; the GPU meanwhile runs the
+    layers, so the masks cost the serving loop no step of its own."""
+
+    def __init__(self, decoder: DeviceDecoder, sample, seqs):
+        self.decoder = decoder
+        self.seqs = seqs
+        self._sample = sample  # () -> (tokens, flags) on the device
+        self._pending: DevicePending | None = None
+
+    def issue(self) -> DevicePending:
+        if self._pending is None:
+            self.decoder._masks(self.seqs)
+            out, flags = self._sample()
+            self._pending = DevicePending(self.decoder.backend, out, flags, len(self.seqs))
+        return self._pending
+
+    @property
+    def tokens(self):
+        return self.issue().tokens
+
+    def wait(self) -> tuple[np.ndarray, list]:
+        return self.issue().wait()
+
+
 def padded_size(S: int, most: int) -> int:
     """The batch size a step of S sequences runs as: 1, 2, 4, 8, then multiples of 8 (vLLM's
     captured sizes); never past max(S, most)."""
@@ -193,20 +221,25 @@ class DeviceDecoder:
         return DevicePending(self.backend, out, flags, len(seqs)).wait()
 
     def overlaps(self, seqs) -> bool:
-        """Whether the step may be launched before the step in flight is waited for: not for a
-        sequence with a grammar, whose mask needs its last token."""
-        return self.model.device_fed and not any(s.grammar is not None or s.cache.grows(s.cache.n_past + 1)
-                                                 for s in seqs)
+        """Whether the step may be launched before the step in flight is waited for."""
+        return self.model.device_fed and not any(s.cache.grows(s.cache.n_past + 1) for s in seqs)
 
-    def launch(self, seqs, src=None, prev=None) -> DevicePending:
+    def launch(self, seqs, src=None, prev=None) -> DevicePending | DeferredPending:
+        """A step with a constrained sequence launches its layers now and samples later
+        (DeferredPending): its grammar masks need the tokens of the step before, which the host
+        accepts while these layers run."""
         S = len(seqs)
         n = padded_size(S, self.max_batch) if self.pad else S
         tokens = [0 if s.token is None else s.token for s in seqs]
         slots = [s.slot for s in seqs]
+        if prev is not None and isinstance(prev, DeferredPending):
+            prev.issue()  # its sampling reads the logits buffer this step's graph may reuse
         feed = None
         if src is not None and prev is not None and prev.tokens is not None and any(r >= 0 for r in src):
             feed = (np.asarray(src, np.int32), prev.tokens)
-        self._masks(seqs)
+        if any(s.grammar is not None for s in seqs):
+            sample = self.model.decode_sampled(tokens, [s.cache for s in seqs], slots, feed, pad=n, deferred=True)
+            return DeferredPending(self, sample, seqs)
         out, flags = self.model.decode_sampled(tokens, [s.cache for s in seqs], slots, feed, pad=n)
         return DevicePending(self.backend, out, flags, S)
 

@@ -120,21 +120,25 @@ class Transformer:
             raise RequestError(f"{len(toks)} prompts for {len(caches)} distinct sequences")
         return self._pass(toks, caches, False)
 
-    def decode_sampled(self, tokens, caches: list[SequenceCache], samplers, feed=None, pad: int = 0):
+    def decode_sampled(self, tokens, caches: list[SequenceCache], samplers, feed=None, pad: int = 0,
+                       deferred: bool = False):
         """One decode step for S sequences that samples on the device (a backend with `sample`):
         -> (tokens [S] int32, flags [S] int32) as backend arrays, not waited for. samplers [S]:
         each sequence's sampler slot. feed: (src [S], prev) when some input tokens are the step
         before's sampled ids, never seen by the host (src[s] >= 0: prev[src[s]]; tokens[s] is then
         a placeholder); only when `device_fed` (nothing on the host reads the step's tokens).
         pad > S: the step runs as one of pad rows, S..pad-1 copies of row 0 (Step.padded: sampled
-        by no slot), so that few batch sizes need a graph."""
+        by no slot), so that few batch sizes need a graph. deferred: the layers are launched now,
+        and a function is returned that launches the sampling when called (after the caller has
+        put grammar masks in the slots) -> (tokens, flags); the caller must call it before the
+        next step is launched (a graph's logits buffer is reused)."""
         tokens = self._check_tokens(tokens)
         if tokens.size != len(caches):
             raise RequestError(f"{tokens.size} tokens for {len(caches)} distinct sequences")
         if pad > tokens.size and not self.paddable:
             raise RequestError("a model with recurrent layers cannot pad a step")
         return self._pass(list(tokens.reshape(-1, 1)), caches, True,
-                          samplers=np.asarray(samplers, np.int32), feed=feed, pad=pad)
+                          samplers=np.asarray(samplers, np.int32), feed=feed, pad=pad, deferred=deferred)
 
     @property
     def paddable(self) -> bool:
@@ -169,7 +173,7 @@ class Transformer:
         return self._pass([self._check_tokens(tokens)], [cache], True, hidden=True)
 
     def _pass(self, tokens: list[np.ndarray], caches: list[SequenceCache], all_logits: bool,
-              samplers=None, feed=None, pad: int = 0, hidden: bool = False):
+              samplers=None, feed=None, pad: int = 0, hidden: bool = False, deferred: bool = False):
         """tokens[s] appended to caches[s] in one step. -> logits [T, V], or [S, V] of each
         sequence's last row; with samplers, the sampled (tokens, flags) on the device."""
         if len(caches) > 1 and len({id(c) for c in caches}) != len(caches):
@@ -177,7 +181,7 @@ class Transformer:
         for c, t in zip(caches, tokens):
             c.reserve(c.n_past + t.size)
         step = Step.append(tokens, caches, all_logits)
-        step.samplers, step.feed, step.hidden = samplers, feed, hidden
+        step.samplers, step.feed, step.hidden, step.deferred = samplers, feed, hidden, deferred
         out = self._run(step.padded(pad))
         for c, t in zip(caches, tokens):
             c.n_past += t.size
@@ -193,6 +197,8 @@ class Transformer:
         step.variant = getattr(self.experts, "graph_variant", None)
         if step.hidden:  # its own graphs, and never the compiled step (which ends in logits)
             step.variant = ("hidden", step.variant)
+        elif step.deferred:  # graphs of the layers alone
+            step.variant = ("deferred", step.variant)
         plain = self._plain()
         if getattr(self.experts, "checked", False):
             return self._run_checked(step, plain)
@@ -206,6 +212,9 @@ class Transformer:
             logits = compiled(self, step) if compiled is not None else None
             if logits is not None:
                 return logits
+        if step.samplers is not None and step.deferred:  # the layers now; the sampling when asked
+            logits = self._launched(B.run_step(step, lambda: self._layers(step), static=static, segmented=segmented))
+            return lambda: B.sample(logits, step)
         if step.samplers is not None:  # sampled in the step (its last segment): not waited for
             return self._launched(B.run_step(step, lambda: B.sample(self._layers(step), step), static=static,
                                              segmented=segmented))
@@ -253,7 +262,7 @@ class Transformer:
         # and a CPU worker's Python would share the interpreter with promotion's)
         experts.launched()
         if step.samplers is not None:
-            return B.sample(logits, step)
+            return (lambda: B.sample(logits, step)) if step.deferred else B.sample(logits, step)
         return B.to_host(logits)
 
     def _plain(self) -> bool:
