@@ -140,10 +140,17 @@ class Matcher:
 
     def mask(self) -> np.ndarray:
         """int32 [W]: the tokens allowed next (a view, rewritten by the next call)."""
-        self._m.unsafe_compute_mask_ptr(self._mask.ctypes.data, self._mask.nbytes)
+        return self.mask_into(self._mask)
+
+    def mask_into(self, out: np.ndarray) -> np.ndarray:
+        """The mask written into `out` (C-contiguous int32 [W], e.g. a device sampler's pinned
+        row) -> out."""
+        if out.dtype != np.int32 or out.shape != (self.words,) or not out.flags["C_CONTIGUOUS"]:
+            raise ValueError(f"a grammar mask is C-contiguous int32 [{self.words}]")
+        self._m.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
         if self._m.is_error():
             raise RequestError(f"format: {self._m.get_error()}")
-        return self._mask
+        return out
 
     def consume(self, token: int) -> None:
         if not self._m.consume_token(int(token)):

@@ -173,6 +173,7 @@ class CUDABackend:
         self.estimate = None  # select.VRAMEstimate of the model, when select_backend made this
         self.expert_budget = None  # VRAM for the expert cache (select_backend); None = every expert resident
         self._samplers = None  # device sampler slots (sampler_slots())
+        self._sample_outputs: dict[int, tuple] = {}  # S -> (tokens, flags): sample(reuse=True)
         self._sampler_generation = 0
         self._readback = [None] * 3  # pinned buffers and events reused in turn (Readback)
         self._readback_turn = 0
@@ -427,13 +428,21 @@ class CUDABackend:
         return self._samplers
 
     @_guarded
-    def sample(self, logits, step: Step):
+    def sample(self, logits, step: Step, reuse: bool = False):
         """Row s of logits [S, V] drawn by sequence s's sampler slot (step.samplers), on the
         device: -> (tokens [S] int32, flags [S] int32; 1 = its logits were not finite). The
-        logits are overwritten (the repeat penalty is applied in place)."""
+        logits are overwritten (the repeat penalty is applied in place). reuse: the outputs are
+        buffers kept per S (an eager launch outside a graph: no allocation, which may wait for
+        the device; the next step's sampling is queued after this one's readers)."""
         slots = self._memo_ints(step, "samplers", step.samplers)
         S = logits.shape[0]
-        tokens, flags = cuda.device_array(S, np.int32), cuda.device_array(S, np.int32)
+        if reuse:
+            out = self._sample_outputs.get(S)
+            if out is None:
+                out = self._sample_outputs[S] = (cuda.device_array(S, np.int32), cuda.device_array(S, np.int32))
+            tokens, flags = out
+        else:
+            tokens, flags = cuda.device_array(S, np.int32), cuda.device_array(S, np.int32)
         sample_k.sample_rows(logits, slots, self.sampler_slots(), tokens, flags, stream=self.stream,
                              **({"threads": 32} if SIM else {}))  # the simulator: a Python thread each
         return tokens, flags

@@ -167,10 +167,12 @@ class DeviceDecoder:
             seq.slot = None
 
     def _masks(self, seqs) -> None:
-        """Each constrained sequence's grammar mask into its slot, before the step samples it."""
+        """Each constrained sequence's grammar mask into its slot, before the step samples it (an
+        ended one's row is dropped: its grammar may be past its end)."""
         for s in seqs:
-            if s.grammar is not None:
-                self.slots.set_mask(s.slot, s.allowed(), stream=self.backend.stream)
+            if s.grammar is not None and not s.ended:
+                s.grammar.mask_into(self.slots.mask_row(s.slot, s.grammar.words))
+                self.slots.push_mask(s.slot, stream=self.backend.stream)
 
     def warm(self, n_ctx: int, prefill_rows: int = 512, cells: tuple[int, ...] = WARM_CELLS) -> int:
         """Capture now, at load, the decode graphs of every padded size (1, 2, 4, 8, 16, ...) for

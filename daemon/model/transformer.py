@@ -214,7 +214,7 @@ class Transformer:
                 return logits
         if step.samplers is not None and step.deferred:  # the layers now; the sampling when asked
             logits = self._launched(B.run_step(step, lambda: self._layers(step), static=static, segmented=segmented))
-            return lambda: B.sample(logits, step)
+            return lambda: B.sample(logits, step, reuse=True)
         if step.samplers is not None:  # sampled in the step (its last segment): not waited for
             return self._launched(B.run_step(step, lambda: B.sample(self._layers(step), step), static=static,
                                              segmented=segmented))
@@ -262,7 +262,7 @@ class Transformer:
         # and a CPU worker's Python would share the interpreter with promotion's)
         experts.launched()
         if step.samplers is not None:
-            return (lambda: B.sample(logits, step)) if step.deferred else B.sample(logits, step)
+            return (lambda: B.sample(logits, step, reuse=True)) if step.deferred else B.sample(logits, step)
         return B.to_host(logits)
 
     def _plain(self) -> bool:

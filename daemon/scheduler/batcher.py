@@ -381,6 +381,12 @@ class Batcher:
                 event = s.accept(int(tokens[b]))
                 if event is not None:
                     events.append(event)
+        issue = getattr(self._pending.handle, "issue", None) if self._pending is not None else None
+        if issue is not None:  # the step in flight samples under grammar masks: they are known now
+            try:
+                issue()
+            except Exception:  # noqa: BLE001 - raised again where its tokens are waited for
+                pass
         self._retire()  # before their Done goes out: a finished request is out of the batch
         self._text.put(step.number, events)
 
