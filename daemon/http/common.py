@@ -212,3 +212,29 @@ async def collect(gen: Generation, first: Chunk | Done) -> tuple[str, list[int],
         parts.append(reply.text)
         ids.extend(reply.tokens)
         reply = await gen._next()
+
+
+async def reply_parser_for(scheduler, ref: str):
+    """The parser of a chat model's replies (daemon/text/reply.py), by its file's header; plain
+    text for the demo or a file that cannot be read (its load reports that)."""
+    from ..storage.card import card
+    from ..text.reply import PlainReply, reply_parser
+
+    try:
+        path = scheduler.path_of(ref)
+        if path is None:
+            return PlainReply()
+        c = await asyncio.to_thread(card, path)
+    except Exception:  # noqa: BLE001 - the generation itself will say what is wrong
+        return PlainReply()
+    return reply_parser(c.arch, c.chat_template)
+
+
+def parsed(parser, text: str, final: bool = False) -> tuple[str, str, list]:
+    """(content, thinking, tool calls) of the text fed now (and of what was held, when final)."""
+    from ..text.reply import CONTENT, THINKING
+
+    events = parser.feed(text) + (parser.finish() if final else [])
+    content = "".join(v for k, v in events if k == CONTENT)
+    thinking = "".join(v for k, v in events if k == THINKING)
+    return content, thinking, [v for k, v in events if k not in (CONTENT, THINKING)]

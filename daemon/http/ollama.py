@@ -1,7 +1,9 @@
 """Ollama's API (its docs/api.md: field names, defaults and units as written there).
 
     GET  /  /api/version  /api/tags  /api/ps          POST /api/show
-    POST /api/generate  /api/chat     NDJSON stream by default; "stream": false gives one object
+    POST /api/generate  /api/chat     NDJSON stream by default; "stream": false gives one object;
+                                      a chat's reasoning in "thinking", its calls in "tool_calls"
+                                      (daemon/text/reply.py), `tools` rendered by the chat template
     POST /api/embed  /api/embeddings  mean-pooled final hidden states, L2-normalized (Engine.embed)
     POST /api/pull  /api/push  /api/create            400: moed has no registry, no network
     POST /api/copy  /api/delete                       a link in the models directory (TCP: MOED_API_KEY)
@@ -35,8 +37,8 @@ from ipc.protocol import Chat, Done, Error, Generate, Message, SamplingOptions
 from ..catalog import full_name, is_path
 from ..errors import MoedError, RequestError, SchedulerError
 from ..storage.card import card
-from .common import (ApiError, caller, Generation, collect, model_ref, next_id, now_rfc3339, parse_keep_alive,
-                     read_body, rfc3339)
+from .common import (ApiError, Generation, caller, collect, model_ref, next_id, now_rfc3339, parse_keep_alive,
+                     parsed, read_body, reply_parser_for, rfc3339)
 
 NO_LIMIT = 2**31 - 1  # num_predict -1/-2 and repeat_last_n -1: the context bounds them
 
@@ -65,6 +67,7 @@ class OllamaMessage(msgspec.Struct):
     images: list[str] | None = None
     tool_calls: list[Any] | None = None
     thinking: str | None = None
+    tool_name: str | None = None
 
 
 class GenerateRequest(msgspec.Struct):
@@ -153,11 +156,9 @@ def _stop(o: Options) -> list[str]:
     return [o.stop] if isinstance(o.stop, str) else list(o.stop or [])
 
 
-def _refuse(images: Any, tools: Any = None) -> None:
+def _refuse(images: Any) -> None:
     if images:
         raise ApiError(400, "images: this model takes text only (moed runs no vision encoder)")
-    if tools:
-        raise ApiError(400, "tools: tool calls are not supported yet")
 
 
 def _format(format: Any) -> str | None:
@@ -172,9 +173,19 @@ def _format(format: Any) -> str | None:
 
 
 def _message(m: OllamaMessage) -> Message:
+    """An Ollama message as the chat template reads it: calls in the function-call shape
+    templates expect, a tool result's tool name as `name`."""
     if m.images:
         raise ApiError(400, "images: this model takes text only (moed runs no vision encoder)")
-    return Message(m.role, m.content)
+    calls = None
+    if m.tool_calls:
+        calls = []
+        for c in m.tool_calls:
+            f = c.get("function") if isinstance(c, dict) else None
+            if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+                raise ApiError(400, "tool_calls: each is {\"function\": {\"name\": ..., \"arguments\": {...}}}")
+            calls.append({"type": "function", "function": {"name": f["name"], "arguments": f.get("arguments") or {}}})
+    return Message(m.role, m.content, tool_calls=calls, name=m.tool_name, thinking=m.thinking)
 
 
 class Routes:
@@ -272,15 +283,17 @@ class Routes:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req = await read_body(request, ChatRequest)
         model = model_ref(request, req.model)
-        _refuse(None, req.tools)
         keep_alive = parse_keep_alive(req.keep_alive)
         if not req.messages:
             return await self._load_or_unload(request, model, keep_alive, "message")
         options = req.options or Options()
         sampling, max_tokens, settings = _sampling(options)
         sreq = Chat(next_id(), [_message(m) for m in req.messages], model=model, max_tokens=max_tokens,
-                    options=sampling, stop=_stop(options), keep_alive=keep_alive, format=_format(req.format))
-        return await self._serve(request, sreq, settings, req.stream, chat=True)
+                    options=sampling, stop=_stop(options), keep_alive=keep_alive, format=_format(req.format),
+                    tools=req.tools or None)
+        parser = await reply_parser_for(self.scheduler, model)
+        return await self._serve(request, sreq, settings, req.stream, chat=True, parser=parser,
+                                 think=req.think is not False)
 
     async def _load_or_unload(self, request: web.Request, model: str, keep_alive: float | None,
                               field: str) -> web.Response:
@@ -307,26 +320,42 @@ class Routes:
                       "done_reason": "load", "load_duration": load_ns})
 
     async def _serve(self, request: web.Request, sreq: Generate | Chat, settings: dict, stream: bool,
-                     chat: bool) -> web.StreamResponse:
+                     chat: bool, parser=None, think: bool = True) -> web.StreamResponse:
+        """The generation's replies as Ollama's objects; a chat's text through `parser` (reasoning
+        into "thinking", calls into "tool_calls")."""
         model = sreq.model if is_path(sreq.model) else full_name(sreq.model)
         gen = Generation(self.scheduler, sreq, peer=caller(request).peer, settings=settings)
+
+        def body(text: str, final: bool = False) -> dict:
+            if not chat:
+                return {"response": text}
+            content, thinking, calls = parsed(parser, text, final)
+            message = {"role": "assistant", "content": content}
+            if thinking and think:
+                message["thinking"] = thinking
+            if calls:
+                message["tool_calls"] = [{"function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+            return {"message": message}
+
         try:
             first = await gen.start()
             if not stream:
                 text, _ids, done = await collect(gen, first)
-                return _json({**_head(model), **_content(text, chat), **_final(done)})
+                return _json({**_head(model), **body(text, final=True), **_final(done)})
             resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
             await resp.prepare(request)
-            reply = first
             async for reply in _chain(first, gen):
                 if isinstance(reply, Error):
                     await resp.write(_line({"error": reply.message or reply.code}))
                     break
                 if isinstance(reply, Done):
-                    await resp.write(_line({**_head(model), **_content("", chat), **_final(reply)}))
+                    await resp.write(_line({**_head(model), **body("", final=True), **_final(reply)}))
                     break
                 if reply.text:
-                    await resp.write(_line({**_head(model), **_content(reply.text, chat), "done": False}))
+                    part = body(reply.text)
+                    if chat and not (part["message"]["content"] or len(part["message"]) > 2):
+                        continue  # all held back (a marker may be starting)
+                    await resp.write(_line({**_head(model), **part, "done": False}))
             await resp.write_eof()
             return resp
         finally:
@@ -408,10 +437,6 @@ async def _chain(first, gen: Generation):
 
 def _head(model: str) -> dict:
     return {"model": model, "created_at": now_rfc3339()}
-
-
-def _content(text: str, chat: bool) -> dict:
-    return {"message": {"role": "assistant", "content": text}} if chat else {"response": text}
 
 
 def _final(done: Done) -> dict:

@@ -1,6 +1,7 @@
 """OpenAI's API, the part a local runner can serve (as its API reference names the fields).
 
-    POST /v1/chat/completions   chat.completion, or SSE chat.completion.chunk events
+    POST /v1/chat/completions   chat.completion, or SSE chat.completion.chunk events; reasoning in
+                                reasoning_content, calls in tool_calls (daemon/text/reply.py)
     POST /v1/completions        text_completion, or SSE text_completion events
     GET  /v1/models  /v1/models/{id}
     POST /v1/embeddings         mean-pooled final hidden states, L2-normalized; float or base64
@@ -12,7 +13,7 @@ Sampling: temperature (default 1) and top_p (default 1) as OpenAI; seed; stop (a
 as OpenAI). llama.cpp's extensions top_k, min_p and repeat_penalty are taken too (defaults 40,
 0.05, 1.0 as llama.cpp's server).
 Fields that would change the meaning and are not served (n > 1, logit_bias, logprobs, echo,
-suffix, best_of, penalties, tools, response_format other than text, images) get a 400; harmless
+suffix, best_of, penalties, a forced tool_choice, images) get a 400; harmless
 ones (user, metadata, store, service_tier, ...) are ignored, as LangChain and Open WebUI send them.
 Errors are OpenAI's object: {"error": {"message", "type", "param", "code"}}.
 """
@@ -20,6 +21,8 @@ Errors are OpenAI's object: {"error": {"message", "type", "param", "code"}}.
 from __future__ import annotations
 
 import base64
+import json
+import secrets
 import time
 from typing import Any
 
@@ -30,7 +33,7 @@ from ipc.protocol import Chat, Done, Error, Generate, Message, SamplingOptions
 
 from ..catalog import full_name, is_path
 from ..errors import MoedError
-from .common import ApiError, caller, Generation, collect, model_ref, next_id, read_body
+from .common import ApiError, Generation, caller, collect, model_ref, next_id, parsed, read_body, reply_parser_for
 
 NO_LIMIT = 2**31 - 1
 MAX_STOP = 4  # OpenAI's limit
@@ -165,6 +168,27 @@ def _response_format(rf: dict[str, Any] | None) -> str | None:
 _ROLES = {"developer": "system"}  # OpenAI's newer name for the system role
 
 
+def _message(m: ChatMessage) -> Message:
+    """An OpenAI message as chat templates read it: a call's arguments as an object (they come as
+    a JSON string), a tool result's call id."""
+    calls = None
+    if m.tool_calls:
+        calls = []
+        for c in m.tool_calls:
+            f = c.get("function") if isinstance(c, dict) else None
+            if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+                raise ApiError(400, "tool_calls: each is {\"type\": \"function\", \"function\": {\"name\": ..., "
+                                    "\"arguments\": \"...\"}}")
+            args = f.get("arguments") or {}
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args) if args.strip() else {}
+                except json.JSONDecodeError:
+                    raise ApiError(400, f"tool_calls: the arguments of {f['name']!r} are not JSON") from None
+            calls.append({"id": c.get("id"), "type": "function", "function": {"name": f["name"], "arguments": args}})
+    return Message(_ROLES.get(m.role, m.role), _text(m), tool_calls=calls, tool_call_id=m.tool_call_id, name=m.name)
+
+
 class Routes:
     def __init__(self, scheduler):
         self.scheduler = scheduler
@@ -219,16 +243,20 @@ class Routes:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req = await read_body(request, ChatRequest)
         model = model_ref(request, req.model)
-        if req.tools:
-            raise ApiError(400, "tools: tool calls are not supported yet")
+        tools = req.tools or None
+        if req.tool_choice == "none":
+            tools = None
+        elif req.tool_choice not in (None, "auto"):
+            raise ApiError(400, "tool_choice: \"auto\" or \"none\" (a forced call is not supported)")
 
         if not req.messages:
             raise ApiError(400, "messages must not be empty")
-        msgs = [Message(_ROLES.get(m.role, m.role), _text(m)) for m in req.messages]
+        msgs = [_message(m) for m in req.messages]
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         sreq = Chat(next_id(), msgs, model=model, max_tokens=_max_tokens(limit, NO_LIMIT), options=_options(req),
-                    stop=_stop(req), format=_response_format(req.response_format))
-        return await self._serve(request, sreq, req, chat=True)
+                    stop=_stop(req), format=_response_format(req.response_format), tools=tools)
+        parser = await reply_parser_for(self.scheduler, model)
+        return await self._serve(request, sreq, req, chat=True, parser=parser)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = await read_body(request, CompletionRequest)
@@ -250,7 +278,7 @@ class Routes:
         return await self._serve(request, sreq, req, chat=False)
 
     async def _serve(self, request: web.Request, sreq: Generate | Chat, req: _Sampling,
-                     chat: bool) -> web.StreamResponse:
+                     chat: bool, parser=None) -> web.StreamResponse:
         model = sreq.model if is_path(sreq.model) else full_name(sreq.model)
         ident = ("chatcmpl-" if chat else "cmpl-") + f"{sreq.id:x}{time.time_ns() & 0xFFFFFFFF:08x}"
         head = {"id": ident, "object": "chat.completion.chunk" if chat else "text_completion",
@@ -258,11 +286,20 @@ class Routes:
         gen = Generation(self.scheduler, sreq, peer=caller(request).peer)
         try:
             first = await gen.start()
+            calls = 0  # tool calls given out
             if not req.stream:
                 text, _ids, done = await collect(gen, first)
-                choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
-                          else {"index": 0, "text": text, "logprobs": None})
-                choice["finish_reason"] = done.done_reason
+                if chat:
+                    content, thinking, found = parsed(parser, text, final=True)
+                    message = {"role": "assistant", "content": content if content or not found else None}
+                    if thinking:
+                        message["reasoning_content"] = thinking
+                    if found:
+                        message["tool_calls"] = [_tool_call(c, None) for c in found]
+                    choice = {"index": 0, "message": message}
+                else:
+                    choice = {"index": 0, "text": text, "logprobs": None}
+                choice["finish_reason"] = "tool_calls" if chat and found else done.done_reason
                 return _json({**head, "object": "chat.completion" if chat else "text_completion",
                               "choices": [choice], "usage": _usage(done)})
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -275,20 +312,46 @@ class Routes:
                     await resp.write(_event(error_body(500, reply.message or reply.code, "server_error")))
                     break
                 if isinstance(reply, Done):
-                    end = _delta({}, reply.done_reason) if chat else _choice("", reply.done_reason)
+                    if chat:
+                        calls = await self._deltas(resp, head, parser, "", calls, final=True)
+                    reason = "tool_calls" if calls else reply.done_reason
+                    end = _delta({}, reason) if chat else _choice("", reason)
                     await resp.write(_event({**head, "choices": [end]}))
                     if req.stream_options is not None and req.stream_options.include_usage:
                         await resp.write(_event({**head, "choices": [], "usage": _usage(reply)}))
                     break
-                if reply.text:
-                    part = _delta({"content": reply.text}, None) if chat else _choice(reply.text, None)
-                    await resp.write(_event({**head, "choices": [part]}))
+                if reply.text and chat:
+                    calls = await self._deltas(resp, head, parser, reply.text, calls)
+                elif reply.text:
+                    await resp.write(_event({**head, "choices": [_choice(reply.text, None)]}))
                 reply = await _next(gen)
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             return resp
         finally:
             gen.cancel()
+
+
+    @staticmethod
+    async def _deltas(resp, head: dict, parser, text: str, calls: int, final: bool = False) -> int:
+        """A chat's text as deltas: content, reasoning_content, each tool call whole (index
+        `calls` on); -> the tool calls given out so far."""
+        content, thinking, found = parsed(parser, text, final)
+        if thinking:
+            await resp.write(_event({**head, "choices": [_delta({"reasoning_content": thinking}, None)]}))
+        if content:
+            await resp.write(_event({**head, "choices": [_delta({"content": content}, None)]}))
+        for c in found:
+            await resp.write(_event({**head, "choices": [_delta({"tool_calls": [_tool_call(c, calls)]}, None)]}))
+            calls += 1
+        return calls
+
+
+def _tool_call(c, index: int | None) -> dict:
+    """A parsed call as OpenAI writes one (arguments as a JSON string); index in a stream's delta."""
+    out = {"id": "call_" + secrets.token_hex(12), "type": "function",
+           "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
+    return out if index is None else {"index": index, **out}
 
 
 async def _next(gen: Generation):

@@ -235,11 +235,22 @@ def prompt_ids(req: Generate | Chat, engine, *, max_bytes: int, template_timeout
     elif not _has_template(engine):  # a Chat for a model without a template: the contents, in order
         ids = engine.prompt_ids("\n\n".join(m.content for m in req.messages), max_bytes=max_bytes)
     else:
-        messages = ([{"role": m.role, "content": m.content} for m in req.messages] if isinstance(req, Chat)
+        messages = ([_message(m) for m in req.messages] if isinstance(req, Chat)
                     else [{"role": "user", "content": req.prompt}])
-        ids = engine.chat_ids(messages, max_bytes=max_bytes, timeout=template_timeout)
+        tools = req.tools if isinstance(req, Chat) else None
+        ids = engine.chat_ids(messages, max_bytes=max_bytes, timeout=template_timeout, tools=tools)
     check_ids(ids, engine)
     return ids
+
+
+def _message(m) -> dict:
+    """A Message as chat templates read it: role and content, and a tool call's fields when set."""
+    out = {"role": m.role, "content": m.content}
+    for key in ("tool_calls", "tool_call_id", "name", "thinking"):
+        value = getattr(m, key)
+        if value is not None:
+            out[key] = value
+    return out
 
 
 def check_ids(ids: list[int], engine) -> None:

@@ -258,7 +258,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 @pytest.mark.parametrize("field", [{"n": 2}, {"logit_bias": {"1": 5}}, {"logprobs": True},
                                    {"logprobs": True, "top_logprobs": 2}, {"presence_penalty": 0.5},
-                                   {"frequency_penalty": 0.5}, {"tools": TOOLS},
+                                   {"frequency_penalty": 0.5}, {"tool_choice": "required", "tools": TOOLS},
                                    {"response_format": {"type": "xml"}},
                                    {"response_format": {"type": "json_schema"}}])
 def test_chat_unsupported_fields_are_refused(tcp, field):

@@ -194,10 +194,21 @@ def test_error_codes_map_to_classes(code, cls):
 
 
 def test_progress_is_a_reply_of_the_requests_that_wait_and_bumps_the_version():
-    assert PROTOCOL_VERSION == 2  # a version-1 client would fail on the unknown tag: bad_version at Hello
+    assert PROTOCOL_VERSION >= 2  # a version-1 client would fail on the unknown tag: bad_version at Hello
     for kind in (Generate, Chat, Load):
         assert REPLIES[kind][0] is Progress
     assert msgspec.msgpack.decode(encode(Progress(3, "load", 50.0, "reading"))) == ["r", 3, "load", 50.0, "reading"]
+
+
+def test_format_and_tools_are_new_trailing_fields_of_version_3():
+    """Requests are arrays with every field: a field added to Generate, Chat or Message would be
+    refused by a version-2 daemon, so version 3 says so at Hello."""
+    assert PROTOCOL_VERSION == 3
+    body = msgspec.msgpack.decode(encode(Chat(1, [Message("user", "hi")], format="json", tools=[{"type": "function"}])))
+    assert body[-2:] == ["json", [{"type": "function"}]]
+    assert msgspec.msgpack.decode(encode(Message("tool", "22C", tool_call_id="c1", name="get_weather"))) == \
+        ["tool", "22C", None, "c1", "get_weather", None]
+    assert decode_request(encode(Generate(2, prompt="x", format='{"type": "object"}'))).format == '{"type": "object"}'
 
 
 # -- the stop list's bounds (issue 25, item 2): one request's list used to stall every stream ---

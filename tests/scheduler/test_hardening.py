@@ -81,13 +81,13 @@ async def test_an_exception_in_one_sequence_fails_only_that_one(sched, model, mo
     real = Sampler.sample
     calls = {101: 0, 102: 0}
 
-    def flaky(self, logits, history):
+    def flaky(self, logits, history, mask=None):
         seed = self.options.seed
         if seed in calls:
             calls[seed] += 1
             if (seed, calls[seed]) in ((101, 1), (102, 3)):
                 raise RuntimeError(f"boom {seed}")
-        return real(self, logits, history)
+        return real(self, logits, history, mask)
 
     monkeypatch.setattr(Sampler, "sample", flaky)
     batcher = sched.registry.find(model).batcher
