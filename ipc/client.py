@@ -122,11 +122,12 @@ def _generate(id: int, prompt: str | Sequence[int], model, max_tokens, options, 
                         _format(format))
 
 
-def _chat(id: int, messages: Iterable[Message | Mapping[str, str]], model, max_tokens, options,
-          stop, keep_alive, format=None) -> Chat:
+def _chat(id: int, messages: Iterable[Message | Mapping[str, Any]], model, max_tokens, options,
+          stop, keep_alive, format=None, tools=None) -> Chat:
     with _refused_locally():
-        msgs = [m if isinstance(m, Message) else Message(m["role"], m["content"]) for m in messages]
-        return Chat(id, msgs, model, max_tokens, _options(options), list(stop), keep_alive, _format(format))
+        msgs = [m if isinstance(m, Message) else Message(**m) for m in messages]
+        return Chat(id, msgs, model, max_tokens, _options(options), list(stop), keep_alive, _format(format),
+                    list(tools) if tools else None)
 
 
 def _format(format) -> str | None:
@@ -499,9 +500,12 @@ class AsyncClient:
     def chat(self, messages: Iterable[Message | Mapping[str, str]], *, model: str | None = None,
              max_tokens: int = 256, options: SamplingOptions | Mapping[str, Any] | None = None,
              stop: Sequence[str] = (), keep_alive: float | None = None, on_progress=None,
-             format: str | Mapping[str, Any] | None = None) -> AsyncGeneration:
-        """Stream the assistant's reply; messages are Message or {"role": ..., "content": ...}."""
-        msg = _chat(next(self._ids), messages, model, max_tokens, options, stop, keep_alive, format)
+             format: str | Mapping[str, Any] | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
+             ) -> AsyncGeneration:
+        """Stream the assistant's reply; messages are Message or {"role": ..., "content": ...}
+        (and a call's fields: tool_calls, tool_call_id, name). tools: function specs the chat
+        template is given; the text is the model's own (the HTTP API parses calls out of it)."""
+        msg = _chat(next(self._ids), messages, model, max_tokens, options, stop, keep_alive, format, tools)
         return AsyncGeneration(self, msg, on_progress)
 
     async def cancel(self, id: int) -> None:
@@ -696,8 +700,9 @@ class Client:
     def chat(self, messages: Iterable[Message | Mapping[str, str]], *, model: str | None = None,
              max_tokens: int = 256, options: SamplingOptions | Mapping[str, Any] | None = None,
              stop: Sequence[str] = (), keep_alive: float | None = None, on_progress=None,
-             format: str | Mapping[str, Any] | None = None) -> Generation:
-        msg = _chat(next(self._ids), messages, model, max_tokens, options, stop, keep_alive, format)
+             format: str | Mapping[str, Any] | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
+             ) -> Generation:
+        msg = _chat(next(self._ids), messages, model, max_tokens, options, stop, keep_alive, format, tools)
         return Generation(self, msg, on_progress)
 
     def cancel(self, id: int) -> None:
