@@ -1,7 +1,9 @@
 """Structured output: a grammar that masks the tokens a sequence may sample next (issue 29, item 5).
 
-    compile_format(format, tokenizer) -> Grammar   "json" (any JSON object) or a JSON schema (its
-                                                   text), compiled once per request by llguidance
+    compile_format(format, tokenizer) -> Grammar   "json" (any JSON object), a JSON schema (its
+                                                   text), or "lark:" and a Lark grammar, compiled
+                                                   once per request by llguidance
+    tool_call_format(tools, name) -> format        the reply as one <tool_call> of these tools
     g = grammar.matcher()      one sequence's state
     g.mask()   -> int32 [W]    bit t % 32 of word t // 32 set: token t may come next (W = ceil(V / 32))
     g.consume(token)           the sampled token advances the state
@@ -82,6 +84,29 @@ def ll_tokenizer(tokenizer):
         return ll
 
 
+LARK = "lark:"  # a format that is a llguidance Lark grammar (the tool-call grammar below)
+
+
+def tool_call_format(tools: list[dict[str, Any]], name: str | None = None) -> str:
+    """A format that makes the reply one call of one of `tools` (or of the one named), written as
+    Qwen3 and other <tool_call> templates write calls: <tool_call>\n{"name": ..., "arguments":
+    {...}}\n</tool_call>, the arguments held to the tool's parameter schema. RequestError for
+    a name no tool has, or a tool without a name."""
+    options = []
+    for t in tools:
+        f = t.get("function", t) if isinstance(t, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise RequestError("tools: each is {\"type\": \"function\", \"function\": {\"name\": ..., \"parameters\": {...}}}")
+        if name is None or f["name"] == name:
+            params = f.get("parameters") or {"type": "object"}
+            options.append({"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": params},
+                            "required": ["name", "arguments"], "additionalProperties": False})
+    if not options:
+        raise RequestError(f"tool_choice: no tool is named {name!r}" if name else "tool_choice: there are no tools")
+    schema = {"anyOf": options, "x-guidance": JSON_STYLE}
+    return LARK + 'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json ' + json.dumps(schema)
+
+
 def schema_of(format: str) -> dict[str, Any]:
     """The JSON schema a request's format names: "json" is any JSON object; else the text of a
     schema. RequestError for anything else."""
@@ -118,10 +143,12 @@ def compile_format(format: str, tokenizer) -> Grammar:
     refuses (with its reason)."""
     import llguidance
 
-    schema = schema_of(format)
     ll = ll_tokenizer(tokenizer)
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE)
+        if format.startswith(LARK):
+            grammar = llguidance.LLMatcher.grammar_from_lark(format[len(LARK):])
+        else:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema_of(format), defaults=JSON_STYLE)
     except (ValueError, TypeError) as e:
         raise RequestError(f"format: {e}") from None
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, ll)

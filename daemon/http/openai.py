@@ -1,7 +1,9 @@
 """OpenAI's API, the part a local runner can serve (as its API reference names the fields).
 
     POST /v1/chat/completions   chat.completion, or SSE chat.completion.chunk events; reasoning in
-                                reasoning_content, calls in tool_calls (daemon/text/reply.py)
+                                reasoning_content, calls in tool_calls (daemon/text/reply.py);
+                                tool_choice "required" or a function: the reply is held to one
+                                call by a grammar (<tool_call> formats only)
     POST /v1/completions        text_completion, or SSE text_completion events
     GET  /v1/models  /v1/models/{id}
     POST /v1/embeddings         mean-pooled final hidden states, L2-normalized; float or base64
@@ -13,7 +15,7 @@ Sampling: temperature (default 1) and top_p (default 1) as OpenAI; seed; stop (a
 as OpenAI). llama.cpp's extensions top_k, min_p and repeat_penalty are taken too (defaults 40,
 0.05, 1.0 as llama.cpp's server).
 Fields that would change the meaning and are not served (n > 1, logit_bias, logprobs, echo,
-suffix, best_of, penalties, a forced tool_choice, images) get a 400; harmless
+suffix, best_of, penalties, images) get a 400; harmless
 ones (user, metadata, store, service_tier, ...) are ignored, as LangChain and Open WebUI send them.
 Errors are OpenAI's object: {"error": {"message", "type", "param", "code"}}.
 """
@@ -33,6 +35,8 @@ from ipc.protocol import Chat, Done, Error, Generate, Message, SamplingOptions
 
 from ..catalog import full_name, is_path
 from ..errors import MoedError
+from ..grammar import tool_call_format
+from ..text.reply import HermesReply
 from .common import ApiError, Generation, caller, collect, model_ref, next_id, parsed, read_body, reply_parser_for
 
 NO_LIMIT = 2**31 - 1
@@ -148,6 +152,22 @@ def _text(m: ChatMessage) -> str:
     return "".join(parts)
 
 
+def _forced_tool(choice: Any, tools: list | None) -> str | None | bool:
+    """False: no call is forced ("auto", "none", none given); None: one of the tools must be called
+    ("required"); a name: that function."""
+    if choice in (None, "auto", "none"):
+        return False
+    if not tools:
+        raise ApiError(400, "tool_choice: no tools are given")
+    if choice == "required":
+        return None
+    f = choice.get("function") if isinstance(choice, dict) else None
+    if isinstance(f, dict) and isinstance(f.get("name"), str):
+        return f["name"]
+    raise ApiError(400, "tool_choice: \"auto\", \"none\", \"required\" or {\"type\": \"function\", "
+                        "\"function\": {\"name\": ...}}")
+
+
 def _response_format(rf: dict[str, Any] | None) -> str | None:
     """OpenAI's response_format as the scheduler's format: text (none), json_object ("json"), or
     json_schema (its schema's text)."""
@@ -244,18 +264,28 @@ class Routes:
         req = await read_body(request, ChatRequest)
         model = model_ref(request, req.model)
         tools = req.tools or None
+        forced = _forced_tool(req.tool_choice, tools)
         if req.tool_choice == "none":
             tools = None
-        elif req.tool_choice not in (None, "auto"):
-            raise ApiError(400, "tool_choice: \"auto\" or \"none\" (a forced call is not supported)")
 
         if not req.messages:
             raise ApiError(400, "messages must not be empty")
         msgs = [_message(m) for m in req.messages]
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        sreq = Chat(next_id(), msgs, model=model, max_tokens=_max_tokens(limit, NO_LIMIT), options=_options(req),
-                    stop=_stop(req), format=_response_format(req.response_format), tools=tools)
         parser = await reply_parser_for(self.scheduler, model)
+        format = _response_format(req.response_format)
+        if forced is not False:  # "required", or a function named: the reply is held to a call
+            if not isinstance(parser, HermesReply):
+                raise ApiError(400, "tool_choice: a forced call is supported for models whose chat template writes "
+                                    "<tool_call> (Qwen3 and the like); use \"auto\"")
+            if format is not None:
+                raise ApiError(400, "tool_choice and response_format cannot both constrain the reply")
+            try:
+                format = tool_call_format(tools, forced)
+            except MoedError as e:
+                raise ApiError(400, str(e)) from None
+        sreq = Chat(next_id(), msgs, model=model, max_tokens=_max_tokens(limit, NO_LIMIT), options=_options(req),
+                    stop=_stop(req), format=format, tools=tools)
         return await self._serve(request, sreq, req, chat=True, parser=parser)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:

@@ -152,3 +152,81 @@ async def test_a_conversation_with_calls_reaches_the_template_in_its_shape(serve
         bad = [HISTORY[0], {"role": "assistant", "content": None, "tool_calls": [
             {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]
         await asyncio.to_thread(oa.chat.completions.create, model="qwen", messages=bad)
+
+
+# -- from a model: a random-weight fixture with a <tool_call> template, held to a call by tool_choice --
+
+HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+Call a tool as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>
+{% endif %}
+{%- for m in messages %}<|im_start|>{{ m.role }}
+{{ m.content }}{% for c in m.tool_calls or [] %}<tool_call>
+{{ c.function | tojson }}
+</tool_call>{% endfor %}<|im_end|>
+{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def tool_daemon(tmp_path_factory, fixture_dir, warm_kernels):
+    from tests.fixtures.build import fixture_path
+
+    from .conftest import _short_dir, spawn
+
+    model = str(fixture_path("qwen3moe", "Q8_0", fixture_dir, chat_template=HERMES_TEMPLATE))
+    d = spawn(_short_dir(tmp_path_factory.mktemp("tools")), model)
+    yield d
+    d.stop()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_model_held_to_a_call_gives_a_parsed_valid_call(tool_daemon, seed):
+    import jsonschema
+
+    client = openai.OpenAI(base_url=tool_daemon.url + "/v1", api_key="unused", max_retries=0)
+    for choice, names in (("required", {"get_weather", "get_time"}),
+                          ({"type": "function", "function": {"name": "get_time"}}, {"get_time"})):
+        r = client.chat.completions.create(model="tiny", messages=HISTORY, tools=[WEATHER, TIME], tool_choice=choice,
+                                           temperature=1.0, seed=seed, max_tokens=120)
+        assert r.choices[0].finish_reason == "tool_calls"
+        (call,) = r.choices[0].message.tool_calls
+        assert call.function.name in names
+        spec = WEATHER if call.function.name == "get_weather" else TIME
+        jsonschema.validate(json.loads(call.function.arguments), spec["function"]["parameters"])
+    ol = ollama.Client(host=tool_daemon.url)
+    r = ol.chat(model="tiny", messages=HISTORY, tools=[WEATHER, TIME], stream=False,
+                options={"num_predict": 8, "temperature": 0})
+    assert r.message.tool_calls is None and r.done  # "auto": a random model writes no call here
+
+
+def test_tools_are_rendered_into_the_prompt(tool_daemon):
+    ol = ollama.Client(host=tool_daemon.url)
+    plain = ol.chat(model="tiny", messages=HISTORY, stream=False, options={"num_predict": 1})
+    tooled = ol.chat(model="tiny", messages=HISTORY, tools=[WEATHER], stream=False, options={"num_predict": 1})
+    # the system block listing the tool: its JSON, tokenized by the fixture's byte-level vocabulary
+    assert tooled.prompt_eval_count > plain.prompt_eval_count + len(json.dumps(WEATHER)) // 4
+
+
+async def test_a_forced_call_is_refused_where_it_cannot_be_held(served):
+    sched, url = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    cases = [("oss", "required", "<tool_call>"),  # harmony: not held by a grammar yet
+             ("qwen", {"type": "function", "function": {"name": "nope"}}, "nope"),
+             ("qwen", "sometimes", "tool_choice")]
+    for model, choice, words in cases:
+        with pytest.raises(openai.BadRequestError, match=words):
+            await asyncio.to_thread(client.chat.completions.create, model=model, messages=HISTORY, tools=TOOLS,
+                                    tool_choice=choice)
