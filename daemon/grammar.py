@@ -96,7 +96,8 @@ def tool_call_format(tools: list[dict[str, Any]], name: str | None = None) -> st
     for t in tools:
         f = t.get("function", t) if isinstance(t, dict) else None
         if not isinstance(f, dict) or not isinstance(f.get("name"), str):
-            raise RequestError("tools: each is {\"type\": \"function\", \"function\": {\"name\": ..., \"parameters\": {...}}}")
+            raise RequestError("tools: each is {\"type\": \"function\", "
+                               "\"function\": {\"name\": ..., \"parameters\": {...}}}")
         if name is None or f["name"] == name:
             params = f.get("parameters") or {"type": "object"}
             options.append({"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": params},

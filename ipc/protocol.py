@@ -201,7 +201,8 @@ class Generate(msgspec.Struct, tag="G", **_REQ):
     stop: StopList = []  # stop strings; the stream ends before them (see Limits)
     keep_alive: float | None = None
     raw: bool = False  # True: the prompt skips the model's chat template
-    format: str | None = None  # "json", a JSON schema's text, or "lark:" + a Lark grammar: the output is held to it (daemon.grammar)
+    # "json", a JSON schema's text, or "lark:" + a Lark grammar: the output is held to it (daemon.grammar)
+    format: str | None = None
 
     def __post_init__(self):  # ValueError: bad_request on decode, ValueError when built locally
         if (self.prompt is None) == (self.tokens is None):

@@ -70,6 +70,13 @@ class ApiError(Exception):
         return cls(STATUS.get(code, 500), message or code)
 
 
+encode_json = msgspec.json.Encoder().encode
+
+
+def json_response(body: Any, status: int = 200) -> web.Response:
+    return web.Response(body=encode_json(body), status=status, content_type="application/json")
+
+
 def next_id() -> int:
     return next(_ids)
 
@@ -121,7 +128,8 @@ def parse_keep_alive(value: Any) -> float | None:
         except ValueError:
             parts = _DURATION.findall(body)
             if not body or "".join(n + u for n, u in parts) != body:
-                raise ApiError(400, f"keep_alive: {value!r} is not a duration (e.g. \"5m\", \"1h30m\", \"-1\")") from None
+                raise ApiError(400, f"keep_alive: {value!r} is not a duration "
+                                    f"(e.g. \"5m\", \"1h30m\", \"-1\")") from None
             seconds = sign * sum(float(n) * _UNIT_S[u] for n, u in parts)
     else:
         raise ApiError(400, "keep_alive: expected a duration (\"5m\") or seconds")

@@ -37,8 +37,8 @@ from ipc.protocol import Chat, Done, Error, Generate, Message, SamplingOptions
 from ..catalog import full_name, is_path
 from ..errors import MoedError, RequestError, SchedulerError
 from ..storage.card import card
-from .common import (ApiError, Generation, caller, collect, model_ref, next_id, now_rfc3339, parse_keep_alive,
-                     parsed, read_body, reply_parser_for, rfc3339)
+from .common import (ApiError, Generation, caller, collect, encode_json, json_response, model_ref, next_id,
+                     now_rfc3339, parse_keep_alive, parsed, read_body, reply_parser_for, rfc3339)
 
 NO_LIMIT = 2**31 - 1  # num_predict -1/-2 and repeat_last_n -1: the context bounds them
 
@@ -217,13 +217,13 @@ class Routes:
         return web.Response(text="moed is running (Ollama's API)")
 
     async def api_version(self, request: web.Request) -> web.Response:
-        return _json({"version": self.version})
+        return json_response({"version": self.version})
 
     async def tags(self, request: web.Request) -> web.Response:
         catalog = self.scheduler.catalog
         entries = catalog.entries() if catalog is not None else []
         models = await asyncio.to_thread(lambda: [_tag(e) for e in entries])
-        return _json({"models": models})
+        return json_response({"models": models})
 
     async def ps(self, request: web.Request) -> web.Response:
         out = []
@@ -233,13 +233,13 @@ class Routes:
                         "digest": _digest(m["path"]), "details": details,
                         "expires_at": _expires(m["expires_at"]), "size_vram": m["vram_bytes"],
                         "context_length": m.get("n_ctx", 0)})
-        return _json({"models": out})
+        return json_response({"models": out})
 
     async def show(self, request: web.Request) -> web.Response:
         req = await read_body(request, NameRequest)
         path = self._path(request, req.ref())
         data = await asyncio.to_thread(_show, path)
-        return _json(data)
+        return json_response(data)
 
     def _path(self, request: web.Request, ref: str) -> str:
         """A model's file (the demo is built first if need be: not here, so it must exist)."""
@@ -310,13 +310,13 @@ class Routes:
             except SchedulerError as e:
                 if e.code != "not_found":
                     raise ApiError.of(e) from None
-            return _json({"model": name, "created_at": now_rfc3339(), field: empty, "done": True,
+            return json_response({"model": name, "created_at": now_rfc3339(), field: empty, "done": True,
                           "done_reason": "unload"})
         try:
             loaded, load_ns = await self.scheduler.load(model, None, keep_alive, peer=caller(request).peer)
         except MoedError as e:
             raise ApiError.of(e) from None
-        return _json({"model": loaded.name, "created_at": now_rfc3339(), field: empty, "done": True,
+        return json_response({"model": loaded.name, "created_at": now_rfc3339(), field: empty, "done": True,
                       "done_reason": "load", "load_duration": load_ns})
 
     async def _serve(self, request: web.Request, sreq: Generate | Chat, settings: dict, stream: bool,
@@ -341,7 +341,7 @@ class Routes:
             first = await gen.start()
             if not stream:
                 text, _ids, done = await collect(gen, first)
-                return _json({**_head(model), **body(text, final=True), **_final(done)})
+                return json_response({**_head(model), **body(text, final=True), **_final(done)})
             resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
             await resp.prepare(request)
             async for reply in _chain(first, gen):
@@ -383,8 +383,8 @@ class Routes:
         except MoedError as e:
             raise ApiError.of(e) from None
         if legacy:
-            return _json({"embedding": vectors[0].tolist()})
-        return _json({"model": self.scheduler.label(model, model), "embeddings": vectors.tolist(),
+            return json_response({"embedding": vectors[0].tolist()})
+        return json_response({"model": self.scheduler.label(model, model), "embeddings": vectors.tolist(),
                       "total_duration": time.perf_counter_ns() - t0, "load_duration": load_ns,
                       "prompt_eval_count": count})
 
@@ -417,15 +417,8 @@ class Routes:
 
 # -- bodies ------------------------------------------------------------------------------------------
 
-_encode = msgspec.json.Encoder().encode
-
-
-def _json(body: Any, status: int = 200) -> web.Response:
-    return web.Response(body=_encode(body), status=status, content_type="application/json")
-
-
 def _line(body: Any) -> bytes:
-    return _encode(body) + b"\n"
+    return encode_json(body) + b"\n"
 
 
 async def _chain(first, gen: Generation):

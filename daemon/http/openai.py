@@ -37,7 +37,8 @@ from ..catalog import full_name, is_path
 from ..errors import MoedError
 from ..grammar import tool_call_format
 from ..text.reply import HermesReply
-from .common import ApiError, Generation, caller, collect, model_ref, next_id, parsed, read_body, reply_parser_for
+from .common import (ApiError, Generation, caller, collect, encode_json, json_response, model_ref, next_id, parsed,
+                     read_body, reply_parser_for)
 
 NO_LIMIT = 2**31 - 1
 MAX_STOP = 4  # OpenAI's limit
@@ -180,7 +181,8 @@ def _response_format(rf: dict[str, Any] | None) -> str | None:
         spec = rf.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
-            raise ApiError(400, "response_format: json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": {...}}}")
+            raise ApiError(400, "response_format: json_schema needs "
+                                "{\"json_schema\": {\"name\": ..., \"schema\": {...}}}")
         return msgspec.json.encode(schema).decode()
     raise ApiError(400, f"response_format: type {kind!r} (text, json_object or json_schema)")
 
@@ -224,7 +226,7 @@ class Routes:
     async def models(self, request: web.Request) -> web.Response:
         catalog = self.scheduler.catalog
         entries = catalog.entries() if catalog is not None else []
-        return _json({"object": "list", "data": [_model(e.name, e.modified) for e in entries]})
+        return json_response({"object": "list", "data": [_model(e.name, e.modified) for e in entries]})
 
     async def model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
@@ -236,7 +238,7 @@ class Routes:
             entry = None
         if entry is None:
             raise ApiError(404, f"the model {name!r} does not exist", "invalid_request_error")
-        return _json(_model(entry.name, entry.modified))
+        return json_response(_model(entry.name, entry.modified))
 
     async def embeddings(self, request: web.Request) -> web.Response:
         req = await read_body(request, EmbeddingsRequest)
@@ -256,7 +258,7 @@ class Routes:
             data = [base64.b64encode(v.astype("<f4").tobytes()).decode() for v in vectors]
         else:
             data = vectors.tolist()
-        return _json({"object": "list", "model": model if is_path(model) else full_name(model),
+        return json_response({"object": "list", "model": model if is_path(model) else full_name(model),
                       "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)],
                       "usage": {"prompt_tokens": count, "total_tokens": count}})
 
@@ -330,7 +332,7 @@ class Routes:
                 else:
                     choice = {"index": 0, "text": text, "logprobs": None}
                 choice["finish_reason"] = "tool_calls" if chat and found else done.done_reason
-                return _json({**head, "object": "chat.completion" if chat else "text_completion",
+                return json_response({**head, "object": "chat.completion" if chat else "text_completion",
                               "choices": [choice], "usage": _usage(done)})
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await resp.prepare(request)
@@ -391,15 +393,8 @@ async def _next(gen: Generation):
         return Error(0, "internal", str(e))
 
 
-_encode = msgspec.json.Encoder().encode
-
-
-def _json(body: Any, status: int = 200) -> web.Response:
-    return web.Response(body=_encode(body), status=status, content_type="application/json")
-
-
 def _event(body: Any) -> bytes:
-    return b"data: " + _encode(body) + b"\n\n"
+    return b"data: " + encode_json(body) + b"\n\n"
 
 
 def _delta(delta: dict, finish: str | None) -> dict:

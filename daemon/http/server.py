@@ -43,7 +43,7 @@ from ipc.server import PeerCred
 
 from ..errors import ConfigError, MoedError
 from . import ollama, openai
-from .common import CALLER, ApiError, Caller
+from .common import CALLER, ApiError, Caller, json_response
 
 log = logging.getLogger("moed.http")
 
@@ -237,7 +237,4 @@ def _asked() -> bool:
 
 
 def _error(api, status: int, message: str, kind: str) -> web.Response:
-    import msgspec
-
-    return web.Response(body=msgspec.json.encode(api.error_body(status, message, kind)), status=status,
-                        content_type="application/json")
+    return json_response(api.error_body(status, message, kind), status)

@@ -66,7 +66,8 @@ def test_the_unix_socket_is_private_and_takes_paths(daemon):
 def test_tcp_takes_names_never_paths(daemon):
     with tcp(daemon) as c:
         for path, body in (("/api/generate", {"model": daemon.model, "prompt": "Hi"}),
-                           ("/v1/chat/completions", {"model": daemon.model, "messages": [{"role": "user", "content": "x"}]}),
+                           ("/v1/chat/completions",
+                            {"model": daemon.model, "messages": [{"role": "user", "content": "x"}]}),
                            ("/api/show", {"model": "/etc/passwd"})):
             r = c.post(path, json=body)
             assert r.status_code == 400, (path, r.text)

@@ -25,7 +25,8 @@ GOLDEN = Path(__file__).resolve().parent.parent / "fixtures" / "replies"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                           "required": ["city"]}}}]
-MODELS = {"qwen": ("qwen3moe", "{% for m in messages %}{{ m.content }}{% endfor %}<tool_call>", "qwen3_think_tool_call"),
+MODELS = {"qwen": ("qwen3moe", "{% for m in messages %}{{ m.content }}{% endfor %}<tool_call>",
+                   "qwen3_think_tool_call"),
           "oss": ("gpt-oss", "{% for m in messages %}{{ m.content }}{% endfor %}", "gptoss_tool_call")}
 
 
@@ -131,7 +132,8 @@ async def test_a_conversation_with_calls_reaches_the_template_in_its_shape(serve
     oa = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     history = HISTORY + [
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "22C and sunny"}]
     await asyncio.to_thread(oa.chat.completions.create, model="qwen", messages=history, tools=TOOLS)
     msgs = sched.requests[-1].messages
