@@ -37,10 +37,25 @@ def run(args, settings) -> int:
         e = cat.import_model(args.path, args.name)
         print(f"{e.name} -> {Path(args.path).expanduser().resolve()} ({e.size / 1e9:.1f} GB)")
         return 0
-    path = Path(args.model).expanduser().resolve() if is_path(args.model) else cat.resolve(args.model)
+    path = Path(args.model).expanduser().resolve() if is_path(args.model) else _named(cat, args.model)
     for key, value in describe(path):
         print(f"{key:<16} {value}")
     return 0
+
+
+def _named(cat: Catalog, name: str) -> Path:
+    """A name's file; `demo` is the demo MoE (built first if need be) unless the directory has one."""
+    from .catalog import DEMO, full_name
+    from .errors import SchedulerError
+
+    try:
+        return cat.resolve(name)
+    except SchedulerError:
+        if full_name(name) != f"{DEMO}:latest":
+            raise
+    from .demo import demo_model_path
+
+    return Path(demo_model_path())
 
 
 def describe(path: Path) -> list[tuple[str, str]]:
