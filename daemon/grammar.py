@@ -55,7 +55,9 @@ class _Vocabulary:
         self._tok = tokenizer
         n = tokenizer.n_vocab
         self.tokens = [tokenizer.token_to_piece(i, special=True) for i in range(n)]
-        self.special_token_ids = [i for i in range(n) if tokenizer.is_special(i)]
+        # control tokens, and added ones written <|...|> (gpt-oss's <|channel|> and <|message|> are
+        # user-defined): a grammar names them as tokens; the rest are matched as text
+        self.special_token_ids = [i for i in range(n) if tokenizer.is_special(i) or _marker(self.tokens[i])]
         self.eos_token_id = min(tokenizer.eog_ids) if tokenizer.eog_ids else tokenizer.eos_id
         self.bos_token_id = tokenizer.bos_id
 
@@ -63,6 +65,10 @@ class _Vocabulary:
         if isinstance(text, bytes):
             text = text.decode("utf-8", "replace")
         return self._tok.encode(text, add_special=False, parse_special=False)
+
+
+def _marker(piece: bytes) -> bool:
+    return piece.startswith(b"<|") and piece.endswith(b"|>") and len(piece) > 4
 
 
 def ll_tokenizer(tokenizer):
@@ -87,25 +93,46 @@ def ll_tokenizer(tokenizer):
 LARK = "lark:"  # a format that is a llguidance Lark grammar (the tool-call grammar below)
 
 
-def tool_call_format(tools: list[dict[str, Any]], name: str | None = None) -> str:
-    """A format that makes the reply one call of one of `tools` (or of the one named), written as
-    Qwen3 and other <tool_call> templates write calls: <tool_call>\n{"name": ..., "arguments":
-    {...}}\n</tool_call>, the arguments held to the tool's parameter schema. RequestError for
-    a name no tool has, or a tool without a name."""
-    options = []
+def tool_call_format(tools: list[dict[str, Any]], name: str | None = None, style: str = "hermes") -> str:
+    """A format that makes the reply one call of one of `tools` (or of the one named), the
+    arguments held to the tool's parameter schema, written as the model writes calls:
+        hermes   <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>  (Qwen3 and the like)
+        harmony  <|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}  (gpt-oss;
+                 the end of generation, <|call|>, follows: the grammar's end allows only it)
+    RequestError for a name no tool has, or a tool without a name."""
+    functions = _functions(tools, name)
+    if style == "harmony":
+        return _harmony_call(functions)
+    options = [{"type": "object", "properties": {"name": {"const": fn}, "arguments": params},
+                "required": ["name", "arguments"], "additionalProperties": False} for fn, params in functions]
+    schema = {"anyOf": options, "x-guidance": JSON_STYLE}
+    return LARK + 'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json ' + json.dumps(schema)
+
+
+def _functions(tools: list[dict[str, Any]], name: str | None) -> list[tuple[str, dict]]:
+    """(name, parameter schema) of the tools, or of the one named."""
+    out = []
     for t in tools:
         f = t.get("function", t) if isinstance(t, dict) else None
         if not isinstance(f, dict) or not isinstance(f.get("name"), str):
             raise RequestError("tools: each is {\"type\": \"function\", "
                                "\"function\": {\"name\": ..., \"parameters\": {...}}}")
         if name is None or f["name"] == name:
-            params = f.get("parameters") or {"type": "object"}
-            options.append({"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": params},
-                            "required": ["name", "arguments"], "additionalProperties": False})
-    if not options:
+            out.append((f["name"], f.get("parameters") or {"type": "object"}))
+    if not out:
         raise RequestError(f"tool_choice: no tool is named {name!r}" if name else "tool_choice: there are no tools")
-    schema = {"anyOf": options, "x-guidance": JSON_STYLE}
-    return LARK + 'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json ' + json.dumps(schema)
+    return out
+
+
+def _harmony_call(functions: list[tuple[str, dict]]) -> str:
+    """gpt-oss's call: the commentary channel to the function, then its JSON arguments."""
+    rules = []
+    alts = []
+    for i, (fn, params) in enumerate(functions):
+        schema = {**params, "x-guidance": JSON_STYLE}
+        rules.append(f"args{i}: %json {json.dumps(schema)}")
+        alts.append(f'"commentary to=functions.{fn} " <|constrain|> "json" <|message|> args{i}')
+    return LARK + "start: <|channel|> call\ncall: " + " | ".join(alts) + "\n" + "\n".join(rules)
 
 
 def schema_of(format: str) -> dict[str, Any]:

@@ -3,7 +3,7 @@
     POST /v1/chat/completions   chat.completion, or SSE chat.completion.chunk events; reasoning in
                                 reasoning_content, calls in tool_calls (daemon/text/reply.py);
                                 tool_choice "required" or a function: the reply is held to one
-                                call by a grammar (<tool_call> formats only)
+                                call by a grammar (<tool_call> templates and gpt-oss)
     POST /v1/completions        text_completion, or SSE text_completion events
     GET  /v1/models  /v1/models/{id}
     POST /v1/embeddings         mean-pooled final hidden states, L2-normalized; float or base64
@@ -36,7 +36,7 @@ from ipc.protocol import Chat, Done, Error, Generate, Message, SamplingOptions
 from ..catalog import full_name, is_path
 from ..errors import MoedError
 from ..grammar import tool_call_format
-from ..text.reply import HermesReply
+from ..text.reply import HarmonyReply, HermesReply
 from .common import (ApiError, Generation, caller, collect, encode_json, json_response, model_ref, next_id, parsed,
                      read_body, reply_parser_for)
 
@@ -277,13 +277,15 @@ class Routes:
         parser = await reply_parser_for(self.scheduler, model)
         format = _response_format(req.response_format)
         if forced is not False:  # "required", or a function named: the reply is held to a call
-            if not isinstance(parser, HermesReply):
-                raise ApiError(400, "tool_choice: a forced call is supported for models whose chat template writes "
-                                    "<tool_call> (Qwen3 and the like); use \"auto\"")
+            style = "hermes" if isinstance(parser, HermesReply) else "harmony" if isinstance(parser, HarmonyReply) \
+                else None
+            if style is None:
+                raise ApiError(400, "tool_choice: a forced call needs a model whose calls moed knows how to write "
+                                    "(<tool_call> templates such as Qwen3's, or gpt-oss); use \"auto\"")
             if format is not None:
                 raise ApiError(400, "tool_choice and response_format cannot both constrain the reply")
             try:
-                format = tool_call_format(tools, forced)
+                format = tool_call_format(tools, forced, style)
             except MoedError as e:
                 raise ApiError(400, str(e)) from None
         sreq = Chat(next_id(), msgs, model=model, max_tokens=_max_tokens(limit, NO_LIMIT), options=_options(req),

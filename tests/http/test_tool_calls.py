@@ -27,7 +27,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                                           "required": ["city"]}}}]
 MODELS = {"qwen": ("qwen3moe", "{% for m in messages %}{{ m.content }}{% endfor %}<tool_call>",
                    "qwen3_think_tool_call"),
-          "oss": ("gpt-oss", "{% for m in messages %}{{ m.content }}{% endfor %}", "gptoss_tool_call")}
+          "oss": ("gpt-oss", "{% for m in messages %}{{ m.content }}{% endfor %}", "gptoss_tool_call"),
+          "plain": ("llama", "{% for m in messages %}{{ m.content }}{% endfor %}", "gptoss_final")}
 
 
 class ScriptedScheduler:
@@ -225,10 +226,43 @@ def test_tools_are_rendered_into_the_prompt(tool_daemon):
 async def test_a_forced_call_is_refused_where_it_cannot_be_held(served):
     sched, url = served
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-    cases = [("oss", "required", "<tool_call>"),  # harmony: not held by a grammar yet
+    cases = [("plain", "required", "gpt-oss"),  # a format moed cannot write calls in
              ("qwen", {"type": "function", "function": {"name": "nope"}}, "nope"),
              ("qwen", "sometimes", "tool_choice")]
     for model, choice, words in cases:
         with pytest.raises(openai.BadRequestError, match=words):
             await asyncio.to_thread(client.chat.completions.create, model=model, messages=HISTORY, tools=TOOLS,
                                     tool_choice=choice)
+
+
+@pytest.fixture(scope="module")
+def harmony_daemon(tmp_path_factory, warm_kernels):
+    """A small gpt-oss file from `moed synth` (the harmony vocabulary and template)."""
+    from daemon.synth import synth
+
+    from .conftest import _short_dir, spawn
+
+    directory = _short_dir(tmp_path_factory.mktemp("harmony"))
+    model = directory / "oss.gguf"
+    synth(model, "gpt-oss-20b", n_layer=1, n_embd=256, n_ff_exp=256, n_head=8, n_expert=4, n_expert_used=2,
+          report=lambda *a: None)
+    d = spawn(directory / "d", str(model))
+    yield d
+    d.stop()
+
+
+def test_a_gpt_oss_model_held_to_a_call_gives_a_parsed_valid_call(harmony_daemon):
+    import jsonschema
+
+    client = openai.OpenAI(base_url=harmony_daemon.url + "/v1", api_key="unused", max_retries=0)
+    for seed, choice in enumerate(("required", {"type": "function", "function": {"name": "get_weather"}})):
+        r = client.chat.completions.create(model="tiny", messages=HISTORY, tools=[WEATHER, TIME], tool_choice=choice,
+                                           temperature=1.0, seed=seed, max_tokens=120)
+        assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+        (call,) = r.choices[0].message.tool_calls
+        spec = WEATHER if call.function.name == "get_weather" else TIME
+        assert isinstance(choice, str) or call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), spec["function"]["parameters"])
+    ol = ollama.Client(host=harmony_daemon.url)
+    r = ol.chat(model="tiny", messages=HISTORY, stream=False, options={"num_predict": 6, "temperature": 0})
+    assert "<|" not in r.message.content  # harmony markers never reach the content
