@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import math
 import re
 import time
@@ -139,12 +140,12 @@ def parse_keep_alive(value: Any) -> float | None:
 
 
 def now_rfc3339() -> str:
-    """The time now as Ollama writes created_at: RFC 3339, UTC, microseconds."""
-    t = time.time()
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1e6):06d}Z"
+    """The time now as Ollama writes created_at."""
+    return rfc3339(time.time())
 
 
 def rfc3339(seconds: float) -> str:
+    """RFC 3339, UTC, microseconds."""
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{int(seconds % 1 * 1e6):06d}Z"
 
 
@@ -246,3 +247,25 @@ def parsed(parser, text: str, final: bool = False) -> tuple[str, str, list]:
     content = "".join(v for k, v in events if k == CONTENT)
     thinking = "".join(v for k, v in events if k == THINKING)
     return content, thinking, [v for k, v in events if k not in (CONTENT, THINKING)]
+
+
+def template_calls(calls: list | None, shape: str) -> list[dict] | None:
+    """A message's tool calls as chat templates read them: {"type": "function", "function":
+    {"name", "arguments": {...}}} (and OpenAI's "id"). `shape` names the API in the error;
+    OpenAI's arguments come as a JSON string and are parsed."""
+    if not calls:
+        return None
+    out = []
+    for c in calls:
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise ApiError(400, f"tool_calls: each is {shape}")
+        args = f.get("arguments") or {}
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                raise ApiError(400, f"tool_calls: the arguments of {f['name']!r} are not JSON") from None
+        call = {"type": "function", "function": {"name": f["name"], "arguments": args}}
+        out.append({"id": c["id"], **call} if c.get("id") is not None else call)
+    return out

@@ -38,7 +38,8 @@ from ..catalog import full_name, is_path
 from ..errors import MoedError, RequestError, SchedulerError
 from ..storage.card import card
 from .common import (ApiError, Generation, caller, collect, encode_json, json_response, model_ref, next_id,
-                     now_rfc3339, parse_keep_alive, parsed, read_body, reply_parser_for, rfc3339)
+                     now_rfc3339, parse_keep_alive, parsed, read_body, reply_parser_for, rfc3339,
+                     template_calls)
 
 NO_LIMIT = 2**31 - 1  # num_predict -1/-2 and repeat_last_n -1: the context bounds them
 
@@ -177,14 +178,7 @@ def _message(m: OllamaMessage) -> Message:
     templates expect, a tool result's tool name as `name`."""
     if m.images:
         raise ApiError(400, "images: this model takes text only (moed runs no vision encoder)")
-    calls = None
-    if m.tool_calls:
-        calls = []
-        for c in m.tool_calls:
-            f = c.get("function") if isinstance(c, dict) else None
-            if not isinstance(f, dict) or not isinstance(f.get("name"), str):
-                raise ApiError(400, "tool_calls: each is {\"function\": {\"name\": ..., \"arguments\": {...}}}")
-            calls.append({"type": "function", "function": {"name": f["name"], "arguments": f.get("arguments") or {}}})
+    calls = template_calls(m.tool_calls, '{"function": {"name": ..., "arguments": {...}}}')
     return Message(m.role, m.content, tool_calls=calls, name=m.tool_name, thinking=m.thinking)
 
 

@@ -38,7 +38,7 @@ from ..errors import MoedError
 from ..grammar import tool_call_format
 from ..text.reply import HarmonyReply, HermesReply
 from .common import (ApiError, Generation, caller, collect, encode_json, json_response, model_ref, next_id, parsed,
-                     read_body, reply_parser_for)
+                     read_body, reply_parser_for, template_calls)
 
 NO_LIMIT = 2**31 - 1
 MAX_STOP = 4  # OpenAI's limit
@@ -193,21 +193,7 @@ _ROLES = {"developer": "system"}  # OpenAI's newer name for the system role
 def _message(m: ChatMessage) -> Message:
     """An OpenAI message as chat templates read it: a call's arguments as an object (they come as
     a JSON string), a tool result's call id."""
-    calls = None
-    if m.tool_calls:
-        calls = []
-        for c in m.tool_calls:
-            f = c.get("function") if isinstance(c, dict) else None
-            if not isinstance(f, dict) or not isinstance(f.get("name"), str):
-                raise ApiError(400, "tool_calls: each is {\"type\": \"function\", \"function\": {\"name\": ..., "
-                                    "\"arguments\": \"...\"}}")
-            args = f.get("arguments") or {}
-            if isinstance(args, str):
-                try:
-                    args = json.loads(args) if args.strip() else {}
-                except json.JSONDecodeError:
-                    raise ApiError(400, f"tool_calls: the arguments of {f['name']!r} are not JSON") from None
-            calls.append({"id": c.get("id"), "type": "function", "function": {"name": f["name"], "arguments": args}})
+    calls = template_calls(m.tool_calls, '{"type": "function", "function": {"name": ..., "arguments": "..."}}')
     return Message(_ROLES.get(m.role, m.role), _text(m), tool_calls=calls, tool_call_id=m.tool_call_id, name=m.name)
 
 

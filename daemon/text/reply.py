@@ -79,6 +79,7 @@ class HermesReply:
         self.buf = ""  # text not yet given out
         self.call = ""  # the body of the call being read
         self.trim = False  # the whitespace after a closing tag is the template's, not the answer's
+        self.thought = False  # some reasoning was given out
 
     def feed(self, text: str) -> list:
         self.buf += text
@@ -126,14 +127,12 @@ class HermesReply:
         if kind == CONTENT and self.trim:
             text = text.lstrip()
             self.trim = not text
-        elif kind == THINKING and not any(k == THINKING for k, _ in out) and text.startswith("\n"):
-            text = text.lstrip("\n") if not self._thought else text
-        if kind == THINKING:
-            self._thought = True
+        elif kind == THINKING:
+            if not self.thought:  # the newline after <think> is the template's
+                text = text.lstrip("\n")
+            self.thought = True
         if text:
             out.append((kind, text))
-
-    _thought = False
 
     def finish(self) -> list:
         out = []

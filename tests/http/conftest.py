@@ -146,3 +146,11 @@ def reference_embeddings(model_file):
 
 
 EMBED_TEXTS = ["Hello world", "The quick brown fox jumps over the lazy dog."]
+
+
+def via_socket(daemon: Daemon, call) -> tuple[str, object]:
+    """The reference for HTTP's text: call(client) -> a Generation over moed's own socket; its
+    text and its Done."""
+    with daemon.client() as c:
+        gen = call(c)
+        return "".join(ch.text for ch in gen), gen.done

@@ -19,6 +19,8 @@ import pytest
 
 from ipc.protocol import SamplingOptions
 
+from .conftest import via_socket
+
 MODEL = "tiny"
 NAME = "tiny:latest"
 N = 8  # max_tokens of most tests
@@ -57,17 +59,13 @@ def tcp(daemon) -> openai.OpenAI:
 # -- the reference: moed's msgspec protocol -------------------------------------------------------------
 
 def ref_generate(daemon, prompt: str, n: int = N, **options) -> tuple[str, object]:
-    with daemon.client() as c:
-        gen = c.generate(prompt, model=MODEL, max_tokens=n, raw=True, options=sampling(**{"temperature": 0, **options}))
-        text = "".join(ch.text for ch in gen)
-        return text, gen.done
+    opts = sampling(**{"temperature": 0, **options})
+    return via_socket(daemon, lambda c: c.generate(prompt, model=MODEL, max_tokens=n, raw=True, options=opts))
 
 
 def ref_chat(daemon, messages, n: int = N, **options) -> tuple[str, object]:
-    with daemon.client() as c:
-        gen = c.chat(messages, model=MODEL, max_tokens=n, options=sampling(**{"temperature": 0, **options}))
-        text = "".join(ch.text for ch in gen)
-        return text, gen.done
+    opts = sampling(**{"temperature": 0, **options})
+    return via_socket(daemon, lambda c: c.chat(messages, model=MODEL, max_tokens=n, options=opts))
 
 
 def check_usage(usage, n: int, prompt_tokens: int | None = None) -> None:
