@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .cuda_transfer import Event, Transfers
-from .cuda_weights import scatter_rows
+from .cuda_weights import put_rows, scatter_rows
 
 
 class _Rows(dict):
@@ -98,7 +98,7 @@ class StagedBatch:
                     hg = backend.expert_glu(x, self, layout, plan, kind, alpha, limit)
                     if partial:
                         held = np.flatnonzero(np.isin(d.routed.reshape(-1), list(d.rows))).astype(np.int32)
-                        scatter_rows(hg, backend.put(held), h, stream)
+                        put_rows(hg, backend.put(held), h, stream)  # h[held] = hg[held]
                     else:
                         h = hg
             y = backend.expert_linear(h, self.down, layout.down_type, layout.n_ff, plan, self.down_bias,
