@@ -38,6 +38,9 @@ treat them). Phase 2 (`_finish`, grid S, a block a row, 1024 threads by default)
      exp(l - max) summed per bin in fixed point (int64 atomics: the same sums in any order, so
      draws are reproducible); min-p is a bound on exp(l - max); the draw walks the kept set in
      index order (the same distribution).
+   - a row under a grammar mask (`_apply_masks`, before phase 1): a top-k larger than its allowed
+     tokens stops at them. Its MASKED logits weigh 0 in any draw, but as ties at the k-th key
+     they would all fall in one histogram bin of the radix select, serialized atomics;
 7. the draw: one uniform float64 from the slot's xoroshiro128+ state (advanced only here, when
    temperature > 0, as the CPU's generator is), the first candidate whose running weight passes it.
 8. the token goes to tokens_out[row] and into the slot's ring (the history grows by it).
@@ -81,6 +84,8 @@ CAND_MAX = 16384  # phase-1 candidates a row keeps (C * min(k, chunk)); past it,
 _INT_MAX = 2**31 - 1
 _FLT_MAX = float(np.finfo(np.float32).max)
 _EXP_FLOOR = -745.2  # exp() of anything below is 0 in float64
+MASKED = np.float32(-1e30)  # daemon.grammar.MASKED: finite, so the non-finite flag stays a model fault
+_MASKED_KEY = 0xFFFFFFFF - int(MASKED.view(np.uint32))  # _key(MASKED)
 # params columns
 P_TEMP, P_TOPK, P_TOPP, P_MINP, P_PENALTY, P_WINDOW = range(6)
 N_PARAMS = 8
@@ -233,6 +238,17 @@ def _radix(logits, row, V, tid, nt, need, thr, rem, mx, scale, hist, sh_i, misc)
         prefix = prefix | (b << shift)
     cuda.syncthreads()
     return prefix, above
+
+
+@device
+def _count_above(logits, row, n, key, tid, nt, sh_i):
+    """How many of logits[row, :n] have a key above `key` (every thread). Every thread must call it."""
+    c = np.int64(0)
+    for i in range(tid, n, nt):
+        if _key(logits[row, i]) > key:
+            c += 1
+    excl, incl, total = _scan(c, sh_i, tid, nt)
+    return total
 
 
 @device
@@ -486,7 +502,7 @@ def _chunks(logits, slots, params, ring, ringpos, scratch, best, bad, cand_v, ca
 
 
 @_kernel
-def _finish(logits, slots, params, rng, ring, ringpos, best, bad, cand_v, cand_i, tokens, flags, chunk,
+def _finish(logits, slots, params, rng, ring, ringpos, best, bad, cand_v, cand_i, masked, tokens, flags, chunk,
             sort_max, scale):
     """Phase 2, one block a row, after _chunks: the flag, the maximum (greedy), else the
     candidates (phase 1's for a top-k row, else the one-block paths over the penalized row),
@@ -543,11 +559,24 @@ def _finish(logits, slots, params, rng, ring, ringpos, best, bad, cand_v, cand_i
             misc[3] = 0  # candidates gathered / the cut
         cuda.syncthreads()
         u = u_sh[0]
-        if _multi_chunk(topk, V, sort_max, chunk, C, cand_v.shape[1]):
+        multi = _multi_chunk(topk, V, sort_max, chunk, C, cand_v.shape[1])  # phase 1's choice, kept
+        nc = C * min(topk, chunk)  # phase 1's candidates a row, when multi
+        lowest = np.int64(0)  # keys at or below it are no candidates
+        if masked[slot] != 0 and topk > 0 and topk < V:
+            # a grammar's row: ~V MASKED logits tie, and a top-k reaching them would send them all
+            # to one histogram bin (serialized atomics: ~0.4 ms a step at V = 201k). They weigh 0
+            # in any draw, so the top-k stops at the allowed tokens: the same distribution
+            if multi:
+                allowed = _count_above(cand_v, slot, nc, _MASKED_KEY, tid, nt, sh_i)
+            else:
+                allowed = _count_above(logits, row, V, _MASKED_KEY, tid, nt, sh_i)
+            if allowed > 0:
+                lowest = np.int64(_MASKED_KEY)
+                topk = min(topk, allowed)
+        if multi:
             # phase 1's candidates in chunk order: equal keys lie in index order, so positions
             # order ties as indices do, and the one-block sorted path runs on them unchanged
-            nc = C * min(topk, chunk)
-            thr, above = _radix(cand_v, slot, nc, tid, nt, topk, np.int64(0), np.int64(0), mx, 0.0,
+            thr, above = _radix(cand_v, slot, nc, tid, nt, topk, lowest, np.int64(0), mx, 0.0,
                                 hist, sh_i, misc)
             cc = (nc + nt - 1) // nt
             lo = min(tid * cc, nc)
@@ -556,10 +585,10 @@ def _finish(logits, slots, params, rng, ring, ringpos, best, bad, cand_v, cand_i
                                u, sh_i, sh_f, sh_k, sh_x, misc)
             token = np.int64(cand_i[slot, pos])
         else:
-            thr = np.int64(0)  # no top-k bound: every key (> 0) is a candidate
+            thr = lowest  # no top-k bound: every key above it is a candidate
             rem = np.int64(0)
             if topk > 0 and topk < V:
-                thr, above = _radix(logits, row, V, tid, nt, topk, np.int64(0), np.int64(0), mx, 0.0,
+                thr, above = _radix(logits, row, V, tid, nt, topk, lowest, np.int64(0), mx, 0.0,
                                     hist, sh_i, misc)
                 rem = topk - above  # ties of key thr to take, lowest index first
             cw = (V + nt - 1) // nt  # contiguous index ranges, for scans in index order
@@ -897,7 +926,6 @@ def _h2d(dst: int, src: int, nbytes: int, stream) -> None:
         raise RuntimeError(f"cuMemcpyHtoDAsync: {err}")
 
 
-MASKED = np.float32(-1e30)  # daemon.grammar.MASKED: finite, so the non-finite flag stays a model fault
 
 
 @cuda.jit
@@ -959,6 +987,7 @@ class SamplerSlots:
             params[:n0], rng[:n0], ring[:n0, :w0], ringpos[:n0] = old[0], old[1], old[2], old[3]
         self.params, self.rng, self.ring, self.ringpos = (upload(a, self.stream) for a in (params, rng, ring, ringpos))
         self.scratch = cuda.device_array((n, w), np.float32)
+        self._unmasked = upload(np.zeros(n, np.int32), self.stream)  # mask_flags before any mask
         if self.masks is not None:  # the masks grow with N (a grown pool's graphs are captured again)
             masks, masked = np.zeros((n, self.masks.shape[1]), np.int32), np.zeros(n, np.int32)
             n0 = self.masks.shape[0]
@@ -1034,6 +1063,10 @@ class SamplerSlots:
         self.mask_row(slot, mask.shape[0])[:] = mask
         self.push_mask(slot, stream)
 
+    def mask_flags(self):
+        """int32 [N]: 1 where the slot's grammar mask applies (all 0 before the first mask)."""
+        return self._unmasked if self.masked is None else self.masked
+
     def mask_row(self, slot: int, words: int) -> np.ndarray:
         """The slot's mask in page-locked host memory (int32 [words]), to fill before push_mask.
         The first call (or another vocabulary) makes the pools and bumps `generation`."""
@@ -1099,7 +1132,7 @@ def sample_rows(logits, slots, pool: SamplerSlots, tokens_out, flags_out, stream
     launch(_chunks, (best.shape[1], S), max(1, min(chunk_threads, threads, P // 2)), stream, logits, slots, pool.params,
            pool.ring, pool.ringpos, pool.scratch, best, bad, cand_v, cand_i, chunk, sort_max)
     launch(_finish, S, threads, stream, logits, slots, pool.params, pool.rng, pool.ring, pool.ringpos,
-           best, bad, cand_v, cand_i, tokens_out, flags_out, chunk, sort_max, _scale(V))
+           best, bad, cand_v, cand_i, pool.mask_flags(), tokens_out, flags_out, chunk, sort_max, _scale(V))
 
 
 def sample_rows_single(logits, slots, pool: SamplerSlots, tokens_out, flags_out, stream=0,

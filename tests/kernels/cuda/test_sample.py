@@ -551,3 +551,36 @@ def _masked_draws(logits, ids, V, n):
     tokens, flags = sample(np.tile(logits, (n, 1)), slots, pool, threads=32)
     assert not flags.any()
     return tokens.tolist()
+
+
+_MASK_CASES = {  # (options, sort_max, chunk, CAND_MAX): top-k above and below the allowed count, each path
+    "chunked_k_above_allowed": (_opts(top_k=9, temperature=2.0), 1024, 16, 16384),
+    "chunked_k_below_allowed": (_opts(top_k=3, top_p=0.95, temperature=2.0), 1024, 16, 16384),
+    "sorted_k_above_allowed": (_opts(top_k=12, min_p=0.05, temperature=1.5), 1024, 16, 8),  # no room: one block
+    "radix_k_above_allowed": (_opts(top_k=9, top_p=0.9, temperature=2.0), 2, 2048, 16384),
+}
+_MASK_SIM = ["chunked_k_above_allowed", "radix_k_above_allowed"]
+
+
+@pytest.mark.parametrize("case", [c if c in _MASK_SIM else pytest.param(c, marks=_GPU_ONLY) for c in _MASK_CASES])
+def test_masked_draws_with_top_k_are_distributed_as_the_cpus(case, monkeypatch):
+    """A top-k larger than the mask allows stops at the allowed tokens (the masked ties weigh 0):
+    the draws are the CPU's distribution over the masked row, on the chunked, sorted and radix paths."""
+    from daemon.kernels.cuda import sample as sample_mod
+
+    o, sort_max, chunk, cand_max = _MASK_CASES[case]
+    monkeypatch.setattr(sample_mod, "CAND_MAX", cand_max)
+    V = _LOGITS.shape[0]
+    ids = [1, 4, 6, 11, 17, 30, 41][:5 if o.top_k > 5 else 7]
+    masked = np.full(V, np.float32(-1e30))  # daemon.grammar.MASKED
+    masked[ids] = _LOGITS[ids]
+    expected = _expected(masked, o)
+    assert len(expected) >= 2 and set(expected) <= set(ids)
+    n = 120
+    pool = SamplerSlots(n, 4)
+    slots = [pool.assign(SamplingOptions(**{**_fields(o), "seed": 500 + s}), [], 64) for s in range(n)]
+    for slot in slots:
+        pool.set_mask(slot, _pack(ids, V))
+    tokens, flags = sample(np.tile(_LOGITS, (n, 1)), slots, pool, threads=4, sort_max=sort_max, chunk=chunk)
+    assert not flags.any()
+    _chi2_ok(tokens.tolist(), expected)
