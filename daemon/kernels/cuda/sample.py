@@ -926,8 +926,6 @@ def _h2d(dst: int, src: int, nbytes: int, stream) -> None:
         raise RuntimeError(f"cuMemcpyHtoDAsync: {err}")
 
 
-
-
 @cuda.jit
 def _apply_masks(logits, slots, masked, masks):
     """Grid (ceil(V / threads), S): thread t of row r sets logit t to MASKED where the row's slot
