@@ -50,6 +50,7 @@ warnings.filterwarnings("ignore", message=".*will likely result in GPU under-uti
 MAIN = [Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.MXFP4]
 OTHER = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q5_K]
 FLOATS = [Q.F16, Q.BF16, Q.F32]
+TABLE = [Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4, Q.F16]  # issue 30's per-type table
 F16_FIELDS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q5_0: (0,), Q.Q4_1: (0, 2), Q.Q5_1: (0, 2),
               Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 ROTATE_BYTES = 200 << 20
@@ -310,6 +311,11 @@ def main() -> int:
                     help="seconds: skip the sections not started by then (0: no limit)")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes, to check the script (e.g. under NUMBA_ENABLE_CUDASIM=1)")
+    ap.add_argument("--table", action="store_true",
+                    help="only the per-type table: one expert's matrix and a layer's routed "
+                         "experts at 1, 4 and 16 tokens, for " + ", ".join(Q.type_name(t) for t in TABLE))
+    ap.add_argument("--shape", default="2048,768,128,8",
+                    help="D,F,E,A of the expert layer (default Qwen3-30B-A3B; gpt-oss-20b is 2880,2880,32,4)")
     args = ap.parse_args()
     if not SIMULATED:
         dev = cuda.get_current_device()
@@ -344,8 +350,17 @@ def main() -> int:
     main_types = [Q.Q8_0] if args.smoke else [Q.Q8_0, Q.Q4_K] if args.quick else MAIN
     other_types = [] if args.quick or args.smoke else OTHER + FLOATS
     # smoke: the smallest shapes the types allow (the simulator runs threads in Python)
-    d, f, e, a = (256, 256, 2, 1) if args.smoke else (2048, 768, 128, 8)
+    d, f, e, a = (256, 256, 2, 1) if args.smoke else tuple(int(v) for v in args.shape.split(","))
     counts = [1] if args.smoke else [1, 4, 16]
+    if args.table:
+        for qt in main_types if args.smoke else TABLE:
+            layer = ExpertLayer(qt, d, f, e, rng)
+            for t in counts:
+                run(bench_dense, qt, f, d, t, rng)  # one expert's gate matrix [F, D]
+                run(bench_experts, layer, "glu", t, a, rng)  # gate + up of every routed pair
+                run(bench_experts, layer, "down", t, a, rng)
+            del layer
+        return 0
     dn = 256 if args.smoke else 4096
     pt = 4 if args.smoke else 512
     start = time.perf_counter()

@@ -26,12 +26,14 @@ of exps and exp-weighted sum of values; a second kernel combines the row's chunk
 order. A prefill (all rows in one slot) gives a block a tile of rows instead of one, so each key
 and value is read once per tile; a row's arithmetic is the same either way.
 
-Loads: a thread reads its cell's keys with 128-bit loads into registers before using them, and
-values 32 cells at a time, so each is one round trip to memory rather than one per element. A
-decode step's grid is small (one chunk per 128 cells), so blocks then take fewer of a KV head's
-query heads (down to one: `_FEW_BLOCKS`); each (row, head) pair's sums run in the same order
-whatever the grouping. Measured on the H100 (benchmarks/gpu_decode.py --kernels, qwen3-30b-a3b
-heads: 32 q, 4 kv, Dh 128): 10.7 us a layer at 70 cells (38 before these loads), 16.8 us at 540.
+Loads: a thread reads its cell's keys with 128-bit loads into registers before using them. For
+the values, a thread owns two dims of a group of cells (one 32-bit load a cell, a warp's loads one
+run of a cell's values, 8 cells in flight); each group sums its cells in ascending order and the
+groups' sums are added in group order. Max and sum of exps are warp butterflies, then the warps in
+order. A decode step's grid is small (one chunk per 128 cells), so blocks then take fewer of a KV
+head's query heads (down to one: `_FEW_BLOCKS`); each (row, head) pair's sums run in the same order
+whatever the grouping. Measured on the H200 (gpt-oss-20b heads: 64 q, 8 kv, Dh 64; one row over 128
+cells): 8.1 us a layer in a decode step, 18.9 with a thread per value dim walking every cell.
 The chunking depends only on the row's own position and window, so a row's result does not
 depend on the other rows of the call (batch invariance), there are no atomics, and the same inputs
 give the same bits on every run. Scores and sums are float32; keys and values are read from f16.
@@ -46,7 +48,7 @@ from numba import cuda
 
 from ...errors import UnsupportedError
 from .device import SIM, placeholder, upload
-from .ptx import f16_to_f32, ldg_u16, ldg_v4
+from .ptx import f16_to_f32, ldg_u32, ldg_v4, warp_max, warp_sum
 from .launch import launch
 
 # cells per block, = threads per block: one thread per cell for the scores. The simulator runs each
@@ -56,6 +58,8 @@ CHUNK = 32 if SIM else 128
 MAX_PAIRS = 32  # (query row, head) pairs of one KV head per block: G * rows per tile
 MAX_QD = 4096  # pairs * Dh queries held in shared memory (>= MAX_PAIRS * CHUNK: reused for reductions)
 _SCORES = MAX_PAIRS * CHUNK  # shared [pairs, CHUNK] scores (a plain global: shared sizes must be constants)
+_WARP_PARTS = MAX_PAIRS * (CHUNK // 32)  # shared [warps, pairs]: each warp's max, then sum
+_V_UNROLL = 8  # value loads a thread has in flight
 _FEW_BLOCKS = 256  # a grid below this spreads a KV head's query heads over blocks
 _NEG_INF = np.float32(-np.inf)
 # cells a block of the cache holds (a divisor of CHUNK); the simulator's CHUNK holds 4 as on a GPU
@@ -74,22 +78,6 @@ def _sees(p, lo, j0):
     return j0 <= p and j0 + CHUNK > lo
 
 
-@cuda.jit(device=True)
-def _rows_reduce(buf, n_rows, tid, take_max):
-    """In place over n_rows rows of CHUNK values in buf: row i's max (take_max) or sum ends in
-    buf[i*CHUNK]. Fixed tree order; every thread must call it."""
-    cuda.syncthreads()
-    stride = CHUNK // 2
-    while stride > 0:
-        if tid < stride:
-            for i in range(n_rows):
-                a = buf[i * CHUNK + tid]
-                b = buf[i * CHUNK + tid + stride]
-                buf[i * CHUNK + tid] = max(a, b) if take_max else a + b
-        cuda.syncthreads()
-        stride //= 2
-
-
 def _make_partial(G: int, HB: int, RT: int, DH: int):
     """The chunk kernel for G query heads per KV head, HB of them per block (HB divides G), tiles
     of RT query rows of one slot and head size DH, compiled with all as constants: the NP = HB*RT
@@ -97,6 +85,7 @@ def _make_partial(G: int, HB: int, RT: int, DH: int):
     flight together. Each pair's arithmetic does not depend on HB or RT (sums over d and over
     cells in ascending order), so a row's result is the same however the call groups it."""
     NP = HB * RT
+    NP2 = 2 * NP  # value sums a thread holds: two dims of each pair
     KW = DH // 2  # uint32 words of one cell's keys (two halves each)
 
     @cuda.jit
@@ -168,49 +157,91 @@ def _make_partial(G: int, HB: int, RT: int, DH: int):
         for i in range(NP):
             row = i // HB
             s_sh[i * CHUNK + tid] = acc[i] if j >= los[row] and j <= pos[row] else _NEG_INF
-        cuda.syncthreads()  # q_sh is free from here on
-        red = q_sh
+        # each pair's max, then its sum of exps: warp butterflies, then the warps in ascending order
+        warp = tid // 32
+        lane = tid - warp * 32
+        w_sh = cuda.shared.array(_WARP_PARTS, np.float32)  # [warps, NP]
         for i in range(NP):
-            red[i * CHUNK + tid] = s_sh[i * CHUNK + tid]
-        _rows_reduce(red, NP, tid, True)
+            v = warp_max(s_sh[i * CHUNK + tid], 32)
+            if lane == 0:
+                w_sh[warp * NP + i] = v
+        cuda.syncthreads()
+        m_own = _NEG_INF  # thread i < NP: pair i's max
+        if tid < NP:
+            m_own = w_sh[tid]
+            for w in range(1, CHUNK // 32):
+                m_own = max(m_own, w_sh[w * NP + tid])
         for i in range(NP):
+            m = w_sh[i]
+            for w in range(1, CHUNK // 32):
+                m = max(m, w_sh[w * NP + i])
             row = i // HB
             e = np.float32(0.0)
             if j >= los[row] and j <= pos[row]:
-                e = math.exp(s_sh[i * CHUNK + tid] - red[i * CHUNK])
+                e = math.exp(s_sh[i * CHUNK + tid] - m)
             s_sh[i * CHUNK + tid] = e
-        cuda.syncthreads()
+        cuda.syncthreads()  # every max read: w_sh takes the sums
         if tid < NP and _sees(pos[tid // HB], los[tid // HB], j0):
-            part_m[r0 + tid // HB, h0 + tid % HB, c] = red[tid * CHUNK]
-        cuda.syncthreads()
+            part_m[r0 + tid // HB, h0 + tid % HB, c] = m_own
         for i in range(NP):
-            red[i * CHUNK + tid] = s_sh[i * CHUNK + tid]
-        _rows_reduce(red, NP, tid, False)
+            v = warp_sum(s_sh[i * CHUNK + tid], 32)
+            if lane == 0:
+                w_sh[warp * NP + i] = v
+        cuda.syncthreads()
         if tid < NP and _sees(pos[tid // HB], los[tid // HB], j0):
-            part_l[r0 + tid // HB, h0 + tid % HB, c] = red[tid * CHUNK]
+            total = w_sh[tid]
+            for w in range(1, CHUNK // 32):
+                total += w_sh[w * NP + tid]
+            part_l[r0 + tid // HB, h0 + tid % HB, c] = total
+        # values: a thread owns a pair of dims (one 32-bit load a cell) in a group of cells; the
+        # groups' sums (each over its cells in ascending order) are added in group order
         v_block = NS * Hkv * KV_BLOCK * Dv  # values a block holds
         v_head = (slot * Hkv + kh) * KV_BLOCK * Dv  # where this head's cells start within a block
-        vals = cuda.local.array(KV_BLOCK, np.float32)
-        for d in range(tid, Dv, CHUNK):
-            for i in range(NP):
-                acc[i] = np.float32(0.0)
-            # a block at a time, so its cells' addresses are one base plus constant steps (the
-            # unrolled loads in flight together); cells a..b in ascending order, as a row's
-            # invisible cells add exact zeros
-            jj = a - a % KV_BLOCK
-            while jj <= b:
-                at = ((j0 + jj) // KV_BLOCK) * v_block + v_head + d  # the block's first cell, value d
-                for u in range(KV_BLOCK):
-                    if jj + u >= a and jj + u <= b:
-                        vals[u] = f16_to_f32(ldg_u16(v_cache, 2 * (at + u * Dv)))
-                for u in range(KV_BLOCK):
-                    if jj + u >= a and jj + u <= b:
-                        for i in range(NP):
-                            acc[i] += s_sh[i * CHUNK + jj + u] * vals[u]
-                jj += KV_BLOCK
-            for i in range(NP):
-                if _sees(pos[i // HB], los[i // HB], j0):
-                    part_o[r0 + i // HB, h0 + i % HB, c, d] = acc[i]
+        n_dp = Dv // 2
+        grp = tid // n_dp
+        dp = tid - grp * n_dp
+        n_grp = CHUNK // n_dp
+        per_grp = (CHUNK + n_grp - 1) // n_grp
+        o = cuda.local.array(NP2, np.float32)
+        for i in range(NP2):
+            o[i] = np.float32(0.0)
+        g0 = max(a, grp * per_grp)
+        g1 = min(b, grp * per_grp + per_grp - 1)
+        if grp >= n_grp:
+            g1 = -1
+        words = cuda.local.array(_V_UNROLL, np.uint32)
+        jj = g0
+        while jj <= g1:
+            for u in range(_V_UNROLL):  # loads in flight together
+                if jj + u <= g1:
+                    jc = j0 + jj + u
+                    jb = jc // KV_BLOCK
+                    words[u] = ldg_u32(v_cache, 2 * (jb * v_block + v_head + (jc - jb * KV_BLOCK) * Dv + 2 * dp))
+            for u in range(_V_UNROLL):
+                if jj + u <= g1:
+                    lo_v = f16_to_f32(words[u] & 0xFFFF)
+                    hi_v = f16_to_f32(words[u] >> 16)
+                    for i in range(NP):
+                        pw = s_sh[i * CHUNK + jj + u]
+                        o[2 * i] += pw * lo_v
+                        o[2 * i + 1] += pw * hi_v
+            jj += _V_UNROLL
+        o_sh = q_sh  # [NP, Dv]; the queries are no longer read
+        for g in range(n_grp):
+            if grp == g:
+                for i in range(NP):
+                    at = i * Dv + 2 * dp
+                    if g == 0:
+                        o_sh[at] = o[2 * i]
+                        o_sh[at + 1] = o[2 * i + 1]
+                    else:
+                        o_sh[at] += o[2 * i]
+                        o_sh[at + 1] += o[2 * i + 1]
+            cuda.syncthreads()
+        for e in range(tid, NP * Dv, CHUNK):
+            i = e // Dv
+            if _sees(pos[i // HB], los[i // HB], j0):
+                part_o[r0 + i // HB, h0 + i % HB, c, e - i * Dv] = o_sh[e]
 
     return partial
 
@@ -333,12 +364,14 @@ def attention(q, k_cache, v_cache, slots, positions, scale: float, window: int, 
             or slots.shape != (R,)):
         raise ValueError(f"attention: q {q.shape}, caches {k_cache.shape} {v_cache.shape}, out {out.shape}")
     G = H // Hkv
-    if G > MAX_PAIRS or G * Dh > MAX_QD or Dh % 8:
-        raise UnsupportedError(f"attention: {G} query heads of {Dh} per KV head exceed the kernel's "
-                               f"{MAX_PAIRS} heads / {MAX_QD} values, or {Dh} is not a multiple of 8")
+    Dq = max(Dh, Dv)  # a pair's queries, then its values' sums, share one shared row
+    if G > MAX_PAIRS or G * Dq > MAX_QD or Dh % 8 or Dv % 2 or Dv > 2 * CHUNK:
+        raise UnsupportedError(f"attention: {G} query heads of {Dh}/{Dv} per KV head exceed the kernel's "
+                               f"{MAX_PAIRS} heads / {MAX_QD} values, {Dh} is not a multiple of 8, or {Dv} "
+                               f"is odd or above {2 * CHUNK}")
     rt = 1
     if one_slot:
-        rt = max(1, min(MAX_PAIRS // G, MAX_QD // (G * Dh), R))
+        rt = max(1, min(MAX_PAIRS // G, MAX_QD // (G * Dq), R))
         if tile_rows is not None:
             rt = max(1, min(rt, tile_rows))
     nch = -(-max_cells // CHUNK)
