@@ -148,6 +148,12 @@ class Backend(Protocol):
         the top-k (routing replay)."""
         ...
 
+    def route(self, x: Array, weight: QWeight, bias: Array | None, n_used: int, gating: str, norm_topk: bool,
+              scale: float, chosen: Array | None = None, step: Step | None = None) -> tuple[Array, Array, Array]:
+        """The exact router of x [T, D]: logits = x . weight^T (+ bias) [T, E], then `router` ->
+        (logits, ids, weights): `compose_route`, or one launch for all three."""
+        ...
+
     def routed_ids(self, ids: Array) -> np.ndarray:
         """The router's ids [T, A] on the host (int64), for an expert provider that chooses what to
         fetch by them, or a trace: on a GPU the one host sync of a MoE layer (in a segmented
@@ -242,6 +248,14 @@ class Backend(Protocol):
     def take_rows(self, x: Array, rows: np.ndarray) -> Array:
         """x [T, N] -> x[rows] [R, N], contiguous."""
         ...
+
+
+def compose_route(backend: Backend, x, weight, bias, n_used: int, gating: str, norm_topk: bool, scale: float,
+                  chosen=None, step: Step | None = None):
+    """Backend.route as linear, then router."""
+    logits = backend.linear(x, weight, step, bias=bias)
+    ids, weights = backend.router(logits, n_used, gating, norm_topk, scale, chosen)
+    return logits, ids, weights
 
 
 def compose_expert_glu(backend: Backend, x, batch, layout, plan, kind: str, alpha: float = 0.0, limit: float = 0.0):

@@ -27,7 +27,7 @@ from ..kernels import decode_linears, moe_decode, ops, ssm as ssm_k
 from ..kernels.matmul import Prepared, linear_prepared, prepare
 from ..kernels.quants import dequantize
 from . import cpu_experts, cpu_step
-from .base import compose_expert_ffn, compose_expert_glu
+from .base import compose_expert_ffn, compose_expert_glu, compose_route
 from .cpu_cache import KVCache
 from .step import Step
 
@@ -222,6 +222,9 @@ class CPUBackend:
         chosen = _NO_CHOICE if chosen is None else np.ascontiguousarray(chosen, np.int64)  # replay: weigh these
         return ops.route_top_k(np.ascontiguousarray(logits, np.float32), n_used, gating == "softmax_weight",
                                norm_topk, float(scale), chosen)
+
+    def route(self, x, weight, bias, n_used, gating, norm_topk, scale, chosen=None, step=None):
+        return compose_route(self, x, weight, bias, n_used, gating, norm_topk, scale, chosen, step)
 
     def routed_ids(self, ids: np.ndarray) -> np.ndarray:
         return ids

@@ -57,7 +57,7 @@ from ..kernels.cuda.quantize import QK8_1, quantize_q8_1
 from ..kernels.cuda.vecdot import FLOAT_ACT
 from ..model.weights import QWeight
 from . import cuda_experts as cx
-from .base import compose_expert_ffn, compose_expert_glu
+from .base import compose_expert_ffn, compose_expert_glu, compose_route
 from .cuda_staged import StagedBatch
 from .cuda_transfer import Event, Transfers, _check, _drv, pinned_empty
 from .cuda_cache import DeviceKVCache, KVPool
@@ -168,6 +168,7 @@ class CUDABackend:
         self._routed = None  # (host ids, device ids) of the last router call
         self._replay_tables: dict[int, tuple] = {}  # id(table) -> (table, its device copy)
         self._pinned_ids: dict[tuple, np.ndarray] = {}  # routing read back by segmented graphs, by shape
+        self._route_done = upload(np.zeros(1, np.int32), self.stream)  # the fused router's ticket counter (0 between launches)
         self._inputs: dict[int, dict] = {}  # decode-step input buffers by sequence count (graphs)
         self.bytes = {"weights": 0, "experts": 0, "kv": 0, "scratch": 0}  # VRAM held, by use
         self.estimate = None  # select.VRAMEstimate of the model, when select_backend made this
@@ -645,15 +646,33 @@ class CUDABackend:
     def router(self, logits, n_used, gating, norm_topk, scale, chosen=None):
         logits = self._dev(logits)
         T = logits.shape[0]
-        if chosen is None:
-            ids = self._empty((T, n_used), np.int32)
-        elif isinstance(chosen, np.ndarray):
-            ids = cuda.to_device(np.ascontiguousarray(chosen, dtype=np.int32), stream=self.stream)
-        else:  # already on the device (replay_routes)
-            ids = chosen
+        ids = self._routing_ids(T, n_used, chosen)
         weights = self._empty((T, n_used), _F32)
         router_k.route(logits, gating, norm_topk, scale, ids, weights, given=chosen is not None, stream=self.stream)
         return ids, weights
+
+    @_guarded
+    def route(self, x, weight, bias, n_used, gating, norm_topk, scale, chosen=None, step=None):
+        """A float router in one launch (router_k.route_fused); other types as linear + router."""
+        w = self._weight(weight)
+        if w.ggml_type not in FLOAT_ACT:
+            return compose_route(self, x, weight, bias, n_used, gating, norm_topk, scale, chosen, step)
+        x = self._dev(x.x if isinstance(x, Activations) else x)
+        T, E = x.shape[0], w.n_out
+        logits = self._empty((T, E), _F32)
+        ids = self._routing_ids(T, n_used, chosen)
+        weights = self._empty((T, n_used), _F32)
+        router_k.route_fused(w.packed, w.ggml_type, x, None if bias is None else self._dev(bias), gating, norm_topk,
+                             scale, logits, ids, weights, self._route_done, given=chosen is not None,
+                             stream=self.stream)
+        return logits, ids, weights
+
+    def _routing_ids(self, T: int, n_used: int, chosen):
+        if chosen is None:
+            return self._empty((T, n_used), np.int32)
+        if isinstance(chosen, np.ndarray):
+            return cuda.to_device(np.ascontiguousarray(chosen, dtype=np.int32), stream=self.stream)
+        return chosen  # already on the device (replay_routes)
 
     @_guarded
     def routed_ids(self, ids):

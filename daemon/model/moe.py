@@ -45,8 +45,9 @@ def route(moe: MoE, family: Family, x, backend: Backend | str, step: Step | None
     backend: a Backend, or a CPU numerics name."""
     if isinstance(backend, str):
         backend = CPUBackend(backend)
-    logits = backend.linear(x, moe.router, step, bias=moe.router_bias)  # [T, E]
-    return backend.router(logits, moe.n_used, family.gating, family.norm_topk, moe.weights_scale, chosen)
+    _, ids, weights = backend.route(x, moe.router, moe.router_bias, moe.n_used, family.gating, family.norm_topk,
+                                    moe.weights_scale, chosen, step)
+    return ids, weights
 
 
 def moe_forward(moe: MoE, family: Family, experts: ExpertProvider, x, backend: Backend,

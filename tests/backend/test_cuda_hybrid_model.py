@@ -76,7 +76,7 @@ def test_logits_match_the_cpu_and_sequences_are_batch_invariant(models):
         flipped |= _flips(cpu_calls, gpu_calls, offsets, tol)
         steps.append((want, got, set(flipped)))
     finally:
-        del cpu.backend.router, gpu.backend.router
+        del cpu.backend.route, gpu.backend.route
         gpu.backend.use_graphs = graphs
     for i, (want, got, flips) in enumerate(steps):
         kept = [s for s in range(len(PROMPTS)) if s not in flips]

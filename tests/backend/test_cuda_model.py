@@ -99,14 +99,14 @@ class Run:
 
 def _record_routes(backend, calls: list) -> None:
     """Each router call of `backend` appends (logits [R, E], ids [R, A]) on the host to calls."""
-    route = backend.router
+    route = backend.route
 
-    def recording(logits, *a, **k):
-        ids, weights = route(logits, *a, **k)
+    def recording(*a, **k):
+        logits, ids, weights = route(*a, **k)
         calls.append((np.array(backend.to_host(logits)), np.array(backend.to_host(ids))))
-        return ids, weights
+        return logits, ids, weights
 
-    backend.router = recording
+    backend.route = recording
     if isinstance(backend, CPUBackend):  # its compiled decode step routes inside one call: the per-op path
         backend.compiled_step = "off"  # (bit-identical, tests/backend/test_cpu_step.py) exposes each router call
 
@@ -167,7 +167,7 @@ def run(models) -> Run:
         tokens.append(out.cpu_steps[-1].argmax(axis=1))
         step(lambda: cpu.forward_batch(tokens[-1], cc), lambda: gpu.forward_batch(tokens[-1], gc),
              np.arange(len(prompts) + 1))
-    del cpu.backend.router, gpu.backend.router  # the backends' own methods again
+    del cpu.backend.route, gpu.backend.route  # the backends' own methods again
     gpu.backend.use_graphs = graphs  # (graphs: test_cuda_graphs)
 
     def boom(*args, **kw):
@@ -279,7 +279,7 @@ def greedy_text_matches(path, other=_gpu_model) -> int:
                     break  # a near-tie: the continuations may part from here
                 step_rows, offsets = [int(c.argmax())], np.array([0, 1])
         if routed:
-            del cpu.backend.router, model.backend.router
+            del cpu.backend.route, model.backend.route
         else:
             graphs = getattr(model.backend, "graphs", None)
             assert graphs is None or graphs.replays > 0 or not model.backend.use_graphs  # decode ran as graphs

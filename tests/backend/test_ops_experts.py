@@ -37,6 +37,24 @@ def test_router(backend, gating, norm, scale):
         assert R.rel_err(backend.to_host(w), ref) < 1e-6
 
 
+@pytest.mark.parametrize("qt", [Q.F32, Q.Q8_0], ids=["F32", "Q8_0"])  # F32: one launch on a GPU
+def test_route_of_a_router_weight(backend, qt):
+    """backend.route: the router's logits (+ bias) as linear gives them, then router's top-k of
+    those logits; for 3 rows and, past a GPU's fused rows, 7."""
+    rng = np.random.default_rng(qt)
+    host = R.qweight(qt, 16, 64, rng)
+    w = backend.upload(host)
+    bias = rng.standard_normal(16).astype(np.float32)
+    for T in (3, 7):
+        x = rng.standard_normal((T, 64)).astype(np.float32)
+        logits, ids, weights = backend.route(x, w, bias, 4, "softmax_weight", False, 0.0)
+        got = backend.to_host(logits)
+        assert R.rel_err(got, x.astype(np.float64) @ R.dequant(host.raw, qt).T + bias) < R.tolerance(backend, qt)
+        want_ids, want_w = R.route(got, 4, "softmax_weight", False, 0.0)
+        assert np.array_equal(backend.routed_ids(ids), want_ids)
+        assert R.rel_err(backend.to_host(weights), want_w) < 1e-6
+
+
 class _Experts:
     """E experts' gate/up/down stacks, held at shuffled slots (as a cache would hold them).
     dim: D = F (256; 64 for the CUDA backend under the simulator, which runs a device thread in

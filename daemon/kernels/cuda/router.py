@@ -24,119 +24,263 @@ import math
 import numpy as np
 from numba import cuda
 
-from .device import placeholder
+from ...errors import UnsupportedError
+from ..quants import block_size, type_name
+from .device import SIM, placeholder
+from .layout import repacked_stride
 from .ptx import warp_argmax, warp_max, warp_sum
 from .launch import launch
+from .vecdot import FLOAT_ACT, VALUES, VECDOT
 
 MAX_EXPERTS = 1024  # 32 per lane: a lane's taken flags fit one register
 MAX_USED = 64
 _WARP = 32
+# rows of x a block of the fused router takes, and up to which it also routes; warps a block.
+# The simulator runs each thread in Python: fewer of both there (its tests still cross tiles).
+FUSED_ROWS = 4 if SIM else 16
+_FUSED_WARPS = 1 if SIM else 8
+_FUSED_PARTS = _FUSED_WARPS * FUSED_ROWS
+_FUSED_SEL = _FUSED_WARPS * MAX_USED
 _NEG_INF = np.float32(-np.inf)
 
 
-def _make_route(PER: int):
-    """The router kernel for up to 32*PER experts (PER a compile-time constant: loops over a
-    lane's experts unroll and its values stay in registers)."""
+def _make_route_row(PER: int):
+    """The routing of one row by one warp, for up to 32*PER experts (PER a compile-time constant:
+    loops over a lane's experts unroll and its values stay in registers). Every warp of the block
+    calls it (it holds a block barrier); `live` is False in a warp with no row."""
 
-    @cuda.jit
-    def route_kernel(logits, bias, has_bias, softmax_first, norm_topk, scale, given, ids, weights):
-        """logits: f32 [T, E]; bias: f32 [E] (read when has_bias); ids: int32 [T, A] (out, or in when
-        given); weights: f32 [T, A] out. Grid T blocks of one warp; lane l holds experts l + 32k in
-        registers (k < PER, loaded together), and their taken flags as the bits of one register."""
-        t = cuda.blockIdx.x
-        lane = cuda.threadIdx.x
+    @cuda.jit(device=True)
+    def route_row(t, lane, live, logits, bias, has_bias, softmax_first, norm_topk, scale, given, ids, weights,
+                  sel, s0):
+        """Row t of logits f32 [T, E] -> ids int32 [t, :A] (or read from there when given), weights
+        f32 [t, :A]. sel: shared f32, the warp's A chosen scores at sel[s0:s0 + A]; lane l holds
+        experts l + 32k in registers (k < PER, loaded together), and their taken flags as the bits
+        of one register."""
         E = logits.shape[1]
         A = ids.shape[1]
         vals = cuda.local.array(PER, np.float32)
-        sel = cuda.shared.array(MAX_USED, np.float32)
-        m = _NEG_INF
-        for k in range(PER):
-            e = lane + k * _WARP
-            v = _NEG_INF
-            if e < E:
-                v = logits[t, e]
-                if has_bias:
-                    v += bias[e]
-                m = max(m, v)
-            vals[k] = v
-        if softmax_first:  # probs over all experts
-            m = warp_max(m, _WARP)
-            s = np.float32(0.0)
+        if live:
+            m = _NEG_INF
             for k in range(PER):
-                if lane + k * _WARP < E:
-                    x = math.exp(vals[k] - m)
-                    vals[k] = x
-                    s += x
-            inv = np.float32(1.0) / warp_sum(s, _WARP)
-            for k in range(PER):
-                vals[k] *= inv
-        taken = np.uint32(0)
-        for a in range(A):
-            if given:
-                win = ids[t, a]
-            else:
-                bv = _NEG_INF
-                bi = E  # none yet
-                for k in range(PER):  # ascending: a tie keeps the lower index
-                    e = lane + k * _WARP
-                    if e < E and (taken >> np.uint32(k)) & np.uint32(1) == 0:
-                        v = vals[k]
-                        if v != v:
-                            v = _NEG_INF  # NaN ranks with -inf, chosen only when nothing else is left
-                        if bi == E or v > bv:
-                            bv = v
-                            bi = e
-                bv, bi = warp_argmax(bv, bi, E)
-                win = bi
-                if lane == 0:
-                    ids[t, a] = win
-            mine = win % _WARP == lane
-            if mine:
-                k_win = win // _WARP
-                taken |= np.uint32(1) << np.uint32(k_win)
-                for k in range(PER):  # a constant index keeps vals in registers
-                    if k == k_win:
-                        sel[a] = vals[k]
+                e = lane + k * _WARP
+                v = _NEG_INF
+                if e < E:
+                    v = logits[t, e]
+                    if has_bias:
+                        v += bias[e]
+                    m = max(m, v)
+                vals[k] = v
+            if softmax_first:  # probs over all experts
+                m = warp_max(m, _WARP)
+                s = np.float32(0.0)
+                for k in range(PER):
+                    if lane + k * _WARP < E:
+                        x = math.exp(vals[k] - m)
+                        vals[k] = x
+                        s += x
+                inv = np.float32(1.0) / warp_sum(s, _WARP)
+                for k in range(PER):
+                    vals[k] *= inv
+            taken = np.uint32(0)
+            for a in range(A):
+                if given:
+                    win = ids[t, a]
+                else:
+                    bv = _NEG_INF
+                    bi = E  # none yet
+                    for k in range(PER):  # ascending: a tie keeps the lower index
+                        e = lane + k * _WARP
+                        if e < E and (taken >> np.uint32(k)) & np.uint32(1) == 0:
+                            v = vals[k]
+                            if v != v:
+                                v = _NEG_INF  # NaN ranks with -inf, chosen only when nothing else is left
+                            if bi == E or v > bv:
+                                bv = v
+                                bi = e
+                    bv, bi = warp_argmax(bv, bi, E)
+                    win = bi
+                    if lane == 0:
+                        ids[t, a] = win
+                mine = win % _WARP == lane
+                if mine:
+                    k_win = win // _WARP
+                    taken |= np.uint32(1) << np.uint32(k_win)
+                    for k in range(PER):  # a constant index keeps vals in registers
+                        if k == k_win:
+                            sel[s0 + a] = vals[k]
         cuda.syncthreads()
-        if lane == 0:
+        if live and lane == 0:
             if not softmax_first:  # softmax over the selected logits
                 mx = _NEG_INF
                 for a in range(A):
-                    mx = max(mx, sel[a])
+                    mx = max(mx, sel[s0 + a])
                 s = np.float32(0.0)
                 for a in range(A):
-                    sel[a] = math.exp(sel[a] - mx)
-                    s += sel[a]
+                    sel[s0 + a] = math.exp(sel[s0 + a] - mx)
+                    s += sel[s0 + a]
                 for a in range(A):
-                    sel[a] = sel[a] / s
+                    sel[s0 + a] = sel[s0 + a] / s
             div = np.float32(1.0)
             if norm_topk:
                 s = np.float32(0.0)
                 for a in range(A):
-                    s += sel[a]
+                    s += sel[s0 + a]
                 div = max(s, np.float32(6.103515625e-5))
             for a in range(A):
-                w = sel[a]
+                w = sel[s0 + a]
                 if norm_topk:
                     w = w / div
                 if scale != np.float32(0.0):
                     w = w * scale
                 weights[t, a] = w
 
+    return route_row
+
+
+def _make_route(PER: int):
+    route_row = _make_route_row(PER)
+
+    @cuda.jit
+    def route_kernel(logits, bias, has_bias, softmax_first, norm_topk, scale, given, ids, weights):
+        """Grid T blocks of one warp: block t routes row t (route_row)."""
+        sel = cuda.shared.array(MAX_USED, np.float32)
+        route_row(cuda.blockIdx.x, cuda.threadIdx.x, True, logits, bias, has_bias, softmax_first, norm_topk, scale,
+                  given, ids, weights, sel, 0)
+
     return route_kernel
 
 
+def _make_fused(qtype: int, PER: int, WARPS: int):
+    """The router's matrix-vector product and, when the launch has at most FUSED_ROWS rows, the
+    routing of every row by the last block to finish, in one launch."""
+    load, dot = VECDOT[qtype]
+    per_chunk = VALUES[qtype]
+    qk = block_size(qtype)[0]
+    THREADS = WARPS * _WARP
+    NC = FUSED_ROWS
+    route_row = _make_route_row(PER)
+
+    @cuda.jit
+    def router_fused(W, x, stride, k, bias, has_bias, softmax_first, norm_topk, scale, given, do_route, logits,
+                     ids, weights, done):
+        """Grid (E, ceil(T / NC)) of WARPS warps: block (e, y) makes logits[y*NC : y*NC + NC, e]
+        = x . W[e] (+ bias[e]), its threads striding over the row's chunks (the same order
+        whatever T). With do_route (one y), the block that finishes last (a ticket from `done`,
+        int32 [1], which it sets back to 0) routes the rows, a warp a row (route_row).
+        W: uint8 [E, stride] (repacked float rows, layout.py); x: f32 [T, K]."""
+        e = cuda.blockIdx.x
+        t0 = cuda.blockIdx.y * NC
+        T = logits.shape[0]
+        ncl = min(NC, T - t0)
+        tid = cuda.threadIdx.x
+        warp = tid // _WARP
+        lane = tid - warp * _WARP
+        acc = cuda.local.array(NC, np.float32)
+        for j in range(NC):
+            acc[j] = np.float32(0.0)
+        nb = k // qk
+        base = e * stride
+        c = tid
+        while c < k // per_chunk:
+            w = load(W, base, nb, c)
+            for j in range(NC):
+                if j < ncl:
+                    acc[j] += dot(w, x, x, t0 + j, k, c)
+            c += THREADS
+        part = cuda.shared.array(_FUSED_PARTS, np.float32)  # [WARPS, NC]
+        for j in range(NC):
+            v = warp_sum(acc[j], _WARP)
+            if lane == 0:
+                part[warp * NC + j] = v
+        cuda.syncthreads()
+        if tid < ncl:
+            v = part[tid]
+            for w in range(1, WARPS):
+                v += part[w * NC + tid]
+            if has_bias:
+                v += bias[e]
+            logits[t0 + tid, e] = v
+        if not do_route:
+            return
+        cuda.threadfence()  # the logits are visible to the last block before its ticket is taken
+        last = cuda.shared.array(1, np.int32)
+        cuda.syncthreads()
+        if tid == 0:
+            ticket = cuda.atomic.add(done, 0, 1)
+            last[0] = ticket == cuda.gridDim.x * cuda.gridDim.y - 1
+        cuda.syncthreads()
+        if last[0] == 0:
+            return
+        sel = cuda.shared.array(_FUSED_SEL, np.float32)  # [WARPS, MAX_USED]
+        for r0 in range(0, T, WARPS):
+            route_row(r0 + warp, lane, r0 + warp < T, logits, logits, False, softmax_first, norm_topk, scale,
+                      given, ids, weights, sel, warp * MAX_USED)
+        if tid == 0:
+            done[0] = 0
+
+    return router_fused
+
+
 _ROUTE = {}
+_FUSED = {}
 
 
-def _route_kernel(n_expert: int):
+def _per_lane(n_expert: int) -> int:
     per = 1
     while per * _WARP < n_expert:
         per *= 2
+    return per
+
+
+def _route_kernel(n_expert: int):
+    per = _per_lane(n_expert)
     kern = _ROUTE.get(per)
     if kern is None:
         kern = _ROUTE[per] = _make_route(per)
     return kern
+
+
+def _check_route(T: int, E: int, ids, weights, gating: str) -> int:
+    """-> A, after the checks every routing call shares."""
+    A = ids.shape[1]
+    if gating not in ("softmax", "softmax_weight"):
+        raise ValueError(f"route: unknown gating {gating!r}")
+    if ids.shape != (T, A) or weights.shape != (T, A) or not 0 < A <= min(E, MAX_USED) or E > MAX_EXPERTS:
+        raise ValueError(f"route: {E} experts, ids {ids.shape}, weights {weights.shape} "
+                         f"(at most {MAX_EXPERTS} experts, {MAX_USED} used)")
+    return A
+
+
+def route_fused(w, qtype: int, x, bias, gating: str, norm_topk: bool, scale: float, logits, ids, weights, done,
+                given: bool = False, stream=0) -> None:
+    """The exact router in one launch for up to FUSED_ROWS rows: logits = x . w^T (+ bias), then
+    the top-k routing of each row (`route`); for more rows, that product and then `route`. The
+    product's sums run in an order that does not depend on the number of rows, so a row's logits,
+    ids and weights are the same bits however many rows share the call.
+
+    w: device uint8 [E, stride], a float router (F32, F16 or BF16) repacked (layout.repack);
+    x: device f32 [T, K]; bias: device f32 [E] or None; logits: device f32 [T, E] (written);
+    ids, weights: as `route`; done: device int32 [1], zero, owned by the caller's stream (the
+    fused launch's ticket counter, back to zero after each launch)."""
+    if qtype not in FLOAT_ACT:
+        raise UnsupportedError(f"route_fused: a {type_name(qtype)} router (F32, F16 or BF16 only)")
+    T, K = x.shape
+    E = w.shape[0]
+    _check_route(T, E, ids, weights, gating)
+    if logits.shape != (T, E) or tuple(w.shape) != (E, repacked_stride(qtype, K)) or (bias is not None and bias.shape != (E,)):
+        raise ValueError(f"route_fused: w {w.shape}, x {x.shape}, logits {logits.shape}")
+    if not T:
+        return
+    key = (qtype, _per_lane(E))
+    kern = _FUSED.get(key)
+    if kern is None:
+        kern = _FUSED[key] = _make_fused(qtype, key[1], _FUSED_WARPS)
+    fused = T <= FUSED_ROWS
+    launch(kern, (E, -(-T // FUSED_ROWS)), _FUSED_WARPS * _WARP, stream, w, x, w.shape[1], K,
+           placeholder(np.float32) if bias is None else bias, bias is not None, gating == "softmax",
+           bool(norm_topk), np.float32(scale), bool(given), fused, logits, ids, weights, done)
+    if not fused:
+        route(logits, gating, norm_topk, scale, ids, weights, given=given, stream=stream)
 
 
 def route(logits, gating: str, norm_topk: bool, scale: float, ids, weights, bias=None, given: bool = False,
@@ -148,12 +292,7 @@ def route(logits, gating: str, norm_topk: bool, scale: float, ids, weights, bias
     (ffn_gate_inp.bias) or None; gating: "softmax" or "softmax_weight"; scale: expert_weights_scale
     (0 = none)."""
     T, E = logits.shape
-    A = ids.shape[1]
-    if gating not in ("softmax", "softmax_weight"):
-        raise ValueError(f"route: unknown gating {gating!r}")
-    if ids.shape != (T, A) or weights.shape != (T, A) or not 0 < A <= min(E, MAX_USED) or E > MAX_EXPERTS:
-        raise ValueError(f"route: logits {logits.shape}, ids {ids.shape}, weights {weights.shape} "
-                         f"(at most {MAX_EXPERTS} experts, {MAX_USED} used)")
+    _check_route(T, E, ids, weights, gating)
     if T:
         launch(_route_kernel(E), T, _WARP, stream, logits, placeholder(np.float32) if bias is None else bias, bias is not None,
                                     gating == "softmax", bool(norm_topk), np.float32(scale), bool(given), ids, weights)

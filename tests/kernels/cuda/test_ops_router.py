@@ -4,7 +4,12 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from daemon.kernels.cuda.router import count_experts, replay_routes, route
+from daemon.errors import UnsupportedError
+from daemon.kernels import quants as Q
+from daemon.kernels.cuda.layout import repack
+from daemon.kernels.cuda.router import FUSED_ROWS, count_experts, replay_routes, route, route_fused
+
+from . import refs
 
 T, E, A = 3, 40, 4  # E not a power of two and above the simulator's 32 threads per row
 
@@ -120,3 +125,71 @@ def test_replay_routes_reads_each_layers_row_at_the_position_mod_the_trace_lengt
     assert out.copy_to_host().tolist() == expected.tolist()
     with pytest.raises(ValueError):
         replay_routes(cuda.to_device(table), cuda.to_device(positions), cuda.device_array((2, 3, 2), np.int32))
+
+
+# -- the fused router: the router's product and the routing in one launch --------------------
+
+EF, KF = 12, 32  # experts and values per row of the fused router's tests (small: simulated threads are slow)
+
+
+def _fused(qt, x, raw, bias, gating, norm_topk, scale, given=None):
+    """route_fused on the device -> (logits, ids, weights) on the host, and its counter."""
+    T = x.shape[0]
+    done = cuda.to_device(np.zeros(1, np.int32))
+    logits = cuda.to_device(np.full((T, EF), np.nan, np.float32))
+    ids = cuda.to_device(np.full((T, A), -1, np.int32) if given is None else given)
+    w = cuda.to_device(np.full((T, A), np.nan, np.float32))
+    route_fused(cuda.to_device(repack(raw, qt)), qt, cuda.to_device(x), None if bias is None else cuda.to_device(bias),
+                gating, norm_topk, scale, logits, ids, w, done, given=given is not None)
+    return logits.copy_to_host(), ids.copy_to_host(), w.copy_to_host(), int(done.copy_to_host()[0])
+
+
+@pytest.mark.parametrize("qt, family", [(Q.F32, "qwen3moe"), (Q.F32, "gpt-oss"), (Q.F16, "gpt-oss"),
+                                        (Q.BF16, "qwen3moe")], ids=["F32-qwen3moe", "F32-gpt-oss", "F16", "BF16"])
+def test_fused_router_makes_the_logits_and_routes_them(qt, family):
+    """The logits within float32 rounding of a float64 product (+ bias), the ids and weights those
+    logits give (the reference routes the device's own logits: a near-tie cannot flip the test),
+    and the ticket counter back at zero. Up to FUSED_ROWS rows are routed in the launch; past
+    that, the product takes tiles of rows and `route` follows."""
+    gating, norm_topk, scale, with_bias = FAMILIES[family]
+    rng = np.random.default_rng(qt)
+    raw = refs.weights(qt, (EF,), KF, rng)
+    bias = (rng.standard_normal(EF) * 0.5).astype(np.float32) if with_bias else None
+    for T in (3, FUSED_ROWS + 1):
+        x = rng.standard_normal((T, KF)).astype(np.float32)
+        logits, ids, w, done = _fused(qt, x, raw, bias, gating, norm_topk, scale)
+        want = x.astype(np.float64) @ refs.dequant(raw, qt).T + (0 if bias is None else bias)
+        np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5)
+        ref_ids, ref_w = _ref(logits, None, gating, norm_topk, scale)
+        assert np.array_equal(ids, ref_ids), T
+        np.testing.assert_allclose(w, ref_w, rtol=1e-5, atol=1e-7)
+        assert done == 0
+
+
+def test_a_rows_routing_is_the_same_bits_whatever_rows_share_the_call():
+    """Row r alone, among 3 rows (routed in the launch) and among FUSED_ROWS + 2 (two tiles, then
+    `route`): the same logits, ids and weights, bit for bit."""
+    rng = np.random.default_rng(11)
+    raw = refs.weights(Q.F32, (EF,), KF, rng)
+    bias = (rng.standard_normal(EF) * 0.5).astype(np.float32)
+    x = rng.standard_normal((FUSED_ROWS + 2, KF)).astype(np.float32)
+    alone = _fused(Q.F32, x[2:3], raw, bias, "softmax_weight", False, 0.0)[:3]
+    for T in (3, FUSED_ROWS + 2):
+        shared = _fused(Q.F32, x[:T], raw, bias, "softmax_weight", False, 0.0)[:3]
+        for a, b in zip(alone, shared):
+            assert np.array_equal(a[0], b[2]), T
+
+
+def test_fused_router_weighs_given_ids_and_refuses_quantized_routers():
+    rng = np.random.default_rng(5)
+    raw = refs.weights(Q.F32, (EF,), KF, rng)
+    x = rng.standard_normal((T, KF)).astype(np.float32)
+    given = np.array([[0, 5, 9, 11]] * T, np.int32)
+    logits, ids, w, _ = _fused(Q.F32, x, raw, None, "softmax", True, 0.0, given=given)
+    assert np.array_equal(ids, given)
+    z = logits.astype(np.float64)
+    p = np.exp(z - z.max(axis=1, keepdims=True))
+    ref = np.take_along_axis(p / p.sum(axis=1, keepdims=True), given.astype(np.int64), axis=1)
+    np.testing.assert_allclose(w, ref / np.maximum(ref.sum(axis=1, keepdims=True), 2.0 ** -14), rtol=1e-5)
+    with pytest.raises(UnsupportedError):
+        _fused(Q.Q8_0, x, refs.weights(Q.Q8_0, (EF,), KF, rng), None, "softmax", True, 0.0)
