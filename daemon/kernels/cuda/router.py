@@ -213,7 +213,7 @@ def _make_fused(qtype: int, PER: int, WARPS: int):
             return
         sel = cuda.shared.array(_FUSED_SEL, np.float32)  # [WARPS, MAX_USED]
         for r0 in range(0, T, WARPS):
-            route_row(r0 + warp, lane, r0 + warp < T, logits, logits, False, softmax_first, norm_topk, scale,
+            route_row(r0 + warp, lane, r0 + warp < T, logits, bias, False, softmax_first, norm_topk, scale,
                       given, ids, weights, sel, warp * MAX_USED)
         if tid == 0:
             done[0] = 0
