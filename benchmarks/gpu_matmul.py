@@ -1,6 +1,11 @@
 """GPU matmul kernels (daemon/kernels/cuda): achieved bandwidth and per-launch latency.
 
     python benchmarks/gpu_matmul.py [--quick] [--json PATH] [--budget SECONDS] [--smoke]
+    python benchmarks/gpu_matmul.py --table [--shape D,F,E,A] [--json PATH]
+
+--table prints only issue 30's per-type table: for Q8_0, Q4_K, Q5_K, Q6_K, MXFP4 and F16 at 1, 4
+and 16 tokens, one expert's gate matrix [F, D] (a dense launch) and a layer's routed experts in
+one launch each (gate + up fused, and down), against the device copy measured in the same run.
 
 Prints, on the GPU it finds:
   * the device-to-device copy bandwidth (bytes read + written / time), the ceiling to compare with;

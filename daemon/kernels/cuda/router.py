@@ -15,6 +15,12 @@ are read from `ids` and only weighed.
 One warp per row. The top-k is A rounds of a warp argmax over (value, index) pairs (a total
 order: larger value, then lower index), so the result is the same on every run and independent
 of the other rows; the softmax's max and sum are warp butterflies in a fixed order.
+
+`route_fused` is the whole router of a decode step in one launch: a block per expert makes that
+expert's logit of every row (8 warps splitting the row, then the warps' sums in order), and the
+last block to finish (a ticket from an atomic counter, after a fence) routes every row as
+`route` does. Past FUSED_ROWS rows (a prefill) the same product runs in tiles of rows and `route`
+follows, so a row's logits, ids and weights do not depend on how many rows share the call.
 """
 
 from __future__ import annotations
