@@ -195,9 +195,10 @@ def _make_fused(qtype: int, PER: int, WARPS: int):
             c += THREADS
         part = cuda.shared.array(_FUSED_PARTS, np.float32)  # [WARPS, NC]
         for j in range(NC):
-            v = warp_sum(acc[j], _WARP)
-            if lane == 0:
-                part[warp * NC + j] = v
+            if j < ncl:  # the same in every thread of the block: the shuffles stay convergent
+                v = warp_sum(acc[j], _WARP)
+                if lane == 0:
+                    part[warp * NC + j] = v
         cuda.syncthreads()
         if tid < ncl:
             v = part[tid]
