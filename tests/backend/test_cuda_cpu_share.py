@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from daemon.errors import DeviceError
+from daemon.kernels.cuda.device import SIM
 from daemon.model.transformer import Transformer
 from daemon.storage.gguf import GGUFFile
 from tests.fixtures.build import fixture_path
@@ -75,7 +76,12 @@ def test_the_cpu_computes_its_share_within_tolerance(gguf, want):
     assert st["cpu_jobs"] == 4 and st["cpu_pairs"] >= 1  # each step (of at most 16 rows) posted its layer
     assert model.device_fed  # the step still needs no routing on the host
 
+# minutes each in the simulator, where CI runs near its time limit: these two run on a GPU
+# (benchmarks/gpu_tests.sh); the share's tolerance and its failure stay in CI
+_GPU_ONLY = pytest.mark.skipif(SIM, reason="a minute or more in the simulator: run on a GPU")
 
+
+@_GPU_ONLY
 def test_the_cpu_takes_only_misses_it_holds(gguf):
     """The device's split, read back: pairs of the VRAM expert, or of experts the CPU has no copy
     of, stay on the GPU; at most n of the rest go to the CPU."""
@@ -90,6 +96,7 @@ def test_the_cpu_takes_only_misses_it_holds(gguf):
     assert not set(ids[mask == 1].tolist()) & set(held)
 
 
+@_GPU_ONLY
 def test_no_share_keeps_the_bits(gguf, want):
     tier, model, _ = _model(gguf, "0")
     np.testing.assert_array_equal(_decode(model), want)
