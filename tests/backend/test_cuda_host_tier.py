@@ -184,12 +184,16 @@ def test_replayed_routing_stays_on_the_device(case, tmp_path):
         assert backend.graphs.replays > 0
 
 
-def test_a_failed_in_place_read_fails_the_step_and_the_model_goes_on(case, monkeypatch):
+def test_a_failed_in_place_read_fails_the_step_and_the_model_goes_on(case, monkeypatch, request):
     """An expert kernel reading the host tier that hits a CUDA error (injected at its launch): the
     step fails with a DeviceError naming the device and the op; the next step on a fresh sequence
     gives the logits of every expert in VRAM."""
     from daemon.backend import cuda as cuda_backend
     from daemon.backend.cuda import CUDABackend
+    from daemon.kernels.cuda.device import SIM
+
+    if SIM and "gpt-oss" in request.node.name:  # the failure path is the same for both families
+        pytest.skip("a minute in the simulator, where CI runs near its time limit: qwen3moe covers it there")
     from daemon.backend.cuda_errors import CUDA_ERRORS
     from daemon.backend.cuda_experts import DeviceExperts
     from daemon.backend.cuda_host_tier import HostTierExperts
