@@ -133,9 +133,12 @@ class Backend(Protocol):
         while it computes (the CUDA backend's staged batches) orders the work by arrival."""
         ...
 
-    def moe_mix(self, y: Array, plan: Any, weights: Array) -> Array:
+    def moe_mix(self, y: Array, plan: Any, weights: Array, shared: Array | None = None,
+                then: tuple | None = None) -> Any:
         """The weighted sum of each row's expert outputs in top-k order: y [P, D], weights [T, A]
-        -> [T, D]."""
+        -> [T, D], plus shared [T, D] (a shared expert's output) when given. then (x [T, D],
+        weight [D], eps): -> add_rms_norm(x, that sum, weight, eps) instead (the residual add and
+        the next norm), which a backend may compute in the same launch."""
         ...
 
     def router(self, logits: Array, n_used: int, gating: str, norm_topk: bool, scale: float,
@@ -182,11 +185,13 @@ class Backend(Protocol):
         ...
 
     def attention(self, layer: int, q: Array, k: Array, v: Array, step: Step, scale: float, window: int,
-                  sinks: Array | None) -> Array:
+                  sinks: Array | None, rope: Rope | None = None, q_norm: Array | None = None,
+                  k_norm: Array | None = None, eps: float = 0.0) -> Array:
         """Store k [T, Hkv, Dh] and v [T, Hkv, Dv] in layer `layer` of each sequence's cache, then
         attend each query row q [T, H, Dh] causally to its own sequence's cells (GQA: head h reads
         KV head h // (H / Hkv)). window: sliding window (0 = full); sinks: [H] extra logit per
-        head or None. -> [T, H, Dv]"""
+        head or None. rope: q and k are first normed and rotated as rope_qk does (a backend may
+        fuse that with storing k). -> [T, H, Dv]"""
         ...
 
     def glu(self, gate: Array, up: Array, kind: str, alpha: float = 0.0, limit: float = 0.0) -> Array:

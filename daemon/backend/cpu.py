@@ -215,8 +215,11 @@ class CPUBackend:
                 and moe_decode.supports(layout.gate_type, layout.up_type, layout.down_type)
                 and all(s.flags.c_contiguous for s in (batch.gate, batch.up, batch.down)))
 
-    def moe_mix(self, y, plan, weights) -> np.ndarray:
-        return ops.moe_mix(y, plan.slot_rows, np.ascontiguousarray(weights, dtype=np.float32))
+    def moe_mix(self, y, plan, weights, shared=None, then=None):
+        out = ops.moe_mix(y, plan.slot_rows, np.ascontiguousarray(weights, dtype=np.float32))
+        if shared is not None:
+            out = self.add(out, shared)
+        return out if then is None else self.add_rms_norm(then[0], out, then[1], then[2])
 
     def router(self, logits, n_used, gating, norm_topk, scale, chosen=None):
         chosen = _NO_CHOICE if chosen is None else np.ascontiguousarray(chosen, np.int64)  # replay: weigh these
@@ -253,7 +256,10 @@ class CPUBackend:
                                                        rope.ext_factor, rope.attn_factor, rope.corr_dims)
         return table
 
-    def attention(self, layer, q, k, v, step: Step, scale, window, sinks) -> np.ndarray:
+    def attention(self, layer, q, k, v, step: Step, scale, window, sinks, rope=None, q_norm=None, k_norm=None,
+                  eps=0.0) -> np.ndarray:
+        if rope is not None:
+            q, k = self.rope_qk(q, k, step, rope, q_norm, k_norm, eps)
         ggml = self.numerics == "ggml"
         if ggml:  # f16 KV cache; q converted to f16 for the K·q product
             q, k, v = (np.ascontiguousarray(t) for t in (q, k, v))

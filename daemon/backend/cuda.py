@@ -88,7 +88,7 @@ def _fits(w: attn.AttentionWork | None, rows: int, n_head: int, chunks: int, dv:
 
 
 def _work_bytes(w: attn.AttentionWork | None) -> int:
-    return 0 if w is None else int(w.part_m.nbytes + w.part_l.nbytes + w.part_o.nbytes)
+    return 0 if w is None else int(w.part_m.nbytes + w.part_l.nbytes + w.part_o.nbytes + w.done.nbytes)
 
 
 def _guarded(fn):
@@ -637,10 +637,19 @@ class CUDABackend:
         return out.reshape(T * A, F)  # [P, F]
 
     @_guarded
-    def moe_mix(self, y, plan: cx.DevicePlan, weights):
-        out = self._empty((plan.T, y.shape[1]), _F32)  # [T, D]
-        glu_k.moe_mix(self._dev(y), self._dev(weights), out, stream=self.stream)
-        return out
+    def moe_mix(self, y, plan: cx.DevicePlan, weights, shared=None, then=None):
+        """With `then`, the mix, the residual add and the next norm in one launch (norm.mix_add_rms_norm)."""
+        y, weights = self._dev(y), self._dev(weights)
+        shape = (plan.T, y.shape[1])  # [T, D]
+        if then is not None:
+            x, weight, eps = then
+            x_out, out = self._empty(shape, _F32), self._empty(shape, _F32)
+            norm.mix_add_rms_norm(y, weights, self._dev(x), self._dev(weight), eps, out, x_out,
+                                  None if shared is None else self._dev(shared), stream=self.stream)
+            return x_out, out
+        out = self._empty(shape, _F32)
+        glu_k.moe_mix(y, weights, out, stream=self.stream)
+        return out if shared is None else self.add(out, shared)
 
     @_guarded
     def router(self, logits, n_used, gating, norm_topk, scale, chosen=None):
@@ -737,7 +746,9 @@ class CUDABackend:
         return table
 
     @_guarded
-    def attention(self, layer, q, k, v, step: Step, scale, window, sinks):
+    def attention(self, layer, q, k, v, step: Step, scale, window, sinks, rope=None, q_norm=None, k_norm=None,
+                  eps=0.0):
+        """With rope, one launch norms and rotates q and k and stores k and v (norm_rope_qk's append)."""
         q, k, v = self._dev(q), self._dev(k), self._dev(v)
         cache = step.caches[0]
         pool: KVPool = cache.pool
@@ -748,7 +759,13 @@ class CUDABackend:
             max_cells = step.memo["max_cells"] = int(step.positions.max()) + 1
         ia = cache.layers[layer].layer  # the pool's index of this attention layer (il in a non-hybrid model)
         kc, vc = pool.k[ia], pool.v[ia]
-        attn.kv_append(k, v, slots, positions, kc, vc, stream=self.stream)
+        if rope is None:
+            attn.kv_append(k, v, slots, positions, kc, vc, stream=self.stream)
+        else:
+            rope_k.norm_rope_qk(q, k, self._rope_table(step, rope), rope.neox,
+                                None if q_norm is None else self._dev(q_norm),
+                                None if k_norm is None else self._dev(k_norm), eps,
+                                append=(v, slots, positions, kc, vc), stream=self.stream)
         T, H, _ = q.shape
         Dv = vc.shape[4]
         out = self._empty((T, H, Dv), _F32)
@@ -789,7 +806,7 @@ class CUDABackend:
 
     def _new_work(self, old_bytes: int, rows: int, n_head: int, chunks: int, dv: int) -> attn.AttentionWork:
         """A scratch replacing one of old_bytes in the VRAM tally."""
-        w = attn.AttentionWork(rows, n_head, chunks * attn.CHUNK, dv)
+        w = attn.AttentionWork(rows, n_head, chunks * attn.CHUNK, dv, self.stream)
         self.bytes["scratch"] += _work_bytes(w) - old_bytes
         return w
 

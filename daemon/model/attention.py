@@ -73,11 +73,9 @@ class Attention:
         q = q.reshape(T, H, Dh)
         k = k.reshape(T, Hkv, Dh)
         v = v.reshape(T, Hkv, Dv)
-        if fam.qk_norm == "head":  # per-head norms, then RoPE
-            q, k = B.rope_qk(q, k, step, hp.rope, self.q_norm, self.k_norm, eps)
-        else:
-            q, k = B.rope_qk(q, k, step, hp.rope)
-        out = B.attention(il, q, k, v, step, 1.0 / np.sqrt(Dh), self.window, self.sinks)  # [T, H, Dv]
+        head_norms = fam.qk_norm == "head"  # per-head norms, then RoPE, inside the attention op
+        out = B.attention(il, q, k, v, step, 1.0 / np.sqrt(Dh), self.window, self.sinks, hp.rope,
+                          self.q_norm if head_norms else None, self.k_norm if head_norms else None, eps)  # [T, H, Dv]
         out = out.reshape(T, H * Dv)
         if gate is not None:
             out = B.sigmoid_mul(out, gate.reshape(T, H * Dh))

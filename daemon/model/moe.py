@@ -51,9 +51,10 @@ def route(moe: MoE, family: Family, x, backend: Backend | str, step: Step | None
 
 
 def moe_forward(moe: MoE, family: Family, experts: ExpertProvider, x, backend: Backend,
-                step: Step | None = None, trace=None, chosen: np.ndarray | None = None):
+                step: Step | None = None, trace=None, chosen: np.ndarray | None = None, then: tuple | None = None):
     """x: [T, D] (already normed) -> [T, D]. chosen: expert ids [T, A] replacing the router's
-    top-k (route). trace(layer, ids [T, A]) observes the routing."""
+    top-k (route). trace(layer, ids [T, A]) observes the routing. then (residual [T, D], norm
+    weight [D], eps): -> (residual + the output, that normed), the layer's end (Backend.moe_mix)."""
     ids, weights = route(moe, family, x, backend, step, chosen)
     layout = experts.layout(moe.layer)
     xa = backend.prepare(x)  # converted once per weight type, shared by gate and up (and waves)
@@ -66,7 +67,7 @@ def moe_forward(moe: MoE, family: Family, experts: ExpertProvider, x, backend: B
             y = _apply_experts(family, backend, layout, batch, plan if shared is None else shared[0], xa)  # [P, D]
             if shared is not None:
                 shared[1](y)  # the CPU's pairs' outputs into y
-        return _mix(moe, backend, y, plan, weights, x, step)
+        return _mix(moe, backend, y, plan, weights, x, step, then)
     ids = backend.routed_ids(ids)  # [T, A] on the host
     if trace is not None:
         trace(moe.layer, ids)
@@ -83,15 +84,14 @@ def moe_forward(moe: MoE, family: Family, experts: ExpertProvider, x, backend: B
                 part_plans.append(backend.expert_plan(ids, batch.rows, layout, step, only=np.array(wave)))
                 parts.append(_apply_experts(family, backend, layout, batch, part_plans[-1], xa))
         y = backend.join_parts(parts, part_plans)
-    return _mix(moe, backend, y, plan, weights, x, step)
+    return _mix(moe, backend, y, plan, weights, x, step, then)
 
 
-def _mix(moe: MoE, backend: Backend, y, plan, weights, x, step):
-    """The experts' outputs y [P, D] weighed and summed per row, plus the shared expert -> [T, D]."""
-    out = backend.moe_mix(y, plan, weights)
-    if moe.shared is not None:
-        out = backend.add(out, shared_expert(moe.shared, x, backend, step))
-    return out
+def _mix(moe: MoE, backend: Backend, y, plan, weights, x, step, then):
+    """The experts' outputs y [P, D] weighed and summed per row, plus the shared expert -> [T, D]
+    (then: the residual add and the next norm too)."""
+    shared = None if moe.shared is None else shared_expert(moe.shared, x, backend, step)
+    return backend.moe_mix(y, plan, weights, shared, then)
 
 
 def _apply_experts(family: Family, backend: Backend, layout, batch, plan, xa):

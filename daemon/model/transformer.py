@@ -302,18 +302,20 @@ class Transformer:
                 else:
                     x, h = B.add_rms_norm(x, a, layer.ffn_norm, eps)
                 continue
+            # the FFN, the residual add and the next stage's input norm (the output norm before the head)
+            nxt = self.plan.next_layer(stage)
+            next_norm = self.layers[nxt].attn_norm if nxt >= 0 else self.output_norm
             if isinstance(layer.ffn, MoE):
                 chosen = None
                 if routes is not None:  # the last layer of a prefill has fewer rows: gathered again
                     if step.T != routes.shape[1]:
                         routes = B.replay_routes(replay.table, step)
                     chosen = routes[self.moe_layers.index(il)]
-                f = moe_forward(layer.ffn, self.family, self.experts, h, B, step, self.trace, chosen)
+                x, h = moe_forward(layer.ffn, self.family, self.experts, h, B, step, self.trace, chosen,
+                                   then=(x, next_norm, eps))
             else:
                 d = layer.ffn
                 obs = self.ffn_observer
                 f = dense_ffn(d.gate, d.up, d.down, h, B, step,
                               observe=None if obs is None else (lambda a, b, il=il: obs(il, a, b)))
-            # the residual add and the next stage's input norm (the output norm before the head)
-            nxt = self.plan.next_layer(stage)
-            x, h = B.add_rms_norm(x, f, self.layers[nxt].attn_norm if nxt >= 0 else self.output_norm, eps)
+                x, h = B.add_rms_norm(x, f, next_norm, eps)

@@ -68,3 +68,31 @@ def test_sliding_window_hides_old_cells(backend):
         step = Step.append([np.zeros(4, np.int64)], [cache], True)
         outs.append(backend.to_host(backend.attention(0, q, k0, v, step, 0.3, 2, None))[3])
     assert np.array_equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("normed", [False, True], ids=["rope", "norm+rope"])
+def test_attention_with_rope_is_rope_qk_then_attention(backend, normed):
+    """attention(..., rope) norms and rotates q and k itself (on a GPU in the launch that stores
+    the cache): the bits of rope_qk and then attention, for a prefill and for the decode step
+    after it, which reads the cells the first step stored."""
+    from daemon.model.hparams import Rope
+
+    rope = Rope(n_dims=8, freq_base=10000.0, neox=True)  # partial rotary: dims 8.. pass through
+    hp = R.small_hparams(n_layer=1, n_head=4, n_head_kv=2, head_dim=16, head_dim_v=16)
+    rng = np.random.default_rng(12)
+    qn, kn = (rng.uniform(0.5, 1.5, 16).astype(np.float32) if normed else None for _ in range(2))
+    caches = [backend.new_cache(hp, 16) for _ in range(2)]  # [unfused, fused]
+    for n in (5, 1):
+        q, k, v = _rows(rng, n, 4, 2, 16, 16)
+        outs = []
+        for fused, cache in enumerate(caches):
+            cache.reserve(cache.n_past + n)
+            step = Step.append([np.zeros(n, np.int64)], [cache], True)
+            if fused:
+                out = backend.attention(0, q.copy(), k.copy(), v, step, 0.25, 0, None, rope, qn, kn, 1e-6)
+            else:
+                rq, rk = backend.rope_qk(q.copy(), k.copy(), step, rope, qn, kn, 1e-6)
+                out = backend.attention(0, rq, rk, v, step, 0.25, 0, None)
+            outs.append(backend.to_host(out))
+            cache.n_past += n
+        assert np.array_equal(outs[1], outs[0]) and np.isfinite(outs[0]).all()

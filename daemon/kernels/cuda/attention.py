@@ -78,23 +78,28 @@ def _sees(p, lo, j0):
     return j0 <= p and j0 + CHUNK > lo
 
 
-def _make_partial(G: int, HB: int, RT: int, DH: int):
+def _make_partial(G: int, HB: int, RT: int, DH: int, FUSE: bool):
     """The chunk kernel for G query heads per KV head, HB of them per block (HB divides G), tiles
     of RT query rows of one slot and head size DH, compiled with all as constants: the NP = HB*RT
     accumulators and a cell's DH keys stay in registers, and the loads are unrolled so they are in
     flight together. Each pair's arithmetic does not depend on HB or RT (sums over d and over
-    cells in ascending order), so a row's result is the same however the call groups it."""
+    cells in ascending order), so a row's result is the same however the call groups it.
+    FUSE: the last block of each (tile, head group) to finish combines its pairs' chunks (the
+    combine kernel's arithmetic, `_combine_one`), so a call is one launch."""
     NP = HB * RT
     NP2 = 2 * NP  # value sums a thread holds: two dims of each pair
     KW = DH // 2  # uint32 words of one cell's keys (two halves each)
 
     @cuda.jit
-    def partial(q, k_cache, v_cache, slots, positions, scale, window, part_m, part_l, part_o):
+    def partial(q, k_cache, v_cache, slots, positions, scale, window, part_m, part_l, part_o, sinks, has_sinks,
+                out, done):
         """One chunk of a tile of rows against HB heads of one KV head. Grid (NCH, H/HB,
         ceil(R/RT)), CHUNK threads. q: f32 [R, H, DH]; caches as the module doc; slots, positions:
         int32 [R] (the rows of a tile share slots[first row]); part_m, part_l: f32 [R, H, NCH]
         (chunk max score, sum of exps); part_o: f32 [R, H, NCH, Dv]. Pair i of the tile is row
-        i // HB, head h0 + i % HB, h0 = blockIdx.y * HB."""
+        i // HB, head h0 + i % HB, h0 = blockIdx.y * HB. With FUSE: sinks f32 [H] (read when
+        has_sinks), out f32 [R, H, Dv], done int32 [>= grid y * z] ticket counters, zero between
+        launches (the last block of a (tile, group) sets its own back)."""
         c = cuda.blockIdx.x
         h0 = cuda.blockIdx.y * HB
         kh = h0 // G
@@ -119,129 +124,145 @@ def _make_partial(G: int, HB: int, RT: int, DH: int):
             if _sees(p, lo, j0):
                 a = min(a, max(lo, j0) - j0)
                 b = max(b, min(p, j0 + CHUNK - 1) - j0)
-        if b < 0:  # the whole block: no visible cell in this chunk
-            return
-        slot = slots[r0]
-        j = j0 + tid
-        # this thread's cell's keys, loaded together before any use (16 bytes a load)
-        kw = cuda.local.array(KW, np.uint32)
-        if tid >= a and tid <= b:
-            jb = j // KV_BLOCK
-            base = (((jb * NS + slot) * Hkv + kh) * KV_BLOCK + j - jb * KV_BLOCK) * (2 * DH)
-            for w in range(0, KW, 4):
-                w0, w1, w2, w3 = ldg_v4(k_cache, base + 4 * w)
-                kw[w] = w0
-                kw[w + 1] = w1
-                kw[w + 2] = w2
-                kw[w + 3] = w3
-        q_sh = cuda.shared.array(MAX_QD, np.float32)  # [NP, DH] scaled queries, then reductions
-        s_sh = cuda.shared.array(_SCORES, np.float32)  # [NP, CHUNK] scores, then exps
-        for e in range(tid, NP * DH, CHUNK):
-            i = e // DH
-            row = i // HB
-            x = np.float32(0.0)
-            if r0 + row < R:
-                x = q[r0 + row, h0 + i - row * HB, e - i * DH] * scale
-            q_sh[e] = x
-        cuda.syncthreads()
-        acc = cuda.local.array(NP, np.float32)
-        for i in range(NP):
-            acc[i] = np.float32(0.0)
-        if tid >= a and tid <= b:
-            for w in range(KW):
-                lo_k = f16_to_f32(kw[w] & 0xFFFF)
-                hi_k = f16_to_f32(kw[w] >> 16)
-                for i in range(NP):
-                    acc[i] += q_sh[i * DH + 2 * w] * lo_k
-                    acc[i] += q_sh[i * DH + 2 * w + 1] * hi_k
-        for i in range(NP):
-            row = i // HB
-            s_sh[i * CHUNK + tid] = acc[i] if j >= los[row] and j <= pos[row] else _NEG_INF
-        # each pair's max, then its sum of exps: warp butterflies, then the warps in ascending order
-        warp = tid // 32
-        lane = tid - warp * 32
-        w_sh = cuda.shared.array(_WARP_PARTS, np.float32)  # [warps, NP]
-        for i in range(NP):
-            v = warp_max(s_sh[i * CHUNK + tid], 32)
-            if lane == 0:
-                w_sh[warp * NP + i] = v
-        cuda.syncthreads()
-        m_own = _NEG_INF  # thread i < NP: pair i's max
-        if tid < NP:
-            m_own = w_sh[tid]
-            for w in range(1, CHUNK // 32):
-                m_own = max(m_own, w_sh[w * NP + tid])
-        for i in range(NP):
-            m = w_sh[i]
-            for w in range(1, CHUNK // 32):
-                m = max(m, w_sh[w * NP + i])
-            row = i // HB
-            e = np.float32(0.0)
-            if j >= los[row] and j <= pos[row]:
-                e = math.exp(s_sh[i * CHUNK + tid] - m)
-            s_sh[i * CHUNK + tid] = e
-        cuda.syncthreads()  # every max read: w_sh takes the sums
-        if tid < NP and _sees(pos[tid // HB], los[tid // HB], j0):
-            part_m[r0 + tid // HB, h0 + tid % HB, c] = m_own
-        for i in range(NP):
-            v = warp_sum(s_sh[i * CHUNK + tid], 32)
-            if lane == 0:
-                w_sh[warp * NP + i] = v
-        cuda.syncthreads()
-        if tid < NP and _sees(pos[tid // HB], los[tid // HB], j0):
-            total = w_sh[tid]
-            for w in range(1, CHUNK // 32):
-                total += w_sh[w * NP + tid]
-            part_l[r0 + tid // HB, h0 + tid % HB, c] = total
-        # values: a thread owns a pair of dims (one 32-bit load a cell) in a group of cells; the
-        # groups' sums (each over its cells in ascending order) are added in group order
-        v_block = NS * Hkv * KV_BLOCK * Dv  # values a block holds
-        v_head = (slot * Hkv + kh) * KV_BLOCK * Dv  # where this head's cells start within a block
-        n_dp = Dv // 2
-        grp = tid // n_dp
-        dp = tid - grp * n_dp
-        n_grp = CHUNK // n_dp
-        per_grp = (CHUNK + n_grp - 1) // n_grp
-        o = cuda.local.array(NP2, np.float32)
-        for i in range(NP2):
-            o[i] = np.float32(0.0)
-        g0 = max(a, grp * per_grp)
-        g1 = min(b, grp * per_grp + per_grp - 1)
-        if grp >= n_grp:
-            g1 = -1
-        words = cuda.local.array(_V_UNROLL, np.uint32)
-        jj = g0
-        while jj <= g1:
-            for u in range(_V_UNROLL):  # loads in flight together
-                if jj + u <= g1:
-                    jc = j0 + jj + u
-                    jb = jc // KV_BLOCK
-                    words[u] = ldg_u32(v_cache, 2 * (jb * v_block + v_head + (jc - jb * KV_BLOCK) * Dv + 2 * dp))
-            for u in range(_V_UNROLL):
-                if jj + u <= g1:
-                    lo_v = f16_to_f32(words[u] & 0xFFFF)
-                    hi_v = f16_to_f32(words[u] >> 16)
-                    for i in range(NP):
-                        pw = s_sh[i * CHUNK + jj + u]
-                        o[2 * i] += pw * lo_v
-                        o[2 * i + 1] += pw * hi_v
-            jj += _V_UNROLL
-        o_sh = q_sh  # [NP, Dv]; the queries are no longer read
-        for g in range(n_grp):
-            if grp == g:
-                for i in range(NP):
-                    at = i * Dv + 2 * dp
-                    if g == 0:
-                        o_sh[at] = o[2 * i]
-                        o_sh[at + 1] = o[2 * i + 1]
-                    else:
-                        o_sh[at] += o[2 * i]
-                        o_sh[at + 1] += o[2 * i + 1]
+        if b >= 0:  # else no visible cell in this chunk: the block only takes its ticket
+            slot = slots[r0]
+            j = j0 + tid
+            # this thread's cell's keys, loaded together before any use (16 bytes a load)
+            kw = cuda.local.array(KW, np.uint32)
+            if tid >= a and tid <= b:
+                jb = j // KV_BLOCK
+                base = (((jb * NS + slot) * Hkv + kh) * KV_BLOCK + j - jb * KV_BLOCK) * (2 * DH)
+                for w in range(0, KW, 4):
+                    w0, w1, w2, w3 = ldg_v4(k_cache, base + 4 * w)
+                    kw[w] = w0
+                    kw[w + 1] = w1
+                    kw[w + 2] = w2
+                    kw[w + 3] = w3
+            q_sh = cuda.shared.array(MAX_QD, np.float32)  # [NP, DH] scaled queries, then reductions
+            s_sh = cuda.shared.array(_SCORES, np.float32)  # [NP, CHUNK] scores, then exps
+            for e in range(tid, NP * DH, CHUNK):
+                i = e // DH
+                row = i // HB
+                x = np.float32(0.0)
+                if r0 + row < R:
+                    x = q[r0 + row, h0 + i - row * HB, e - i * DH] * scale
+                q_sh[e] = x
             cuda.syncthreads()
-        for e in range(tid, NP * Dv, CHUNK):
-            i = e // Dv
-            if _sees(pos[i // HB], los[i // HB], j0):
-                part_o[r0 + i // HB, h0 + i % HB, c, e - i * Dv] = o_sh[e]
+            acc = cuda.local.array(NP, np.float32)
+            for i in range(NP):
+                acc[i] = np.float32(0.0)
+            if tid >= a and tid <= b:
+                for w in range(KW):
+                    lo_k = f16_to_f32(kw[w] & 0xFFFF)
+                    hi_k = f16_to_f32(kw[w] >> 16)
+                    for i in range(NP):
+                        acc[i] += q_sh[i * DH + 2 * w] * lo_k
+                        acc[i] += q_sh[i * DH + 2 * w + 1] * hi_k
+            for i in range(NP):
+                row = i // HB
+                s_sh[i * CHUNK + tid] = acc[i] if j >= los[row] and j <= pos[row] else _NEG_INF
+            # each pair's max, then its sum of exps: warp butterflies, then the warps in ascending order
+            warp = tid // 32
+            lane = tid - warp * 32
+            w_sh = cuda.shared.array(_WARP_PARTS, np.float32)  # [warps, NP]
+            for i in range(NP):
+                v = warp_max(s_sh[i * CHUNK + tid], 32)
+                if lane == 0:
+                    w_sh[warp * NP + i] = v
+            cuda.syncthreads()
+            m_own = _NEG_INF  # thread i < NP: pair i's max
+            if tid < NP:
+                m_own = w_sh[tid]
+                for w in range(1, CHUNK // 32):
+                    m_own = max(m_own, w_sh[w * NP + tid])
+            for i in range(NP):
+                m = w_sh[i]
+                for w in range(1, CHUNK // 32):
+                    m = max(m, w_sh[w * NP + i])
+                row = i // HB
+                e = np.float32(0.0)
+                if j >= los[row] and j <= pos[row]:
+                    e = math.exp(s_sh[i * CHUNK + tid] - m)
+                s_sh[i * CHUNK + tid] = e
+            cuda.syncthreads()  # every max read: w_sh takes the sums
+            if tid < NP and _sees(pos[tid // HB], los[tid // HB], j0):
+                part_m[r0 + tid // HB, h0 + tid % HB, c] = m_own
+            for i in range(NP):
+                v = warp_sum(s_sh[i * CHUNK + tid], 32)
+                if lane == 0:
+                    w_sh[warp * NP + i] = v
+            cuda.syncthreads()
+            if tid < NP and _sees(pos[tid // HB], los[tid // HB], j0):
+                total = w_sh[tid]
+                for w in range(1, CHUNK // 32):
+                    total += w_sh[w * NP + tid]
+                part_l[r0 + tid // HB, h0 + tid % HB, c] = total
+            # values: a thread owns a pair of dims (one 32-bit load a cell) in a group of cells; the
+            # groups' sums (each over its cells in ascending order) are added in group order
+            v_block = NS * Hkv * KV_BLOCK * Dv  # values a block holds
+            v_head = (slot * Hkv + kh) * KV_BLOCK * Dv  # where this head's cells start within a block
+            n_dp = Dv // 2
+            grp = tid // n_dp
+            dp = tid - grp * n_dp
+            n_grp = CHUNK // n_dp
+            per_grp = (CHUNK + n_grp - 1) // n_grp
+            o = cuda.local.array(NP2, np.float32)
+            for i in range(NP2):
+                o[i] = np.float32(0.0)
+            g0 = max(a, grp * per_grp)
+            g1 = min(b, grp * per_grp + per_grp - 1)
+            if grp >= n_grp:
+                g1 = -1
+            words = cuda.local.array(_V_UNROLL, np.uint32)
+            jj = g0
+            while jj <= g1:
+                for u in range(_V_UNROLL):  # loads in flight together
+                    if jj + u <= g1:
+                        jc = j0 + jj + u
+                        jb = jc // KV_BLOCK
+                        words[u] = ldg_u32(v_cache, 2 * (jb * v_block + v_head + (jc - jb * KV_BLOCK) * Dv + 2 * dp))
+                for u in range(_V_UNROLL):
+                    if jj + u <= g1:
+                        lo_v = f16_to_f32(words[u] & 0xFFFF)
+                        hi_v = f16_to_f32(words[u] >> 16)
+                        for i in range(NP):
+                            pw = s_sh[i * CHUNK + jj + u]
+                            o[2 * i] += pw * lo_v
+                            o[2 * i + 1] += pw * hi_v
+                jj += _V_UNROLL
+            o_sh = q_sh  # [NP, Dv]; the queries are no longer read
+            for g in range(n_grp):
+                if grp == g:
+                    for i in range(NP):
+                        at = i * Dv + 2 * dp
+                        if g == 0:
+                            o_sh[at] = o[2 * i]
+                            o_sh[at + 1] = o[2 * i + 1]
+                        else:
+                            o_sh[at] += o[2 * i]
+                            o_sh[at + 1] += o[2 * i + 1]
+                cuda.syncthreads()
+            for e in range(tid, NP * Dv, CHUNK):
+                i = e // Dv
+                if _sees(pos[i // HB], los[i // HB], j0):
+                    part_o[r0 + i // HB, h0 + i % HB, c, e - i * Dv] = o_sh[e]
+        if FUSE:
+            cuda.threadfence()  # the parts are visible to the last block before its ticket is taken
+            last = cuda.shared.array(1, np.int32)
+            cuda.syncthreads()
+            at = cuda.blockIdx.z * cuda.gridDim.y + cuda.blockIdx.y
+            if tid == 0:
+                last[0] = cuda.atomic.add(done, at, 1) == cuda.gridDim.x - 1
+            cuda.syncthreads()
+            if last[0] != 0:
+                for e in range(tid, NP * Dv, CHUNK):
+                    i = e // Dv
+                    row = i // HB
+                    if r0 + row < R:
+                        _combine_one(part_m, part_l, part_o, r0 + row, h0 + i - row * HB, e - i * Dv, pos[row],
+                                     window, sinks, has_sinks, out)
+                if tid == 0:
+                    done[at] = 0
 
     return partial
 
@@ -249,19 +270,17 @@ def _make_partial(G: int, HB: int, RT: int, DH: int):
 _PARTIAL = {}
 
 
-def _partial_kernel(G: int, HB: int, RT: int, DH: int):
-    kern = _PARTIAL.get((G, HB, RT, DH))
+def _partial_kernel(G: int, HB: int, RT: int, DH: int, fuse: bool):
+    key = (G, HB, RT, DH, fuse)
+    kern = _PARTIAL.get(key)
     if kern is None:
-        kern = _PARTIAL[(G, HB, RT, DH)] = _make_partial(G, HB, RT, DH)
+        kern = _PARTIAL[key] = _make_partial(*key)
     return kern
 
 
-@cuda.jit
-def _attn_combine(part_m, part_l, part_o, positions, window, sinks, has_sinks, out):
-    """The row's chunks in ascending order -> out f32 [R, H, Dv]. Grid (H, R)."""
-    h = cuda.blockIdx.x
-    r = cuda.blockIdx.y
-    p = positions[r]
+@cuda.jit(device=True, inline=True)
+def _combine_one(part_m, part_l, part_o, r, h, d, p, window, sinks, has_sinks, out):
+    """out[r, h, d] from the chunks of row r (at position p) in ascending order."""
     c0 = _visible(p, window) // CHUNK
     c1 = p // CHUNK
     m = _NEG_INF
@@ -275,11 +294,19 @@ def _attn_combine(part_m, part_l, part_o, positions, window, sinks, has_sinks, o
     if has_sinks:
         total += math.exp(sinks[h] - m)
     inv = np.float32(1.0) / total
+    acc = np.float32(0.0)
+    for c in range(c0, c1 + 1):
+        acc += part_o[r, h, c, d] * math.exp(part_m[r, h, c] - m)
+    out[r, h, d] = acc * inv
+
+
+@cuda.jit
+def _attn_combine(part_m, part_l, part_o, positions, window, sinks, has_sinks, out):
+    """The row's chunks in ascending order -> out f32 [R, H, Dv]. Grid (H, R)."""
+    h = cuda.blockIdx.x
+    r = cuda.blockIdx.y
     for d in range(cuda.threadIdx.x, out.shape[2], cuda.blockDim.x):
-        acc = np.float32(0.0)
-        for c in range(c0, c1 + 1):
-            acc += part_o[r, h, c, d] * math.exp(part_m[r, h, c] - m)
-        out[r, h, d] = acc * inv
+        _combine_one(part_m, part_l, part_o, r, h, d, positions[r], window, sinks, has_sinks, out)
 
 
 @cuda.jit
@@ -317,16 +344,27 @@ def new_kv_cache(n_slots: int, n_head_kv: int, n_cells: int, head_dim: int, head
 
 class AttentionWork:
     """Scratch of the chunk partials for calls of up to max_rows rows of H heads over up to
-    max_cells cells: part_m, part_l f32 [rows, H, NCH], part_o f32 [rows, H, NCH, Dv].
-    Shared by every layer (the calls run in stream order)."""
+    max_cells cells: part_m, part_l f32 [rows, H, NCH], part_o f32 [rows, H, NCH, Dv]; done int32
+    [rows * H], the fused launch's ticket counters (zero between launches). Shared by every layer
+    (the calls run in stream order)."""
 
-    def __init__(self, max_rows: int, n_head: int, max_cells: int, head_dim_v: int):
+    def __init__(self, max_rows: int, n_head: int, max_cells: int, head_dim_v: int, stream=0):
         self.max_rows = max_rows
         self.max_chunks = -(-max_cells // CHUNK)
         shape = (max_rows, n_head, self.max_chunks)
         self.part_m = cuda.device_array(shape, np.float32)
         self.part_l = cuda.device_array(shape, np.float32)
         self.part_o = cuda.device_array(shape + (head_dim_v,), np.float32)
+        self.done = cuda.device_array(max(1, max_rows * n_head), np.int32)
+        # zeroed by a kernel on the stream: valid while a graph is captured too (then replayed: a no-op)
+        launch(_zero_i32, -(-self.done.size // 128), 128, stream, self.done)
+
+
+@cuda.jit
+def _zero_i32(a):
+    i = cuda.grid(1)
+    if i < a.size:
+        a[i] = 0
 
 
 def kv_append(k_new, v_new, slots, positions, k_cache, v_cache, stream=0) -> None:
@@ -345,7 +383,8 @@ def kv_append(k_new, v_new, slots, positions, k_cache, v_cache, stream=0) -> Non
 
 
 def attention(q, k_cache, v_cache, slots, positions, scale: float, window: int, sinks, out, work: AttentionWork,
-              max_cells: int, one_slot: bool = False, tile_rows: int | None = None, stream=0) -> None:
+              max_cells: int, one_slot: bool = False, tile_rows: int | None = None, fused: bool = True,
+              stream=0) -> None:
     """Causal attention of R query rows against their slots' cells (see the module doc).
 
     q: device f32 [R, H, Dh]; slots, positions: device int32 [R]; sinks: device f32 [H] or None;
@@ -356,7 +395,10 @@ def attention(q, k_cache, v_cache, slots, positions, scale: float, window: int, 
     one_slot: every row belongs to slots[0] (a prefill of one sequence): blocks then take tiles of
     rows (tile_rows, default as many as fit MAX_PAIRS and MAX_QD) and read each key and value once
     per tile. Each row's arithmetic is the same as in a one-row tile, so its result does not depend
-    on the tiling."""
+    on the tiling.
+
+    fused: one launch (the last chunk block of a tile's heads combines them); False: the chunk
+    kernel, then a combine kernel (the same arithmetic, so the same bits: the tests' reference)."""
     R, H, Dh = q.shape
     Hkv = k_cache.shape[2]
     Dv = v_cache.shape[4]
@@ -384,12 +426,14 @@ def attention(q, k_cache, v_cache, slots, positions, scale: float, window: int, 
     hb = G  # heads per block: fewer while the grid is small (a decode step), so more SMs work
     while hb % 2 == 0 and nch * (H // hb) * tiles < _FEW_BLOCKS:
         hb //= 2
-    launch(_partial_kernel(G, hb, rt, Dh), (nch, H // hb, tiles), CHUNK, stream,
+    sinks_arg = sinks if has_sinks else placeholder(np.float32)
+    launch(_partial_kernel(G, hb, rt, Dh, fused), (nch, H // hb, tiles), CHUNK, stream,
         q, k_cache, v_cache, slots, positions, np.float32(scale), np.int32(window), work.part_m, work.part_l,
-        work.part_o)
+        work.part_o, sinks_arg, has_sinks, out, work.done)
+    if fused:
+        return
     threads = 32
     while threads < min(Dv, 128):
         threads *= 2
     launch(_attn_combine, (H, R), threads, stream, work.part_m, work.part_l, work.part_o, positions, np.int32(window),
-                                       sinks if has_sinks else placeholder(np.float32),
-                                       has_sinks, out)
+           sinks_arg, has_sinks, out)

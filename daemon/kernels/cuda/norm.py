@@ -1,4 +1,5 @@
-"""RMSNorm on the device, over rows or per head, optionally fused with the residual add.
+"""RMSNorm on the device, over rows or per head, optionally fused with the residual add (and, at a
+MoE block's end, with the mix of the experts' outputs before it).
 
 Legend: R = rows normalised (tokens, or tokens x heads for the per-head q/k norm), N = values per
 row (D, or Dh per head), T = tokens, H = heads, D = hidden size.
@@ -102,6 +103,38 @@ def _add_rms_norm(x, delta, bias, has_bias, w, eps, x_out, out):
     _normalise_held(xs, w, eps, out[r], buf)
 
 
+@cuda.jit
+def _mix_add_rms_norm(y, weights, shared, has_shared, x, w, eps, x_out, out):
+    """The MoE mix, the residual add and the next norm of row r: delta = glu.moe_mix's sum over
+    the row's pairs (+ shared), x_out = x + delta, out = rms_norm(x_out) * w, each in the order of
+    the separate kernels. y: f32 [T*A, D] (pair t*A + a); weights: f32 [T, A]; shared, x, x_out,
+    out: f32 [T, D]; w: [D]."""
+    buf = cuda.shared.array(32, np.float32)
+    r = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    N = x.shape[1]
+    A = weights.shape[1]
+    xs = cuda.local.array(_HELD, np.float32)
+    for u in range(_HELD):
+        i = tid + u * nt
+        v = np.float32(0.0)
+        if i < N:
+            d = np.float32(0.0)
+            for a in range(A):
+                term = y[r * A + a, i] * weights[r, a]
+                d = term if a == 0 else d + term
+            if has_shared:
+                d = d + shared[r, i]
+            v = x[r, i] + d
+        xs[u] = v
+    for u in range(_HELD):
+        i = tid + u * nt
+        if i < N:
+            x_out[r, i] = xs[u]
+    _normalise_held(xs, w, eps, out[r], buf)
+
+
 def _threads(n: int) -> int:
     """A power of two in 32..1024 holding n values at _HELD per thread."""
     t = 32
@@ -141,3 +174,19 @@ def add_rms_norm(x, delta, weight, eps: float, out, bias=None, x_out=None, strea
     if T:
         launch(_add_rms_norm, T, _threads(D), stream, x, delta, weight if bias is None else bias, bias is not None,
                                                weight, np.float32(eps), x_out, out)
+
+
+def mix_add_rms_norm(y, weights, x, weight, eps: float, out, x_out, shared=None, stream=0) -> None:
+    """The MoE block's end in one launch: delta = glu.moe_mix(y, weights) (+ shared), then
+    add_rms_norm(x, delta, weight): x_out = x + delta, out = rms_norm(x_out) * weight; the same
+    bits as those kernels one after another.
+
+    y: device f32 [T*A, D] (pair t*A + a: row t's a-th expert in top-k order); weights: f32 [T, A];
+    x, out, x_out, shared: f32 [T, D] (shared: the shared expert's output, or None); weight: [D]."""
+    T, D = x.shape
+    if (weights.shape[0] != T or y.shape != (T * weights.shape[1], D) or out.shape != x.shape
+            or x_out.shape != x.shape or weight.shape != (D,) or (shared is not None and shared.shape != x.shape)):
+        raise ValueError(f"mix_add_rms_norm: y {y.shape}, weights {weights.shape}, x {x.shape}, out {out.shape}")
+    if T:
+        launch(_mix_add_rms_norm, T, _threads(D), stream, y, weights, x if shared is None else shared,
+               shared is not None, x, weight, np.float32(eps), x_out, out)

@@ -22,6 +22,7 @@ import math
 import numpy as np
 from numba import cuda
 
+from .attention import KV_BLOCK
 from .device import block_sum, placeholder
 from .launch import launch
 
@@ -92,10 +93,13 @@ def _apply_rope_qk(q, k, cache, neox):
 
 
 @cuda.jit
-def _norm_rope_qk(q, k, wq, wk, has_norm, eps, cache, neox):
+def _norm_rope_qk(q, k, wq, wk, has_norm, eps, cache, neox, v, slots, positions, k_cache, v_cache, append):
     """In place: each head of q [T, H, Dh] and k [T, Hkv, Dh] RMS-normed with wq / wk [Dh] (when
     has_norm), then rotated by cache [T, P, 2]. Grid (H + Hkv, T); a head's values go through
-    shared memory, so the norm and the rotation need one read and one write of them."""
+    shared memory, so the norm and the rotation need one read and one write of them. With append,
+    a k head's block also stores its rotated keys, as f16, and the head's values v [T, Hkv, Dv]
+    in cell positions[t] of slot slots[t] of k_cache / v_cache (attention.kv_append's layout and
+    conversion, from the same float32 values)."""
     h = cuda.blockIdx.x
     t = cuda.blockIdx.y
     tid = cuda.threadIdx.x
@@ -109,35 +113,62 @@ def _norm_rope_qk(q, k, wq, wk, has_norm, eps, cache, neox):
     red = cuda.shared.array(32, np.float32)
     acc = np.float32(0.0)
     for i in range(tid, Dh, nt):
-        v = x[i]
-        vals[i] = v
-        acc += v * v
+        v0 = x[i]
+        vals[i] = v0
+        acc += v0 * v0
     if has_norm:
         total = block_sum(acc, red, tid, nt)
         scale = np.float32(1.0) / math.sqrt(total / np.float32(Dh) + eps)
         for i in range(tid, Dh, nt):
             vals[i] = (vals[i] * scale) * w[i]
     cuda.syncthreads()
+    store = append and h >= H
+    slot = 0
+    b = 0
+    cell = 0
+    if store:
+        slot = slots[t]
+        b = positions[t] // KV_BLOCK
+        cell = positions[t] - b * KV_BLOCK
     for i in range(2 * P + tid, Dh, nt):  # past n_dims: not rotated
         x[i] = vals[i]
+        if store:
+            k_cache[b, slot, h - H, cell, i] = np.float16(vals[i])
     for i in range(tid, P, nt):
-        a, b = _pair(i, P, neox)
+        a, b2 = _pair(i, P, neox)
         c = cache[t, i, 0]
         sn = cache[t, i, 1]
         x0 = vals[a]
-        x1 = vals[b]
-        x[a] = x0 * c - x1 * sn
-        x[b] = x0 * sn + x1 * c
+        x1 = vals[b2]
+        y0 = x0 * c - x1 * sn
+        y1 = x0 * sn + x1 * c
+        x[a] = y0
+        x[b2] = y1
+        if store:
+            k_cache[b, slot, h - H, cell, a] = np.float16(y0)
+            k_cache[b, slot, h - H, cell, b2] = np.float16(y1)
+    if store:
+        for i in range(tid, v.shape[2], nt):
+            v_cache[b, slot, h - H, cell, i] = np.float16(v[t, h - H, i])
 
 
-def norm_rope_qk(q, k, cache, neox: bool, q_norm=None, k_norm=None, eps: float = 0.0, stream=0) -> None:
+def norm_rope_qk(q, k, cache, neox: bool, q_norm=None, k_norm=None, eps: float = 0.0, append=None, stream=0) -> None:
     """q [T, H, Dh] and k [T, Hkv, Dh] (device f32, in place): each head RMS-normed with q_norm /
-    k_norm [Dh] (both or neither), then rotated by the table of rope_cache, in one launch."""
+    k_norm [Dh] (both or neither), then rotated by the table of rope_cache, in one launch.
+
+    append: (v [T, Hkv, Dv], slots, positions int32 [T], k_cache, v_cache) to also store the
+    rotated k and v in the cache as attention.kv_append does (the same bits), or None."""
     T, H, Dh = q.shape
     P = cache.shape[1]
     if (k.shape[0] != T or k.shape[2] != Dh or cache.shape[0] != T or 2 * P > Dh or Dh > MAX_HEAD
             or (q_norm is None) != (k_norm is None)):
         raise ValueError(f"norm_rope_qk: q {q.shape}, k {k.shape}, cache {cache.shape}")
+    if append is not None:
+        v, slots, positions, k_cache, v_cache = append
+        Hkv, Dv = k.shape[1], v.shape[2]
+        if (v.shape[:2] != (T, Hkv) or k_cache.shape[2:] != (Hkv, KV_BLOCK, Dh)
+                or v_cache.shape[2:] != (Hkv, KV_BLOCK, Dv) or slots.shape != (T,) or positions.shape != (T,)):
+            raise ValueError(f"norm_rope_qk: v {v.shape}, caches {k_cache.shape} {v_cache.shape}")
     if T == 0:
         return
     threads = 32
@@ -145,8 +176,12 @@ def norm_rope_qk(q, k, cache, neox: bool, q_norm=None, k_norm=None, eps: float =
         threads *= 2
     has_norm = q_norm is not None
     w = placeholder(np.float32)
-    launch(_norm_rope_qk, (H + k.shape[1], T), threads, stream, q, k, q_norm if has_norm else w, k_norm if has_norm else w,
-                                                         has_norm, np.float32(eps), cache, bool(neox))
+    if append is None:
+        i32, h16 = placeholder(np.int32), placeholder(np.float16, 5)
+        v, slots, positions, k_cache, v_cache = placeholder(np.float32, 3), i32, i32, h16, h16
+    launch(_norm_rope_qk, (H + k.shape[1], T), threads, stream, q, k, q_norm if has_norm else w,
+           k_norm if has_norm else w, has_norm, np.float32(eps), cache, bool(neox), v, slots, positions, k_cache,
+           v_cache, append is not None)
 
 
 def rope_mscale(freq_scale: float, ext_factor: float, attn_factor: float) -> np.float32:

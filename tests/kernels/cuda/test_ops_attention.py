@@ -151,3 +151,32 @@ def test_heads_per_block_do_not_change_the_bits(tiled, monkeypatch):
     assert np.array_equal(outs[0], outs[1])
     np.testing.assert_allclose(outs[0], _ref(q.copy_to_host(), kc, vc, slots, positions, 0.5, 0, sinks.copy_to_host()),
                                rtol=0, atol=2e-5)
+
+
+FUSED = [  # decode rows (sinks, a window across a chunk edge), then a prefill's tiles (one with a padding row)
+    dict(slots=[2, 0], positions=[5, CHUNK + 3], window=CHUNK - 2, one_slot=False),
+    dict(slots=[1, 1, 1], positions=[CHUNK - 2, CHUNK - 1, CHUNK], window=0, one_slot=True),
+]
+
+
+@pytest.mark.parametrize("case", FUSED, ids=["decode", "prefill-tiles"])
+def test_fused_combine_gives_the_two_launch_bits(case):
+    """The chunk kernel's last block combining the chunks is the combine kernel's arithmetic: the
+    same bits (and its ticket counters are back at zero after the launch)."""
+    rng = np.random.default_rng(21)
+    slots, positions = case["slots"], case["positions"]
+    kc, vc, dk, dv, ds, dp = _setup(rng, slots, positions)
+    R = len(slots)
+    q = cuda.to_device(rng.standard_normal((R, H, DH)).astype(np.float32))
+    sinks = cuda.to_device(rng.standard_normal(H).astype(np.float32))
+    work = AttentionWork(R, H, C, DV)
+    outs = []
+    for fused in (False, True):
+        out = cuda.to_device(np.full((R, H, DV), np.nan, np.float32))
+        attention(q, dk, dv, ds, dp, 0.4, case["window"], sinks, out, work, max(positions) + 1,
+                  one_slot=case["one_slot"], tile_rows=2, fused=fused)
+        outs.append(out.copy_to_host())
+        assert not work.done.copy_to_host().any()
+    assert not np.isnan(outs[0]).any() and np.array_equal(outs[1], outs[0])
+    np.testing.assert_allclose(outs[0], _ref(q.copy_to_host(), kc, vc, slots, positions, 0.4, case["window"],
+                                             sinks.copy_to_host()), rtol=0, atol=2e-5)

@@ -58,3 +58,36 @@ def test_shapes_are_checked():
         rms_norm(x, cuda.device_array(6, np.float32), EPS, x)
     with pytest.raises(ValueError):
         add_rms_norm(x, cuda.device_array((2, 4), np.float32), cuda.device_array(8, np.float32), EPS, x)
+
+
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_mix_add_rms_norm_gives_the_separate_kernels_bits(with_shared):
+    """The MoE mix, the shared expert's add, the residual add and the norm in one launch: the bits
+    of glu.moe_mix, glu.add and add_rms_norm one after another."""
+    from daemon.kernels.cuda.glu import add, moe_mix
+    from daemon.kernels.cuda.norm import mix_add_rms_norm
+
+    rng = np.random.default_rng(11)
+    T, A, D = 3, 4, 200
+    y = rng.standard_normal((T * A, D)).astype(np.float32)
+    wts = rng.uniform(0.05, 1.0, (T, A)).astype(np.float32)
+    x, shared = (rng.standard_normal((2, T, D)) * 2).astype(np.float32)
+    w = rng.uniform(0.5, 1.5, D).astype(np.float32)
+    dy, dw, dx, dn = (cuda.to_device(a) for a in (y, wts, x, w))
+    ds = cuda.to_device(shared) if with_shared else None
+    mixed = cuda.device_array((T, D), np.float32)
+    moe_mix(dy, dw, mixed)
+    if with_shared:
+        add(mixed, ds, mixed)
+    want_x = cuda.device_array((T, D), np.float32)
+    want = cuda.device_array((T, D), np.float32)
+    add_rms_norm(dx, mixed, dn, EPS, want, x_out=want_x)
+    got_x = cuda.to_device(np.full((T, D), np.nan, np.float32))
+    got = cuda.to_device(np.full((T, D), np.nan, np.float32))
+    mix_add_rms_norm(dy, dw, dx, dn, EPS, got, got_x, shared=ds)
+    assert np.array_equal(got_x.copy_to_host(), want_x.copy_to_host())
+    assert np.array_equal(got.copy_to_host(), want.copy_to_host())
+    x_new = x + (wts[:, :, None].astype(np.float64) * y.reshape(T, A, D)).sum(1) + (shared if with_shared else 0)
+    np.testing.assert_allclose(got.copy_to_host(), _ref(x_new, w), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError):
+        mix_add_rms_norm(dy, dw, dx, dn, EPS, got, cuda.device_array((T, D + 1), np.float32))

@@ -76,3 +76,34 @@ def test_shapes_are_checked():
     q = cuda.device_array((5, 2, 8), np.float32)
     with pytest.raises(ValueError):
         apply_rope_qk(q, cuda.device_array((5, 1, 6), np.float32), cuda.device_array((5, 4, 2), np.float32), True)
+
+
+@pytest.mark.parametrize("normed", [False, True])
+def test_norm_rope_qk_with_append_stores_what_kv_append_stores(normed):
+    """The rotation's launch also storing k and v in the cache: the same q, k and cache bits as
+    norm_rope_qk and then attention.kv_append (partial rotary: dims past n_dims stored as they are)."""
+    from daemon.kernels.cuda.attention import kv_append, new_kv_cache
+    from daemon.kernels.cuda.rope import norm_rope_qk
+
+    rng = np.random.default_rng(8)
+    T, H, Hkv, Dh, Dv, n_dims = 3, 4, 2, 16, 12, 12
+    slots, positions = np.array([1, 0, 1], np.int32), np.array([0, 9, 21], np.int32)
+    q, k = (rng.standard_normal((T, n, Dh)).astype(np.float32) for n in (H, Hkv))
+    v = rng.standard_normal((T, Hkv, Dv)).astype(np.float32)
+    wq, wk = (cuda.to_device(rng.uniform(0.5, 1.5, Dh).astype(np.float32)) if normed else None for _ in range(2))
+    table = cuda.device_array((T, n_dims // 2, 2), np.float32)
+    rope_cache(cuda.to_device(positions), n_dims, 10000.0, 1.0, 0.0, 1.0, (0.0, 0.0), table)
+    ds, dp, dv = cuda.to_device(slots), cuda.to_device(positions), cuda.to_device(v)
+    results = []
+    for fused in (False, True):
+        dq, dk = cuda.to_device(q), cuda.to_device(k)
+        kc, vc = new_kv_cache(2, Hkv, 32, Dh, Dv)
+        if fused:
+            norm_rope_qk(dq, dk, table, True, wq, wk, 1e-6, append=(dv, ds, dp, kc, vc))
+        else:
+            norm_rope_qk(dq, dk, table, True, wq, wk, 1e-6)
+            kv_append(dk, dv, ds, dp, kc, vc)
+        results.append([a.copy_to_host() for a in (dq, dk, kc, vc)])
+    for got, want in zip(results[1], results[0]):
+        assert np.array_equal(got, want)
+    assert results[1][2].any() and results[1][3].any()  # the cells were written
