@@ -89,6 +89,33 @@ def _make_partial(G: int, HB: int, RT: int, DH: int, FUSE: bool):
     NP = HB * RT
     NP2 = 2 * NP  # value sums a thread holds: two dims of each pair
     KW = DH // 2  # uint32 words of one cell's keys (two halves each)
+    # the keys in groups of up to 32 words, each its own register array: one array of more words
+    # is indexed in a loop the compiler does not unroll, so it lived in local memory (DH 128)
+    KG = min(KW, 32)
+    NG = KW // KG  # groups: 1, 2 or 4 (DH 256)
+    KG1, KG2 = (KG if NG > 1 else 4), (KG if NG > 2 else 4)  # sizes of groups 1 and 2-3 (4: unused)
+    if NG * KG != KW or NG > 4:
+        raise UnsupportedError(f"attention: head size {DH} (the kernel holds up to 256 key values a cell)")
+
+    @cuda.jit(device=True, inline=True)
+    def load_keys(k_cache, base, kw):
+        for w in range(0, KG, 4):
+            w0, w1, w2, w3 = ldg_v4(k_cache, base + 4 * w)
+            kw[w] = w0
+            kw[w + 1] = w1
+            kw[w + 2] = w2
+            kw[w + 3] = w3
+
+    @cuda.jit(device=True, inline=True)
+    def dot_keys(kw, q_sh, d0, acc):
+        # pairs outside, words inside: the inner loop unrolls whatever NP, so kw stays in
+        # registers; each pair's sum runs over the words in the same order either way
+        for i in range(NP):
+            s = acc[i]
+            for w in range(KG):
+                s += q_sh[i * DH + d0 + 2 * w] * f16_to_f32(kw[w] & 0xFFFF)
+                s += q_sh[i * DH + d0 + 2 * w + 1] * f16_to_f32(kw[w] >> 16)
+            acc[i] = s
 
     @cuda.jit
     def partial(q, k_cache, v_cache, slots, positions, scale, window, part_m, part_l, part_o, sinks, has_sinks,
@@ -128,16 +155,19 @@ def _make_partial(G: int, HB: int, RT: int, DH: int, FUSE: bool):
             slot = slots[r0]
             j = j0 + tid
             # this thread's cell's keys, loaded together before any use (16 bytes a load)
-            kw = cuda.local.array(KW, np.uint32)
+            kw = cuda.local.array(KG, np.uint32)
+            kw1 = cuda.local.array(KG1, np.uint32)
+            kw2 = cuda.local.array(KG2, np.uint32)
+            kw3 = cuda.local.array(KG2, np.uint32)
             if tid >= a and tid <= b:
                 jb = j // KV_BLOCK
                 base = (((jb * NS + slot) * Hkv + kh) * KV_BLOCK + j - jb * KV_BLOCK) * (2 * DH)
-                for w in range(0, KW, 4):
-                    w0, w1, w2, w3 = ldg_v4(k_cache, base + 4 * w)
-                    kw[w] = w0
-                    kw[w + 1] = w1
-                    kw[w + 2] = w2
-                    kw[w + 3] = w3
+                load_keys(k_cache, base, kw)
+                if NG > 1:
+                    load_keys(k_cache, base + 4 * KG, kw1)
+                if NG > 2:
+                    load_keys(k_cache, base + 8 * KG, kw2)
+                    load_keys(k_cache, base + 12 * KG, kw3)
             q_sh = cuda.shared.array(MAX_QD, np.float32)  # [NP, DH] scaled queries, then reductions
             s_sh = cuda.shared.array(_SCORES, np.float32)  # [NP, CHUNK] scores, then exps
             for e in range(tid, NP * DH, CHUNK):
@@ -151,13 +181,13 @@ def _make_partial(G: int, HB: int, RT: int, DH: int, FUSE: bool):
             acc = cuda.local.array(NP, np.float32)
             for i in range(NP):
                 acc[i] = np.float32(0.0)
-            if tid >= a and tid <= b:
-                for w in range(KW):
-                    lo_k = f16_to_f32(kw[w] & 0xFFFF)
-                    hi_k = f16_to_f32(kw[w] >> 16)
-                    for i in range(NP):
-                        acc[i] += q_sh[i * DH + 2 * w] * lo_k
-                        acc[i] += q_sh[i * DH + 2 * w + 1] * hi_k
+            if tid >= a and tid <= b:  # the same order as one loop over every word
+                dot_keys(kw, q_sh, 0, acc)
+                if NG > 1:
+                    dot_keys(kw1, q_sh, 2 * KG, acc)
+                if NG > 2:
+                    dot_keys(kw2, q_sh, 4 * KG, acc)
+                    dot_keys(kw3, q_sh, 6 * KG, acc)
             for i in range(NP):
                 row = i // HB
                 s_sh[i * CHUNK + tid] = acc[i] if j >= los[row] and j <= pos[row] else _NEG_INF

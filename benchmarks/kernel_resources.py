@@ -1,0 +1,112 @@
+"""What ptxas gives the decode step's fused kernels: registers, local memory (stack frame), spills
+and shared memory per kernel, compiled for a GPU target without a GPU.
+
+    python benchmarks/kernel_resources.py [--cc 9.0] [--only attention,norm,rope]
+
+It needs NVVM and ptxas (a CUDA toolkit: CUDA_HOME, or /usr/local/cuda) and NVRTC (numba-cuda
+loads it; on a machine without one, `pip download nvidia-cuda-nvrtc` and put its lib/ folder on
+LD_LIBRARY_PATH). Nothing runs on a device: numba types and compiles each kernel for --cc, as the
+GPU would, so this also catches typing errors that the CUDA simulator (which runs kernels as
+Python) cannot. A non-zero stack frame is an array numba put in local memory: an array indexed in
+a loop the compiler did not unroll (the attention keys at head size 128 and 256 were, until the
+key words went into groups of 32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+os.environ["NUMBA_ENABLE_CUDASIM"] = "0"  # the real kernels (their inline PTX, not the simulator twins)
+
+import numpy as np  # noqa: E402
+from numba import cuda, types  # noqa: E402
+from numba.np.numpy_support import from_dtype  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def arr(dtype, ndim: int):
+    return types.Array(from_dtype(np.dtype(dtype)), ndim, "C")
+
+
+F32, I32, BOOL = types.float32, types.int32, types.boolean
+f32, i32, f16 = (lambda n: arr(np.float32, n)), (lambda n: arr(np.int32, n)), (lambda n: arr(np.float16, n))
+
+
+def cases(only: set[str]):
+    """(name, python function, argument types) of each kernel to report."""
+    from daemon.kernels.cuda import attention as attn, norm, rope
+
+    if not only or "attention" in only:
+        part = (f32(3), f16(5), f16(5), i32(1), i32(1), F32, I32, f32(3), f32(3), f32(4), f32(1), BOOL, f32(3), i32(1))
+        # (G, heads a block, rows a tile, head size, fused): decode grids take few heads a block
+        for G, hb, rt, dh, fuse in [(8, 1, 1, 64, False), (8, 1, 1, 64, True), (8, 2, 1, 128, True),
+                                    (8, 8, 1, 128, True), (8, 8, 4, 128, True), (8, 1, 1, 256, True),
+                                    (8, 8, 2, 256, True)]:
+            yield (f"attention chunk G{G} heads{hb} rows{rt} Dh{dh}{' +combine' if fuse else ''}",
+                   attn._make_partial(G, hb, rt, dh, fuse).py_func, part)
+        yield ("attention combine", attn._attn_combine.py_func,
+               (f32(3), f32(3), f32(4), i32(1), I32, f32(1), BOOL, f32(3)))
+    if not only or "rope" in only:
+        yield ("q/k norm + RoPE + KV append", rope._norm_rope_qk.py_func,
+               (f32(3), f32(3), f32(1), f32(1), BOOL, F32, f32(3), BOOL, f32(3), i32(1), i32(1), f16(5), f16(5), BOOL))
+    if not only or "norm" in only:
+        yield ("residual add + RMSNorm", norm._add_rms_norm.py_func,
+               (f32(2), f32(2), f32(1), BOOL, f32(1), F32, f32(2), f32(2)))
+        yield ("MoE mix + residual add + RMSNorm", norm._mix_add_rms_norm.py_func,
+               (f32(2), f32(2), f32(2), BOOL, f32(2), f32(1), F32, f32(2), f32(2)))
+
+
+def ptxas_report(ptx: str, arch: str) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d, "k.ptx")
+        src.write_text(ptx)
+        r = subprocess.run(["ptxas", f"-arch={arch}", "-v", str(src), "-o", str(Path(d, "k.cubin"))],
+                           capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(r.stderr.strip())
+    text = r.stderr
+
+    def num(pattern):
+        m = re.search(pattern, text)
+        return int(m.group(1)) if m else 0
+
+    return {"registers": num(r"Used (\d+) registers"), "stack": num(r"(\d+) bytes stack frame"),
+            "spill_st": num(r"(\d+) bytes spill stores"), "spill_ld": num(r"(\d+) bytes spill loads"),
+            "smem": num(r"(\d+) bytes smem")}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cc", default="9.0", help="compute capability to compile for (9.0: H100, H200)")
+    ap.add_argument("--only", default="", help="comma-separated groups: attention, rope, norm")
+    args = ap.parse_args()
+    cc = tuple(int(p) for p in args.cc.split("."))
+    # device functions compile for the current device's capability: with no GPU, name it
+    import numba.cuda.dispatcher as dispatcher
+
+    dispatcher.get_current_device = lambda: SimpleNamespace(compute_capability=cc)
+    arch = f"sm_{cc[0]}{cc[1]}"
+    print(f"{'kernel':<52} {'regs':>5} {'stack B':>8} {'spill B':>8} {'smem B':>7}   ({arch}, ptxas -v)")
+    failed = 0
+    for name, fn, sig in cases({s for s in args.only.split(",") if s}):
+        try:
+            ptx, _ = cuda.compile_ptx(fn, sig, cc=cc)
+            r = ptxas_report(ptx, arch)
+        except Exception as e:  # noqa: BLE001 - report every kernel, then fail
+            print(f"{name:<52} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            failed += 1
+            continue
+        print(f"{name:<52} {r['registers']:>5} {r['stack']:>8} {r['spill_st'] + r['spill_ld']:>8} {r['smem']:>7}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
