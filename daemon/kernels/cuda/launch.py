@@ -40,10 +40,13 @@ _CONFIGS: dict = {}  # (grid, block) -> cuda.core LaunchConfig (prefill grids va
 _MAX_CONFIGS = 4096
 _STREAMS: dict = {}  # stream handle -> cuda.core Stream (not owning: the backend owns its stream)
 COUNTS = {"compiled": 0, "cached": 0}  # fast-path overloads compiled here vs loaded from the disk cache
+RECORD: list[str] | None = None  # a list: each launch appends its kernel's name (launches a step, tests)
 
 
 def launch(kernel, grid, block, stream, *args) -> None:
     """kernel[grid, block, stream](*args), with the dispatcher's per-launch work done once."""
+    if RECORD is not None:
+        RECORD.append(kernel.py_func.__name__)
     if SIMULATOR or not FAST or not stream:
         kernel[grid, block, stream](*args)
         return
