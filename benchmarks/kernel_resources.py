@@ -57,6 +57,18 @@ def cases(only: set[str]):
     if not only or "rope" in only:
         yield ("q/k norm + RoPE + KV append", rope._norm_rope_qk.py_func,
                (f32(3), f32(3), f32(1), f32(1), BOOL, F32, f32(3), BOOL, f32(3), i32(1), i32(1), f16(5), f16(5), BOOL))
+    if not only or "gdn" in only:
+        from daemon.kernels.cuda import gdn
+
+        dn = (f32(2), f32(2), f32(4), f32(2), f32(2), f32(1), f32(1), f32(5), I32, i32(1), I32, BOOL, F32, F32, F32,
+              f32(1), f32(2), F32, I32, f32(3), f32(2), i32(2))
+        yield ("delta-net decode: conv + rule + gated norm (Dk 128)", gdn._decode_kernel(128, 4).py_func, dn)
+        yield ("delta-net rule (Dk 128)", gdn._gdn_kernel(128).py_func,
+               (f32(2), f32(2), f32(2), f32(1), f32(1), f32(5), I32, i32(1), i32(1), BOOL, I32, BOOL, F32, F32, F32,
+                f32(3)))
+        yield ("delta-net conv (Kc 4)", gdn._conv_kernel(4).py_func,
+               (f32(2), f32(2), f32(4), I32, i32(1), i32(1), BOOL, f32(2)))
+        yield ("gated RMSNorm", gdn._gated_rms_norm.py_func, (f32(3), f32(1), f32(2), F32, f32(2)))
     if not only or "norm" in only:
         yield ("residual add + RMSNorm", norm._add_rms_norm.py_func,
                (f32(2), f32(2), f32(1), BOOL, f32(1), F32, f32(2), f32(2)))
@@ -86,7 +98,7 @@ def ptxas_report(ptx: str, arch: str) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cc", default="9.0", help="compute capability to compile for (9.0: H100, H200)")
-    ap.add_argument("--only", default="", help="comma-separated groups: attention, rope, norm")
+    ap.add_argument("--only", default="", help="comma-separated groups: attention, rope, gdn, norm")
     args = ap.parse_args()
     cc = tuple(int(p) for p in args.cc.split("."))
     # device functions compile for the current device's capability: with no GPU, name it

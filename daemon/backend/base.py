@@ -236,6 +236,13 @@ class Backend(Protocol):
         """rms_norm of x [T, H, D] per head, times weight [D], times silu(z [T, H*D]) -> [T, H*D]."""
         ...
 
+    def delta_net(self, layer: int, x: Array, conv_weight: Array, b: Array, a: Array, dt_bias: Array,
+                  ssm_a: Array, norm: Array, z: Array, step: Step, ssm: Any, eps: float) -> Array:
+        """conv_silu of x [T, C], gated_delta_net and gated_rms_norm (weight norm [Dv], gate z
+        [T, Hv*Dv]) -> [T, Hv*Dv]: the same as those ops one after another (compose_delta_net);
+        a backend may fuse them."""
+        ...
+
     def add(self, a: Array, b: Array) -> Array:
         """a + b, same shapes (the residual stream)."""
         ...
@@ -261,6 +268,14 @@ def compose_route(backend: Backend, x, weight, bias, n_used: int, gating: str, n
     logits = backend.linear(x, weight, step, bias=bias)
     ids, weights = backend.router(logits, n_used, gating, norm_topk, scale, chosen)
     return logits, ids, weights
+
+
+def compose_delta_net(backend: Backend, layer: int, x, conv_weight, b, a, dt_bias, ssm_a, norm, z, step: Step, ssm,
+                      eps: float):
+    """Backend.delta_net as conv_silu, gated_delta_net and gated_rms_norm."""
+    conv = backend.conv_silu(layer, x, conv_weight, step)  # [T, C]
+    o = backend.gated_delta_net(layer, conv, b, a, dt_bias, ssm_a, step, ssm, eps)  # [T, Hv, Dv]
+    return backend.gated_rms_norm(o, norm, z, eps)  # [T, Hv*Dv]
 
 
 def compose_expert_glu(backend: Backend, x, batch, layout, plan, kind: str, alpha: float = 0.0, limit: float = 0.0):

@@ -27,7 +27,7 @@ from ..kernels import decode_linears, moe_decode, ops, ssm as ssm_k
 from ..kernels.matmul import Prepared, linear_prepared, prepare
 from ..kernels.quants import dequantize
 from . import cpu_experts, cpu_step
-from .base import compose_expert_ffn, compose_expert_glu, compose_route
+from .base import compose_delta_net, compose_expert_ffn, compose_expert_glu, compose_route
 from .cpu_cache import KVCache
 from .step import Step
 
@@ -326,6 +326,9 @@ class CPUBackend:
 
     def gated_rms_norm(self, x, weight, z, eps) -> np.ndarray:
         return ssm_k.gated_rms_norm(x, weight, np.ascontiguousarray(z), np.float32(eps))
+
+    def delta_net(self, layer, x, conv_weight, b, a, dt_bias, ssm_a, norm, z, step: Step, ssm, eps) -> np.ndarray:
+        return compose_delta_net(self, layer, x, conv_weight, b, a, dt_bias, ssm_a, norm, z, step, ssm, eps)
 
     @staticmethod
     def _step_states(step: Step) -> tuple[List, List]:

@@ -57,7 +57,7 @@ from ..kernels.cuda.quantize import QK8_1, quantize_q8_1
 from ..kernels.cuda.vecdot import FLOAT_ACT
 from ..model.weights import QWeight
 from . import cuda_experts as cx
-from .base import compose_expert_ffn, compose_expert_glu, compose_route
+from .base import compose_delta_net, compose_expert_ffn, compose_expert_glu, compose_route
 from .cuda_staged import StagedBatch
 from .cuda_transfer import Event, Transfers, _check, _drv, pinned_empty
 from .cuda_cache import DeviceKVCache, KVPool
@@ -871,6 +871,22 @@ class CUDABackend:
         T, N = z.shape  # x [T, H, D]
         out = self._empty((T, N), _F32)  # [T, H*D]
         gdn.gated_rms_norm(x, self._dev(weight), z, eps, out, stream=self.stream)
+        return out
+
+    @_guarded
+    def delta_net(self, layer, x, conv_weight, b, a, dt_bias, ssm_a, norm, z, step: Step, ssm, eps):
+        """A decode step (one row a sequence) in one launch (gdn.decode_step); else the three ops."""
+        if not step.one_row_each or not gdn.fused_decode_fits(ssm.head_k, ssm.head_v):
+            return compose_delta_net(self, layer, x, conv_weight, b, a, dt_bias, ssm_a, norm, z, step, ssm, eps)
+        x, b, a, z = self._dev(x), self._dev(b), self._dev(a), self._dev(z)
+        cache = step.caches[0]
+        pool = cache.pool
+        S, Hv, Dv = x.shape[0], ssm.n_v_head, ssm.head_v
+        o = self._empty((S, Hv, Dv), _F32)
+        out = self._empty((S, Hv * Dv), _F32)
+        gdn.decode_step(x, self._dev(conv_weight), pool.conv, b, a, self._dev(dt_bias), self._dev(ssm_a), pool.state,
+                        cache.layers[layer].index, self._step_slots(step), ssm.n_k_head, ssm.head_k, ssm.tiled, eps,
+                        self._dev(norm), z, o, out, pool.tickets, stream=self.stream)
         return out
 
     @_guarded

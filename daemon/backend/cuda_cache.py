@@ -90,6 +90,7 @@ class KVPool:
         self.v: list = []
         self.conv = None  # hybrid: device f32 [S, NR, Ch, Kc-1]
         self.state = None  # hybrid: device f32 [S, NR, Hv, Dvs, Dk]
+        self.tickets = None  # hybrid: device int32 [S, Hk + Hv], zero between launches (gdn.decode_step)
         self.slots = 0
         self.cells = 0  # cells every slot has room for (mapped)
         self.reserved_cells = 0  # Cr
@@ -173,14 +174,17 @@ class KVPool:
                  for il in range(L)]
             v = [self._remade(self._v[il] if self._v else None, (nb, slots, Hkv, KV_BLOCK, Dv), cells)
                  for il in range(L)]
+            tickets = self.tickets
             if self.ssm is not None and slots != self.slots:
                 conv_shape, state_shape = self.state_shapes(slots)
                 conv, state = _grown_slots(conv, conv_shape), _grown_slots(state, state_shape)
+                tickets = cuda.device_array((slots, self.ssm.n_k_head + self.ssm.n_v_head), np.int32)
+                zero_fill(tickets)
         except CUDA_ERRORS as e:  # the pool stays as it was
             raise self._no_room(slots, cells, before, e) from e
         self._k, self._v = k, v
         self.k, self.v = [a.array for a in k], [a.array for a in v]
-        self.conv, self.state = conv, state
+        self.conv, self.state, self.tickets = conv, state, tickets
         with self._lock:
             self._free.extend(range(slots - 1, self.slots - 1, -1))  # new slots, lowest first out
         self.slots, self.reserved_cells = slots, reserved

@@ -64,7 +64,6 @@ class GatedDeltaNet:
             b, a = b.reshape(T, ssm.n_v_head), a.reshape(T, ssm.n_v_head)
         else:
             mixed, z, b, a = B.linears(xa, [self.qkv, self.gate, self.beta, self.alpha], step)
-        conv = B.conv_silu(il, mixed, self.conv, step)  # [T, C]
-        o = B.gated_delta_net(il, conv, b, a, self.dt_bias, self.a, step, ssm, hp.rms_eps)  # [T, Hv, Dv]
-        y = B.gated_rms_norm(o, self.norm, z, hp.rms_eps)  # [T, Hv*Dv]
+        # the conv, the gated delta rule and the gated norm -> y [T, Hv*Dv]
+        y = B.delta_net(il, mixed, self.conv, b, a, self.dt_bias, self.a, self.norm, z, step, ssm, hp.rms_eps)
         return B.linear(y, self.out, step)

@@ -22,11 +22,15 @@ h // G. Attention sinks (gpt-oss) add exp(sink[h] - max) to the softmax denomina
 
 Split-K ("flash decoding") with fixed chunks of K cells aligned on absolute positions: block
 (chunk c, KV head, row) computes, for the G query heads of its KV head, the chunk's max score, sum
-of exps and exp-weighted sum of values; a second kernel combines the row's chunks in ascending
-order. A prefill (all rows in one slot) gives a block a tile of rows instead of one, so each key
+of exps and exp-weighted sum of values, and the last block of a (row tile, head group) to finish
+(a ticket from an atomic counter, after a fence) combines the row's chunks in ascending order: one
+launch a call (the separate combine kernel, the same arithmetic, stays as the tests' reference).
+A prefill (all rows in one slot) gives a block a tile of rows instead of one, so each key
 and value is read once per tile; a row's arithmetic is the same either way.
 
-Loads: a thread reads its cell's keys with 128-bit loads into registers before using them. For
+Loads: a thread reads its cell's keys with 128-bit loads into registers before using them, in
+groups of 32 words (one array of 64 or 128 words, for Dh 128 or 256, was indexed in a loop the
+compiler did not unroll, so it lived in local memory: benchmarks/kernel_resources.py). For
 the values, a thread owns two dims of a group of cells (one 32-bit load a cell, a warp's loads one
 run of a cell's values, 8 cells in flight); each group sums its cells in ascending order and the
 groups' sums are added in group order. Max and sum of exps are warp butterflies, then the warps in
@@ -47,7 +51,7 @@ import numpy as np
 from numba import cuda
 
 from ...errors import UnsupportedError
-from .device import SIM, placeholder, upload
+from .device import SIM, placeholder, upload, zero_fill
 from .ptx import f16_to_f32, ldg_u32, ldg_v4, warp_max, warp_sum
 from .launch import launch
 
@@ -386,15 +390,7 @@ class AttentionWork:
         self.part_l = cuda.device_array(shape, np.float32)
         self.part_o = cuda.device_array(shape + (head_dim_v,), np.float32)
         self.done = cuda.device_array(max(1, max_rows * n_head), np.int32)
-        # zeroed by a kernel on the stream: valid while a graph is captured too (then replayed: a no-op)
-        launch(_zero_i32, -(-self.done.size // 128), 128, stream, self.done)
-
-
-@cuda.jit
-def _zero_i32(a):
-    i = cuda.grid(1)
-    if i < a.size:
-        a[i] = 0
+        zero_fill(self.done, stream)  # in stream order (a graph being captured records it: a no-op when replayed)
 
 
 def kv_append(k_new, v_new, slots, positions, k_cache, v_cache, stream=0) -> None:

@@ -32,6 +32,12 @@ Kernels:
   sequences and value rows.
 - gated_rms_norm: one block per (head, row): rms_norm over D (mean of squares, 1/sqrt(mean +
   eps)), times weight, times silu(z), rounded in that order (ggml: rms_norm, mul, mul).
+- decode_step: the three above for a decode step (one row a sequence) in one launch, with the
+  delta rule's grid: each block computes the conv of its key head's q and k channels and of its
+  value rows' v channels itself (a few MACs each) from the conv state; the last block of the key
+  head to finish (a ticket) moves the q/k windows on, each value row's group its own v window,
+  and the last block of each value head norms the head's outputs. The same device functions in
+  the same order as the three kernels, so the same bits (tests/kernels/cuda/test_ops_gdn.py).
 - sigmoid_mul: y * 1/(1 + exp(-z)), z per element or one per row.
 - split_heads: a copy of [T, H, P, d] into P arrays [T, H, d] (one output buffer [P, T, H, d]).
 
@@ -76,9 +82,26 @@ def lanes(dk: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def _conv_row(KC: int):
+    """silu(win . ws[:KC-1] + cur * ws[KC-1]), summed in ascending order: one row of a channel's
+    conv (win: the KC-1 inputs before it, oldest first). Shared by the conv and the fused decode."""
+
+    @cuda.jit(device=True, inline=True)
+    def conv_row(win, ws, cur):
+        acc = np.float32(0.0)
+        for i in range(KC - 1):
+            acc += win[i] * ws[i]
+        acc += cur * ws[KC - 1]
+        return acc / (np.float32(1.0) + math.exp(-acc))
+
+    return conv_row
+
+
+@functools.lru_cache(maxsize=None)
 def _conv_kernel(KC: int):
     """The conv kernel for kernel width KC (a constant: the window lives in registers)."""
     KS = max(KC - 1, 1)  # local arrays need a positive size; only KC-1 entries are used
+    conv_row = _conv_row(KC)
 
     @cuda.jit
     def conv(x, w, conv_state, layer, slots, offsets, has_offsets, out):
@@ -104,11 +127,7 @@ def _conv_kernel(KC: int):
             ws[i] = w[c, i]
         for t in range(r0, r1):
             cur = x[t, c]
-            acc = np.float32(0.0)
-            for i in range(KC - 1):
-                acc += win[i] * ws[i]
-            acc += cur * ws[KC - 1]
-            out[t, c] = acc / (np.float32(1.0) + math.exp(-acc))
+            out[t, c] = conv_row(win, ws, cur)
             for i in range(KC - 2):
                 win[i] = win[i + 1]
             if KC > 1:
@@ -152,10 +171,54 @@ def conv_silu(x, weight, conv_state, layer: int, slots, offsets, n_seq: int, out
 
 
 @functools.lru_cache(maxsize=None)
+def _delta_row(DK: int):
+    """One row of the gated delta rule for one value row j of M, by a group of LW lanes (each
+    holding R keys: qs, ks, m): the l2 norms of q and k (ggml_rms_norm(x, eps/DK), then times
+    1/sqrt(DK)), beta = sigmoid(b), decay = exp(softplus(a + dt_bias) * ssm_a), M_j *= decay,
+    delta = (v_j - M_j.k) * beta, M_j += k * delta -> M_j.q (qs, ks normed in place, m updated).
+    Shared by the delta-net kernel and the fused decode."""
+    LW = lanes(DK)
+    R = (DK + LW - 1) // LW
+
+    @cuda.jit(device=True, inline=True)
+    def delta_row(qs, ks, vj, bt, at, m, dtb, sa, eps_k, k_scale):
+        sq = np.float32(0.0)
+        sk = np.float32(0.0)
+        for u in range(R):
+            sq += qs[u] * qs[u]
+            sk += ks[u] * ks[u]
+        sq = warp_sum(sq, LW)
+        sk = warp_sum(sk, LW)
+        q_norm = np.float32(1.0) / math.sqrt(sq / np.float32(DK) + eps_k)
+        k_norm = np.float32(1.0) / math.sqrt(sk / np.float32(DK) + eps_k)
+        beta = sigmoid(bt)
+        x = at + dtb
+        if x <= np.float32(20.0):
+            x = math.log(np.float32(1.0) + math.exp(x))
+        decay = math.exp(x * sa)
+        dot = np.float32(0.0)
+        for u in range(R):
+            qs[u] = (qs[u] * q_norm) * k_scale
+            ks[u] = (ks[u] * k_norm) * k_scale
+            m[u] *= decay
+            dot += m[u] * ks[u]
+        dot = warp_sum(dot, LW)
+        delta = (vj - dot) * beta
+        dot = np.float32(0.0)
+        for u in range(R):
+            m[u] += ks[u] * delta
+            dot += m[u] * qs[u]
+        return warp_sum(dot, LW)
+
+    return delta_row
+
+
+@functools.lru_cache(maxsize=None)
 def _gdn_kernel(DK: int):
     """The delta-net kernel for key size DK (a constant: each lane's keys live in registers)."""
     LW = lanes(DK)
     R = (DK + LW - 1) // LW  # keys per lane
+    delta_row = _delta_row(DK)
 
     @cuda.jit(device=True, inline=True)
     def load_row(qkv, b, a, t, h, q0, k0, v0, lane, qs, ks):
@@ -220,36 +283,9 @@ def _gdn_kernel(DK: int):
             at = na
             if t + 1 < r1:
                 nv, nb, na = load_row(qkv, b, a, t + 1, h, q0, k0, v0, lane, nq, nk)
-            # l2 norms of q and k: ggml_rms_norm(x, eps/DK), then times 1/sqrt(DK)
-            sq = np.float32(0.0)
-            sk = np.float32(0.0)
-            for u in range(R):
-                sq += qs[u] * qs[u]
-                sk += ks[u] * ks[u]
-            sq = warp_sum(sq, LW)
-            sk = warp_sum(sk, LW)
-            q_norm = np.float32(1.0) / math.sqrt(sq / np.float32(DK) + eps_k)
-            k_norm = np.float32(1.0) / math.sqrt(sk / np.float32(DK) + eps_k)
-            beta = sigmoid(bt)
-            x = at + dtb
-            if x <= np.float32(20.0):
-                x = math.log(np.float32(1.0) + math.exp(x))
-            decay = math.exp(x * sa)
-            dot = np.float32(0.0)
-            for u in range(R):
-                qs[u] = (qs[u] * q_norm) * k_scale
-                ks[u] = (ks[u] * k_norm) * k_scale
-                m[u] *= decay
-                dot += m[u] * ks[u]
-            dot = warp_sum(dot, LW)
-            delta = (vj - dot) * beta
-            dot = np.float32(0.0)
-            for u in range(R):
-                m[u] += ks[u] * delta
-                dot += m[u] * qs[u]
-            dot = warp_sum(dot, LW)
+            o = delta_row(qs, ks, vj, bt, at, m, dtb, sa, eps_k, k_scale)
             if live and lane == 0:
-                out[t, h, j] = dot * o_scale
+                out[t, h, j] = o * o_scale
         if live:
             for u in range(R):
                 i = lane + u * LW
@@ -283,6 +319,146 @@ def gated_delta_net(qkv, b, a, dt_bias, ssm_a, state, layer: int, slots, offsets
            offsets, has, int(n_k_head), bool(tiled), eps_k, k_scale, o_scale, out)
 
 
+@functools.lru_cache(maxsize=None)
+def _decode_kernel(DK: int, KC: int):
+    """The fused decode of a delta-net layer for key size DK and conv width KC (constants)."""
+    LW = lanes(DK)
+    R = (DK + LW - 1) // LW
+    KS = max(KC - 1, 1)
+    conv_row = _conv_row(KC)
+    delta_row = _delta_row(DK)
+
+    @cuda.jit(device=True, inline=True)
+    def conv_channel(x, w, conv_state, slot, layer, t, c):
+        """Channel c's conv output at row t (conv_row over its window in the state)."""
+        win = cuda.local.array(KS, np.float32)
+        ws = cuda.local.array(KC, np.float32)
+        for i in range(KC - 1):
+            win[i] = conv_state[slot, layer, c, i]
+        for i in range(KC):
+            ws[i] = w[c, i]
+        return conv_row(win, ws, x[t, c])
+
+    @cuda.jit(device=True, inline=True)
+    def move_window(x, conv_state, slot, layer, t, c):
+        """Channel c's window moved on by row t (the oldest input out, x[t, c] in)."""
+        for i in range(KC - 2):
+            conv_state[slot, layer, c, i] = conv_state[slot, layer, c, i + 1]
+        if KC > 1:
+            conv_state[slot, layer, c, KC - 2] = x[t, c]
+
+    @cuda.jit
+    def decode(x, w, conv_state, b, a, dt_bias, ssm_a, state, layer, slots, n_k_head, tiled, eps_k, k_scale, o_scale,
+               norm_w, z, norm_eps, norm_threads, o, out, tickets):
+        """Row s of sequence s (a decode step): x, z: f32 [S, C], [S, Hv*Dv]; w: f32 [C, KC];
+        conv_state, state, b, a, dt_bias, ssm_a, slots as conv_silu and gated_delta_net; norm_w
+        f32 [Dv]; o: f32 [S, Hv, Dv] (the rule's outputs, read back by the norm); out: f32
+        [S, Hv*Dv]; tickets: int32 [SL, Hk + Hv], zero between launches. Grid (Hv, S, Dv / rows
+        a block) as gated_delta_net's."""
+        h = cuda.blockIdx.x
+        t = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        lane = tid % LW
+        j = cuda.blockIdx.z * (cuda.blockDim.x // LW) + tid // LW
+        Hv = o.shape[1]
+        Dv = o.shape[2]
+        live = j < Dv
+        jj = j if live else Dv - 1  # a spare group computes row Dv-1 and writes nothing
+        kh = h % n_k_head if tiled else h // (Hv // n_k_head)
+        Kd = n_k_head * DK
+        q0 = kh * DK
+        k0 = Kd + kh * DK
+        cv = 2 * Kd + h * Dv + jj
+        slot = slots[t]
+        # the conv of this lane's q and k channels and of row jj's v channel: every block of the
+        # key head computes its q and k (a few MACs a channel) rather than wait for one that does
+        qs = cuda.local.array(R, np.float32)
+        ks = cuda.local.array(R, np.float32)
+        m = cuda.local.array(R, np.float32)
+        for u in range(R):
+            i = lane + u * LW
+            qv = np.float32(0.0)
+            kv = np.float32(0.0)
+            mv = np.float32(0.0)
+            if i < DK:
+                qv = conv_channel(x, w, conv_state, slot, layer, t, q0 + i)
+                kv = conv_channel(x, w, conv_state, slot, layer, t, k0 + i)
+                mv = state[slot, layer, h, jj, i]
+            qs[u] = qv
+            ks[u] = kv
+            m[u] = mv
+        vj = conv_channel(x, w, conv_state, slot, layer, t, cv)
+        ov = delta_row(qs, ks, vj, b[t, h], a[t, h], m, dt_bias[h], ssm_a[h], eps_k, k_scale)
+        if live:
+            if lane == 0:
+                o[t, h, j] = ov * o_scale
+                move_window(x, conv_state, slot, layer, t, cv)  # only this group reads channel cv
+            for u in range(R):
+                i = lane + u * LW
+                if i < DK:
+                    state[slot, layer, h, j, i] = m[u]
+        # tickets: the last block of the key head to have read the q and k windows moves them on;
+        # the last of the value head's blocks norms its outputs
+        cuda.threadfence()
+        flags = cuda.shared.array(2, np.int32)
+        cuda.syncthreads()
+        if tid == 0:
+            n_qk = (Hv // n_k_head) * cuda.gridDim.z
+            flags[0] = cuda.atomic.add(tickets, (slot, kh), 1) == n_qk - 1
+            flags[1] = cuda.atomic.add(tickets, (slot, n_k_head + h), 1) == cuda.gridDim.z - 1
+        cuda.syncthreads()
+        if flags[0] != 0:
+            if tid < LW:
+                for u in range(R):
+                    i = lane + u * LW
+                    if i < DK:
+                        move_window(x, conv_state, slot, layer, t, q0 + i)
+                        move_window(x, conv_state, slot, layer, t, k0 + i)
+            if tid == 0:
+                tickets[slot, kh] = 0
+        if flags[1] != 0:
+            buf = cuda.shared.array(32, np.float32)
+            _gated_norm_head(o, norm_w, z, norm_eps, out, t, h, norm_threads, buf)
+            if tid == 0:
+                tickets[slot, n_k_head + h] = 0
+
+    return decode
+
+
+def fused_decode_fits(head_k: int, head_v: int) -> bool:
+    """decode_step's gated norm fits one block of the delta-net launch."""
+    threads = _gdn_config(head_k, head_v, 0.0)[0]
+    return head_v <= _MAX_THREADS * _HELD and _norm_threads(head_v) <= threads
+
+
+def decode_step(x, conv_weight, conv_state, b, a, dt_bias, ssm_a, state, layer: int, slots, n_k_head: int,
+                head_k: int, tiled: bool, eps: float, norm_weight, z, o, out, tickets, stream=0) -> None:
+    """A decode step of a delta-net layer in one launch: conv_silu, gated_delta_net and
+    gated_rms_norm of one row per sequence, the same bits as the three launches (their shared
+    device functions, in their order).
+
+    x: device f32 [S, C] (the qkv projection, before the conv); z, out: f32 [S, Hv*Dv]; o: f32
+    [S, Hv, Dv] (scratch: the rule's outputs); tickets: int32 [SL, Hk + Hv], zero (and zero again
+    after the launch); the rest as conv_silu and gated_delta_net (eps: the l2 norms' and the
+    gated norm's RMS eps)."""
+    S, C = x.shape
+    _, _, Hv, Dv, Dk = state.shape
+    KC = conv_weight.shape[1]
+    if (Dk != head_k or C != 2 * n_k_head * Dk + Hv * Dv or Hv % n_k_head or conv_weight.shape[0] != C
+            or conv_state.shape[2:] != (C, KC - 1) or b.shape != (S, Hv) or a.shape != (S, Hv)
+            or o.shape != (S, Hv, Dv) or out.shape != (S, Hv * Dv) or z.shape != (S, Hv * Dv)
+            or norm_weight.shape != (Dv,) or slots.shape != (S,) or tickets.shape[1:] != (n_k_head + Hv,)
+            or not fused_decode_fits(Dk, Dv)):
+        raise ValueError(f"decode_step: x {x.shape}, state {state.shape}, conv {conv_state.shape}, o {o.shape}, "
+                         f"out {out.shape}, tickets {tickets.shape}")
+    if not S:
+        return
+    threads, blocks, eps_k, k_scale, o_scale = _gdn_config(Dk, Dv, float(eps))
+    launch(_decode_kernel(Dk, KC), (Hv, S, blocks), threads, stream, x, conv_weight, conv_state, b, a, dt_bias, ssm_a,
+           state, int(layer), slots, int(n_k_head), bool(tiled), eps_k, k_scale, o_scale, norm_weight, z, _F32(eps),
+           _norm_threads(Dv), o, out, tickets)
+
+
 @functools.lru_cache(maxsize=64)
 def _gdn_config(Dk: int, Dv: int, eps: float):
     """(threads, blocks per head, eps/Dk, 1/sqrt(Dk), 1/sqrt(Dv)) of a delta-net launch, each
@@ -297,29 +473,33 @@ def _gdn_config(Dk: int, Dv: int, eps: float):
 # -- gated RMSNorm, sigmoid gate, head split -------------------------------------------------
 
 
-@cuda.jit
-def _gated_rms_norm(x, w, z, eps, out):
-    """x: f32 [T, H, D]; w: f32 [D]; z, out: f32 [T, H*D]. Grid (H, T) blocks."""
-    buf = cuda.shared.array(32, np.float32)
-    h = cuda.blockIdx.x
-    t = cuda.blockIdx.y
+@cuda.jit(device=True, inline=True)
+def _gated_norm_head(x, w, z, eps, out, t, h, nt, buf):
+    """Head h of row t: out = rms_norm(x[t, h]) * w * silu(z). Threads tid < nt hold values
+    tid + u*nt; every thread of the block calls it (a block sum), those past nt hold none."""
     tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
     D = x.shape[2]
     xs = cuda.local.array(_HELD, np.float32)
     acc = np.float32(0.0)
     for u in range(_HELD):
         i = tid + u * nt
-        v = x[t, h, i] if i < D else np.float32(0.0)
+        v = x[t, h, i] if i < D and tid < nt else np.float32(0.0)
         xs[u] = v
         acc += v * v
     total = block_sum(acc, buf, tid, nt)
     scale = np.float32(1.0) / math.sqrt(total / np.float32(D) + eps)
     for u in range(_HELD):
         i = tid + u * nt
-        if i < D:
+        if i < D and tid < nt:
             g = z[t, h * D + i]
             out[t, h * D + i] = ((xs[u] * scale) * w[i]) * (g / (np.float32(1.0) + math.exp(-g)))
+
+
+@cuda.jit
+def _gated_rms_norm(x, w, z, eps, out):
+    """x: f32 [T, H, D]; w: f32 [D]; z, out: f32 [T, H*D]. Grid (H, T) blocks."""
+    buf = cuda.shared.array(32, np.float32)
+    _gated_norm_head(x, w, z, eps, out, cuda.blockIdx.y, cuda.blockIdx.x, cuda.blockDim.x, buf)
 
 
 def _norm_threads(n: int) -> int:
@@ -388,4 +568,4 @@ def split_heads(x, out, stream=0) -> None:
         launch(_split_heads, _grid(x.size), _THREADS, stream, x, out)
 
 
-__all__ = ["conv_silu", "gated_delta_net", "gated_rms_norm", "sigmoid_mul", "split_heads", "lanes"]
+__all__ = ["conv_silu", "decode_step", "gated_delta_net", "gated_rms_norm", "sigmoid_mul", "split_heads", "lanes"]

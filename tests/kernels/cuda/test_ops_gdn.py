@@ -17,6 +17,7 @@ import pytest
 from numba import cuda
 
 from daemon.kernels.cuda import gdn
+from daemon.kernels.cuda.device import SIM
 from tests.model.gdn_reference import conv_step, recurrent
 
 RTOL = ATOL = 1e-5
@@ -247,3 +248,52 @@ def test_split_heads(H, P, d):
     gdn.split_heads(cuda.to_device(x), out)
     want = x.reshape(T, H, P, d).transpose(2, 0, 1, 3)
     np.testing.assert_array_equal(out.copy_to_host(), want)
+
+
+@pytest.mark.parametrize("tiled", [False, pytest.param(True, marks=pytest.mark.skipif(
+    SIM, reason="the grouped case covers the kernel under the simulator (20 s each there)"))], ids=["grouped", "tiled"])
+def test_fused_decode_gives_the_three_launches_bits(tiled):
+    """decode_step (conv, delta rule and gated norm in one launch) against conv_silu,
+    gated_delta_net and gated_rms_norm one after another, over two decode steps from random
+    states (slots 2 and 0, layer 1 of 2): the outputs and both states the same bits, other slots
+    and layers untouched, the tickets back at zero."""
+    Hk, Hv, Dk, Dv, Kc = 2, 4, 16, 8, 4
+    rng = np.random.default_rng(31 + tiled)
+    SL, NR, layer, slots = 3, 2, 1, np.array([2, 0], np.int32)
+    S, C = len(slots), 2 * Hk * Dk + Hv * Dv
+    conv0 = rng.standard_normal((SL, NR, C, Kc - 1)).astype(np.float32)
+    st0 = (0.3 * rng.standard_normal((SL, NR, Hv, Dv, Dk))).astype(np.float32)
+    w = rng.standard_normal((C, Kc)).astype(np.float32) * 0.5
+    norm_w = rng.uniform(0.5, 1.5, Dv).astype(np.float32)
+    _, _, _, dt_bias, ssm_a = inputs(rng, 1, Hk, Hv, Dk, Dv)
+    dw, dn, ddt, dsa, dslots = _dev(w, norm_w, dt_bias, ssm_a, slots)
+    runs = []
+    for fused in (False, True):
+        conv, state = _dev(conv0, st0)
+        tickets = cuda.to_device(np.zeros((SL, Hk + Hv), np.int32))
+        outs = []
+        step_rng = np.random.default_rng(5)
+        for _ in range(2):
+            x, b, a, _, _ = inputs(step_rng, S, Hk, Hv, Dk, Dv)
+            z = step_rng.standard_normal((S, Hv * Dv)).astype(np.float32)
+            dx, db, da, dz = _dev(x, b, a, z)
+            out = cuda.to_device(np.full((S, Hv * Dv), np.nan, np.float32))
+            o = cuda.to_device(np.full((S, Hv, Dv), np.nan, np.float32))
+            if fused:
+                gdn.decode_step(dx, dw, conv, db, da, ddt, dsa, state, layer, dslots, Hk, Dk, tiled, EPS, dn, dz, o,
+                                out, tickets)
+                assert not tickets.copy_to_host().any()
+            else:
+                c = cuda.device_array((S, C), np.float32)
+                gdn.conv_silu(dx, dw, conv, layer, dslots, None, S, c)
+                gdn.gated_delta_net(c, db, da, ddt, dsa, state, layer, dslots, None, S, Hk, Dk, tiled, EPS, o)
+                gdn.gated_rms_norm(o, dn, dz, EPS, out)
+            outs.append(out.copy_to_host())
+        runs.append((outs, conv.copy_to_host(), state.copy_to_host()))
+    (want, want_conv, want_state), (got, got_conv, got_state) = runs
+    assert np.isfinite(want[0]).all() and np.isfinite(want[1]).all()
+    for g, wv in zip(got, want):
+        assert np.array_equal(g, wv)
+    assert np.array_equal(got_conv, want_conv) and np.array_equal(got_state, want_state)
+    assert np.array_equal(got_conv[1], conv0[1]) and np.array_equal(got_state[:, 0], st0[:, 0])  # untouched
+    assert not np.array_equal(got_state[2, 1], st0[2, 1])  # the steps moved the states on
