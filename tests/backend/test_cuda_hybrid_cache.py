@@ -224,3 +224,38 @@ def test_split_heads_matches_the_cpu_backend(cuda_backend):
     want = CPUBackend("float32").split_heads(x, 3, 2)
     assert len(got) == 2 and all(np.array_equal(_host(cuda_backend, g), w) for g, w in zip(got, want))
     assert all(g.shape == (2, 3, 4) for g in got)
+
+
+def test_delta_net_decode_is_the_three_ops(cuda_backend, monkeypatch):
+    """Backend.delta_net of a decode step (one launch on the GPU, gdn.decode_step) against
+    compose_delta_net on the same backend, for two pairs of sequences prefilled alike: the same
+    outputs and the same conv and delta-rule states, bit for bit, over two steps."""
+    from daemon.backend.base import compose_delta_net
+    from daemon.kernels.cuda import launch
+
+    b = cuda_backend
+    record: list[str] = []
+    monkeypatch.setattr(launch, "RECORD", record)
+    hp = hybrid_hparams()
+    rng = np.random.default_rng(7)
+    conv_w, dt_bias, ssm_a = _layer_weights(rng)
+    norm_w = rng.uniform(0.5, 1.5, SSM.head_v).astype(np.float32)
+    pairs = [[b.new_cache(hp, 16) for _ in range(2)] for _ in range(2)]  # [fused, composed]
+    for counts in ([2, 1], [1, 1], [1, 1]):
+        T = sum(counts)
+        x, bb, aa = _gdn_inputs(rng, T)
+        z = rng.standard_normal((T, SSM.v_dim)).astype(np.float32)
+        outs = []
+        for fused, caches in enumerate(pairs):
+            step = Step.append([np.zeros(n, np.int64) for n in counts], caches, True)
+            run = b.delta_net if fused and T == len(counts) else (lambda *a: compose_delta_net(b, *a))
+            outs.append(_host(b, run(3, x, conv_w, bb, aa, dt_bias, ssm_a, norm_w, z, step, SSM, EPS)))
+            for c, n in zip(caches, counts):
+                c.n_past += n
+        assert np.array_equal(outs[0], outs[1]) and np.isfinite(outs[0]).all(), counts
+    pool = pairs[0][0].pool
+    conv, state = _pool_host(b, pool.conv), _pool_host(b, pool.state)
+    for f, c in zip(*pairs):
+        assert np.array_equal(conv[f.slot], conv[c.slot]) and np.array_equal(state[f.slot], state[c.slot])
+    assert not _pool_host(b, pool.tickets).any()
+    assert record.count("decode") == 2  # the decode steps' fused launches (the prefill composes)
