@@ -1,7 +1,8 @@
-"""What ptxas gives the decode step's fused kernels: registers, local memory (stack frame), spills
-and shared memory per kernel, compiled for a GPU target without a GPU.
+"""What ptxas gives the decode step's fused kernels, the GEMVs, the tiled matmuls and the router:
+registers, local memory (stack frame), spills and shared memory per kernel, compiled for a GPU
+target without a GPU.
 
-    python benchmarks/kernel_resources.py [--cc 9.0] [--only attention,norm,rope]
+    python benchmarks/kernel_resources.py [--cc 9.0] [--only attention,rope,gdn,norm,mmvq,mmq,router]
 
 It needs NVVM and ptxas (a CUDA toolkit: CUDA_HOME, or /usr/local/cuda) and NVRTC (numba-cuda
 loads it; on a machine without one, `pip download nvidia-cuda-nvrtc` and put its lib/ folder on
@@ -69,6 +70,40 @@ def cases(only: set[str]):
         yield ("delta-net conv (Kc 4)", gdn._conv_kernel(4).py_func,
                (f32(2), f32(2), f32(4), I32, i32(1), i32(1), BOOL, f32(2)))
         yield ("gated RMSNorm", gdn._gated_rms_norm.py_func, (f32(3), f32(1), f32(2), F32, f32(2)))
+    if not only or "mmvq" in only:  # the GEMVs: dense (1, 4, 16 columns) and a layer's experts with the GLU
+        from daemon.kernels import quants as Q
+        from daemon.kernels.cuda import mmvq
+        from daemon.kernels.cuda.vecdot import FLOAT_ACT
+
+        I64 = types.int64
+        for qt in (Q.Q8_0, Q.MXFP4, Q.Q4_K, Q.F16):
+            acts = (f32(2), f32(2)) if qt in FLOAT_ACT else (arr(np.int8, 2), f32(3))
+            sig = (arr(np.uint8, 3),) * 4 + acts + (i32(2), i32(1), I64, I64, f32(2), f32(2), f32(3), I64, I64, I64,
+                                                    I64, F32, F32)
+            for cols, ids, glu in ((1, False, 0), (16, False, 0), (1, True, mmvq.GLU_SWIGLU)):
+                kern = mmvq._build(qt, cols, 16, 4, ids, False, glu, 2)
+                yield kern.__name__, kern.py_func, sig
+    if not only or "mmq" in only:  # the prefill's tiled matmuls
+        from daemon.kernels import quants as Q
+        from daemon.kernels.cuda import mmq
+
+        I64 = types.int64
+        sig = (arr(np.uint8, 3), arr(np.uint8, 3), arr(np.int8, 2), f32(3), i32(2), i32(1), i32(1), i32(1), I64, I64,
+               f32(2), f32(3), I64, I64, I64, I64)
+        for qt in (Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.MXFP4):
+            for ids in (False, True):
+                yield (f"mmq {Q.type_name(qt)} {'experts' if ids else 'dense'} 64x64",
+                       mmq._build(qt, 64, 64, ids, False)[0].py_func, sig)
+    if not only or "router" in only:
+        from daemon.kernels import quants as Q
+        from daemon.kernels.cuda import router
+
+        I64 = types.int64
+        sig = (arr(np.uint8, 2), f32(2), I64, I64, f32(1), BOOL, BOOL, BOOL, F32, BOOL, BOOL, f32(2), i32(2), f32(2),
+               i32(1))
+        for E in (32, 128, 512):
+            yield (f"fused router, F32, {E} experts",
+                   router._make_fused(Q.F32, router._per_lane(E), router._FUSED_WARPS).py_func, sig)
     if not only or "norm" in only:
         yield ("residual add + RMSNorm", norm._add_rms_norm.py_func,
                (f32(2), f32(2), f32(1), BOOL, f32(1), F32, f32(2), f32(2)))
@@ -98,7 +133,7 @@ def ptxas_report(ptx: str, arch: str) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cc", default="9.0", help="compute capability to compile for (9.0: H100, H200)")
-    ap.add_argument("--only", default="", help="comma-separated groups: attention, rope, gdn, norm")
+    ap.add_argument("--only", default="", help="comma-separated groups: attention, rope, gdn, norm, mmvq, mmq, router")
     args = ap.parse_args()
     cc = tuple(int(p) for p in args.cc.split("."))
     # device functions compile for the current device's capability: with no GPU, name it
