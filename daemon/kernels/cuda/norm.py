@@ -48,6 +48,18 @@ def _normalise_held(xs, w, eps, out, buf):
 
 
 @cuda.jit(device=True, inline=True)
+def _store_and_normalise(xs, x_out, w, eps, out, buf):
+    """Stores the held row (the residual sum) to x_out, then normalises it into out: f32 [N]."""
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    for u in range(_HELD):
+        i = tid + u * nt
+        if i < x_out.shape[0]:
+            x_out[i] = xs[u]
+    _normalise_held(xs, w, eps, out, buf)
+
+
+@cuda.jit(device=True, inline=True)
 def _normalise_row(x, w, eps, out, buf):
     """x, out: one row f32 [N]."""
     tid = cuda.threadIdx.x
@@ -96,11 +108,7 @@ def _add_rms_norm(x, delta, bias, has_bias, w, eps, x_out, out):
                 d += bias[i]
             v = x[r, i] + d
         xs[u] = v
-    for u in range(_HELD):
-        i = tid + u * nt
-        if i < N:
-            x_out[r, i] = xs[u]
-    _normalise_held(xs, w, eps, out[r], buf)
+    _store_and_normalise(xs, x_out[r], w, eps, out[r], buf)
 
 
 @cuda.jit
@@ -128,11 +136,7 @@ def _mix_add_rms_norm(y, weights, shared, has_shared, x, w, eps, x_out, out):
                 d = d + shared[r, i]
             v = x[r, i] + d
         xs[u] = v
-    for u in range(_HELD):
-        i = tid + u * nt
-        if i < N:
-            x_out[r, i] = xs[u]
-    _normalise_held(xs, w, eps, out[r], buf)
+    _store_and_normalise(xs, x_out[r], w, eps, out[r], buf)
 
 
 def _threads(n: int) -> int:
