@@ -169,6 +169,7 @@ class CUDABackend:
         self._replay_tables: dict[int, tuple] = {}  # id(table) -> (table, its device copy)
         self._pinned_ids: dict[tuple, np.ndarray] = {}  # routing read back by segmented graphs, by shape
         self._route_done = upload(np.zeros(1, np.int32), self.stream)  # the fused router's ticket counter (0 between launches)
+        self._mix_tickets = upload(np.zeros(64, np.int32), self.stream)  # mix_add_rms_norm's, a row (0 between launches)
         self._inputs: dict[int, dict] = {}  # decode-step input buffers by sequence count (graphs)
         self.bytes = {"weights": 0, "experts": 0, "kv": 0, "scratch": 0}  # VRAM held, by use
         self.estimate = None  # select.VRAMEstimate of the model, when select_backend made this
@@ -645,7 +646,7 @@ class CUDABackend:
             x, weight, eps = then
             x_out, out = self._empty(shape, _F32), self._empty(shape, _F32)
             norm.mix_add_rms_norm(y, weights, self._dev(x), self._dev(weight), eps, out, x_out,
-                                  None if shared is None else self._dev(shared), stream=self.stream)
+                                  None if shared is None else self._dev(shared), self._mix_tickets, stream=self.stream)
             return x_out, out
         out = self._empty(shape, _F32)
         glu_k.moe_mix(y, weights, out, stream=self.stream)

@@ -60,15 +60,16 @@ def test_shapes_are_checked():
         add_rms_norm(x, cuda.device_array((2, 4), np.float32), cuda.device_array(8, np.float32), EPS, x)
 
 
-@pytest.mark.parametrize("with_shared", [False, True])
-def test_mix_add_rms_norm_gives_the_separate_kernels_bits(with_shared):
+@pytest.mark.parametrize("with_shared,split", [(False, False), (True, False), (True, True)])
+def test_mix_add_rms_norm_gives_the_separate_kernels_bits(with_shared, split):
     """The MoE mix, the shared expert's add, the residual add and the norm in one launch: the bits
-    of glu.moe_mix, glu.add and add_rms_norm one after another."""
+    of glu.moe_mix, glu.add and add_rms_norm one after another. split: several blocks a row, the
+    last to finish normalising it; its tickets are back at zero after."""
     from daemon.kernels.cuda.glu import add, moe_mix
     from daemon.kernels.cuda.norm import mix_add_rms_norm
 
     rng = np.random.default_rng(11)
-    T, A, D = 3, 4, 200
+    T, A, D = 3, 4, 600  # 600: 128 threads holding up to 5 values each, 5 blocks a row when split
     y = rng.standard_normal((T * A, D)).astype(np.float32)
     wts = rng.uniform(0.05, 1.0, (T, A)).astype(np.float32)
     x, shared = (rng.standard_normal((2, T, D)) * 2).astype(np.float32)
@@ -84,7 +85,10 @@ def test_mix_add_rms_norm_gives_the_separate_kernels_bits(with_shared):
     add_rms_norm(dx, mixed, dn, EPS, want, x_out=want_x)
     got_x = cuda.to_device(np.full((T, D), np.nan, np.float32))
     got = cuda.to_device(np.full((T, D), np.nan, np.float32))
-    mix_add_rms_norm(dy, dw, dx, dn, EPS, got, got_x, shared=ds)
+    tickets = cuda.to_device(np.zeros(T, np.int32)) if split else None
+    mix_add_rms_norm(dy, dw, dx, dn, EPS, got, got_x, shared=ds, tickets=tickets)
+    if split:
+        assert not tickets.copy_to_host().any()
     assert np.array_equal(got_x.copy_to_host(), want_x.copy_to_host())
     assert np.array_equal(got.copy_to_host(), want.copy_to_host())
     x_new = x + (wts[:, :, None].astype(np.float64) * y.reshape(T, A, D)).sum(1) + (shared if with_shared else 0)
