@@ -107,8 +107,6 @@ def cases(only: set[str]):
     if not only or "norm" in only:
         yield ("residual add + RMSNorm", norm._add_rms_norm.py_func,
                (f32(2), f32(2), f32(1), BOOL, f32(1), F32, f32(2), f32(2)))
-        yield ("MoE mix + residual add + RMSNorm", norm._mix_add_rms_norm.py_func,
-               (f32(2), f32(2), f32(2), BOOL, f32(2), f32(1), F32, f32(2), f32(2)))
 
 
 def ptxas_report(ptx: str, arch: str) -> dict:

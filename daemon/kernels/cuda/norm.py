@@ -1,5 +1,4 @@
-"""RMSNorm on the device, over rows or per head, optionally fused with the residual add (and, at a
-MoE block's end, with the mix of the experts' outputs before it).
+"""RMSNorm on the device, over rows or per head, optionally fused with the residual add.
 
 Legend: R = rows normalised (tokens, or tokens x heads for the per-head q/k norm), N = values per
 row (D, or Dh per head), T = tokens, H = heads, D = hidden size.
@@ -17,7 +16,7 @@ import math
 import numpy as np
 from numba import cuda
 
-from .device import block_sum, placeholder
+from .device import block_sum
 from .launch import launch
 
 _MAX_THREADS = 1024
@@ -45,18 +44,6 @@ def _normalise_held(xs, w, eps, out, buf):
         i = tid + u * nt
         if i < N:
             out[i] = (xs[u] * scale) * ws[u]
-
-
-@cuda.jit(device=True, inline=True)
-def _store_and_normalise(xs, x_out, w, eps, out, buf):
-    """Stores the held row (the residual sum) to x_out, then normalises it into out: f32 [N]."""
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    for u in range(_HELD):
-        i = tid + u * nt
-        if i < x_out.shape[0]:
-            x_out[i] = xs[u]
-    _normalise_held(xs, w, eps, out, buf)
 
 
 @cuda.jit(device=True, inline=True)
@@ -108,57 +95,11 @@ def _add_rms_norm(x, delta, bias, has_bias, w, eps, x_out, out):
                 d += bias[i]
             v = x[r, i] + d
         xs[u] = v
-    _store_and_normalise(xs, x_out[r], w, eps, out[r], buf)
-
-
-@cuda.jit
-def _mix_add_rms_norm(y, weights, shared, has_shared, x, w, eps, x_out, out, tickets):
-    """The MoE mix, the residual add and the next norm of row r: delta = glu.moe_mix's sum over
-    the row's pairs (+ shared), x_out = x + delta, out = rms_norm(x_out) * w, each in the order of
-    the separate kernels. y: f32 [T*A, D] (pair t*A + a); weights: f32 [T, A]; shared, x, x_out,
-    out: f32 [T, D]; w: [D]; tickets: int32 [>= T], zero between launches.
-
-    Grid (S, T). Block b of a row sums the held slots u with u % S == b (one block alone is too
-    narrow for the mix's A rows of y at decode); with S > 1 the row's last block (a ticket after a
-    fence) reloads the row and normalises it, holding its values as one block would: the same bits."""
-    buf = cuda.shared.array(32, np.float32)
-    last = cuda.shared.array(1, np.int32)
-    b = cuda.blockIdx.x
-    S = cuda.gridDim.x
-    r = cuda.blockIdx.y
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    N = x.shape[1]
-    A = weights.shape[1]
-    xs = cuda.local.array(_HELD, np.float32)
     for u in range(_HELD):
         i = tid + u * nt
-        v = np.float32(0.0)
-        if u % S == b and i < N:
-            d = np.float32(0.0)
-            for a in range(A):
-                term = y[r * A + a, i] * weights[r, a]
-                d = term if a == 0 else d + term
-            if has_shared:
-                d = d + shared[r, i]
-            v = x[r, i] + d
-        xs[u] = v
-    if S == 1:
-        _store_and_normalise(xs, x_out[r], w, eps, out[r], buf)
-        return
-    for u in range(_HELD):
-        i = tid + u * nt
-        if u % S == b and i < N:
+        if i < N:
             x_out[r, i] = xs[u]
-    cuda.threadfence()  # this block's sums are visible before its ticket is taken
-    cuda.syncthreads()
-    if tid == 0:
-        last[0] = cuda.atomic.add(tickets, r, 1) == S - 1
-    cuda.syncthreads()
-    if last[0] != 0:
-        _normalise_row(x_out[r], w, eps, out[r], buf)
-        if tid == 0:
-            tickets[r] = 0
+    _normalise_held(xs, w, eps, out[r], buf)
 
 
 def _threads(n: int) -> int:
@@ -201,26 +142,3 @@ def add_rms_norm(x, delta, weight, eps: float, out, bias=None, x_out=None, strea
         launch(_add_rms_norm, T, _threads(D), stream, x, delta, weight if bias is None else bias, bias is not None,
                                                weight, np.float32(eps), x_out, out)
 
-
-def mix_add_rms_norm(y, weights, x, weight, eps: float, out, x_out, shared=None, tickets=None,
-                     stream=0) -> None:
-    """The MoE block's end in one launch: delta = glu.moe_mix(y, weights) (+ shared), then
-    add_rms_norm(x, delta, weight): x_out = x + delta, out = rms_norm(x_out) * weight; the same
-    bits as those kernels one after another.
-
-    y: device f32 [T*A, D] (pair t*A + a: row t's a-th expert in top-k order); weights: f32 [T, A];
-    x, out, x_out, shared: f32 [T, D] (shared: the shared expert's output, or None); weight: [D];
-    tickets: device int32 [>= T], zero between launches (it stays so), or None: then, or with more
-    rows than tickets, one block a row (enough blocks once T is large)."""
-    T, D = x.shape
-    if (weights.shape[0] != T or y.shape != (T * weights.shape[1], D) or out.shape != x.shape
-            or x_out.shape != x.shape or weight.shape != (D,) or (shared is not None and shared.shape != x.shape)):
-        raise ValueError(f"mix_add_rms_norm: y {y.shape}, weights {weights.shape}, x {x.shape}, out {out.shape}")
-    if not T:
-        return
-    nt = _threads(D)
-    split = -(-D // nt) if tickets is not None and T <= tickets.shape[0] else 1
-    if tickets is None:
-        tickets = placeholder(np.int32, 1)
-    launch(_mix_add_rms_norm, (split, T), nt, stream, y, weights, x if shared is None else shared,
-           shared is not None, x, weight, np.float32(eps), x_out, out, tickets)
