@@ -118,9 +118,11 @@ def kernel_split(args, model, cuda) -> dict:
         cuda.synchronize()
     wall_ms = (time.perf_counter() - t0) * 1e3 / args.kernels
     by: dict[str, list[float]] = {}
+    spans = []
     for ev in prof.events():
         if ev.device_type.name == "CUDA" and ev.device_time > 0:
             by.setdefault(kernel_name(ev.name), []).append(ev.device_time)  # us
+            spans.append((ev.time_range.start, ev.time_range.end))
     n = args.kernels
     table = sorted(((k, len(v) / n, sum(v) / n, min(v), max(v)) for k, v in by.items()), key=lambda r: -r[2])
     busy = sum(r[2] for r in table) / 1e3  # ms
@@ -130,9 +132,36 @@ def kernel_split(args, model, cuda) -> dict:
     for k, cnt, us, lo, hi in table:
         print(f"{k[:56]:56s} {cnt:9.0f} {us:9.1f} {us / max(cnt, 1):8.2f} {lo:7.2f} {hi:7.2f} "
               f"{100 * us / 1e3 / busy:5.1f}%")
+    idle = idle_split(spans, n)
+    print(f"idle GPU a step: {idle['within_ms']:.3f} ms between its nodes ({idle['gaps']:.0f} gaps, median "
+          f"{idle['median_gap_us']:.2f} us), {idle['between_ms']:.3f} ms between steps (gaps over "
+          f"{STEP_GAP_US:.0f} us: the host's work)")
     return {"kernels": [{"name": k, "per_step": c, "us_per_step": u, "min_us": lo, "max_us": hi}
                         for k, c, u, lo, hi in table],
-            "busy_ms": busy, "wall_ms": wall_ms}
+            "busy_ms": busy, "wall_ms": wall_ms, **idle}
+
+
+STEP_GAP_US = 50.0  # an idle GPU longer than this is the host between steps, not a graph's node-to-node gap
+
+
+def idle_split(spans, steps: int) -> dict:
+    """The GPU's idle time in `steps` replayed steps from its kernels' and copies' (start, end) in us:
+    gaps up to STEP_GAP_US (node to node inside a graph) apart from longer ones (the host preparing
+    the next step, or waiting), each per step. Overlapping spans leave no gap."""
+    spans = sorted(spans)
+    within: list[float] = []
+    between = 0.0
+    end = spans[0][1] if spans else 0.0
+    for start, stop in spans[1:]:
+        gap = start - end
+        if gap > STEP_GAP_US:
+            between += gap
+        elif gap > 0:
+            within.append(gap)
+        end = max(end, stop)
+    within.sort()
+    return {"within_ms": sum(within) / 1e3 / steps, "gaps": len(within) / steps,
+            "median_gap_us": within[len(within) // 2] if within else 0.0, "between_ms": between / 1e3 / steps}
 
 
 def measure(args, model, cuda) -> tuple[dict, str]:
