@@ -37,12 +37,13 @@ def arr(dtype, ndim: int):
     return types.Array(from_dtype(np.dtype(dtype)), ndim, "C")
 
 
-F32, I32, BOOL = types.float32, types.int32, types.boolean
+F32, I32, I64, BOOL = types.float32, types.int32, types.int64, types.boolean
 f32, i32, f16 = (lambda n: arr(np.float32, n)), (lambda n: arr(np.int32, n)), (lambda n: arr(np.float16, n))
 
 
 def cases(only: set[str]):
     """(name, python function, argument types) of each kernel to report."""
+    from daemon.kernels import quants as Q
     from daemon.kernels.cuda import attention as attn, norm, rope
 
     if not only or "attention" in only:
@@ -71,11 +72,9 @@ def cases(only: set[str]):
                (f32(2), f32(2), f32(4), I32, i32(1), i32(1), BOOL, f32(2)))
         yield ("gated RMSNorm", gdn._gated_rms_norm.py_func, (f32(3), f32(1), f32(2), F32, f32(2)))
     if not only or "mmvq" in only:  # the GEMVs: dense (1, 4, 16 columns) and a layer's experts with the GLU
-        from daemon.kernels import quants as Q
         from daemon.kernels.cuda import mmvq
         from daemon.kernels.cuda.vecdot import FLOAT_ACT
 
-        I64 = types.int64
         for qt in (Q.Q8_0, Q.MXFP4, Q.Q4_K, Q.F16):
             acts = (f32(2), f32(2)) if qt in FLOAT_ACT else (arr(np.int8, 2), f32(3))
             sig = (arr(np.uint8, 3),) * 4 + acts + (i32(2), i32(1), I64, I64, f32(2), f32(2), f32(3), I64, I64, I64,
@@ -84,10 +83,8 @@ def cases(only: set[str]):
                 kern = mmvq._build(qt, cols, 16, 4, ids, False, glu, 2)
                 yield kern.__name__, kern.py_func, sig
     if not only or "mmq" in only:  # the prefill's tiled matmuls
-        from daemon.kernels import quants as Q
         from daemon.kernels.cuda import mmq
 
-        I64 = types.int64
         sig = (arr(np.uint8, 3), arr(np.uint8, 3), arr(np.int8, 2), f32(3), i32(2), i32(1), i32(1), i32(1), I64, I64,
                f32(2), f32(3), I64, I64, I64, I64)
         for qt in (Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.MXFP4):
@@ -95,10 +92,8 @@ def cases(only: set[str]):
                 yield (f"mmq {Q.type_name(qt)} {'experts' if ids else 'dense'} 64x64",
                        mmq._build(qt, 64, 64, ids, False)[0].py_func, sig)
     if not only or "router" in only:
-        from daemon.kernels import quants as Q
         from daemon.kernels.cuda import router
 
-        I64 = types.int64
         sig = (arr(np.uint8, 2), f32(2), I64, I64, f32(1), BOOL, BOOL, BOOL, F32, BOOL, BOOL, f32(2), i32(2), f32(2),
                i32(1))
         for E in (32, 128, 512):
