@@ -83,14 +83,17 @@ def cases(only: set[str]):
                 kern = mmvq._build(qt, cols, 16, 4, ids, False, glu, 2)
                 yield kern.__name__, kern.py_func, sig
     if not only or "mmq" in only:  # the prefill's tiled matmuls
-        from daemon.kernels.cuda import mmq
+        from daemon.kernels.cuda import mmq, mmq_mma
 
         sig = (arr(np.uint8, 3), arr(np.uint8, 3), arr(np.int8, 2), f32(3), i32(2), i32(1), i32(1), i32(1), I64, I64,
                f32(2), f32(3), I64, I64, I64, I64)
         for qt in (Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.MXFP4):
             for ids in (False, True):
-                yield (f"mmq {Q.type_name(qt)} {'experts' if ids else 'dense'} 64x64",
+                yield (f"mmq dp4a {Q.type_name(qt)} {'experts' if ids else 'dense'} 64x64",
                        mmq._build(qt, 64, 64, ids, False)[0].py_func, sig)
+                for shape in (mmq.MMA_WIDE, mmq.MMA_NARROW) if ids else (mmq.MMA_WIDE,):
+                    yield (f"mmq mma {Q.type_name(qt)} {'experts' if ids else 'dense'} {shape.rows}x{shape.tokens}",
+                           mmq_mma.build(qt, shape, ids, False)[0].py_func, sig)
     if not only or "router" in only:
         from daemon.kernels.cuda import router
 

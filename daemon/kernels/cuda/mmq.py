@@ -1,13 +1,11 @@
-"""Tiled int8 matmul for prefill (T > 16): shared-memory tiles, dp4a, like llama.cpp's MMQ.
+"""Tiled int8 matmul for prefill (T > 16): shared-memory tiles, like llama.cpp's MMQ.
 
 A block computes a tile of BM weight rows x BN tokens, stepping over K 128 values at a time:
-  1. weight tile: each thread decodes chunks of the repacked rows with the GEMV's own per-type
-     `load` (vecdot.py) and stores them in shared memory as int8 words plus, per 16 values, a
-     scale and an offset (value = mul * q + off: Q4_0's -8d, Q4_1's m, Q4_K's -dmin*m, Q6_K's
-     -32 d*sc ...);
-  2. activation tile: q8_1 quants of BN tokens (quantize.py), with d and d * sum(q) per 16
-     values;
-  3. every thread accumulates a RM x RN register tile: mul * d * dp4a-sum + off * d * sum(q).
+  1. it stages a weight tile and an activation tile in shared memory (mmq_stage.py): int8 words
+     and, per scale group, (mul, off) a row and (d, d * sum(q)) a token;
+  2. it accumulates mul * d * isum + off * d * sum(q) over the groups, isum the group's exact
+     int32 dot: on the tensor cores (mmq_mma.py, sm_80+, groups of 32 values, 16 for Q6_K), or
+     before sm_80 with dp4a, a thread's RM x RN register tile, in groups of 16 (this file).
 The offsets are dotted with the exact integer sums of the activation quants (the GEMV uses the
 q8_1 block sums s for the 32-value types, as llama.cpp's mmvq does; both round the same float
 product differently, well inside the tolerance against the float weights).
@@ -15,10 +13,11 @@ product differently, well inside the tolerance against the float weights).
 Experts: `group_by_expert` lists, on the device, the (token, slot) pairs of each expert (in pair
 order, so results do not depend on timing), and one launch runs grid (row tiles, expert,
 token tiles) over them; empty tiles exit at once. No host sync between router and experts.
+The tensor-core launch takes 32-token tiles where an expert averages fewer than 48 pairs.
 Float weights (F32/F16/BF16) go through the GEMV kernels in tiles of 16 tokens instead.
 
 Legend: T = tokens, A = experts per token, E = experts, P = T*A pairs, N = rows, K = values per
-row (a multiple of 128), BM/BN = tile rows/tokens (64 each), BK = 128.
+row (a multiple of 128), BM/BN = tile rows/tokens, BK = 128.
 """
 
 from __future__ import annotations
@@ -29,79 +28,26 @@ import numpy as np
 from numba import cuda
 
 from ...errors import UnsupportedError
-from ..quants import MXFP4, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, block_size, type_name
-from . import mmvq
-from .ptx import SIMULATOR, bits_to_f32, device, dp4a, ldg_u32, ldg_v4
-from .vecdot import FLOAT_ACT, VALUES, VECDOT
+from ..quants import block_size, type_name
+from . import mmq_mma, mmvq
 from .launch import launch
+from .mmq_mma import Shape
+from .mmq_stage import BK, MMQ_TYPES, stagers
+from .ptx import SIMULATOR, dp4a
+from .vecdot import FLOAT_ACT
 
-BK = 128
-_G = BK // 16  # 16-value groups per K step
-_PAD = 33  # words per shared row (32 + 1: conflict-free column reads)
-_ONES = np.uint32(0x01010101)
+_G = BK // 16  # 16-value groups a K step
+_PAD = 33  # words a shared row (32 + 1: conflict-free column reads)
 _Z = np.float32(0.0)
-_M8 = np.float32(-8.0)
-_M16 = np.float32(-16.0)
-_M32 = np.float32(-32.0)
-
-
-# ---- per type: where a decoded chunk's two 16-value halves go, and their (mul, off) ----------
-# (value index of the low half, of the high half, mul_lo, off_lo, mul_hi, off_hi); Q8_0 chunks
-# are one 16-value half.
-
-@device
-def _geom_q8_0(w, c):
-    return c << 4, 0, w[4], _Z, _Z, _Z
-
-
-@device
-def _geom_q4_0(w, c):
-    return c << 5, (c << 5) + 16, w[8], _M8 * w[8], w[8], _M8 * w[8]
-
-
-@device
-def _geom_q5_0(w, c):
-    return c << 5, (c << 5) + 16, w[8], _M16 * w[8], w[8], _M16 * w[8]
-
-
-@device
-def _geom_q4_1(w, c):
-    return c << 5, (c << 5) + 16, w[8], w[9], w[8], w[9]
-
-
-@device
-def _geom_mxfp4(w, c):
-    return c << 5, (c << 5) + 16, w[8], _Z, w[8], _Z
-
-
-@device
-def _geom_kq4(w, c):
-    v = ((c >> 3) << 8) + (((c & 7) >> 1) << 6) + ((c & 1) << 4)
-    return v, v + 32, w[8], -w[10], w[9], -w[11]
-
-
-@device
-def _geom_q6_k(w, c):
-    cc = c & 7
-    v = ((c >> 3) << 8) + ((cc >> 2) << 7) + (((cc >> 1) & 1) << 5) + ((cc & 1) << 4)
-    return v, v + 64, w[8], _M32 * w[8], w[9], _M32 * w[9]
-
-
-_GEOM = {Q8_0: _geom_q8_0, Q4_0: _geom_q4_0, Q4_1: _geom_q4_1, Q5_0: _geom_q5_0,
-         Q5_1: _geom_q4_1, MXFP4: _geom_mxfp4, Q4_K: _geom_kq4, Q5_K: _geom_kq4,
-         Q6_K: _geom_q6_k}
-MMQ_TYPES = frozenset(_GEOM)
 
 
 def _build(qtype: int, bm: int, bn: int, ids_mode: bool, has_bias: bool, host: bool = False):
-    load = VECDOT[qtype][0]
-    geom = _GEOM[qtype]
-    qk = block_size(qtype)[0]
-    cpr = BK // VALUES[qtype]  # chunks per row per K step
-    two_halves = qtype != Q8_0
+    """The dp4a kernel (GPUs before sm_80): a thread's RM x RN register tile, per 16 values."""
     rm = rn = 4
     tx_n = bn // rn
     nthreads = (bm // rm) * tx_n
+    block_tile, tile_tokens, stage_weights, stage_acts = stagers(qtype, bm, bn, nthreads, 16, ids_mode, host)
+    qk = block_size(qtype)[0]
 
     @cuda.jit
     def kernel(W, WH, aq, ads, ids, slot_of, pairs, starts, act_t, act_a, bias, out, n, k, stride,
@@ -123,39 +69,12 @@ def _build(qtype: int, bm: int, bn: int, ids_mode: bool, has_bias: bool, host: b
 
         tid = cuda.threadIdx.x
         row0 = cuda.blockIdx.x * bm
-        slot = 0
-        e = 0
-        if ids_mode:
-            e = cuda.blockIdx.y
-            first = starts[e] + cuda.blockIdx.z * bn
-            count = starts[e + 1] - first
-            if count <= 0:
-                return  # the whole block: no token of this expert in this tile
-            slot = slot_of[e]
-            if host and slot <= -2:  # a miss read in place from pinned host memory
-                slot = -2 - slot
-                W = WH
-            if slot < 0:
-                return  # not here: its outputs are left to whoever holds it
-        else:
-            first = cuda.blockIdx.y * bn
-            count = n_tok - first
-        for i in range(tid, bn, nthreads):
-            if i < count:
-                if ids_mode:
-                    p = pairs[first + i]
-                    na = ids.shape[1]
-                    t = p // na
-                    a = p - t * na
-                    rowid[i] = t * act_t + a * act_a
-                    outt[i] = t
-                    outa[i] = a
-                else:
-                    rowid[i] = first + i
-                    outt[i] = first + i
-                    outa[i] = 0
-            else:
-                rowid[i] = -1
+        e, first, count, slot, from_host = block_tile(starts, slot_of, n_tok)
+        if slot < 0:
+            return  # the whole block: no token here, or the expert is not held
+        if from_host:
+            W = WH
+        tile_tokens(ids, pairs, first, count, act_t, act_a, tid, rowid, outt, outa)
         acc = cuda.local.array((rm, rn), np.float32)
         for i in range(rm):
             for j in range(rn):
@@ -165,52 +84,8 @@ def _build(qtype: int, bm: int, bn: int, ids_mode: bool, has_bias: bool, host: b
         tx = tid - ty * tx_n
         cuda.syncthreads()
         for kt in range(k // BK):
-            # weight tile: bm rows x cpr chunks, decoded
-            for i in range(tid, bm * cpr, nthreads):
-                r = i // cpr
-                c = kt * cpr + (i - r * cpr)
-                row = min(row0 + r, n - 1)
-                w = load(W, (slot * n + row) * stride, nb, c)
-                vlo, vhi, mlo, olo, mhi, ohi = geom(w, c)
-                vlo -= kt * BK
-                wq[r, vlo >> 2] = w[0]
-                wq[r, (vlo >> 2) + 1] = w[1]
-                wq[r, (vlo >> 2) + 2] = w[2]
-                wq[r, (vlo >> 2) + 3] = w[3]
-                wm[r, vlo >> 4] = mlo
-                wo[r, vlo >> 4] = olo
-                if two_halves:
-                    vhi -= kt * BK
-                    wq[r, vhi >> 2] = w[4]
-                    wq[r, (vhi >> 2) + 1] = w[5]
-                    wq[r, (vhi >> 2) + 2] = w[6]
-                    wq[r, (vhi >> 2) + 3] = w[7]
-                    wm[r, vhi >> 4] = mhi
-                    wo[r, vhi >> 4] = ohi
-            # activation tile: bn tokens x 8 groups of 16 quants
-            for i in range(tid, bn * _G, nthreads):
-                tt = i // _G
-                g = i - tt * _G
-                ar = rowid[tt]
-                if ar >= 0:
-                    v = kt * BK + (g << 4)
-                    q = ldg_v4(aq, ar * k + v)
-                    d = bits_to_f32(ldg_u32(ads, (ar * (k >> 5) + (v >> 5)) << 3))
-                    s = dp4a(_ONES, q[0], 0)
-                    s = dp4a(_ONES, q[1], s)
-                    s = dp4a(_ONES, q[2], s)
-                    s = dp4a(_ONES, q[3], s)
-                    xq[tt, g << 2] = q[0]
-                    xq[tt, (g << 2) + 1] = q[1]
-                    xq[tt, (g << 2) + 2] = q[2]
-                    xq[tt, (g << 2) + 3] = q[3]
-                    xd[tt, g] = d
-                    xs[tt, g] = d * np.float32(s)
-                else:
-                    for u in range(4):
-                        xq[tt, (g << 2) + u] = np.uint32(0)
-                    xd[tt, g] = _Z
-                    xs[tt, g] = _Z
+            stage_weights(W, slot, n, stride, nb, row0, kt, tid, wq, wm, wo)
+            stage_acts(aq, ads, k, kt, tid, rowid, xq, xd, xs)
             cuda.syncthreads()
             for g in range(_G):
                 for i in range(rm):
@@ -240,7 +115,7 @@ def _build(qtype: int, bm: int, bn: int, ids_mode: bool, has_bias: bool, host: b
                             v += bias[e, row]
                         out[outt[tt], outa[tt], row] = v
 
-    return kernel, nthreads
+    return kernel, nthreads, bm, bn
 
 
 _GROUP_THREADS = 1024
@@ -323,17 +198,39 @@ def group_by_expert(ids, n_expert: int, out: Groups | None = None, stream=0) -> 
     return out
 
 
+# None: the tensor cores where the GPU has them (sm_80+; the simulator's twins always); a test or
+# benchmark may set True or False
+USE_MMA: bool | None = None
+# tensor-core tiles: 64 rows x 64 tokens, and x 32 for experts of few pairs each (the simulator's
+# threads are Python threads: one small tile of two warps)
+MMA_WIDE = Shape(2, 1, 1, 2) if SIMULATOR else Shape(4, 2, 1, 4)
+MMA_NARROW = Shape(2, 1, 1, 2) if SIMULATOR else Shape(4, 1, 1, 4)
+_NARROW_BELOW = 48  # pairs an expert on average
+
 _KERNELS: dict[tuple, tuple] = {}
+_HAS_MMA: list[bool] = []
 
 
-def _kernel(*key):
+def _mma() -> bool:
+    if USE_MMA is not None:
+        return USE_MMA
+    if not _HAS_MMA:
+        _HAS_MMA.append(SIMULATOR or cuda.get_current_device().compute_capability >= (8, 0))
+    return _HAS_MMA[0]
+
+
+def _kernel(qtype: int, ids_mode: bool, has_bias: bool, host: bool = False, narrow: bool = False):
+    """-> (kernel, threads, BM, BN) for this launch, built once."""
+    if _mma():
+        key = (qtype, MMA_NARROW if narrow else MMA_WIDE, ids_mode, has_bias, host)
+        build = mmq_mma.build
+    else:
+        tile = 16 if SIMULATOR else 64  # the simulator runs each thread as a Python thread
+        key = (qtype, tile, tile, ids_mode, has_bias, host)
+        build = _build
     if key not in _KERNELS:
-        _KERNELS[key] = _build(*key)
+        _KERNELS[key] = build(*key)
     return _KERNELS[key]
-
-
-def _tile() -> int:
-    return 16 if SIMULATOR else 64  # the simulator runs each thread as a Python thread
 
 
 def _check(w, qtype: int, k: int, act, stack: bool):
@@ -355,10 +252,9 @@ def mul_mat_q(w, qtype: int, k: int, act, out=None, bias=None, *, stream=0):
     n = w.shape[0]
     if out is None:
         out = cuda.device_array((t, n), np.float32, stream=stream)
-    tile = _tile()
-    kern, threads = _kernel(qtype, tile, tile, False, bias is not None)
+    kern, threads, bm, bn = _kernel(qtype, False, bias is not None)
     dummy_i2, dummy_i1 = mmvq._dummy("ids"), mmvq._dummy("slot")
-    launch(kern, ((n + tile - 1) // tile, (t + tile - 1) // tile, 1), threads, stream,
+    launch(kern, ((n + bm - 1) // bm, (t + bn - 1) // bn, 1), threads, stream,
         w.reshape(1, n, w.shape[1]), mmvq._dummy("w"), aq, ads, dummy_i2, dummy_i1, dummy_i1, dummy_i1, 0, 0,
         mmvq._dummy("bias") if bias is None else bias.reshape(1, n), out.reshape(t, 1, n), n, k,
         w.shape[1], t)
@@ -387,10 +283,11 @@ def mul_mat_q_ids(w, qtype: int, k: int, act, ids, slot_of, groups: Groups, out=
         raise ValueError(f"expert biases must be float32 [E, {n}], got {bias.shape}")
     if out is None:
         out = cuda.device_array((t, a, n), np.float32, stream=stream)
-    tile = _tile()
-    kern, threads = _kernel(qtype, tile, tile, True, bias is not None, w_host is not None)
+    narrow = t * a < _NARROW_BELOW * groups.n_expert
+    kern, threads, bm, bn = _kernel(qtype, True, bias is not None, w_host is not None, narrow)
     act_t, act_a = (a, 1) if act_per_pair else (1, 0)
-    grid = ((n + tile - 1) // tile, groups.n_expert, (t + tile - 1) // tile)
+    # token tiles: enough for an expert that every pair chose
+    grid = ((n + bm - 1) // bm, groups.n_expert, (t + bn - 1) // bn)
     launch(kern, grid, threads, stream,
         w, mmvq._dummy("w") if w_host is None else w_host, aq, ads, ids, slot_of, groups.pairs, groups.starts,
         act_t, act_a,

@@ -13,6 +13,15 @@ that way. Alignment is the caller's promise (16 for ldg_v4, 4 for ldg_u32, 2 for
 twins check it, so a layout bug fails in CI rather than as a misaligned-address fault on a GPU.
 
     dp4a(a, b, c)        c + sum of the 4 signed-byte products of a and b (int32)   dp4a.s32.s32
+    mma_k32(a0, a1, a2, a3, b0, b1) / mma_k16(a0, a1, b0)
+                         one warp's int8 tensor-core product C[16, 8] = A[16, K] . B[K, 8] (K 32
+                         or 16, exact int32; sm_80+), each lane giving its fragments and getting
+                         its 4 C values. Lane l, g = l >> 2, t = l & 3; a register holds 4
+                         consecutive k of one row (A) or column (B), low byte first:
+                           A: a0 = A[g, 4t:4t+4], a1 = A[g+8, 4t:4t+4] (k32: a2, a3 the same at
+                              k + 16); B: b0 = B[4t:4t+4, g] (k32: b1 at k + 16);
+                           C: (c0, c1) = C[g, 2t:2t+2], (c2, c3) = C[g+8, 2t:2t+2].
+                         Every lane of the warp must call it.      mma.sync.aligned.m16n8k{32,16}
     ldg_v4(arr, off)     4 x uint32 from 16 bytes at off, read-only path   ld.global.nc.v4.u32
     ldg_u32 / ldg_u16 / ldg_u8(arr, off)   one word, zero-extended to uint32         ld.global.nc.*
     prmt(a, b, sel)      byte permute of the 8 bytes {b:a} (PTX prmt.b32 default mode)
@@ -45,7 +54,7 @@ def _beats(ov, oi, v, i, none):
     index `none` is no candidate."""
     return oi != none and (i == none or ov > v or (ov == v and oi < i))
 
-__all__ = ["SIMULATOR", "dp4a", "ldg_v4", "ldg_u32", "ldg_u16", "ldg_u8", "prmt", "f16_to_f32",
+__all__ = ["SIMULATOR", "dp4a", "mma_k32", "mma_k16", "ldg_v4", "ldg_u32", "ldg_u16", "ldg_u8", "prmt", "f16_to_f32",
            "bits_to_f32", "round_f16", "device", "warp_sum", "warp_max", "warp_argmax"]
 
 
@@ -86,6 +95,43 @@ if not SIMULATOR:
             return builder.call(asm, vals)
 
         return types.int32(a, b, c), codegen
+
+    def _mma(k: int, n_a: int, n_b: int):
+        ops = n_a + n_b
+        asm_text = (f"mma.sync.aligned.m16n8k{k}.row.col.s32.s8.s8.s32 {{$0, $1, $2, $3}}, "
+                    f"{{{', '.join(f'${4 + i}' for i in range(n_a))}}}, "
+                    f"{{{', '.join(f'${4 + n_a + i}' for i in range(n_b))}}}, "
+                    f"{{{', '.join(f'${4 + ops + i}' for i in range(4))}}};")
+        cons = ",".join(["=r"] * 4 + ["r"] * (ops + 4))
+        ret = types.UniTuple(types.int32, 4)
+
+        def typer(*regs):
+            if len(regs) != ops or not all(isinstance(t, types.Integer) for t in regs):
+                return None
+            return ret(*regs)
+
+        def codegen(context, builder, sig, args):
+            vals = [_to_i32(builder, t, v) for t, v in zip(sig.args, args)]
+            zero = ir.Constant(_I32, 0)
+            asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I32] * (ops + 4)),
+                               asm_text, cons)
+            res = builder.call(asm, vals + [zero] * 4)
+            return context.make_tuple(builder, ret, [builder.extract_value(res, i) for i in range(4)])
+
+        return typer, codegen
+
+    _mma32_typer, _mma32_codegen = _mma(32, 4, 2)
+    _mma16_typer, _mma16_codegen = _mma(16, 2, 1)
+
+    @intrinsic
+    def mma_k32(typingctx, a0, a1, a2, a3, b0, b1):
+        sig = _mma32_typer(a0, a1, a2, a3, b0, b1)
+        return None if sig is None else (sig, _mma32_codegen)
+
+    @intrinsic
+    def mma_k16(typingctx, a0, a1, b0):
+        sig = _mma16_typer(a0, a1, b0)
+        return None if sig is None else (sig, _mma16_codegen)
 
     @intrinsic
     def ldg_v4(typingctx, arr, off):
@@ -262,6 +308,36 @@ else:
             y = (b >> (8 * k)) & 0xFF
             s += (x - 256 if x & 0x80 else x) * (y - 256 if y & 0x80 else y)
         return _i32(s)
+
+    def _bytes(word) -> list[int]:
+        w = int(word) & 0xFFFFFFFF
+        return [((w >> (8 * i)) & 0xFF) - (256 if (w >> (8 * i)) & 0x80 else 0) for i in range(4)]
+
+    def _mma_twin(k: int, a_regs: tuple, b_regs: tuple):
+        """The warp's A [16, k] and B [k, 8] rebuilt from every lane's registers (the layout in the
+        module doc), multiplied exactly; -> this lane's 4 C values."""
+        lanes, lane = _exchange((a_regs, b_regs))
+        if any(v is None for v in lanes):
+            raise RuntimeError("mma: every lane of the warp must call it")
+        a = np.zeros((16, k), np.int64)
+        b = np.zeros((k, 8), np.int64)
+        for ln, (ar, br) in enumerate(lanes):
+            g, t = ln >> 2, ln & 3
+            for r, word in enumerate(ar):  # a0, a1 (k16); a0..a3 (k32)
+                row, k0 = g + 8 * (r & 1), 4 * t + 16 * (r >> 1)
+                a[row, k0:k0 + 4] = _bytes(word)
+            for r, word in enumerate(br):
+                k0 = 4 * t + 16 * r
+                b[k0:k0 + 4, g] = _bytes(word)
+        c = a @ b
+        g, t = lane >> 2, lane & 3
+        return (_i32(c[g, 2 * t]), _i32(c[g, 2 * t + 1]), _i32(c[g + 8, 2 * t]), _i32(c[g + 8, 2 * t + 1]))
+
+    def mma_k32(a0, a1, a2, a3, b0, b1):
+        return _mma_twin(32, (a0, a1, a2, a3), (b0, b1))
+
+    def mma_k16(a0, a1, b0):
+        return _mma_twin(16, (a0, a1), (b0,))
 
     def prmt(a, b, sel):
         src = ((int(b) & 0xFFFFFFFF) << 32) | (int(a) & 0xFFFFFFFF)

@@ -1,5 +1,6 @@
-"""Tiled prefill matmul (mmq.py): dense and grouped by expert, every quantized weight type,
-against float64 references (refs.py); the device grouping of pairs by expert."""
+"""Tiled prefill matmul (mmq.py): dense and grouped by expert, every quantized weight type, on
+the tensor cores (mmq_mma.py) and with dp4a (before sm_80), against float64 references
+(refs.py); the device grouping of pairs by expert."""
 
 from __future__ import annotations
 
@@ -10,12 +11,28 @@ from numba import cuda
 from daemon.kernels import quants as Q
 from daemon.kernels.cuda import mmq
 from daemon.kernels.cuda.layout import repack
+from daemon.kernels.cuda.ptx import SIMULATOR
 from tests.kernels.cuda import refs
 from tests.kernels.cuda.test_mm_mmvq import _act, _close
 
+# the dp4a kernel runs for a few types only under the simulator (its Python threads are slow)
+_DP4A_TYPES = (Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.MXFP4)
+
+
+@pytest.fixture(params=["mma", "dp4a"])
+def path(request, monkeypatch):
+    monkeypatch.setattr(mmq, "USE_MMA", request.param == "mma")
+    return request.param
+
+
+def _skip_slow(path, qt):
+    if SIMULATOR and path == "dp4a" and qt not in _DP4A_TYPES:
+        pytest.skip("the dp4a kernel: a few types under the simulator")
+
 
 @pytest.mark.parametrize("qt", refs.QUANT, ids=[refs.NAMES[t] for t in refs.QUANT])
-def test_dense_tiles_match_reference(qt):
+def test_dense_tiles_match_reference(qt, path):
+    _skip_slow(path, qt)
     rng = np.random.default_rng(100 + qt)
     k, n, t = 256, 18, 20  # two K steps; partial row and token tiles
     raw = refs.weights(qt, (n,), k, rng)
@@ -51,7 +68,8 @@ def test_group_by_expert_lists_pairs_in_order(tokens):
 
 @pytest.mark.parametrize("qt", [Q.Q8_0, Q.Q4_K, Q.MXFP4, Q.Q6_K, Q.Q5_0],
                          ids=lambda t: refs.NAMES[t])
-def test_experts_grouped_tiles(qt):
+def test_experts_grouped_tiles(qt, path):
+    _skip_slow(path, qt)
     rng = np.random.default_rng(130 + qt)
     k, n, s, e, t, a = 128 if qt not in refs.QK_K_TYPES else 256, 6, 3, 5, 18, 2
     raw = refs.weights(qt, (s, n), k, rng)
@@ -76,7 +94,7 @@ def test_experts_grouped_tiles(qt):
             _close(got[ti, ai], want, scale)
 
 
-def test_experts_not_loaded_give_nan():
+def test_experts_not_loaded_give_nan(path):
     rng = np.random.default_rng(140)
     qt, k = Q.Q8_0, 128
     raw = refs.weights(qt, (2, 4), k, rng)
@@ -89,3 +107,25 @@ def test_experts_not_loaded_give_nan():
                             mmq.group_by_expert(d_ids, 2), out=out).copy_to_host()
     assert np.isfinite(got[0, 0]).all() and np.isfinite(got[1, 1]).all() and (got[0, 0] != 7.0).any()
     assert (got[0, 1] == 7.0).all() and (got[1, 0] == 7.0).all()
+
+
+def _dense(qt, raw, x, k):
+    act, _ = _act(qt, x)
+    return mmq.mul_mat_q(cuda.to_device(repack(raw, qt)), qt, k, act).copy_to_host()
+
+
+@pytest.mark.parametrize("qt", [Q.Q6_K, Q.Q4_K], ids=lambda t: refs.NAMES[t])
+def test_a_tokens_bits_do_not_depend_on_its_tile(qt, monkeypatch):
+    """Tensor cores: a token alone gives the bits it gives among 19 others (a prefill's result does
+    not depend on its batching). Q6_K's groups of 16 keep the dp4a kernel's order: the same bits."""
+    rng = np.random.default_rng(150 + qt)
+    k, n, t = 256, 18, 20
+    raw = refs.weights(qt, (n,), k, rng)
+    x = rng.standard_normal((t, k)).astype(np.float32)
+    monkeypatch.setattr(mmq, "USE_MMA", True)
+    tile = _dense(qt, raw, x, k)
+    alone = _dense(qt, raw, x[7:8], k)
+    np.testing.assert_array_equal(alone[0].view(np.uint32), tile[7].view(np.uint32))
+    if qt == Q.Q6_K:
+        monkeypatch.setattr(mmq, "USE_MMA", False)
+        np.testing.assert_array_equal(_dense(qt, raw, x, k).view(np.uint32), tile.view(np.uint32))

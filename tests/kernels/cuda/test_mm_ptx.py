@@ -5,8 +5,10 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
+import pytest
+
 from daemon.kernels.cuda.ptx import (bits_to_f32, dp4a, f16_to_f32, ldg_u8, ldg_u16, ldg_u32,
-                                     ldg_v4, prmt, round_f16, warp_max, warp_sum)
+                                     ldg_v4, mma_k16, mma_k32, prmt, round_f16, warp_max, warp_sum)
 
 
 @cuda.jit
@@ -126,3 +128,35 @@ def test_warp_reductions_over_lane_groups():
         g = x.reshape(-1, width)
         np.testing.assert_array_equal(out[:, 0], np.repeat(g.sum(axis=1), width))
         np.testing.assert_array_equal(out[:, 1], np.repeat(g.max(axis=1), width))
+
+
+@cuda.jit
+def _mma(a, b, k32, out):
+    # one warp per 16 x 8 tile: a uint32 [W, 16, K/4] (4 int8 of a row each), b uint32 [W, 8, K/4]
+    # (4 int8 of a column each), out int32 [W, 16, 8]; K = 32 (k32) or 16
+    w = cuda.blockIdx.x
+    lane = cuda.threadIdx.x
+    g = lane >> 2
+    t = lane & 3
+    if k32:
+        c = mma_k32(a[w, g, t], a[w, g + 8, t], a[w, g, t + 4], a[w, g + 8, t + 4], b[w, g, t], b[w, g, t + 4])
+    else:
+        c = mma_k16(a[w, g, t], a[w, g + 8, t], b[w, g, t])
+    out[w, g, 2 * t] = c[0]
+    out[w, g, 2 * t + 1] = c[1]
+    out[w, g + 8, 2 * t] = c[2]
+    out[w, g + 8, 2 * t + 1] = c[3]
+
+
+@pytest.mark.parametrize("k", [32, 16])
+def test_tensor_core_mma_is_the_exact_int8_product(k):
+    rng = np.random.default_rng(5)
+    tiles = 3
+    a = rng.integers(-128, 128, (tiles, 16, k), dtype=np.int64).astype(np.int8)
+    b = rng.integers(-128, 128, (tiles, k, 8), dtype=np.int64).astype(np.int8)
+    a[0], b[0] = -128, -128  # the largest sums: 32 * 16384 fits int32
+    words_a = np.ascontiguousarray(a).view(np.uint32)  # [W, 16, K/4]: row-major k
+    words_b = np.ascontiguousarray(b.transpose(0, 2, 1)).view(np.uint32)  # [W, 8, K/4]: k of a column
+    out = np.zeros((tiles, 16, 8), np.int32)
+    _mma[tiles, 32](words_a, words_b, k == 32, out)
+    np.testing.assert_array_equal(out, np.einsum("wik,wkj->wij", a.astype(np.int64), b.astype(np.int64)))
