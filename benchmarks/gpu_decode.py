@@ -15,7 +15,7 @@ cached cuda.core path and through numba's dispatcher (eager steps differ; graph 
 The cProfile of one prefill is printed too (eager: host time per launch).
 --kernels N (needs PyTorch, whose profiler reads CUPTI): the GPU time of each kernel over N
 graph-replayed decode steps, by kernel, per step, against the step's wall time (the rest is gaps
-between kernels and the graph launch).
+between kernels and the graph launch); then the same for one eager prefill of --prompt tokens.
 """
 
 from __future__ import annotations
@@ -57,9 +57,14 @@ def main() -> None:
     ap.add_argument("--graphs", default="1", help="1: decode steps replayed as CUDA graphs, 0: eager, 0,1: both")
     ap.add_argument("--kernels", type=int, default=0, help="profile N graph-replayed decode steps by kernel")
     ap.add_argument("--launch", default="fast", help="fast: cached cuda.core launches, dispatcher: numba's, or both")
+    ap.add_argument("--dp4a", action="store_true", help="prefill's tiled matmuls with dp4a, not the tensor cores")
     ap.add_argument("--json")
     args = ap.parse_args()
     from numba import cuda
+
+    if args.dp4a:
+        from daemon.kernels.cuda import mmq
+        mmq.USE_MMA = False
 
     t0 = time.perf_counter()
     g = GGUFFile(args.model)
@@ -96,7 +101,8 @@ def kernel_name(name: str) -> str:
 
 
 def kernel_split(args, model, cuda) -> dict:
-    """GPU time by kernel of graph-replayed decode steps of one sequence (torch.profiler/CUPTI)."""
+    """GPU time by kernel of graph-replayed decode steps of one sequence, and of one eager
+    prefill of --prompt tokens (torch.profiler/CUPTI)."""
     try:
         import torch
         from torch.profiler import ProfilerActivity, profile
@@ -106,39 +112,48 @@ def kernel_split(args, model, cuda) -> dict:
     torch.cuda.init()
     rng = np.random.default_rng(1)
     V = model.hp.n_vocab
+    prompt = rng.integers(0, V, args.prompt).tolist()
     seq = model.new_cache(args.prompt + args.kernels + 8)
-    model.forward(rng.integers(0, V, args.prompt).tolist(), seq)
+    model.forward(prompt, seq)
     for _ in range(3):  # eager once, captured, replayed
         model.forward([1], seq)
     cuda.synchronize()
-    t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.kernels):
-            model.forward([1], seq)
-        cuda.synchronize()
-    wall_ms = (time.perf_counter() - t0) * 1e3 / args.kernels
-    by: dict[str, list[float]] = {}
-    spans = []
-    for ev in prof.events():
-        if ev.device_type.name == "CUDA" and ev.device_time > 0:
-            by.setdefault(kernel_name(ev.name), []).append(ev.device_time)  # us
-            spans.append((ev.time_range.start, ev.time_range.end))
-    n = args.kernels
-    table = sorted(((k, len(v) / n, sum(v) / n, min(v), max(v)) for k, v in by.items()), key=lambda r: -r[2])
-    busy = sum(r[2] for r in table) / 1e3  # ms
-    print(f"\nkernels of one decode step ({n} graph replays): GPU busy {busy:.2f} ms of {wall_ms:.2f} ms wall "
-          f"({100 * busy / wall_ms:.0f}%), {sum(r[1] for r in table):.0f} kernels")
-    print(f"{'kernel':56s} {'per step':>9s} {'us/step':>9s} {'us each':>8s} {'min':>7s} {'max':>7s} {'share':>6s}")
-    for k, cnt, us, lo, hi in table:
-        print(f"{k[:56]:56s} {cnt:9.0f} {us:9.1f} {us / max(cnt, 1):8.2f} {lo:7.2f} {hi:7.2f} "
-              f"{100 * us / 1e3 / busy:5.1f}%")
-    idle = idle_split(spans, n)
-    print(f"idle GPU a step: {idle['within_ms']:.3f} ms between its nodes ({idle['gaps']:.0f} gaps, median "
-          f"{idle['median_gap_us']:.2f} us), {idle['between_ms']:.3f} ms between steps (gaps over "
-          f"{STEP_GAP_US:.0f} us: the host's work)")
-    return {"kernels": [{"name": k, "per_step": c, "us_per_step": u, "min_us": lo, "max_us": hi}
-                        for k, c, u, lo, hi in table],
-            "busy_ms": busy, "wall_ms": wall_ms, **idle}
+
+    def profiled(fn, reps: int, what: str) -> dict:
+        t0 = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                fn()
+            cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3 / reps
+        by: dict[str, list[float]] = {}
+        spans = []
+        for ev in prof.events():
+            if ev.device_type.name == "CUDA" and ev.device_time > 0:
+                by.setdefault(kernel_name(ev.name), []).append(ev.device_time)  # us
+                spans.append((ev.time_range.start, ev.time_range.end))
+        table = sorted(((k, len(v) / reps, sum(v) / reps, min(v), max(v)) for k, v in by.items()),
+                       key=lambda r: -r[2])
+        busy = sum(r[2] for r in table) / 1e3  # ms
+        print(f"\nkernels of {what}: GPU busy {busy:.2f} ms of {wall_ms:.2f} ms wall "
+              f"({100 * busy / wall_ms:.0f}%), {sum(r[1] for r in table):.0f} kernels")
+        print(f"{'kernel':56s} {'per step':>9s} {'us/step':>9s} {'us each':>8s} {'min':>7s} {'max':>7s} {'share':>6s}")
+        for k, cnt, us, lo, hi in table:
+            print(f"{k[:56]:56s} {cnt:9.0f} {us:9.1f} {us / max(cnt, 1):8.2f} {lo:7.2f} {hi:7.2f} "
+                  f"{100 * us / 1e3 / busy:5.1f}%")
+        idle = idle_split(spans, reps)
+        print(f"idle GPU a step: {idle['within_ms']:.3f} ms between its nodes ({idle['gaps']:.0f} gaps, median "
+              f"{idle['median_gap_us']:.2f} us), {idle['between_ms']:.3f} ms between steps (gaps over "
+              f"{STEP_GAP_US:.0f} us: the host's work)")
+        return {"kernels": [{"name": k, "per_step": c, "us_per_step": u, "min_us": lo, "max_us": hi}
+                            for k, c, u, lo, hi in table],
+                "busy_ms": busy, "wall_ms": wall_ms, **idle}
+
+    decode = profiled(lambda: model.forward([1], seq), args.kernels,
+                      f"one decode step ({args.kernels} graph replays)")
+    prefill = profiled(lambda: model.forward(prompt, model.new_cache(args.prompt + 8)), 1,
+                       f"one prefill of {args.prompt} tokens (eager)")
+    return {**decode, "prefill": prefill}
 
 
 STEP_GAP_US = 50.0  # an idle GPU longer than this is the host between steps, not a graph's node-to-node gap

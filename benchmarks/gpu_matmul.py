@@ -2,10 +2,14 @@
 
     python benchmarks/gpu_matmul.py [--quick] [--json PATH] [--budget SECONDS] [--smoke]
     python benchmarks/gpu_matmul.py --table [--shape D,F,E,A] [--json PATH]
+    python benchmarks/gpu_matmul.py --mmq [--shape D,F,E,A] [--json PATH]
 
 --table prints only issue 30's per-type table: for Q8_0, Q4_K, Q5_K, Q6_K, MXFP4 and F16 at 1, 4
 and 16 tokens, one expert's gate matrix [F, D] (a dense launch) and a layer's routed experts in
 one launch each (gate + up fused, and down), against the device copy measured in the same run.
+
+--mmq prints only the tiled prefill kernels at 512 and 4096 tokens, for Q8_0, Q4_K, Q6_K and
+MXFP4: the tensor-core kernel (experts: with 64- and with 32-token tiles) against the dp4a one.
 
 Prints, on the GPU it finds:
   * the device-to-device copy bandwidth (bytes read + written / time), the ceiling to compare with;
@@ -296,6 +300,23 @@ def bench_mmq_experts(layer: ExpertLayer, t: int, a: int, rng) -> dict:
                 tops=2 * t * a * f * d / dev_us / 1e6)
 
 
+MMQ_VARIANTS = {  # name: mmq settings (USE_MMA, pairs an expert below which tiles are narrow)
+    "mma": (True, None), "mma-wide": (True, 0), "mma-narrow": (True, 10**9), "dp4a": (False, None)}
+
+
+def with_mmq(variant: str, fn, *a):
+    """fn(*a) with mmq set to `variant` (MMQ_VARIANTS), its result tagged with it."""
+    use, below = MMQ_VARIANTS[variant]
+    saved = mmq.USE_MMA, mmq._NARROW_BELOW
+    mmq.USE_MMA = use
+    if below is not None:
+        mmq._NARROW_BELOW = below
+    try:
+        return dict(fn(*a), variant=variant)
+    finally:
+        mmq.USE_MMA, mmq._NARROW_BELOW = saved
+
+
 def fmt(r: dict) -> str:
     extra = f"{r['gbs']:8.0f} GB/s" if "gbs" in r else f"{r['tops']:7.2f} TOPS"
     if "group_us" in r:
@@ -303,7 +324,8 @@ def fmt(r: dict) -> str:
     if r.get("raw_host_us"):
         extra += f"  (dispatcher alone: host {r['raw_host_us']:.1f} µs)"
     tun = f"  {tuple(r['tuning'])}" if r.get("tuning") and r["tuning"] != list(mmvq.DEFAULT) else ""
-    return (f"{r['kind']:18s} {r['type']:6s} N={r['n']:5d} K={r['k']:5d} T={r['tokens']:3d}"
+    tun += f"  [{r['variant']}]" if "variant" in r else ""
+    return (f"{r['kind']:18s} {r['type']:6s} N={r['n']:5d} K={r['k']:5d} T={r['tokens']:4d}"
             f"{' A=' + str(r['experts']) if 'experts' in r else '    '}  {r['us']:8.1f} µs/launch"
             f"  host {r['host_us']:5.1f} µs  {extra}  err {r['err']:.1e}{tun}")
 
@@ -319,6 +341,8 @@ def main() -> int:
     ap.add_argument("--table", action="store_true",
                     help="only the per-type table: one expert's matrix and a layer's routed "
                          "experts at 1, 4 and 16 tokens, for " + ", ".join(Q.type_name(t) for t in TABLE))
+    ap.add_argument("--mmq", action="store_true",
+                    help="only the tiled prefill kernels: tensor cores against dp4a, dense and experts")
     ap.add_argument("--shape", default="2048,768,128,8",
                     help="D,F,E,A of the expert layer (default Qwen3-30B-A3B; gpt-oss-20b is 2880,2880,32,4)")
     args = ap.parse_args()
@@ -368,6 +392,16 @@ def main() -> int:
         return 0
     dn = 256 if args.smoke else 4096
     pt = 4 if args.smoke else 512
+    if args.mmq:
+        for qt in main_types if args.smoke else [Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.MXFP4]:
+            layer = ExpertLayer(qt, d, f, e, rng)
+            for t in [pt] if args.smoke else [512, 4096]:
+                for v in ("mma", "mma-wide", "mma-narrow", "dp4a"):
+                    run(with_mmq, v, bench_mmq_experts, layer, t, a, rng)
+                for v in ("mma", "dp4a"):
+                    run(with_mmq, v, bench_mmq_dense, qt, dn, dn, t, rng)
+            del layer
+        return 0
     start = time.perf_counter()
 
     def over_budget(section: str) -> bool:
