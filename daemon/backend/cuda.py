@@ -527,7 +527,7 @@ class CUDABackend:
     @staticmethod
     def _tiled(qt: int, k: int, rows: int) -> bool:
         """A sequence of `rows` rows takes the tiled matmul (else the GEMV)."""
-        return rows > MAX_COLS and qt in mmq.MMQ_TYPES and k % mmq.BK == 0
+        return rows > MAX_COLS and qt in mmq.MMQ_TYPES and k % mmq.K_MULTIPLE == 0
 
     # -- experts -------------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ The tensor-core launch takes 32-token tiles where an expert averages fewer than 
 Float weights (F32/F16/BF16) go through the GEMV kernels in tiles of 16 tokens instead.
 
 Legend: T = tokens, A = experts per token, E = experts, P = T*A pairs, N = rows, K = values per
-row (a multiple of 128), BM/BN = tile rows/tokens, BK = 128.
+row (a multiple of 32), BM/BN = tile rows/tokens, BK = 128 (a K step).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from ..quants import block_size, type_name
 from . import mmq_mma, mmvq
 from .launch import launch
 from .mmq_mma import Shape
-from .mmq_stage import BK, MMQ_TYPES, stagers
+from .mmq_stage import BK, K_MULTIPLE, MMQ_TYPES, stagers
 from .ptx import SIMULATOR, dp4a
 from .vecdot import FLOAT_ACT
 
@@ -46,7 +46,7 @@ def _build(qtype: int, bm: int, bn: int, ids_mode: bool, has_bias: bool, host: b
     rm = rn = 4
     tx_n = bn // rn
     nthreads = (bm // rm) * tx_n
-    block_tile, tile_tokens, stage_weights, stage_acts = stagers(qtype, bm, bn, nthreads, 16, ids_mode, host)
+    block_tile, tile_tokens, stage_weights, stage_acts, groups_in_step = stagers(qtype, bm, bn, nthreads, 16, ids_mode, host)
     qk = block_size(qtype)[0]
 
     @cuda.jit
@@ -83,11 +83,11 @@ def _build(qtype: int, bm: int, bn: int, ids_mode: bool, has_bias: bool, host: b
         ty = tid // tx_n
         tx = tid - ty * tx_n
         cuda.syncthreads()
-        for kt in range(k // BK):
-            stage_weights(W, slot, n, stride, nb, row0, kt, tid, wq, wm, wo)
+        for kt in range((k + BK - 1) // BK):
+            stage_weights(W, slot, n, stride, nb, row0, kt, k, tid, wq, wm, wo)
             stage_acts(aq, ads, k, kt, tid, rowid, xq, xd, xs)
             cuda.syncthreads()
-            for g in range(_G):
+            for g in range(groups_in_step(k, kt)):
                 for i in range(rm):
                     r = ty + i * (bm // rm)
                     w0 = wq[r, g << 2]
@@ -236,8 +236,8 @@ def _kernel(qtype: int, ids_mode: bool, has_bias: bool, host: bool = False, narr
 def _check(w, qtype: int, k: int, act, stack: bool):
     if qtype not in MMQ_TYPES:
         raise UnsupportedError(f"no tiled GPU matmul for {type_name(qtype)}")
-    if k % BK:
-        raise UnsupportedError(f"tiled GPU matmul needs K a multiple of {BK}, got {k}")
+    if k % K_MULTIPLE:
+        raise UnsupportedError(f"tiled GPU matmul needs K a multiple of {K_MULTIPLE}, got {k}")
     mmvq._check_weight(w, qtype, k, stack)
     return mmvq._check_act(act, qtype, k)
 

@@ -60,7 +60,7 @@ def build(qtype: int, shape: Shape, ids_mode: bool, has_bias: bool, host: bool =
     k32 = sub == 32
     ng = BK // sub
     wpg = sub // 4  # words a group
-    block_tile, tile_tokens, stage_weights, stage_acts = stagers(qtype, bm, bn, nthreads, sub, ids_mode, host)
+    block_tile, tile_tokens, stage_weights, stage_acts, groups_in_step = stagers(qtype, bm, bn, nthreads, sub, ids_mode, host)
     qk = block_size(qtype)[0]
 
     @cuda.jit
@@ -100,11 +100,11 @@ def build(qtype: int, shape: Shape, ids_mode: bool, has_bias: bool, host: bool =
         sc = cuda.local.array((tm, 4), np.float32)  # mul and off of rows r, r + 8
         nb = k // qk
         cuda.syncthreads()
-        for kt in range(k // BK):
-            stage_weights(W, slot, n, stride, nb, row0, kt, tid, wq, wmul, woff)
+        for kt in range((k + BK - 1) // BK):
+            stage_weights(W, slot, n, stride, nb, row0, kt, k, tid, wq, wmul, woff)
             stage_acts(aq, ads, k, kt, tid, rowid, xq, xd, xs)
             cuda.syncthreads()
-            for q in range(ng):
+            for q in range(groups_in_step(k, kt)):
                 kw = q * wpg + t
                 for i in range(tm):
                     r = r_base + 16 * i

@@ -9,7 +9,7 @@ the exact int32 dot of the group's quants:
     (vecdot.py); value = mul * q + off (Q4_0's -8d, Q4_1's m, Q4_K's -dmin*m, Q6_K's -32 d*sc ...);
   - activations: q8_1 quants (quantize.py), d per 32 values; sum(q) exact, from dp4a.
 
-Legend: BK = 128 values a K step, BM/BN = tile rows/tokens, SUB = values a scale group,
+Legend: BK = 128 values a K step (the last may hold fewer: K is a multiple of 32, e.g. gpt-oss's 2880), BM/BN = tile rows/tokens, SUB = values a scale group,
 NG = BK / SUB groups, PAD = shared words a tile row (32 + padding against bank conflicts).
 """
 
@@ -23,6 +23,7 @@ from .ptx import bits_to_f32, device, dp4a, ldg_u32, ldg_v4
 from .vecdot import VALUES, VECDOT
 
 BK = 128
+K_MULTIPLE = 32  # K must be a multiple of this; a last K step of fewer than BK values stages only those
 ONES = np.uint32(0x01010101)
 _Z = np.float32(0.0)
 _M8 = np.float32(-8.0)
@@ -84,13 +85,14 @@ def scale_group(qtype: int) -> int:
 
 
 def stagers(qtype: int, bm: int, bn: int, nthreads: int, sub: int, ids_mode: bool, host: bool):
-    """Device functions (block_tile, tile_tokens, stage_weights, stage_acts) for tiles of bm rows x
+    """Device functions (block_tile, tile_tokens, stage_weights, stage_acts, groups_in_step) for tiles of bm rows x
     bn tokens staged by nthreads threads, with scale groups of `sub` values (16, or 32 where the
     type's groups are that wide). ids_mode: the experts' launch (grid y = expert, z = token
     tiles), else dense (grid y = token tiles); host: slots -2 - h are read from the host tier."""
     load = VECDOT[qtype][0]
     geom = _GEOM[qtype]
-    cpr = BK // VALUES[qtype]  # chunks a row a K step
+    per_chunk = VALUES[qtype]
+    cpr = BK // per_chunk  # chunks a row a K step
     two_halves = qtype != Q8_0
     shift = 4 if sub == 16 else 5
     ng = BK // sub
@@ -135,11 +137,21 @@ def stagers(qtype: int, bm: int, bn: int, nthreads: int, sub: int, ids_mode: boo
                 rowid[i] = -1
 
     @device
-    def stage_weights(W, slot, n, stride, nb, row0, kt, tid, wq, wmul, woff):
-        # wq uint32 [BM, PAD]; wmul/woff float32 [BM, NG]; rows past n repeat the last one
+    def groups_in_step(k, kt):
+        """Scale groups of K step kt (NG, or fewer in a last, partial step)."""
+        return min(ng, (k - kt * BK) // sub)
+
+    @device
+    def stage_weights(W, slot, n, stride, nb, row0, kt, k, tid, wq, wmul, woff):
+        # wq uint32 [BM, PAD]; wmul/woff float32 [BM, NG]; rows past n repeat the last one; the
+        # words of a partial step's missing groups are left as they were (never read)
+        valid = min(cpr, (k - kt * BK) // per_chunk)
         for i in range(tid, bm * cpr, nthreads):
             r = i // cpr
-            c = kt * cpr + (i - r * cpr)
+            cr = i - r * cpr
+            if cr >= valid:
+                continue
+            c = kt * cpr + cr
             row = min(row0 + r, n - 1)
             w = load(W, (slot * n + row) * stride, nb, c)
             vlo, vhi, mlo, olo, mhi, ohi = geom(w, c)
@@ -162,9 +174,12 @@ def stagers(qtype: int, bm: int, bn: int, nthreads: int, sub: int, ids_mode: boo
     @device
     def stage_acts(aq, ads, k, kt, tid, rowid, xq, xd, xs):
         # aq int8 [R, K]; ads float32 [R, K/32, 2] (d first); xq uint32 [BN, PAD]; xd/xs [BN, NG]
+        valid = groups_in_step(k, kt)
         for i in range(tid, bn * ng, nthreads):
             tt = i // ng
             g = i - tt * ng
+            if g >= valid:
+                continue
             ar = rowid[tt]
             w0 = g * (sub >> 2)
             if ar >= 0:
@@ -189,4 +204,4 @@ def stagers(qtype: int, bm: int, bn: int, nthreads: int, sub: int, ids_mode: boo
                 xd[tt, g] = _Z
                 xs[tt, g] = _Z
 
-    return block_tile, tile_tokens, stage_weights, stage_acts
+    return block_tile, tile_tokens, stage_weights, stage_acts, groups_in_step

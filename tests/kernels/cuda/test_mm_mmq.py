@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
+from daemon.errors import UnsupportedError
 from daemon.kernels import quants as Q
 from daemon.kernels.cuda import mmq
 from daemon.kernels.cuda.layout import repack
@@ -45,6 +46,27 @@ def test_dense_tiles_match_reference(qt, path):
     _close(out.copy_to_host(), want, refs.magnitude(raw, qt, x) + np.abs(bias))  # bias: rounded too
 
 
+@pytest.mark.parametrize("qt", [Q.Q8_0, Q.MXFP4, Q.Q5_1], ids=lambda t: refs.NAMES[t])
+def test_a_last_k_step_of_fewer_values(qt, path):
+    """K = 160: one whole K step of 128 and one of 32 (gpt-oss's K is 2880 = 22.5 steps)."""
+    _skip_slow(path, qt)
+    rng = np.random.default_rng(105 + qt)
+    k, n, t = 160, 18, 20
+    raw = refs.weights(qt, (n,), k, rng)
+    x = rng.standard_normal((t, k)).astype(np.float32)
+    act, ref_act = _act(qt, x)
+    got = mmq.mul_mat_q(cuda.to_device(repack(raw, qt)), qt, k, act).copy_to_host()
+    _close(got, refs.matvec(raw, qt, x, ref_act, exact_sums=True), refs.magnitude(raw, qt, x))
+
+
+def test_k_not_a_multiple_of_32_is_refused():
+    rng = np.random.default_rng(106)
+    act, _ = _act(Q.Q8_0, rng.standard_normal((20, 64)).astype(np.float32))
+    w = cuda.to_device(repack(refs.weights(Q.Q8_0, (4,), 64, rng), Q.Q8_0))
+    with pytest.raises(UnsupportedError, match="multiple of 32"):
+        mmq.mul_mat_q(w, Q.Q8_0, 48, act)
+
+
 def test_float_weights_take_the_gemv_tiles():
     rng = np.random.default_rng(110)
     qt, k, n, t = Q.F16, 128, 5, 18
@@ -71,7 +93,9 @@ def test_group_by_expert_lists_pairs_in_order(tokens):
 def test_experts_grouped_tiles(qt, path):
     _skip_slow(path, qt)
     rng = np.random.default_rng(130 + qt)
-    k, n, s, e, t, a = 128 if qt not in refs.QK_K_TYPES else 256, 6, 3, 5, 18, 2
+    # MXFP4: a partial last K step, as gpt-oss's K = 2880
+    k = 256 if qt in refs.QK_K_TYPES else 160 if qt == Q.MXFP4 else 128
+    n, s, e, t, a = 6, 3, 5, 18, 2
     raw = refs.weights(qt, (s, n), k, rng)
     slot_of = np.array([2, -1, 0, 1, 2], np.int32)  # expert 1 not loaded; 0 and 4 share a slot
     ids = np.stack([rng.choice([0, 2, 3, 4], a, replace=False) for _ in range(t)]).astype(np.int32)
