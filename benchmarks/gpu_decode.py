@@ -58,13 +58,17 @@ def main() -> None:
     ap.add_argument("--kernels", type=int, default=0, help="profile N graph-replayed decode steps by kernel")
     ap.add_argument("--launch", default="fast", help="fast: cached cuda.core launches, dispatcher: numba's, or both")
     ap.add_argument("--dp4a", action="store_true", help="prefill's tiled matmuls with dp4a, not the tensor cores")
+    ap.add_argument("--mma-shapes", default="", help="WM,WN,TM,TN[;WM,WN,TM,TN]: the tensor-core tiles (wide; narrow)")
     ap.add_argument("--json")
     args = ap.parse_args()
     from numba import cuda
 
+    from daemon.kernels.cuda import mmq
     if args.dp4a:
-        from daemon.kernels.cuda import mmq
         mmq.USE_MMA = False
+    if args.mma_shapes:
+        shapes = [mmq.Shape(*(int(v) for v in part.split(","))) for part in args.mma_shapes.split(";")]
+        mmq.MMA_WIDE, mmq.MMA_NARROW = shapes[0], shapes[-1]
 
     t0 = time.perf_counter()
     g = GGUFFile(args.model)

@@ -305,16 +305,21 @@ MMQ_VARIANTS = {  # name: mmq settings (USE_MMA, pairs an expert below which til
 
 
 def with_mmq(variant: str, fn, *a):
-    """fn(*a) with mmq set to `variant` (MMQ_VARIANTS), its result tagged with it."""
-    use, below = MMQ_VARIANTS[variant]
-    saved = mmq.USE_MMA, mmq._NARROW_BELOW
-    mmq.USE_MMA = use
-    if below is not None:
-        mmq._NARROW_BELOW = below
+    """fn(*a) with mmq set to `variant` (MMQ_VARIANTS, or "WM,WN,TM,TN": every tensor-core launch
+    in that tile shape), its result tagged with it."""
+    saved = mmq.USE_MMA, mmq._NARROW_BELOW, mmq.MMA_WIDE, mmq.MMA_NARROW
+    if variant in MMQ_VARIANTS:
+        use, below = MMQ_VARIANTS[variant]
+        mmq.USE_MMA = use
+        if below is not None:
+            mmq._NARROW_BELOW = below
+    else:
+        mmq.USE_MMA = True
+        mmq.MMA_WIDE = mmq.MMA_NARROW = mmq.Shape(*(int(v) for v in variant.split(",")))
     try:
         return dict(fn(*a), variant=variant)
     finally:
-        mmq.USE_MMA, mmq._NARROW_BELOW = saved
+        mmq.USE_MMA, mmq._NARROW_BELOW, mmq.MMA_WIDE, mmq.MMA_NARROW = saved
 
 
 def fmt(r: dict) -> str:
@@ -343,6 +348,9 @@ def main() -> int:
                          "experts at 1, 4 and 16 tokens, for " + ", ".join(Q.type_name(t) for t in TABLE))
     ap.add_argument("--mmq", action="store_true",
                     help="only the tiled prefill kernels: tensor cores against dp4a, dense and experts")
+    ap.add_argument("--mma-shapes", default="",
+                    help="with --mmq, only these tensor-core tile shapes, 'WM,WN,TM,TN;...', on the prefill's "
+                         "shapes (dense 4096 and 512 rows, the experts' gate) at 512 tokens")
     ap.add_argument("--shape", default="2048,768,128,8",
                     help="D,F,E,A of the expert layer (default Qwen3-30B-A3B; gpt-oss-20b is 2880,2880,32,4)")
     args = ap.parse_args()
@@ -392,6 +400,15 @@ def main() -> int:
         return 0
     dn = 256 if args.smoke else 4096
     pt = 4 if args.smoke else 512
+    if args.mmq and args.mma_shapes:
+        for qt in main_types if args.smoke else [Q.Q8_0, Q.MXFP4]:
+            layer = ExpertLayer(qt, d, f, e, rng)
+            for v in args.mma_shapes.split(";"):
+                run(with_mmq, v, bench_mmq_experts, layer, pt, a, rng)
+                for rows in (dn, dn // 8):
+                    run(with_mmq, v, bench_mmq_dense, qt, rows, d, pt, rng)
+            del layer
+        return 0
     if args.mmq:
         for qt in main_types if args.smoke else [Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.MXFP4]:
             layer = ExpertLayer(qt, d, f, e, rng)
