@@ -201,9 +201,11 @@ def group_by_expert(ids, n_expert: int, out: Groups | None = None, stream=0) -> 
 # None: the tensor cores where the GPU has them (sm_80+; the simulator's twins always); a test or
 # benchmark may set True or False
 USE_MMA: bool | None = None
-# tensor-core tiles: 64 rows x 64 tokens, and x 32 for experts of few pairs each (the simulator's
-# threads are Python threads: one small tile of two warps)
-MMA_WIDE = Shape(2, 1, 1, 2) if SIMULATOR else Shape(4, 2, 1, 4)
+# tensor-core tiles: 64 rows x 64 tokens (4 warps of 32 x 32), and 64 x 32 (4 warps of 16 x 32)
+# for experts of few pairs each; on an H200 the wide shape gave gpt-oss-20b's prefill 7-9% over
+# 8 warps of 16 x 32 (docs/benchmarks.md). The simulator's threads are Python threads: two small
+# tiles of two warps, one with two row tiles a warp.
+MMA_WIDE = Shape(1, 2, 2, 1) if SIMULATOR else Shape(2, 2, 2, 4)
 MMA_NARROW = Shape(2, 1, 1, 2) if SIMULATOR else Shape(4, 1, 1, 4)
 _NARROW_BELOW = 48  # pairs an expert on average
 
