@@ -11,7 +11,7 @@ engine uploads everything at load).
 
 Kernel choice per matmul: the GEMV (mmvq, one pass over the weights for up to 16 rows) for up
 to MAX_COLS rows of a sequence, the tiled matmul (mmq) for more rows of quantized weights whose
-K is a multiple of 128. The choice depends only on each sequence's own row count, and every
+K is a multiple of 32. The choice depends only on each sequence's own row count, and every
 kernel computes a row independently of the others, so a sequence's results are the same bits
 whatever shares its step (batch invariance); a decode step is always the GEMV.
 
