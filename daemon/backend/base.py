@@ -133,12 +133,9 @@ class Backend(Protocol):
         while it computes (the CUDA backend's staged batches) orders the work by arrival."""
         ...
 
-    def moe_mix(self, y: Array, plan: Any, weights: Array, shared: Array | None = None,
-                then: tuple | None = None) -> Any:
+    def moe_mix(self, y: Array, plan: Any, weights: Array, shared: Array | None = None) -> Array:
         """The weighted sum of each row's expert outputs in top-k order: y [P, D], weights [T, A]
-        -> [T, D], plus shared [T, D] (a shared expert's output) when given. then (x [T, D],
-        weight [D], eps): -> add_rms_norm(x, that sum, weight, eps) instead (the residual add and
-        the next norm), which a backend may compute in the same launch."""
+        -> [T, D], plus shared [T, D] (a shared expert's output) when given."""
         ...
 
     def router(self, logits: Array, n_used: int, gating: str, norm_topk: bool, scale: float,

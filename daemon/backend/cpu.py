@@ -215,11 +215,9 @@ class CPUBackend:
                 and moe_decode.supports(layout.gate_type, layout.up_type, layout.down_type)
                 and all(s.flags.c_contiguous for s in (batch.gate, batch.up, batch.down)))
 
-    def moe_mix(self, y, plan, weights, shared=None, then=None):
+    def moe_mix(self, y, plan, weights, shared=None):
         out = ops.moe_mix(y, plan.slot_rows, np.ascontiguousarray(weights, dtype=np.float32))
-        if shared is not None:
-            out = self.add(out, shared)
-        return out if then is None else self.add_rms_norm(then[0], out, then[1], then[2])
+        return out if shared is None else self.add(out, shared)
 
     def router(self, logits, n_used, gating, norm_topk, scale, chosen=None):
         chosen = _NO_CHOICE if chosen is None else np.ascontiguousarray(chosen, np.int64)  # replay: weigh these

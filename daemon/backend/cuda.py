@@ -637,19 +637,14 @@ class CUDABackend:
         return out.reshape(T * A, F)  # [P, F]
 
     @_guarded
-    def moe_mix(self, y, plan: cx.DevicePlan, weights, shared=None, then=None):
-        """The mix (+ shared) in one launch; with `then`, the residual add and the next norm in a
-        second. One kernel for the three took 9-14 us a decode layer in the graph, against 6.9 us
-        for the two (H200, 2026-12-01): its block of a row read the A expert rows serially."""
+    def moe_mix(self, y, plan: cx.DevicePlan, weights, shared=None):
+        """The mix in one launch (the residual add and the next norm are the model's next op: one
+        kernel for the three took 9-14 us a decode layer in the graph, against 6.9 us for the two,
+        H200, 2026-12-01, its block of a row reading the A expert rows serially)."""
         y, weights = self._dev(y), self._dev(weights)
         out = self._empty((plan.T, y.shape[1]), _F32)  # [T, D]
         glu_k.moe_mix(y, weights, out, stream=self.stream)
-        if shared is not None:
-            out = self.add(out, shared)
-        if then is None:
-            return out
-        x, weight, eps = then
-        return self.add_rms_norm(x, out, weight, eps)
+        return out if shared is None else self.add(out, shared)
 
     @_guarded
     def router(self, logits, n_used, gating, norm_topk, scale, chosen=None):

@@ -51,10 +51,9 @@ def route(moe: MoE, family: Family, x, backend: Backend | str, step: Step | None
 
 
 def moe_forward(moe: MoE, family: Family, experts: ExpertProvider, x, backend: Backend,
-                step: Step | None = None, trace=None, chosen: np.ndarray | None = None, then: tuple | None = None):
+                step: Step | None = None, trace=None, chosen: np.ndarray | None = None):
     """x: [T, D] (already normed) -> [T, D]. chosen: expert ids [T, A] replacing the router's
-    top-k (route). trace(layer, ids [T, A]) observes the routing. then (residual [T, D], norm
-    weight [D], eps): -> (residual + the output, that normed), the layer's end (Backend.moe_mix)."""
+    top-k (route). trace(layer, ids [T, A]) observes the routing."""
     ids, weights = route(moe, family, x, backend, step, chosen)
     layout = experts.layout(moe.layer)
     xa = backend.prepare(x)  # converted once per weight type, shared by gate and up (and waves)
@@ -67,7 +66,7 @@ def moe_forward(moe: MoE, family: Family, experts: ExpertProvider, x, backend: B
             y = _apply_experts(family, backend, layout, batch, plan if shared is None else shared[0], xa)  # [P, D]
             if shared is not None:
                 shared[1](y)  # the CPU's pairs' outputs into y
-        return _mix(moe, backend, y, plan, weights, x, step, then)
+        return _mix(moe, backend, y, plan, weights, x, step)
     ids = backend.routed_ids(ids)  # [T, A] on the host
     if trace is not None:
         trace(moe.layer, ids)
@@ -84,14 +83,13 @@ def moe_forward(moe: MoE, family: Family, experts: ExpertProvider, x, backend: B
                 part_plans.append(backend.expert_plan(ids, batch.rows, layout, step, only=np.array(wave)))
                 parts.append(_apply_experts(family, backend, layout, batch, part_plans[-1], xa))
         y = backend.join_parts(parts, part_plans)
-    return _mix(moe, backend, y, plan, weights, x, step, then)
+    return _mix(moe, backend, y, plan, weights, x, step)
 
 
-def _mix(moe: MoE, backend: Backend, y, plan, weights, x, step, then):
-    """The experts' outputs y [P, D] weighed and summed per row, plus the shared expert -> [T, D]
-    (then: the residual add and the next norm too)."""
+def _mix(moe: MoE, backend: Backend, y, plan, weights, x, step):
+    """The experts' outputs y [P, D] weighed and summed per row, plus the shared expert -> [T, D]."""
     shared = None if moe.shared is None else shared_expert(moe.shared, x, backend, step)
-    return backend.moe_mix(y, plan, weights, shared, then)
+    return backend.moe_mix(y, plan, weights, shared)
 
 
 def _apply_experts(family: Family, backend: Backend, layout, batch, plan, xa):

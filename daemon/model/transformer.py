@@ -311,11 +311,10 @@ class Transformer:
                     if step.T != routes.shape[1]:
                         routes = B.replay_routes(replay.table, step)
                     chosen = routes[self.moe_layers.index(il)]
-                x, h = moe_forward(layer.ffn, self.family, self.experts, h, B, step, self.trace, chosen,
-                                   then=(x, next_norm, eps))
+                f = moe_forward(layer.ffn, self.family, self.experts, h, B, step, self.trace, chosen)
             else:
                 d = layer.ffn
                 obs = self.ffn_observer
                 f = dense_ffn(d.gate, d.up, d.down, h, B, step,
                               observe=None if obs is None else (lambda a, b, il=il: obs(il, a, b)))
-                x, h = B.add_rms_norm(x, f, next_norm, eps)
+            x, h = B.add_rms_norm(x, f, next_norm, eps)

@@ -144,27 +144,3 @@ def test_experts_compute_each_sequence_as_alone(backend, gate_type, down_type):
             alone = ex.run(backend, x[r0:r1], ids[r0:r1], weights[r0:r1],
                            Step.append([np.zeros(r1 - r0, np.int64)], [c], True))
             assert np.array_equal(together[r0:r1], alone), (counts, s)
-
-
-@pytest.mark.parametrize("with_shared", [False, True], ids=["routed", "shared"])
-def test_mix_then_add_and_norm(backend, with_shared):
-    """moe_mix(..., then=(x, weight, eps)): the bits of moe_mix, add (the shared expert) and
-    add_rms_norm one after another, whether or not the backend fuses them."""
-    rng = np.random.default_rng(6)
-    T, Dm = 3, 48
-    ids = _ids(rng, T)
-    layout = ExpertLayout(E, Dm, Dm, Q.Q8_0, Q.Q8_0, Q.Q8_0)
-    step = Step.append([np.zeros(1, np.int64)] * T, [KVCache(1, 1, 4, 4, 32) for _ in range(T)], True)
-    plan = backend.expert_plan(ids, {e: e for e in range(E)}, layout, step)
-    y = rng.standard_normal((T * A, Dm)).astype(np.float32)
-    weights = rng.uniform(0.1, 1, (T, A)).astype(np.float32)
-    x, shared = rng.standard_normal((2, T, Dm)).astype(np.float32)
-    nw = rng.uniform(0.5, 1.5, Dm).astype(np.float32)
-    sh = shared if with_shared else None
-    mixed = backend.moe_mix(y, plan, weights)
-    if with_shared:
-        mixed = backend.add(mixed, shared)
-    want = [backend.to_host(a) for a in backend.add_rms_norm(x, mixed, nw, 1e-6)]
-    got = [backend.to_host(a) for a in backend.moe_mix(y, plan, weights, sh, then=(x, nw, 1e-6))]
-    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
-    assert R.rel_err(got[0], x + backend.to_host(mixed)) < 1e-6
