@@ -2,7 +2,7 @@
 registers, local memory (stack frame), spills and shared memory per kernel, compiled for a GPU
 target without a GPU.
 
-    python benchmarks/kernel_resources.py [--cc 9.0] [--only attention,rope,gdn,norm,mmvq,mmq,router]
+    python benchmarks/kernel_resources.py [--cc 9.0] [--only attention,flash,rope,gdn,norm,mmvq,mmq,router]
 
 It needs NVVM and ptxas (a CUDA toolkit: CUDA_HOME, or /usr/local/cuda) and NVRTC (numba-cuda
 loads it; on a machine without one, `pip download nvidia-cuda-nvrtc` and put its lib/ folder on
@@ -56,6 +56,12 @@ def cases(only: set[str]):
                    attn._make_partial(G, hb, rt, dh, fuse).py_func, part)
         yield ("attention combine", attn._attn_combine.py_func,
                (f32(3), f32(3), f32(4), i32(1), I32, f32(1), BOOL, f32(3)))
+    if not only or "flash" in only:
+        from daemon.kernels.cuda import flash
+
+        sig = (f32(3), f16(5), f16(5), i32(1), i32(1), i32(2), F32, I32, f32(1), BOOL, f32(3))
+        for G, dh in [(8, 64), (8, 128), (4, 128), (3, 64)]:
+            yield (f"flash attention G{G} Dh{dh} {flash.WARPS} warps", flash._make(G, dh, dh, flash.WARPS).py_func, sig)
     if not only or "rope" in only:
         yield ("q/k norm + RoPE + KV append", rope._norm_rope_qk.py_func,
                (f32(3), f32(3), f32(1), f32(1), BOOL, F32, f32(3), BOOL, f32(3), i32(1), i32(1), f16(5), f16(5), BOOL))
@@ -129,7 +135,7 @@ def ptxas_report(ptx: str, arch: str) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cc", default="9.0", help="compute capability to compile for (9.0: H100, H200)")
-    ap.add_argument("--only", default="", help="comma-separated groups: attention, rope, gdn, norm, mmvq, mmq, router")
+    ap.add_argument("--only", default="", help="comma-separated groups: attention, flash, rope, gdn, norm, mmvq, mmq, router")
     args = ap.parse_args()
     cc = tuple(int(p) for p in args.cc.split("."))
     # device functions compile for the current device's capability: with no GPU, name it

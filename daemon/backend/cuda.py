@@ -49,6 +49,7 @@ from ..kernels.cuda import embed as embed_k
 from ..kernels.cuda import gdn
 from ..kernels.cuda import glu as glu_k
 from ..kernels.cuda import feed as feed_k
+from ..kernels.cuda import flash
 from ..kernels.cuda import mmq, mmvq, norm, rope as rope_k, router as router_k
 from ..kernels.cuda import sample as sample_k
 from ..kernels.cuda.device import SIM, upload
@@ -761,12 +762,44 @@ class CUDABackend:
                                 None if q_norm is None else self._dev(q_norm),
                                 None if k_norm is None else self._dev(k_norm), eps,
                                 append=(v, slots, positions, kc, vc), stream=self.stream)
-        T, H, _ = q.shape
+        T, H, Dh = q.shape
         Dv = vc.shape[4]
         out = self._empty((T, H, Dv), _F32)
-        attn.attention(q, kc, vc, slots, positions, scale, window, None if sinks is None else self._dev(sinks), out,
-                       self._work_for(T, H, pool, Dv), max_cells, one_slot=step.S == 1, stream=self.stream)
+        sinks = None if sinks is None else self._dev(sinks)
+        tiles, runs = self._attention_parts(step, H, kc.shape[2], Dh, Dv)
+        if tiles is not None:
+            flash.attention_flash(q, kc, vc, slots, positions, tiles, scale, window, sinks, out, stream=self.stream)
+        for r0, r1, one_slot in runs:
+            def rows(a, whole=(r0, r1) == (0, T)):  # a decode step's (and its graph's) arrays as they are
+                return a if whole else a[r0:r1]
+
+            attn.attention(rows(q), kc, vc, rows(slots), rows(positions), scale, window, sinks, rows(out),
+                           self._work_for(r1 - r0, H, pool, Dv), max_cells, one_slot=one_slot, stream=self.stream)
         return out
+
+    def _attention_parts(self, step: Step, n_head: int, n_head_kv: int, dh: int, dv: int):
+        """Which rows take the flash kernel (its tiles on the device, or None) and which runs of
+        whole sequences (r0, r1, one sequence) attention.py's kernel; each sequence by its own
+        rows and cells (flash.suits), so its result does not depend on the rest of the step."""
+        if step.one_row_each or not flash.supports(n_head, n_head_kv, dh, dv):
+            return None, [(0, step.T, step.S == 1)]
+        key = ("attention parts", n_head, n_head_kv)
+        parts = step.memo.get(key)
+        if parts is None:
+            offsets = step.offsets
+            rows = np.diff(offsets)
+            take = [flash.suits(int(n), int(p) + 1) for n, p in zip(rows, step.positions[offsets[1:] - 1])]
+            tiles = flash.tiles_of(offsets, flash.rows_per_tile(n_head, n_head_kv), take)
+            runs = []  # maximal runs of sequences that do not take it
+            for s, yes in enumerate(take):
+                if yes:
+                    continue
+                if runs and runs[-1][1] == offsets[s]:
+                    runs[-1] = (runs[-1][0], int(offsets[s + 1]), False)
+                else:
+                    runs.append((int(offsets[s]), int(offsets[s + 1]), True))
+            parts = step.memo[key] = (self.put(tiles) if len(tiles) else None, runs)
+        return parts
 
     def _work_for(self, rows: int, n_head: int, pool: KVPool, dv: int) -> attn.AttentionWork:
         """The attention scratch for `rows` rows over the pool's cells. Calls of up to the pool's

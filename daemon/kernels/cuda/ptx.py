@@ -22,10 +22,18 @@ twins check it, so a layout bug fails in CI rather than as a misaligned-address 
                               k + 16); B: b0 = B[4t:4t+4, g] (k32: b1 at k + 16);
                            C: (c0, c1) = C[g, 2t:2t+2], (c2, c3) = C[g+8, 2t:2t+2].
                          Every lane of the warp must call it.      mma.sync.aligned.m16n8k{32,16}
+    mma_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+                         one warp's f16 tensor-core product D[16, 8] = A[16, 16] . B[16, 8] + C,
+                         float32 accumulation (sm_80+). A register holds 2 halves (low first):
+                         a0 = A[g, 2t:2t+2], a1 = A[g+8, 2t:2t+2], a2, a3 the same at k + 8;
+                         b0 = B[2t:2t+2, g], b1 at k + 8; C and D as the int8 C above.
+                                                  mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32
     ldg_v4(arr, off)     4 x uint32 from 16 bytes at off, read-only path   ld.global.nc.v4.u32
     ldg_u32 / ldg_u16 / ldg_u8(arr, off)   one word, zero-extended to uint32         ld.global.nc.*
     prmt(a, b, sel)      byte permute of the 8 bytes {b:a} (PTX prmt.b32 default mode)
     f16_to_f32(bits)     IEEE half (low 16 bits) -> float32                         cvt.f32.f16
+    pack_f16x2(lo, hi)   two float32 rounded to halves (nearest, ties to even), lo in the low 16
+                         bits                                                  cvt.rn.f16x2.f32
     bits_to_f32(u)       reinterpret the low 32 bits as float32
     round_f16(x)         float32 rounded to the nearest half (ties to even), as float32
     device               decorator: a device function, force-inlined on the GPU
@@ -54,7 +62,7 @@ def _beats(ov, oi, v, i, none):
     index `none` is no candidate."""
     return oi != none and (i == none or ov > v or (ov == v and oi < i))
 
-__all__ = ["SIMULATOR", "dp4a", "mma_k32", "mma_k16", "ldg_v4", "ldg_u32", "ldg_u16", "ldg_u8", "prmt", "f16_to_f32",
+__all__ = ["SIMULATOR", "dp4a", "mma_k32", "mma_k16", "mma_f16", "pack_f16x2", "ldg_v4", "ldg_u32", "ldg_u16", "ldg_u8", "prmt", "f16_to_f32",
            "bits_to_f32", "round_f16", "device", "warp_sum", "warp_max", "warp_argmax"]
 
 
@@ -132,6 +140,38 @@ if not SIMULATOR:
     def mma_k16(typingctx, a0, a1, b0):
         sig = _mma16_typer(a0, a1, b0)
         return None if sig is None else (sig, _mma16_codegen)
+
+    _F32 = ir.FloatType()
+    _F16_MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, "
+                "{$8, $9}, {$10, $11, $12, $13};")
+
+    @intrinsic
+    def mma_f16(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        regs, acc = (a0, a1, a2, a3, b0, b1), (c0, c1, c2, c3)
+        if not all(isinstance(t, types.Integer) for t in regs) or any(t != types.float32 for t in acc):
+            return None
+        ret = types.UniTuple(types.float32, 4)
+
+        def codegen(context, builder, sig, args):
+            vals = [_to_i32(builder, t, v) for t, v in zip(sig.args[:6], args[:6])] + list(args[6:])
+            asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([_F32] * 4), [_I32] * 6 + [_F32] * 4),
+                               _F16_MMA, ",".join(["=f"] * 4 + ["r"] * 6 + ["f"] * 4))
+            res = builder.call(asm, vals)
+            return context.make_tuple(builder, ret, [builder.extract_value(res, i) for i in range(4)])
+
+        return ret(*regs, *acc), codegen
+
+    @intrinsic
+    def pack_f16x2(typingctx, lo, hi):
+        if lo != types.float32 or hi != types.float32:
+            return None
+
+        def codegen(context, builder, sig, args):
+            # cvt.rn.f16x2.f32 d, a, b puts a in the upper half
+            asm = ir.InlineAsm(ir.FunctionType(_I32, [_F32, _F32]), "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f")
+            return builder.call(asm, list(args))
+
+        return types.uint32(lo, hi), codegen
 
     @intrinsic
     def ldg_v4(typingctx, arr, off):
@@ -338,6 +378,37 @@ else:
 
     def mma_k16(a0, a1, b0):
         return _mma_twin(16, (a0, a1), (b0,))
+
+    def _halves(word) -> tuple[float, float]:
+        w = np.uint32(int(word) & 0xFFFFFFFF)
+        h = np.array([w], np.uint32).view(np.float16)
+        return float(h[0]), float(h[1])
+
+    def mma_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """The warp's A [16, 16], B [16, 8] and C [16, 8] rebuilt from every lane's registers;
+        products summed in float64 (the GPU's order and rounding are its own), -> D as float32."""
+        lanes, lane = _exchange(((a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3)))
+        if any(v is None for v in lanes):
+            raise RuntimeError("mma: every lane of the warp must call it")
+        a = np.zeros((16, 16))
+        b = np.zeros((16, 8))
+        c = np.zeros((16, 8))
+        for ln, (ar, br, cr) in enumerate(lanes):
+            g, t = ln >> 2, ln & 3
+            for r, word in enumerate(ar):
+                row, k0 = g + 8 * (r & 1), 2 * t + 8 * (r >> 1)
+                a[row, k0:k0 + 2] = _halves(word)
+            for r, word in enumerate(br):
+                b[2 * t + 8 * r:2 * t + 8 * r + 2, g] = _halves(word)
+            c[g, 2 * t:2 * t + 2] = cr[0], cr[1]
+            c[g + 8, 2 * t:2 * t + 2] = cr[2], cr[3]
+        d = (a @ b + c).astype(np.float32)
+        g, t = lane >> 2, lane & 3
+        return d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1]
+
+    def pack_f16x2(lo, hi):
+        with np.errstate(over="ignore"):  # beyond the largest half: inf, as cvt.rn gives
+            return np.array([lo, hi], np.float32).astype(np.float16).view(np.uint32)[0]
 
     def prmt(a, b, sel):
         src = ((int(b) & 0xFFFFFFFF) << 32) | (int(a) & 0xFFFFFFFF)

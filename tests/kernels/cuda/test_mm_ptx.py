@@ -8,7 +8,8 @@ from numba import cuda
 import pytest
 
 from daemon.kernels.cuda.ptx import (bits_to_f32, dp4a, f16_to_f32, ldg_u8, ldg_u16, ldg_u32,
-                                     ldg_v4, mma_k16, mma_k32, prmt, round_f16, warp_max, warp_sum)
+                                     ldg_v4, mma_f16, mma_k16, mma_k32, pack_f16x2, prmt, round_f16, warp_max,
+                                     warp_sum)
 
 
 @cuda.jit
@@ -160,3 +161,51 @@ def test_tensor_core_mma_is_the_exact_int8_product(k):
     out = np.zeros((tiles, 16, 8), np.int32)
     _mma[tiles, 32](words_a, words_b, k == 32, out)
     np.testing.assert_array_equal(out, np.einsum("wik,wkj->wij", a.astype(np.int64), b.astype(np.int64)))
+
+
+@cuda.jit
+def _mma_half(a, b, c, out):
+    # one warp per 16 x 8 tile: a uint32 [W, 16, 8] (2 halves of a row each), b uint32 [W, 8, 8]
+    # (2 halves of a column each), c, out f32 [W, 16, 8]
+    w = cuda.blockIdx.x
+    lane = cuda.threadIdx.x
+    g = lane >> 2
+    t = lane & 3
+    d = mma_f16(a[w, g, t], a[w, g + 8, t], a[w, g, t + 4], a[w, g + 8, t + 4], b[w, g, t], b[w, g, t + 4],
+                c[w, g, 2 * t], c[w, g, 2 * t + 1], c[w, g + 8, 2 * t], c[w, g + 8, 2 * t + 1])
+    out[w, g, 2 * t] = d[0]
+    out[w, g, 2 * t + 1] = d[1]
+    out[w, g + 8, 2 * t] = d[2]
+    out[w, g + 8, 2 * t + 1] = d[3]
+
+
+def test_f16_tensor_core_mma_is_the_product_plus_c():
+    rng = np.random.default_rng(6)
+    tiles = 3
+    a = rng.standard_normal((tiles, 16, 16)).astype(np.float16)
+    b = rng.standard_normal((tiles, 16, 8)).astype(np.float16)
+    c = rng.standard_normal((tiles, 16, 8)).astype(np.float32)
+    out = np.zeros((tiles, 16, 8), np.float32)
+    _mma_half[tiles, 32](np.ascontiguousarray(a).view(np.uint32), np.ascontiguousarray(b.transpose(0, 2, 1)).view(np.uint32),
+                         c, out)
+    want = np.einsum("wik,wkj->wij", a.astype(np.float64), b.astype(np.float64)) + c
+    # 16 exact products summed in float32 (the GPU's order): a few ulp of sums of magnitude ~10
+    np.testing.assert_allclose(out, want, rtol=0, atol=1e-5)
+
+
+@cuda.jit
+def _pack(x, out):
+    i = cuda.grid(1)
+    if i < out.shape[0]:
+        out[i] = pack_f16x2(x[2 * i], x[2 * i + 1])
+
+
+def test_pack_f16x2_rounds_each_half_to_nearest_even():
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal(64) * 100).astype(np.float32)
+    x[:4] = [1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11, 70000.0, -0.0]  # ties (down, up), overflow to inf, signed zero
+    out = np.zeros(32, np.uint32)
+    _pack[1, 32](x, out)
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16)
+    np.testing.assert_array_equal(out.view(np.uint16), want.view(np.uint16))
