@@ -33,7 +33,7 @@ from . import mmq_mma, mmvq
 from .launch import launch
 from .mmq_mma import Shape
 from .mmq_stage import BK, K_MULTIPLE, MMQ_TYPES, stagers
-from .ptx import SIMULATOR, dp4a
+from .ptx import SIMULATOR, dp4a, warp_barrier, warp_match
 from .vecdot import FLOAT_ACT
 
 _G = BK // 16  # 16-value groups a K step
@@ -118,60 +118,82 @@ def _build(qtype: int, bm: int, bn: int, ids_mode: bool, has_bias: bool, host: b
     return kernel, nthreads, bm, bn
 
 
-_GROUP_THREADS = 1024
-_STAGED_IDS = 16384  # ids staged in shared memory as int16 (32 KB); more stay in global memory
+_MAX_EXPERTS = 1024
+_GROUP_THREADS = 512  # 16 warps (at 122 registers a thread: 1024 would not fit an SM)
+_HIST_WORDS = 8192  # shared [warps walking pairs, E] counts (32 KB)
+_SIM_GROUP_THREADS = 64  # two warps (the simulator runs each thread in Python)
 
 
 @cuda.jit
 def _group_kernel(ids, n_pairs, n_expert, pairs, starts):
     # ids int32 [P] (the [T, A] ids, flat) -> pairs int32 [P]: the pair indices grouped by
-    # expert, increasing within a group; starts int32 [E+1]. One block. Thread (e, s) owns
-    # expert e in segment s of the pairs: it counts them, and after a prefix over (e, s) in
-    # pair order writes them, so the order never depends on timing (no atomics).
-    staged = cuda.shared.array(_STAGED_IDS, np.int16)
-    counts = cuda.shared.array(_GROUP_THREADS, np.int32)  # [segment, expert]
-    totals = cuda.shared.array(_GROUP_THREADS, np.int32)  # [expert]
+    # expert, increasing within a group; starts int32 [E+1]. One block. Warp w < W walks
+    # segment w of the pairs 32 at a time: lanes of one expert find each other (match.any),
+    # the lowest adds their count to hist[w, e]; after a prefix over (e, w) in pair order, a
+    # second walk writes each pair at its warp's next place plus its rank among its lanes. So
+    # the order never depends on timing (no atomics). Ids outside 0..E-1 are left out.
+    hist = cuda.shared.array(_HIST_WORDS, np.int32)  # [W, E]
+    totals = cuda.shared.array(_MAX_EXPERTS, np.int32)  # [E]
+    part = cuda.shared.array(32, np.int32)  # experts' totals, summed per lane's range
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
-    n_seg = max(1, nthreads // n_expert)
-    seg_len = (n_pairs + n_seg - 1) // n_seg
-    small = n_pairs <= _STAGED_IDS
-    if small:
-        for p in range(tid, n_pairs, nthreads):
-            staged[p] = np.int16(ids[p])  # expert ids < 1024
+    warp = tid // 32
+    lane = tid - 32 * warp
+    n_walk = min(nthreads // 32, _HIST_WORDS // n_expert)
+    seg = (n_pairs + n_walk - 1) // n_walk
+    seg = (seg + 31) // 32 * 32
+    below = (np.uint32(1) << np.uint32(lane)) - np.uint32(1)  # the lanes before this one
+    for i in range(tid, n_walk * n_expert, nthreads):
+        hist[i] = 0
     cuda.syncthreads()
-    for ts in range(tid, n_seg * n_expert, nthreads):
-        s = ts // n_expert
-        e = ts - s * n_expert
-        c = 0
-        for p in range(s * seg_len, min(n_pairs, (s + 1) * seg_len)):
-            if (staged[p] if small else ids[p]) == e:
-                c += 1
-        counts[ts] = c
-    cuda.syncthreads()
-    for e in range(tid, n_expert, nthreads):  # where each segment of e starts, relative to e
-        total = 0
-        for s in range(n_seg):
-            c = counts[s * n_expert + e]
-            counts[s * n_expert + e] = total
-            total += c
-        totals[e] = total
-    cuda.syncthreads()
-    if tid == 0:
-        total = 0
-        for e in range(n_expert):
-            starts[e] = total
-            total += totals[e]
-        starts[n_expert] = total
-    cuda.syncthreads()
-    for ts in range(tid, n_seg * n_expert, nthreads):
-        s = ts // n_expert
-        e = ts - s * n_expert
-        o = starts[e] + counts[ts]
-        for p in range(s * seg_len, min(n_pairs, (s + 1) * seg_len)):
-            if (staged[p] if small else ids[p]) == e:
-                pairs[o] = p
-                o += 1
+    for second in range(2):
+        lo = warp * seg
+        for base in range(0, seg, 32):  # every warp the same trips: the barriers need all threads
+            p = lo + base + lane
+            e = np.int32(-1)
+            if warp < n_walk and p < n_pairs:
+                e = ids[p]
+                if e < 0 or e >= n_expert:
+                    e = np.int32(-1)
+            peers = warp_match(e)
+            at = warp * n_expert + e
+            if second and e >= 0:
+                pairs[hist[at] + cuda.popc(peers & below)] = p
+            warp_barrier()  # every lane has read hist[at] before its leader moves it
+            if e >= 0 and (peers & below) == 0:
+                hist[at] += cuda.popc(peers)
+            warp_barrier()
+        cuda.syncthreads()
+        if second:
+            break
+        for e in range(tid, n_expert, nthreads):  # where each warp's pairs of e start, relative to e
+            total = 0
+            for w in range(n_walk):
+                c = hist[w * n_expert + e]
+                hist[w * n_expert + e] = total
+                total += c
+            totals[e] = total
+        cuda.syncthreads()
+        span = (n_expert + 31) // 32  # the experts' exclusive prefix: 32 threads, a range each
+        if tid < 32:
+            total = 0
+            for e in range(tid * span, min(n_expert, tid * span + span)):
+                total += totals[e]
+            part[tid] = total
+        cuda.syncthreads()
+        if tid < 32:
+            total = 0
+            for i in range(tid):
+                total += part[i]
+            for e in range(tid * span, min(n_expert, tid * span + span)):
+                starts[e] = total
+                total += totals[e]
+            if tid == 31:
+                starts[n_expert] = total
+        cuda.syncthreads()
+        for i in range(tid, n_walk * n_expert, nthreads):  # absolute places
+            hist[i] += starts[i % n_expert]  # (written before the barrier: visible to the block)
+        cuda.syncthreads()
 
 
 class Groups(NamedTuple):
@@ -191,9 +213,9 @@ def group_by_expert(ids, n_expert: int, out: Groups | None = None, stream=0) -> 
     elif out.n_expert != n_expert or out.pairs.shape[0] < t * a:
         raise ValueError(f"group buffers for {out.n_expert} experts and {out.pairs.shape[0]} "
                          f"pairs cannot hold {n_expert} experts and {t * a} pairs")
-    if not 0 < n_expert <= _GROUP_THREADS:
-        raise UnsupportedError(f"grouping supports up to {_GROUP_THREADS} experts, got {n_expert}")
-    launch(_group_kernel, 1, 32 if SIMULATOR else _GROUP_THREADS, stream,
+    if not 0 < n_expert <= _MAX_EXPERTS:
+        raise UnsupportedError(f"grouping supports up to {_MAX_EXPERTS} experts, got {n_expert}")
+    launch(_group_kernel, 1, _SIM_GROUP_THREADS if SIMULATOR else _GROUP_THREADS, stream,
         ids.reshape(t * a), t * a, n_expert, out.pairs, out.starts)
     return out
 

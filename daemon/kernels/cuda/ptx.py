@@ -41,6 +41,10 @@ twins check it, so a layout bug fails in CI rather than as a misaligned-address 
                          butterfly reduction over aligned groups of `width` lanes (a power of 2
                          <= 32); every lane of the group gets the result. All threads of the
                          block must call it (the twin exchanges through the block).
+    warp_match(v)        the mask of the warp's lanes whose v equals this lane's (every lane calls it)
+                                                                            match.any.sync.b32
+    warp_barrier()       the warp's lanes meet, and see each other's shared-memory writes: every
+                         thread of the block must call it (the twin is a block barrier)
     warp_argmax(v, i, none)
                          (value, index) of the warp's largest value, the lowest index among
                          equals; index `none` marks a lane with no candidate. Every lane gets it.
@@ -63,7 +67,8 @@ def _beats(ov, oi, v, i, none):
     return oi != none and (i == none or ov > v or (ov == v and oi < i))
 
 __all__ = ["SIMULATOR", "dp4a", "mma_k32", "mma_k16", "mma_f16", "pack_f16x2", "ldg_v4", "ldg_u32", "ldg_u16", "ldg_u8", "prmt", "f16_to_f32",
-           "bits_to_f32", "round_f16", "device", "warp_sum", "warp_max", "warp_argmax"]
+           "bits_to_f32", "round_f16", "device", "warp_sum", "warp_max", "warp_argmax",
+           "warp_match", "warp_barrier"]
 
 
 if not SIMULATOR:
@@ -285,6 +290,14 @@ if not SIMULATOR:
         return v
 
     @device
+    def warp_match(v):
+        return cuda.match_any_sync(0xFFFFFFFF, v)
+
+    @device
+    def warp_barrier():
+        cuda.syncwarp(0xFFFFFFFF)
+
+    @device
     def warp_argmax(v, i, none):
         off = 16
         while off > 0:
@@ -461,6 +474,13 @@ else:
 
     def warp_max(v, width):
         return _butterfly(v, width, max)
+
+    def warp_match(v):
+        lanes, _ = _exchange(v)
+        return np.uint32(sum(1 << i for i, x in enumerate(lanes) if x == v))
+
+    def warp_barrier():
+        threading.current_thread().syncthreads()
 
     def warp_argmax(v, i, none):
         def pick(x, y):
