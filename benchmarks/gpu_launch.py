@@ -3,9 +3,10 @@
     python benchmarks/gpu_launch.py [--n 2000]
 
 Per call, in microseconds of host time (median of 5 rounds of --n calls; the GPU is kept ahead
-by the queue, so the wall time of a round is the host's): a launch of RMSNorm (4 arguments) and
-of the expert GEMV (17 arguments) through numba's dispatcher and through launch.py's cached
-cuda.core path; a cuda.device_array allocation, a slice and a reshape of a device array, and
+by the queue, so the wall time of a round is the host's): a launch of RMSNorm (4 arguments), of
+the expert GEMV (17 arguments) and of the tiled expert matmul (16 arguments, 106 parameters once
+flattened; small shapes, so the GPU keeps up) through numba's dispatcher and through launch.py's
+fast path; a cuda.device_array allocation, a slice and a reshape of a device array, and
 the same through the backend's pooled op arrays (daemon/backend/cuda_arrays.py); an event record. Prints a table, and checks first that both launch paths give the same bits.
 """
 
@@ -62,6 +63,16 @@ def main() -> None:
     slot_of = cuda.to_device(np.arange(E, dtype=np.int32))
     gout = cuda.device_array((T, A, F), np.float32)
     sync = stream.synchronize
+    from daemon.kernels.cuda import mmq
+
+    Tt, Dt, Et, Ft = 32, 256, 4, 64  # the tiled matmul: a few microseconds of GPU a launch
+    raw_t = quantize(rng.standard_normal((Et * Ft, Dt)).astype(np.float32), GGMLQuantizationType.Q8_0)
+    stack_t = cuda.to_device(repack(raw_t, Q8_0).reshape(Et, Ft, -1))
+    q8_t = mmvq.Q8(*quantize_q8_1(cuda.to_device(rng.standard_normal((Tt, Dt)).astype(np.float32)), stream=stream))
+    ids_t = cuda.to_device(np.stack([rng.permutation(Et)[:2] for _ in range(Tt)]).astype(np.int32))
+    slots_t = cuda.to_device(np.arange(Et, dtype=np.int32))
+    groups_t = mmq.group_by_expert(ids_t, Et, stream=stream)
+    tout = cuda.device_array((Tt, 2, Ft), np.float32)
 
     def rms():
         norm.rms_norm(x, w, 1e-6, out, stream=stream)
@@ -69,13 +80,17 @@ def main() -> None:
     def gemv():
         mmvq.mul_mat_vec_ids(stack, Q8_0, D, q8, ids, slot_of, out=gout, stream=stream)
 
+    def tiled():
+        mmq.mul_mat_q_ids(stack_t, Q8_0, Dt, q8_t, ids_t, slots_t, groups_t, out=tout, stream=stream)
+
     results = {}
     for mode in ("dispatcher", "fast"):
         launch.FAST = mode == "fast"
-        rms(), gemv(), sync()
-        results[mode] = (out.copy_to_host(), gout.copy_to_host())
+        rms(), gemv(), tiled(), sync()
+        results[mode] = (out.copy_to_host(), gout.copy_to_host(), tout.copy_to_host())
         results[f"rms_norm launch, {mode}"] = per_call_us(rms, args.n, sync)
         results[f"expert GEMV launch (17 args), {mode}"] = per_call_us(gemv, args.n, sync)
+        results[f"tiled expert matmul launch (16 args), {mode}"] = per_call_us(tiled, args.n, sync)
     launch.FAST = True
     same = all(np.array_equal(a, b) for a, b in zip(results.pop("dispatcher"), results.pop("fast")))
     print(f"fast and dispatcher launches give the same bits: {same}")

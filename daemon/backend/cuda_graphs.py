@@ -34,7 +34,6 @@ from collections import OrderedDict
 
 from numba import cuda
 
-from ..kernels.cuda.launch import forget_stream
 
 log = logging.getLogger("moed.device")
 
@@ -79,7 +78,6 @@ class _StreamOwner:
 
     def __del__(self):
         try:
-            forget_stream(self.handle)
             _drv().cuStreamDestroy(self.handle)
         except Exception:  # noqa: BLE001  (interpreter shutdown)
             pass

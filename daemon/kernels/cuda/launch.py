@@ -6,12 +6,16 @@ builds a LaunchConfig, at every launch. Eager steps (prefill, and any step that 
 to the host) launch ~17 kernels a layer, so that cost, not the GPU, set their pace.
 
 Here each (kernel, argument signature) is resolved once: the dispatcher compiles (or finds) the
-overload, and we keep its cuda.core Kernel and one converter per argument. A launch then flattens
-the arguments the way numba's kernel ABI lays them out (as `_Kernel._prepare_args` does: an array
-is meminfo, parent, size, itemsize, data pointer, shape..., strides...; scalars as the C type the
-kernel was compiled for) and calls cuda.core's `launch` with a LaunchConfig and a cuda.core Stream
-made once. The same kernel runs on the same bytes, so results are the same bits; a capture sees an
-ordinary cuLaunchKernel on the capturing stream.
+overload, and we keep its kernel handle and the layout of its parameters as numba's kernel ABI
+lays them out (as `_Kernel._prepare_args` does: an array is meminfo, parent, size, itemsize, data
+pointer, shape..., strides..., 8 bytes each; scalars as the C type the kernel was compiled for):
+a `struct.Struct`, a buffer it packs into and the array of pointers into that buffer that
+cuLaunchKernel takes (the driver copies the values at the call, so the buffer is reused). A launch
+is then one `pack_into` of the flattened arguments and one cuLaunchKernel; a tiled prefill matmul
+has ~100 parameters, which cuda.core's `launch` converted one by one at every launch. The same
+kernel runs on the same bytes, so results are the same bits; a capture sees an ordinary
+cuLaunchKernel on the capturing stream. A failed launch raises numba's CudaAPIError (the backend
+turns it into a DeviceError).
 
 Resolving compiles, and compiling a prefill's kernels takes seconds, so what it yields (the cubin
 and its entry name) is also kept on disk (kernel_cache.py): a new process loads the cubin with
@@ -26,6 +30,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import struct
+import threading
 import time
 
 from . import kernel_cache
@@ -35,10 +41,10 @@ log = logging.getLogger(__name__)
 
 FAST = True  # False: every launch through numba's dispatcher (benchmarks/gpu_launch.py compares)
 
-_SIGS: dict = {}  # (kernel, argument key) -> (cuda.core Kernel, converters)
-_CONFIGS: dict = {}  # (grid, block) -> cuda.core LaunchConfig (prefill grids vary: bounded)
-_MAX_CONFIGS = 4096
-_STREAMS: dict = {}  # stream handle -> cuda.core Stream (not owning: the backend owns its stream)
+_SIGS: dict = {}  # (kernel, argument key) -> _Signature
+_DIMS: dict = {}  # (grid, block) -> (gx, gy, gz, bx, by, bz) (prefill grids vary: bounded)
+_MAX_DIMS = 4096
+_LOCK = threading.Lock()  # a signature's one parameter buffer, packed and launched by one thread at a time
 COUNTS = {"compiled": 0, "cached": 0}  # fast-path overloads compiled here vs loaded from the disk cache
 RECORD: list[str] | None = None  # a list: each launch appends its kernel's name (launches a step, tests)
 
@@ -53,15 +59,60 @@ def launch(kernel, grid, block, stream, *args) -> None:
     key = (kernel, *map(_arg_key, args))
     sig = _SIGS.get(key)
     if sig is None:
-        sig = _SIGS[key] = _resolve(kernel, args)
-    core_kernel, converters = sig
+        sig = _SIGS[key] = _Signature(*_resolve(kernel, args))
     flat = []
-    for conv, a in zip(converters, args):
-        if conv is None:  # a device array
+    for code, a in zip(sig.codes, args):
+        if code is None:  # a device array
             flat += (0, 0, a.size, a.dtype.itemsize, int(a.gpu_data.device_pointer), *a.shape, *a.strides)
         else:
-            flat.append(conv(a))
-    _core.launch(_stream(stream), _config(grid, block), core_kernel, *flat)
+            flat.append(a)
+    dims = _DIMS.get((grid, block)) or _dims(grid, block)
+    with _LOCK:
+        sig.params.pack_into(sig.buf, 0, *flat)
+        err, = _driver().cuLaunchKernel(sig.func, *dims, 0, int(stream.handle), sig.pointers, 0)
+    if err:
+        _raise(err)
+
+
+class _Signature:
+    """One overload's launch: its kernel handle, each argument's struct code (None: an array),
+    and the packed parameter buffer with the pointers into it that cuLaunchKernel reads."""
+
+    def __init__(self, core_kernel, codes: tuple, ndims: tuple):
+        self.codes = codes
+        self.func = _driver().CUfunction(int(core_kernel.handle))  # a CUkernel launches as one
+        fields = []  # the flattened parameters' struct codes
+        for code, ndim in zip(codes, ndims):
+            fields += ["q"] * (5 + 2 * ndim) if code is None else [code]
+        fmt, offsets, at = "=", [], 0
+        for f in fields:
+            size = struct.calcsize("=" + f)
+            pad = -at % size  # each value at its natural alignment
+            fmt += "x" * pad + f
+            offsets.append(at + pad)
+            at += pad + size
+        self.params = struct.Struct(fmt)
+        self.buf = ctypes.create_string_buffer(max(at, 1))
+        base = ctypes.addressof(self.buf)
+        self._array = (ctypes.c_void_p * max(len(offsets), 1))(*(base + o for o in offsets))
+        self.pointers = ctypes.addressof(self._array)
+
+
+def _dims(grid, block) -> tuple:
+    if len(_DIMS) >= _MAX_DIMS:  # a long-lived daemon sees every prompt length
+        _DIMS.clear()
+    g = (grid, 1, 1) if isinstance(grid, int) else (*grid, 1, 1)[:3]
+    b = (block, 1, 1) if isinstance(block, int) else (*block, 1, 1)[:3]
+    dims = _DIMS[(grid, block)] = tuple(int(v) for v in (*g, *b))
+    return dims
+
+
+def _raise(err) -> None:
+    from numba.cuda.cudadrv.driver import CudaAPIError
+
+    drv = _driver()
+    _, name = drv.cuGetErrorName(err)
+    raise CudaAPIError(int(err), f"cuLaunchKernel: {name.decode() if isinstance(name, bytes) else name}")
 
 
 def _arg_key(a):
@@ -91,42 +142,48 @@ def _c_contiguous(shape, strides, itemsize) -> bool:
 
 
 def _resolve(kernel, args):
-    """The overload the dispatcher would launch for these arguments, and how to pass each one:
-    from the disk cache when it holds this (kernel, argument types, device), else compiled (and
-    stored)."""
+    """The overload the dispatcher would launch for these arguments, each argument's struct code
+    and each array's rank: from the disk cache when it holds this (kernel, argument types,
+    device), else compiled (and stored)."""
     argtypes = tuple(kernel.typeof_pyval(a) for a in args)
-    converters = _converters(argtypes)
+    codes = _codes(argtypes)
+    ndims = tuple(getattr(ty, "ndim", 0) for ty in argtypes)
     cached = _disk.load(kernel, argtypes)
     if cached is not None:
         COUNTS["cached"] += 1
-        return cached, converters
+        return cached, codes, ndims
     t0 = time.perf_counter()
     overload = kernel.compile(argtypes)
     COUNTS["compiled"] += 1
     log.debug("compiled %s in %.2f s", getattr(kernel, "__name__", kernel), time.perf_counter() - t0)
     _disk.store(kernel, argtypes, overload)
-    return overload._codelibrary.get_cufunc().kernel, converters  # noqa: SLF001
+    return overload._codelibrary.get_cufunc().kernel, codes, ndims  # noqa: SLF001
 
 
-def _converters(argtypes) -> tuple:
-    """Per argument: None for an array (flattened in launch), else the C type of the scalar."""
+_INT_CODES = {(8, True): "b", (8, False): "B", (16, True): "h", (16, False): "H", (32, True): "i", (32, False): "I",
+              (64, True): "q", (64, False): "Q"}
+
+
+def _codes(argtypes) -> tuple:
+    """Per argument: None for an array (flattened in launch), else the struct code of the
+    scalar's C type."""
     from numba.cuda import types
 
-    converters = []
+    codes = []
     for ty in argtypes:
         if isinstance(ty, types.Array):
-            converters.append(None)
+            codes.append(None)
         elif isinstance(ty, types.Boolean):
-            converters.append(bool)
+            codes.append("?")
         elif isinstance(ty, types.Integer):
-            converters.append(getattr(ctypes, f"c_{ty}"))
+            codes.append(_INT_CODES[(ty.bitwidth, ty.signed)])
         elif ty == types.float32:
-            converters.append(ctypes.c_float)
+            codes.append("f")
         elif ty == types.float64:
-            converters.append(ctypes.c_double)
+            codes.append("d")
         else:
             raise TypeError(f"launch: no fast path for a {ty} argument (use the dispatcher)")
-    return tuple(converters)
+    return tuple(codes)
 
 
 class _DiskCache:
@@ -198,40 +255,29 @@ class _DiskCache:
 _disk = _DiskCache()
 
 
-def _config(grid, block):
-    key = (grid, block)
-    cfg = _CONFIGS.get(key)
-    if cfg is None:
-        if len(_CONFIGS) >= _MAX_CONFIGS:  # a long-lived daemon sees every prompt length
-            _CONFIGS.clear()
-        cfg = _CONFIGS[key] = _core.LaunchConfig(grid=grid, block=block)
-    return cfg
+_drv_module = None
 
 
-def _stream(stream):
-    handle = int(stream.handle)
-    s = _STREAMS.get(handle)
-    if s is None:
-        s = _STREAMS[handle] = _core.Stream.from_handle(handle)
-    return s
+def _driver():
+    """cuda.bindings' driver, imported on the first fast launch (the simulator never needs it)."""
+    global _drv_module
+    if _drv_module is None:
+        from cuda.bindings import driver
 
-
-def forget_stream(handle) -> None:
-    """Drop the cuda.core wrapper of a stream handle about to be destroyed (it may be reused)."""
-    _STREAMS.pop(int(handle), None)
+        _drv_module = driver
+    return _drv_module
 
 
 class _Core:
-    """cuda.core, imported on the first fast launch (the simulator never needs it)."""
+    """cuda.core (its ObjectCode loads cached cubins), imported on first use."""
 
     def __getattr__(self, name):
         import cuda.core as core
 
-        for n in ("launch", "LaunchConfig", "Stream", "ObjectCode"):
-            setattr(self, n, getattr(core, n))
+        self.ObjectCode = core.ObjectCode
         return getattr(core, name)
 
 
 _core = _Core()
 
-__all__ = ["launch", "COUNTS", "FAST", "forget_stream"]
+__all__ = ["launch", "COUNTS", "FAST"]

@@ -4,7 +4,6 @@ No GPU: kernels, overloads and cuda.core are fakes with the attributes the code 
 cross-process check imports the real kernel modules in subprocesses (numba-cuda without the
 simulator builds dispatchers without a driver; nothing compiles)."""
 
-import ctypes
 import logging
 import os
 import shutil
@@ -325,20 +324,20 @@ def test_second_process_loads_instead_of_compiling(tmp_path, monkeypatch):
     args = (3, 1.5, True)
     _fresh_process(monkeypatch, env)
     first = FakeKernel(_kernel_for_launch)
-    got, conv = launch_mod._resolve(first, args)
+    got, conv, ndims = launch_mod._resolve(first, args)
     assert got == ("compiled", "_kernel_for_launch") and first.compiles == 1
-    assert conv == (ctypes.c_int64, ctypes.c_double, bool)
+    assert conv == ("q", "d", "?") and ndims == (0, 0, 0)
     assert launch_mod.COUNTS == {"compiled": 1, "cached": 0}
     assert len(list((tmp_path / "k").iterdir())) == 1
 
     _fresh_process(monkeypatch, env)
     second = FakeKernel(_kernel_for_launch)  # the same kernel, rebuilt
-    got, conv2 = launch_mod._resolve(second, args)
+    got, conv2, _ = launch_mod._resolve(second, args)
     assert got == ("loaded", b"cubin of _kernel_for_launch", "_Z18_kernel_for_launch")
     assert second.compiles == 0 and conv2 == conv
     assert launch_mod.COUNTS == {"compiled": 0, "cached": 1}
 
-    got, _ = launch_mod._resolve(second, (3, 2, True))  # other argument types: another overload
+    got = launch_mod._resolve(second, (3, 2, True))[0]  # other argument types: another overload
     assert got[0] == "compiled" and second.compiles == 1
 
     monkeypatch.setitem(CC, "now", (8, 9))  # another GPU: its own entries
