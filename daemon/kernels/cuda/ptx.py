@@ -66,9 +66,9 @@ def _beats(ov, oi, v, i, none):
     index `none` is no candidate."""
     return oi != none and (i == none or ov > v or (ov == v and oi < i))
 
-__all__ = ["SIMULATOR", "dp4a", "mma_k32", "mma_k16", "mma_f16", "pack_f16x2", "ldg_v4", "ldg_u32", "ldg_u16", "ldg_u8", "prmt", "f16_to_f32",
-           "bits_to_f32", "round_f16", "device", "warp_sum", "warp_max", "warp_argmax",
-           "warp_match", "warp_barrier"]
+__all__ = ["SIMULATOR", "dp4a", "mma_k32", "mma_k16", "mma_f16", "pack_f16x2", "ldg_v4", "ldg_u32", "ldg_u16",
+           "ldg_u8", "prmt", "f16_to_f32", "bits_to_f32", "round_f16", "device", "warp_sum", "warp_max",
+           "warp_argmax", "warp_match", "warp_barrier"]
 
 
 if not SIMULATOR:

@@ -186,8 +186,9 @@ def test_f16_tensor_core_mma_is_the_product_plus_c():
     b = rng.standard_normal((tiles, 16, 8)).astype(np.float16)
     c = rng.standard_normal((tiles, 16, 8)).astype(np.float32)
     out = np.zeros((tiles, 16, 8), np.float32)
-    _mma_half[tiles, 32](np.ascontiguousarray(a).view(np.uint32), np.ascontiguousarray(b.transpose(0, 2, 1)).view(np.uint32),
-                         c, out)
+    words_a = np.ascontiguousarray(a).view(np.uint32)  # [W, 16, 8]: row-major k
+    words_b = np.ascontiguousarray(b.transpose(0, 2, 1)).view(np.uint32)  # [W, 8, 8]: k of a column
+    _mma_half[tiles, 32](words_a, words_b, c, out)
     want = np.einsum("wik,wkj->wij", a.astype(np.float64), b.astype(np.float64)) + c
     # 16 exact products summed in float32 (the GPU's order): a few ulp of sums of magnitude ~10
     np.testing.assert_allclose(out, want, rtol=0, atol=1e-5)
