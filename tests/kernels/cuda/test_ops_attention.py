@@ -6,7 +6,8 @@ import pytest
 from numba import cuda
 
 from daemon.errors import UnsupportedError
-from daemon.kernels.cuda.attention import CHUNK, KV_BLOCK, AttentionWork, attention, kv_append, new_kv_cache
+from daemon.kernels.cuda.attention import CHUNK, KV_BLOCK, AttentionWork, attention, new_kv_cache
+from tests.kernels.cuda.kv_cells import blocks, filled_cache
 
 # three chunks (whole blocks of cells); Dv != Dh; two 16-byte key loads a cell
 S, HKV, G, DH, DV, C = 3, 2, 2, 16, 6, 2 * CHUNK + 2 * KV_BLOCK
@@ -31,34 +32,15 @@ def _ref(q, kc, vc, slots, positions, scale, window, sinks):
     return out
 
 
-def _blocks(cells: np.ndarray) -> np.ndarray:
-    """[C, S, Hkv, D] per cell -> the device layout [C / B, S, Hkv, B, D]."""
-    c, s, h, d = cells.shape
-    return np.ascontiguousarray(cells.reshape(c // KV_BLOCK, KV_BLOCK, s, h, d).transpose(0, 2, 3, 1, 4))
-
-
 def _setup(rng, slots, positions):
-    """A cache full of random f16 values (so a read outside the visible cells changes the result),
-    then the rows' new keys/values appended at their positions. -> host copies and device arrays"""
-    kc = rng.standard_normal((C, S, HKV, DH)).astype(np.float16)
-    vc = rng.standard_normal((C, S, HKV, DV)).astype(np.float16)
-    R = len(slots)
-    k_new = rng.standard_normal((R, HKV, DH)).astype(np.float32)
-    v_new = rng.standard_normal((R, HKV, DV)).astype(np.float32)
-    dk, dv = cuda.to_device(_blocks(kc)), cuda.to_device(_blocks(vc))
-    ds, dp = cuda.to_device(np.array(slots, np.int32)), cuda.to_device(np.array(positions, np.int32))
-    kv_append(cuda.to_device(k_new), cuda.to_device(v_new), ds, dp, dk, dv)
-    for r, (s, p) in enumerate(zip(slots, positions)):
-        kc[p, s] = k_new[r].astype(np.float16)
-        vc[p, s] = v_new[r].astype(np.float16)
-    return kc, vc, dk, dv, ds, dp
+    return filled_cache(rng, (C, S, HKV, DH, DV), slots, positions)
 
 
 def test_kv_append_writes_only_its_cells():
     rng = np.random.default_rng(0)
     slots, positions = [2, 0, 2], [0, CHUNK + 3, 7]
     kc, vc, dk, dv, _, _ = _setup(rng, slots, positions)
-    assert np.array_equal(dk.copy_to_host(), _blocks(kc)) and np.array_equal(dv.copy_to_host(), _blocks(vc))
+    assert np.array_equal(dk.copy_to_host(), blocks(kc)) and np.array_equal(dv.copy_to_host(), blocks(vc))
 
 
 # one chunk / three chunks, windows inside one chunk and across a chunk boundary, with and without sinks

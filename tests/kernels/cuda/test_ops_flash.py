@@ -6,8 +6,9 @@ import pytest
 from numba import cuda
 
 from daemon.errors import UnsupportedError
-from daemon.kernels.cuda.attention import KV_BLOCK, kv_append
+from daemon.kernels.cuda.attention import KV_BLOCK
 from daemon.kernels.cuda.flash import NK, attention_flash, rows_per_tile, suits, supports, tiles_of
+from tests.kernels.cuda.kv_cells import filled_cache
 
 # G = 3: a tile's pairs do not fill the mma rows (a padding pair); cells: a step and part of a second.
 # Small, because the simulator runs every thread in Python (each mma is a barrier of its warp).
@@ -16,27 +17,8 @@ H = HKV * G
 C = NK + 2 * KV_BLOCK
 
 
-def _blocks(cells: np.ndarray) -> np.ndarray:
-    """[C, S, Hkv, D] per cell -> the device layout [C / B, S, Hkv, B, D]."""
-    c, s, h, d = cells.shape
-    return np.ascontiguousarray(cells.reshape(c // KV_BLOCK, KV_BLOCK, s, h, d).transpose(0, 2, 3, 1, 4))
-
-
 def _setup(rng, slots, positions):
-    """Random f16 cells everywhere (a read outside the visible cells changes the result), the rows'
-    keys and values appended. -> host cell values, device caches, slots, positions"""
-    kc = rng.standard_normal((C, S, HKV, DH)).astype(np.float16)
-    vc = rng.standard_normal((C, S, HKV, DV)).astype(np.float16)
-    R = len(slots)
-    k_new = rng.standard_normal((R, HKV, DH)).astype(np.float32)
-    v_new = rng.standard_normal((R, HKV, DV)).astype(np.float32)
-    dk, dv = cuda.to_device(_blocks(kc)), cuda.to_device(_blocks(vc))
-    ds, dp = cuda.to_device(np.array(slots, np.int32)), cuda.to_device(np.array(positions, np.int32))
-    kv_append(cuda.to_device(k_new), cuda.to_device(v_new), ds, dp, dk, dv)
-    for r, (s, p) in enumerate(zip(slots, positions)):
-        kc[p, s] = k_new[r].astype(np.float16)
-        vc[p, s] = v_new[r].astype(np.float16)
-    return kc, vc, dk, dv, ds, dp
+    return filled_cache(rng, (C, S, HKV, DH, DV), slots, positions)
 
 
 def _ref(q, kc, vc, slots, positions, scale, window, sinks):
