@@ -34,32 +34,11 @@ from collections import OrderedDict
 
 from numba import cuda
 
+from ..kernels.cuda.driver import check as _check, drv as _drv  # noqa: F401  (the backend modules import these names)
+
 
 log = logging.getLogger("moed.device")
 
-
-_driver = None
-
-
-def _drv():
-    global _driver
-    if _driver is None:  # imported on first use: the simulator has no driver
-        from cuda.bindings import driver
-
-        _driver = driver
-    return _driver
-
-
-def _check(result):
-    """cuda.bindings returns (CUresult, values...): raise a CUDA error on failure, else the values."""
-    err, *rest = result if isinstance(result, tuple) else (result,)
-    drv = _drv()
-    if err != drv.CUresult.CUDA_SUCCESS:
-        from numba.cuda.cudadrv.driver import CudaAPIError
-
-        _, name = drv.cuGetErrorName(err)
-        raise CudaAPIError(int(err), name.decode() if isinstance(name, bytes) else str(name))
-    return rest[0] if len(rest) == 1 else tuple(rest)
 
 
 def nonblocking_stream():

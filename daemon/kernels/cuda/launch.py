@@ -35,6 +35,7 @@ import threading
 import time
 
 from . import kernel_cache
+from .driver import check, drv
 from .ptx import SIMULATOR
 
 log = logging.getLogger(__name__)
@@ -69,9 +70,9 @@ def launch(kernel, grid, block, stream, *args) -> None:
     dims = _DIMS.get((grid, block)) or _dims(grid, block)
     with _LOCK:
         sig.params.pack_into(sig.buf, 0, *flat)
-        err, = _driver().cuLaunchKernel(sig.func, *dims, 0, int(stream.handle), sig.pointers, 0)
+        err, = drv().cuLaunchKernel(sig.func, *dims, 0, int(stream.handle), sig.pointers, 0)
     if err:
-        _raise(err)
+        check((err,))
 
 
 class _Signature:
@@ -80,7 +81,7 @@ class _Signature:
 
     def __init__(self, core_kernel, codes: tuple, ndims: tuple):
         self.codes = codes
-        self.func = _driver().CUfunction(int(core_kernel.handle))  # a CUkernel launches as one
+        self.func = drv().CUfunction(int(core_kernel.handle))  # a CUkernel launches as one
         fields = []  # the flattened parameters' struct codes
         for code, ndim in zip(codes, ndims):
             fields += ["q"] * (5 + 2 * ndim) if code is None else [code]
@@ -105,14 +106,6 @@ def _dims(grid, block) -> tuple:
     b = (block, 1, 1) if isinstance(block, int) else (*block, 1, 1)[:3]
     dims = _DIMS[(grid, block)] = tuple(int(v) for v in (*g, *b))
     return dims
-
-
-def _raise(err) -> None:
-    from numba.cuda.cudadrv.driver import CudaAPIError
-
-    drv = _driver()
-    _, name = drv.cuGetErrorName(err)
-    raise CudaAPIError(int(err), f"cuLaunchKernel: {name.decode() if isinstance(name, bytes) else name}")
 
 
 def _arg_key(a):
@@ -253,19 +246,6 @@ class _DiskCache:
 
 
 _disk = _DiskCache()
-
-
-_drv_module = None
-
-
-def _driver():
-    """cuda.bindings' driver, imported on the first fast launch (the simulator never needs it)."""
-    global _drv_module
-    if _drv_module is None:
-        from cuda.bindings import driver
-
-        _drv_module = driver
-    return _drv_module
 
 
 class _Core:
