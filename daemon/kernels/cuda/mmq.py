@@ -46,7 +46,11 @@ def _build(qtype: int, bm: int, bn: int, ids_mode: bool, has_bias: bool, host: b
     rm = rn = 4
     tx_n = bn // rn
     nthreads = (bm // rm) * tx_n
-    block_tile, tile_tokens, stage_weights, stage_acts, groups_in_step = stagers(qtype, bm, bn, nthreads, 16, ids_mode, host)
+    st = stagers(qtype, bm, bn, nthreads, 16, ids_mode, host)
+    block_tile, tile_tokens, groups_in_step = st.block_tile, st.tile_tokens, st.groups_in_step
+    fetch_weights, store_weights = st.fetch_weights, st.store_weights
+    fetch_acts, store_acts = st.fetch_acts, st.store_acts
+    w_chunks, w_raw, a_groups, a_raw = st.w_chunks, st.w_raw, st.a_groups, st.a_raw
     qk = block_size(qtype)[0]
 
     @cuda.jit
@@ -79,14 +83,22 @@ def _build(qtype: int, bm: int, bn: int, ids_mode: bool, has_bias: bool, host: b
         for i in range(rm):
             for j in range(rn):
                 acc[i, j] = _Z
+        wraw = cuda.local.array((w_chunks, w_raw), np.uint32)  # the next K step's loads
+        araw = cuda.local.array((a_groups, a_raw), np.uint32)
         nb = k // qk
+        nk = (k + BK - 1) // BK
         ty = tid // tx_n
         tx = tid - ty * tx_n
         cuda.syncthreads()
-        for kt in range((k + BK - 1) // BK):
-            stage_weights(W, slot, n, stride, nb, row0, kt, k, tid, wq, wm, wo)
-            stage_acts(aq, ads, k, kt, tid, rowid, xq, xd, xs)
+        fetch_weights(W, slot, n, stride, nb, row0, 0, k, tid, wraw)
+        fetch_acts(aq, ads, k, 0, tid, rowid, araw)
+        for kt in range(nk):
+            store_weights(wraw, kt, k, tid, wq, wm, wo)
+            store_acts(araw, kt, k, tid, rowid, xq, xd, xs)
             cuda.syncthreads()
+            if kt + 1 < nk:  # in flight while this step multiplies
+                fetch_weights(W, slot, n, stride, nb, row0, kt + 1, k, tid, wraw)
+                fetch_acts(aq, ads, k, kt + 1, tid, rowid, araw)
             for g in range(groups_in_step(k, kt)):
                 for i in range(rm):
                     r = ty + i * (bm // rm)

@@ -2,7 +2,8 @@
 `mma.sync` instead of dp4a.
 
 A block of WM x WN warps computes BM = WM * 16 * TM rows x BN = WN * 8 * TN tokens. Each K step
-stages the same shared tiles as the dp4a kernel (mmq_stage.py), with scale groups of SUB = 32
+stages the same shared tiles as the dp4a kernel (mmq_stage.py; the next step's loads are issued
+before this step multiplies), with scale groups of SUB = 32
 values (16 for Q6_K). Then, for each group, each warp loads its A fragments (16 rows x SUB k, one
 word a register) and B fragments (SUB k x 8 tokens) straight from the tiles, multiplies them
 exactly in int32 (ptx.mma_k32 / mma_k16), and scales each C value into its float accumulator:
@@ -60,7 +61,11 @@ def build(qtype: int, shape: Shape, ids_mode: bool, has_bias: bool, host: bool =
     k32 = sub == 32
     ng = BK // sub
     wpg = sub // 4  # words a group
-    block_tile, tile_tokens, stage_weights, stage_acts, groups_in_step = stagers(qtype, bm, bn, nthreads, sub, ids_mode, host)
+    st = stagers(qtype, bm, bn, nthreads, sub, ids_mode, host)
+    block_tile, tile_tokens, groups_in_step = st.block_tile, st.tile_tokens, st.groups_in_step
+    fetch_weights, store_weights = st.fetch_weights, st.store_weights
+    fetch_acts, store_acts = st.fetch_acts, st.store_acts
+    w_chunks, w_raw, a_groups, a_raw = st.w_chunks, st.w_raw, st.a_groups, st.a_raw
     qk = block_size(qtype)[0]
 
     @cuda.jit
@@ -98,12 +103,20 @@ def build(qtype: int, shape: Shape, ids_mode: bool, has_bias: bool, host: bool =
                     acc[i, j, u] = _Z
         af = cuda.local.array((tm, 4), np.uint32)  # A fragments of the group
         sc = cuda.local.array((tm, 4), np.float32)  # mul and off of rows r, r + 8
+        wraw = cuda.local.array((w_chunks, w_raw), np.uint32)  # the next K step's loads
+        araw = cuda.local.array((a_groups, a_raw), np.uint32)
         nb = k // qk
+        nk = (k + BK - 1) // BK
         cuda.syncthreads()
-        for kt in range((k + BK - 1) // BK):
-            stage_weights(W, slot, n, stride, nb, row0, kt, k, tid, wq, wmul, woff)
-            stage_acts(aq, ads, k, kt, tid, rowid, xq, xd, xs)
+        fetch_weights(W, slot, n, stride, nb, row0, 0, k, tid, wraw)
+        fetch_acts(aq, ads, k, 0, tid, rowid, araw)
+        for kt in range(nk):
+            store_weights(wraw, kt, k, tid, wq, wmul, woff)
+            store_acts(araw, kt, k, tid, rowid, xq, xd, xs)
             cuda.syncthreads()
+            if kt + 1 < nk:  # in flight while this step multiplies
+                fetch_weights(W, slot, n, stride, nb, row0, kt + 1, k, tid, wraw)
+                fetch_acts(aq, ads, k, kt + 1, tid, rowid, araw)
             for q in range(groups_in_step(k, kt)):
                 kw = q * wpg + t
                 for i in range(tm):

@@ -8,6 +8,9 @@ the exact int32 dot of the group's quants:
   - weights: each thread decodes chunks of the repacked rows with the GEMV's own per-type `load`
     (vecdot.py); value = mul * q + off (Q4_0's -8d, Q4_1's m, Q4_K's -dmin*m, Q6_K's -32 d*sc ...);
   - activations: q8_1 quants (quantize.py), d per 32 values; sum(q) exact, from dp4a.
+A K step is staged in two halves: fetch_* issues its global loads into registers (raw words),
+store_* decodes them into the shared tiles. The kernels fetch step kt + 1 before they multiply
+step kt, so those loads are in flight while the tensor cores (or dp4a) work.
 
 Legend: BK = 128 values a K step (the last may hold fewer: K is a multiple of 32, e.g. gpt-oss's 2880), BM/BN = tile rows/tokens, SUB = values a scale group,
 NG = BK / SUB groups, PAD = shared words a tile row (32 + padding against bank conflicts).
@@ -15,12 +18,14 @@ NG = BK / SUB groups, PAD = shared words a tile row (32 + padding against bank c
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 from numba import cuda
 
 from ..quants import MXFP4, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from .ptx import bits_to_f32, device, dp4a, ldg_u32, ldg_v4
-from .vecdot import VALUES, VECDOT
+from .vecdot import FETCH, VALUES
 
 BK = 128
 K_MULTIPLE = 32  # K must be a multiple of this; a last K step of fewer than BK values stages only those
@@ -84,12 +89,30 @@ def scale_group(qtype: int) -> int:
     return 16 if qtype == Q6_K else 32
 
 
-def stagers(qtype: int, bm: int, bn: int, nthreads: int, sub: int, ids_mode: bool, host: bool):
-    """Device functions (block_tile, tile_tokens, stage_weights, stage_acts, groups_in_step) for tiles of bm rows x
-    bn tokens staged by nthreads threads, with scale groups of `sub` values (16, or 32 where the
-    type's groups are that wide). ids_mode: the experts' launch (grid y = expert, z = token
-    tiles), else dense (grid y = token tiles); host: slots -2 - h are read from the host tier."""
-    load = VECDOT[qtype][0]
+class Stagers(NamedTuple):
+    """A tile shape's device functions, and the sizes of the register arrays that carry one K
+    step's loads from fetch_* to store_* (allocated by the kernel: wraw uint32 [w_chunks,
+    w_raw], araw uint32 [a_groups, a_raw])."""
+    block_tile: object
+    tile_tokens: object
+    fetch_weights: object
+    store_weights: object
+    fetch_acts: object
+    store_acts: object
+    groups_in_step: object
+    w_chunks: int
+    w_raw: int
+    a_groups: int
+    a_raw: int
+
+
+def stagers(qtype: int, bm: int, bn: int, nthreads: int, sub: int, ids_mode: bool,
+            host: bool) -> Stagers:
+    """The device functions for tiles of bm rows x bn tokens staged by nthreads threads, with
+    scale groups of `sub` values (16, or 32 where the type's groups are that wide). ids_mode:
+    the experts' launch (grid y = expert, z = token tiles), else dense (grid y = token tiles);
+    host: slots -2 - h are read from the host tier."""
+    fetch, decode, n_raw = FETCH[qtype]
     geom = _GEOM[qtype]
     per_chunk = VALUES[qtype]
     cpr = BK // per_chunk  # chunks a row a K step
@@ -97,6 +120,8 @@ def stagers(qtype: int, bm: int, bn: int, nthreads: int, sub: int, ids_mode: boo
     shift = 4 if sub == 16 else 5
     ng = BK // sub
     parts = sub // 16
+    w_chunks = -(-bm * cpr // nthreads)  # chunks a thread stages a K step
+    a_groups = -(-bn * ng // nthreads)  # activation groups a thread stages a K step
 
     @device
     def block_tile(starts, slot_of, n_tok):
@@ -142,66 +167,93 @@ def stagers(qtype: int, bm: int, bn: int, nthreads: int, sub: int, ids_mode: boo
         return min(ng, (k - kt * BK) // sub)
 
     @device
-    def stage_weights(W, slot, n, stride, nb, row0, kt, k, tid, wq, wmul, woff):
-        # wq uint32 [BM, PAD]; wmul/woff float32 [BM, NG]; rows past n repeat the last one; the
-        # words of a partial step's missing groups are left as they were (never read)
+    def fetch_weights(W, slot, n, stride, nb, row0, kt, k, tid, raw):
+        # this thread's chunks of K step kt, raw, into raw uint32 [WCHUNKS, RAW]; rows past n
+        # repeat the last one; a partial step's missing chunks are not read
         valid = min(cpr, (k - kt * BK) // per_chunk)
-        for i in range(tid, bm * cpr, nthreads):
+        for s in range(w_chunks):
+            i = tid + s * nthreads
             r = i // cpr
             cr = i - r * cpr
-            if cr >= valid:
-                continue
-            c = kt * cpr + cr
-            row = min(row0 + r, n - 1)
-            w = load(W, (slot * n + row) * stride, nb, c)
-            vlo, vhi, mlo, olo, mhi, ohi = geom(w, c)
-            vlo -= kt * BK
-            wq[r, vlo >> 2] = w[0]
-            wq[r, (vlo >> 2) + 1] = w[1]
-            wq[r, (vlo >> 2) + 2] = w[2]
-            wq[r, (vlo >> 2) + 3] = w[3]
-            wmul[r, vlo >> shift] = mlo  # a 32-value group's two halves write the same value
-            woff[r, vlo >> shift] = olo
-            if two_halves:
-                vhi -= kt * BK
-                wq[r, vhi >> 2] = w[4]
-                wq[r, (vhi >> 2) + 1] = w[5]
-                wq[r, (vhi >> 2) + 2] = w[6]
-                wq[r, (vhi >> 2) + 3] = w[7]
-                wmul[r, vhi >> shift] = mhi
-                woff[r, vhi >> shift] = ohi
+            if i < bm * cpr and cr < valid:
+                row = min(row0 + r, n - 1)
+                fetch(W, (slot * n + row) * stride, nb, kt * cpr + cr, raw, s)
 
     @device
-    def stage_acts(aq, ads, k, kt, tid, rowid, xq, xd, xs):
-        # aq int8 [R, K]; ads float32 [R, K/32, 2] (d first); xq uint32 [BN, PAD]; xd/xs [BN, NG]
+    def store_weights(raw, kt, k, tid, wq, wmul, woff):
+        # raw (fetch_weights) -> wq uint32 [BM, PAD]; wmul/woff float32 [BM, NG]; the words of a
+        # partial step's missing groups are left as they were (never read)
+        valid = min(cpr, (k - kt * BK) // per_chunk)
+        for s in range(w_chunks):
+            i = tid + s * nthreads
+            r = i // cpr
+            cr = i - r * cpr
+            if i < bm * cpr and cr < valid:
+                c = kt * cpr + cr
+                w = decode(raw, s, c)
+                vlo, vhi, mlo, olo, mhi, ohi = geom(w, c)
+                vlo -= kt * BK
+                wq[r, vlo >> 2] = w[0]
+                wq[r, (vlo >> 2) + 1] = w[1]
+                wq[r, (vlo >> 2) + 2] = w[2]
+                wq[r, (vlo >> 2) + 3] = w[3]
+                wmul[r, vlo >> shift] = mlo  # a 32-value group's two halves write the same value
+                woff[r, vlo >> shift] = olo
+                if two_halves:
+                    vhi -= kt * BK
+                    wq[r, vhi >> 2] = w[4]
+                    wq[r, (vhi >> 2) + 1] = w[5]
+                    wq[r, (vhi >> 2) + 2] = w[6]
+                    wq[r, (vhi >> 2) + 3] = w[7]
+                    wmul[r, vhi >> shift] = mhi
+                    woff[r, vhi >> shift] = ohi
+
+    @device
+    def fetch_acts(aq, ads, k, kt, tid, rowid, raw):
+        # aq int8 [R, K]; ads float32 [R, K/32, 2] (d first) -> raw uint32 [ACHUNKS, 1 + SUB/4]:
+        # this thread's groups of K step kt (d's bits, then the quant words)
         valid = groups_in_step(k, kt)
-        for i in range(tid, bn * ng, nthreads):
+        for s in range(a_groups):
+            i = tid + s * nthreads
             tt = i // ng
             g = i - tt * ng
-            if g >= valid:
-                continue
-            ar = rowid[tt]
-            w0 = g * (sub >> 2)
-            if ar >= 0:
-                v = kt * BK + g * sub
-                d = bits_to_f32(ldg_u32(ads, (ar * (k >> 5) + (v >> 5)) << 3))
-                s = 0
-                for h in range(parts):
-                    q = ldg_v4(aq, ar * k + v + 16 * h)
-                    s = dp4a(ONES, q[0], s)
-                    s = dp4a(ONES, q[1], s)
-                    s = dp4a(ONES, q[2], s)
-                    s = dp4a(ONES, q[3], s)
-                    xq[tt, w0 + 4 * h] = q[0]
-                    xq[tt, w0 + 4 * h + 1] = q[1]
-                    xq[tt, w0 + 4 * h + 2] = q[2]
-                    xq[tt, w0 + 4 * h + 3] = q[3]
-                xd[tt, g] = d
-                xs[tt, g] = d * np.float32(s)
-            else:
-                for u in range(sub >> 2):
-                    xq[tt, w0 + u] = np.uint32(0)
-                xd[tt, g] = _Z
-                xs[tt, g] = _Z
+            if i < bn * ng and g < valid:
+                ar = rowid[tt]
+                if ar >= 0:
+                    v = kt * BK + g * sub
+                    raw[s, 0] = ldg_u32(ads, (ar * (k >> 5) + (v >> 5)) << 3)
+                    for h in range(parts):
+                        q = ldg_v4(aq, ar * k + v + 16 * h)
+                        raw[s, 1 + 4 * h] = q[0]
+                        raw[s, 2 + 4 * h] = q[1]
+                        raw[s, 3 + 4 * h] = q[2]
+                        raw[s, 4 + 4 * h] = q[3]
 
-    return block_tile, tile_tokens, stage_weights, stage_acts, groups_in_step
+    @device
+    def store_acts(raw, kt, k, tid, rowid, xq, xd, xs):
+        # raw (fetch_acts) -> xq uint32 [BN, PAD]; xd/xs float32 [BN, NG]; tokens past the
+        # tile's count are zeros
+        valid = groups_in_step(k, kt)
+        for s in range(a_groups):
+            i = tid + s * nthreads
+            tt = i // ng
+            g = i - tt * ng
+            if i < bn * ng and g < valid:
+                w0 = g * (sub >> 2)
+                if rowid[tt] >= 0:
+                    d = bits_to_f32(raw[s, 0])
+                    total = 0
+                    for u in range(sub >> 2):
+                        q = raw[s, 1 + u]
+                        total = dp4a(ONES, q, total)
+                        xq[tt, w0 + u] = q
+                    xd[tt, g] = d
+                    xs[tt, g] = d * np.float32(total)
+                else:
+                    for u in range(sub >> 2):
+                        xq[tt, w0 + u] = np.uint32(0)
+                    xd[tt, g] = _Z
+                    xs[tt, g] = _Z
+
+    return Stagers(block_tile, tile_tokens, fetch_weights, store_weights, fetch_acts, store_acts,
+                   groups_in_step, w_chunks, n_raw, a_groups, 1 + (sub >> 2))

@@ -27,6 +27,7 @@ row, c = chunk index within the row, k = values per row (K), arow = activation r
 from __future__ import annotations
 
 import numpy as np
+from numba import cuda
 
 from ..quants import BF16, F16, F32, MXFP4, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from .ptx import bits_to_f32, device, dp4a, f16_to_f32, ldg_u8, ldg_u16, ldg_u32, ldg_v4, prmt
@@ -52,19 +53,7 @@ _F8 = np.float32(8.0)
 _F16 = np.float32(16.0)
 
 
-# ---- activation side -----------------------------------------------------------------------
-
-@device
-def _act_d(ads, arow, k, blk):
-    """d of q8_1 block `blk` of activation row `arow` (ds float32 [R, K/32, 2])."""
-    return bits_to_f32(ldg_u32(ads, ((arow * (k >> 5) + blk) << 3)))
-
-
-@device
-def _act_s(ads, arow, k, blk):
-    """s (the block's sum of floats) of q8_1 block `blk` of activation row `arow`."""
-    return bits_to_f32(ldg_u32(ads, ((arow * (k >> 5) + blk) << 3) + 4))
-
+# ---- int8 sums of four words ---------------------------------------------------------------
 
 @device
 def _dot4(w0, w1, w2, w3, a):
@@ -84,15 +73,12 @@ def _sum4(a):
     return dp4a(_ONES, a[3], s)
 
 
-@device
-def _dot32(w, aq, arow, k, c):
-    """int sum over the 32 values of block c: words w[0:4] hold values 0..15, w[4:8] 16..31."""
-    o = arow * k + (c << 5)
-    return _dot4(w[0], w[1], w[2], w[3], ldg_v4(aq, o)) + _dot4(w[4], w[5], w[6], w[7],
-                                                                 ldg_v4(aq, o + 16))
-
-
-# ---- weight side: the 32-value block types --------------------------------------------------
+# ---- weight side: fetch (raw words) and decode, per type ---------------------------------------
+# A quant type's chunk load is two steps, so that the tiled matmul can issue the next K step's
+# loads before it multiplies the current one and decode them after (mmq_stage.py):
+#     fetch(W, base, nb, c, raw, s)   the chunk's raw words (RAW[t] of them) into raw[s, :]
+#     decode(raw, s, c)               -> the tuple `load` returns (quant words, then scales)
+# load(W, base, nb, c) = decode of fetch, through a one-row local array (registers).
 
 @device
 def _f16_lo(u):
@@ -105,50 +91,58 @@ def _f16_hi(u):
 
 
 @device
-def load_q8_0(W, base, nb, c):
-    w0, w1, w2, w3 = ldg_v4(W, base + (c << 4))
-    return w0, w1, w2, w3, f16_to_f32(ldg_u16(W, base + (nb << 5) + ((c >> 1) << 1)))
+def _fetch_quads(W, base, c, raw, s):
+    """The chunk's 16 quant bytes as raw[s, 0:4]."""
+    q = ldg_v4(W, base + (c << 4))
+    raw[s, 0] = q[0]
+    raw[s, 1] = q[1]
+    raw[s, 2] = q[2]
+    raw[s, 3] = q[3]
 
 
 @device
-def dot_q8_0(w, aq, ads, arow, k, c):
-    s = _dot4(w[0], w[1], w[2], w[3], ldg_v4(aq, arow * k + (c << 4)))
-    return w[4] * _act_d(ads, arow, k, c >> 1) * np.float32(s)
+def fetch_q8_0(W, base, nb, c, raw, s):
+    _fetch_quads(W, base, c, raw, s)
+    raw[s, 4] = ldg_u16(W, base + (nb << 5) + ((c >> 1) << 1))
 
 
 @device
-def _nibbles(W, base, c):
-    """The 16 quant bytes of block c as 8 words of int8 values: low nibbles (values 0..15), then
+def decode_q8_0(raw, s, c):
+    return raw[s, 0], raw[s, 1], raw[s, 2], raw[s, 3], f16_to_f32(raw[s, 4])
+
+
+@device
+def _nibbles(raw, s):
+    """The 16 quant bytes raw[s, 0:4] as 8 words of int8 values: low nibbles (values 0..15), then
     high nibbles (values 16..31)."""
-    q0, q1, q2, q3 = ldg_v4(W, base + (c << 4))
+    q0, q1, q2, q3 = raw[s, 0], raw[s, 1], raw[s, 2], raw[s, 3]
     return (q0 & _M4, q1 & _M4, q2 & _M4, q3 & _M4,
             (q0 >> _U4) & _M4, (q1 >> _U4) & _M4, (q2 >> _U4) & _M4, (q3 >> _U4) & _M4)
 
 
 @device
-def load_q4_0(W, base, nb, c):
-    n = _nibbles(W, base, c)
-    d = f16_to_f32(ldg_u16(W, base + (nb << 4) + (c << 1)))
-    return n[0], n[1], n[2], n[3], n[4], n[5], n[6], n[7], d
+def fetch_q4_0(W, base, nb, c, raw, s):
+    _fetch_quads(W, base, c, raw, s)
+    raw[s, 4] = ldg_u16(W, base + (nb << 4) + (c << 1))
 
 
 @device
-def dot_q4_0(w, aq, ads, arow, k, c):
-    s = _dot32(w, aq, arow, k, c)
-    return w[8] * (_act_d(ads, arow, k, c) * np.float32(s) - _F8 * _act_s(ads, arow, k, c))
+def decode_q4_0(raw, s, c):
+    n = _nibbles(raw, s)
+    return n[0], n[1], n[2], n[3], n[4], n[5], n[6], n[7], f16_to_f32(raw[s, 4])
 
 
 @device
-def load_q4_1(W, base, nb, c):
-    n = _nibbles(W, base, c)
-    dm = ldg_u32(W, base + (nb << 4) + (c << 2))
+def fetch_q4_1(W, base, nb, c, raw, s):
+    _fetch_quads(W, base, c, raw, s)
+    raw[s, 4] = ldg_u32(W, base + (nb << 4) + (c << 2))
+
+
+@device
+def decode_q4_1(raw, s, c):
+    n = _nibbles(raw, s)
+    dm = raw[s, 4]
     return n[0], n[1], n[2], n[3], n[4], n[5], n[6], n[7], _f16_lo(dm), _f16_hi(dm)
-
-
-@device
-def dot_q4_1(w, aq, ads, arow, k, c):
-    s = _dot32(w, aq, arow, k, c)
-    return w[8] * _act_d(ads, arow, k, c) * np.float32(s) + w[9] * _act_s(ads, arow, k, c)
 
 
 @device
@@ -158,10 +152,10 @@ def _spread4(n):
 
 
 @device
-def _nibbles5(W, base, nb, c):
-    """Q5_0/Q5_1 block c: 8 words of 5-bit values (qh bit j is value j's 5th bit)."""
-    n = _nibbles(W, base, c)
-    qh = ldg_u32(W, base + (nb << 4) + (c << 2))
+def _nibbles5(raw, s):
+    """Q5_0/Q5_1: 8 words of 5-bit values (qh = raw[s, 4], its bit j is value j's 5th bit)."""
+    n = _nibbles(raw, s)
+    qh = raw[s, 4]
     return (n[0] | _spread4(qh), n[1] | _spread4(qh >> np.uint32(4)),
             n[2] | _spread4(qh >> np.uint32(8)), n[3] | _spread4(qh >> np.uint32(12)),
             n[4] | _spread4(qh >> np.uint32(16)), n[5] | _spread4(qh >> np.uint32(20)),
@@ -169,22 +163,29 @@ def _nibbles5(W, base, nb, c):
 
 
 @device
-def load_q5_0(W, base, nb, c):
-    n = _nibbles5(W, base, nb, c)
-    d = f16_to_f32(ldg_u16(W, base + nb * 20 + (c << 1)))
-    return n[0], n[1], n[2], n[3], n[4], n[5], n[6], n[7], d
+def fetch_q5_0(W, base, nb, c, raw, s):
+    _fetch_quads(W, base, c, raw, s)
+    raw[s, 4] = ldg_u32(W, base + (nb << 4) + (c << 2))
+    raw[s, 5] = ldg_u16(W, base + nb * 20 + (c << 1))
 
 
 @device
-def dot_q5_0(w, aq, ads, arow, k, c):
-    s = _dot32(w, aq, arow, k, c)
-    return w[8] * (_act_d(ads, arow, k, c) * np.float32(s) - _F16 * _act_s(ads, arow, k, c))
+def decode_q5_0(raw, s, c):
+    n = _nibbles5(raw, s)
+    return n[0], n[1], n[2], n[3], n[4], n[5], n[6], n[7], f16_to_f32(raw[s, 5])
 
 
 @device
-def load_q5_1(W, base, nb, c):
-    n = _nibbles5(W, base, nb, c)
-    dm = ldg_u32(W, base + nb * 20 + (c << 2))
+def fetch_q5_1(W, base, nb, c, raw, s):
+    _fetch_quads(W, base, c, raw, s)
+    raw[s, 4] = ldg_u32(W, base + (nb << 4) + (c << 2))
+    raw[s, 5] = ldg_u32(W, base + nb * 20 + (c << 2))
+
+
+@device
+def decode_q5_1(raw, s, c):
+    n = _nibbles5(raw, s)
+    dm = raw[s, 5]
     return n[0], n[1], n[2], n[3], n[4], n[5], n[6], n[7], _f16_lo(dm), _f16_hi(dm)
 
 
@@ -201,25 +202,24 @@ def _lut16(q):
 
 
 @device
-def load_mxfp4(W, base, nb, c):
-    q0, q1, q2, q3 = ldg_v4(W, base + (c << 4))
-    l0, h0 = _lut16(q0)
-    l1, h1 = _lut16(q1)
-    l2, h2 = _lut16(q2)
-    l3, h3 = _lut16(q3)
-    e = ldg_u8(W, base + (nb << 4) + c)
+def fetch_mxfp4(W, base, nb, c, raw, s):
+    _fetch_quads(W, base, c, raw, s)
+    raw[s, 4] = ldg_u8(W, base + (nb << 4) + c)
+
+
+@device
+def decode_mxfp4(raw, s, c):
+    l0, h0 = _lut16(raw[s, 0])
+    l1, h1 = _lut16(raw[s, 1])
+    l2, h2 = _lut16(raw[s, 2])
+    l3, h3 = _lut16(raw[s, 3])
+    e = raw[s, 4]
     # e8m0 / 2 = 2**(e - 128); e < 2 are the float32 denormals 2**-128, 2**-127
     if e < np.uint32(2):
         bits = np.uint32(0x00200000) << e
     else:
         bits = (e - np.uint32(1)) << np.uint32(23)
     return l0, l1, l2, l3, h0, h1, h2, h3, bits_to_f32(bits)
-
-
-@device
-def dot_mxfp4(w, aq, ads, arow, k, c):
-    s = _dot32(w, aq, arow, k, c)
-    return w[8] * _act_d(ads, arow, k, c) * np.float32(s)
 
 
 # ---- weight side: K-quants (256-value super-blocks, 8 chunks each) ---------------------------
@@ -237,58 +237,67 @@ def _scale_min(s0, s1, s2, j):
 
 
 @device
-def _kq4_scales(W, base, nb, c, sc_plane, dm_plane):
-    """(d*sc, d*sc, dmin*m, dmin*m) of the two sub-blocks chunk c touches (Q4_K/Q5_K)."""
+def _fetch_kq4_scales(W, base, c, sc_plane, dm_plane, raw, s, at):
+    """Super-block c >> 3's 12 scale bytes and (d, dmin) word into raw[s, at:at+4]."""
     sb = c >> 3
-    j = (c & 7) >> 1
     so = base + sc_plane + sb * 12
-    s0 = ldg_u32(W, so)
-    s1 = ldg_u32(W, so + 4)
-    s2 = ldg_u32(W, so + 8)
+    raw[s, at] = ldg_u32(W, so)
+    raw[s, at + 1] = ldg_u32(W, so + 4)
+    raw[s, at + 2] = ldg_u32(W, so + 8)
+    raw[s, at + 3] = ldg_u32(W, base + dm_plane + (sb << 2))
+
+
+@device
+def _kq4_scales(raw, s, at, c):
+    """(d*sc, d*sc, dmin*m, dmin*m) of the two sub-blocks chunk c touches (Q4_K/Q5_K)."""
+    j = (c & 7) >> 1
+    s0, s1, s2 = raw[s, at], raw[s, at + 1], raw[s, at + 2]
     sc0, m0 = _scale_min(s0, s1, s2, 2 * j)
     sc1, m1 = _scale_min(s0, s1, s2, 2 * j + 1)
-    dm = ldg_u32(W, base + dm_plane + (sb << 2))
+    dm = raw[s, at + 3]
     d = _f16_lo(dm)
     dmin = _f16_hi(dm)
     return d * np.float32(sc0), d * np.float32(sc1), dmin * np.float32(m0), dmin * np.float32(m1)
 
 
 @device
-def load_q4_k(W, base, nb, c):
+def fetch_q4_k(W, base, nb, c, raw, s):
     # chunk c: bytes [16h, 16h+16) of the 32-byte group j of super-block sb: low nibbles are
     # sub-block 2j, high nibbles sub-block 2j+1, values l = 16h..16h+15 of each.
-    n = _nibbles(W, base, c)
-    s = _kq4_scales(W, base, nb, c, nb << 7, nb * 140)
-    return n[0], n[1], n[2], n[3], n[4], n[5], n[6], n[7], s[0], s[1], s[2], s[3]
+    _fetch_quads(W, base, c, raw, s)
+    _fetch_kq4_scales(W, base, c, nb << 7, nb * 140, raw, s, 4)
 
 
 @device
-def load_q5_k(W, base, nb, c):
-    n = _nibbles(W, base, c)
-    sb = c >> 3
-    j = np.uint32((c & 7) >> 1)
-    h0, h1, h2, h3 = ldg_v4(W, base + (nb << 7) + (sb << 5) + ((c & 1) << 4))
-    lo = j << np.uint32(1)
+def decode_q4_k(raw, s, c):
+    n = _nibbles(raw, s)
+    sc = _kq4_scales(raw, s, 4, c)
+    return n[0], n[1], n[2], n[3], n[4], n[5], n[6], n[7], sc[0], sc[1], sc[2], sc[3]
+
+
+@device
+def fetch_q5_k(W, base, nb, c, raw, s):
+    _fetch_quads(W, base, c, raw, s)
+    h = ldg_v4(W, base + (nb << 7) + ((c >> 3) << 5) + ((c & 1) << 4))
+    raw[s, 4] = h[0]
+    raw[s, 5] = h[1]
+    raw[s, 6] = h[2]
+    raw[s, 7] = h[3]
+    _fetch_kq4_scales(W, base, c, nb * 160, nb * 172, raw, s, 8)
+
+
+@device
+def decode_q5_k(raw, s, c):
+    n = _nibbles(raw, s)
+    lo = np.uint32((c & 7) >> 1) << np.uint32(1)
     hi = lo + np.uint32(1)
-    s = _kq4_scales(W, base, nb, c, nb * 160, nb * 172)
+    h0, h1, h2, h3 = raw[s, 4], raw[s, 5], raw[s, 6], raw[s, 7]
+    sc = _kq4_scales(raw, s, 8, c)
     return (n[0] | (((h0 >> lo) & _M1) << _U4), n[1] | (((h1 >> lo) & _M1) << _U4),
             n[2] | (((h2 >> lo) & _M1) << _U4), n[3] | (((h3 >> lo) & _M1) << _U4),
             n[4] | (((h0 >> hi) & _M1) << _U4), n[5] | (((h1 >> hi) & _M1) << _U4),
             n[6] | (((h2 >> hi) & _M1) << _U4), n[7] | (((h3 >> hi) & _M1) << _U4),
-            s[0], s[1], s[2], s[3])
-
-
-@device
-def dot_kq4(w, aq, ads, arow, k, c):
-    sb = c >> 3
-    j = (c & 7) >> 1
-    o = arow * k + (sb << 8) + (j << 6) + ((c & 1) << 4)
-    a = ldg_v4(aq, o)
-    b = ldg_v4(aq, o + 32)
-    blk = (sb << 3) + 2 * j
-    lo = w[8] * np.float32(_dot4(w[0], w[1], w[2], w[3], a)) - w[10] * np.float32(_sum4(a))
-    hi = w[9] * np.float32(_dot4(w[4], w[5], w[6], w[7], b)) - w[11] * np.float32(_sum4(b))
-    return _act_d(ads, arow, k, blk) * lo + _act_d(ads, arow, k, blk + 1) * hi
+            sc[0], sc[1], sc[2], sc[3])
 
 
 @device
@@ -299,7 +308,7 @@ def _i8(u):
 
 
 @device
-def load_q6_k(W, base, nb, c):
+def fetch_q6_k(W, base, nb, c, raw, s):
     # chunk c of super-block sb: cc = c & 7 -> half = cc >> 2, sub = (cc >> 1) & 1, hh = cc & 1;
     # ql bytes [16cc, 16cc+16): low nibbles are group sub, high nibbles group sub+2 (32 values
     # each, l = 16hh..16hh+15); the 5th/6th bits are in qh[32 half + l] at bits 2g, 2g+1.
@@ -308,35 +317,136 @@ def load_q6_k(W, base, nb, c):
     half = cc >> 2
     sub = (cc >> 1) & 1
     hh = cc & 1
-    q0, q1, q2, q3 = ldg_v4(W, base + (c << 4))
-    h0, h1, h2, h3 = ldg_v4(W, base + (nb << 7) + (sb << 6) + (half << 5) + (hh << 4))
-    s0 = np.uint32(2 * sub)
-    s1 = s0 + np.uint32(4)
+    _fetch_quads(W, base, c, raw, s)
+    h = ldg_v4(W, base + (nb << 7) + (sb << 6) + (half << 5) + (hh << 4))
+    raw[s, 4] = h[0]
+    raw[s, 5] = h[1]
+    raw[s, 6] = h[2]
+    raw[s, 7] = h[3]
+    raw[s, 8] = ldg_u16(W, base + nb * 208 + (sb << 1))
     si = base + nb * 192 + (sb << 4) + (half << 3) + (sub << 1) + hh
-    d = f16_to_f32(ldg_u16(W, base + nb * 208 + (sb << 1)))
+    raw[s, 9] = ldg_u8(W, si)
+    raw[s, 10] = ldg_u8(W, si + 4)
+
+
+@device
+def decode_q6_k(raw, s, c):
+    s0 = np.uint32(2 * (((c & 7) >> 1) & 1))
+    s1 = s0 + np.uint32(4)
+    q0, q1, q2, q3 = raw[s, 0], raw[s, 1], raw[s, 2], raw[s, 3]
+    h0, h1, h2, h3 = raw[s, 4], raw[s, 5], raw[s, 6], raw[s, 7]
+    d = f16_to_f32(raw[s, 8])
     return (q0 & _M4 | ((h0 >> s0) & _M2) << _U4, q1 & _M4 | ((h1 >> s0) & _M2) << _U4,
             q2 & _M4 | ((h2 >> s0) & _M2) << _U4, q3 & _M4 | ((h3 >> s0) & _M2) << _U4,
             (q0 >> _U4) & _M4 | ((h0 >> s1) & _M2) << _U4,
             (q1 >> _U4) & _M4 | ((h1 >> s1) & _M2) << _U4,
             (q2 >> _U4) & _M4 | ((h2 >> s1) & _M2) << _U4,
             (q3 >> _U4) & _M4 | ((h3 >> s1) & _M2) << _U4,
-            d * np.float32(_i8(ldg_u8(W, si))), d * np.float32(_i8(ldg_u8(W, si + 4))))
+            d * np.float32(_i8(raw[s, 9])), d * np.float32(_i8(raw[s, 10])))
+
+
+# ---- activation side: q8_1 dots, from global memory or from a block's shared copy ------------
+
+def _make_dots(words, act_d, act_s):
+    """The quant types' dot functions over q8_1 activations read through `words(aq, off)` (the
+    4 words of quants at byte `off` of the [R, K] quants), `act_d(ads, arow, k, blk)` and
+    `act_s(...)` (block blk's d and s)."""
+
+    @device
+    def dot32(w, aq, arow, k, c):
+        """int sum over the 32 values of block c: words w[0:4] hold values 0..15, w[4:8] 16..31."""
+        o = arow * k + (c << 5)
+        return _dot4(w[0], w[1], w[2], w[3], words(aq, o)) + _dot4(w[4], w[5], w[6], w[7], words(aq, o + 16))
+
+    @device
+    def dot_q8_0(w, aq, ads, arow, k, c):
+        s = _dot4(w[0], w[1], w[2], w[3], words(aq, arow * k + (c << 4)))
+        return w[4] * act_d(ads, arow, k, c >> 1) * np.float32(s)
+
+    @device
+    def dot_q4_0(w, aq, ads, arow, k, c):
+        s = dot32(w, aq, arow, k, c)
+        return w[8] * (act_d(ads, arow, k, c) * np.float32(s) - _F8 * act_s(ads, arow, k, c))
+
+    @device
+    def dot_q4_1(w, aq, ads, arow, k, c):
+        s = dot32(w, aq, arow, k, c)
+        return w[8] * act_d(ads, arow, k, c) * np.float32(s) + w[9] * act_s(ads, arow, k, c)
+
+    @device
+    def dot_q5_0(w, aq, ads, arow, k, c):
+        s = dot32(w, aq, arow, k, c)
+        return w[8] * (act_d(ads, arow, k, c) * np.float32(s) - _F16 * act_s(ads, arow, k, c))
+
+    @device
+    def dot_mxfp4(w, aq, ads, arow, k, c):
+        s = dot32(w, aq, arow, k, c)
+        return w[8] * act_d(ads, arow, k, c) * np.float32(s)
+
+    @device
+    def dot_kq4(w, aq, ads, arow, k, c):
+        sb = c >> 3
+        j = (c & 7) >> 1
+        o = arow * k + (sb << 8) + (j << 6) + ((c & 1) << 4)
+        a = words(aq, o)
+        b = words(aq, o + 32)
+        blk = (sb << 3) + 2 * j
+        lo = w[8] * np.float32(_dot4(w[0], w[1], w[2], w[3], a)) - w[10] * np.float32(_sum4(a))
+        hi = w[9] * np.float32(_dot4(w[4], w[5], w[6], w[7], b)) - w[11] * np.float32(_sum4(b))
+        return act_d(ads, arow, k, blk) * lo + act_d(ads, arow, k, blk + 1) * hi
+
+    @device
+    def dot_q6_k(w, aq, ads, arow, k, c):
+        sb = c >> 3
+        cc = c & 7
+        half = cc >> 2
+        sub = (cc >> 1) & 1
+        o = arow * k + (sb << 8) + (half << 7) + (sub << 5) + ((cc & 1) << 4)
+        a = words(aq, o)
+        b = words(aq, o + 64)
+        blk = (sb << 3) + (half << 2) + sub
+        s0 = _dot4(w[0], w[1], w[2], w[3], a) - 32 * _sum4(a)
+        s1 = _dot4(w[4], w[5], w[6], w[7], b) - 32 * _sum4(b)
+        return (act_d(ads, arow, k, blk) * w[8] * np.float32(s0)
+                + act_d(ads, arow, k, blk + 2) * w[9] * np.float32(s1))
+
+    return {Q8_0: dot_q8_0, Q4_0: dot_q4_0, Q4_1: dot_q4_1, Q5_0: dot_q5_0, Q5_1: dot_q4_1,
+            MXFP4: dot_mxfp4, Q4_K: dot_kq4, Q5_K: dot_kq4, Q6_K: dot_q6_k}
 
 
 @device
-def dot_q6_k(w, aq, ads, arow, k, c):
-    sb = c >> 3
-    cc = c & 7
-    half = cc >> 2
-    sub = (cc >> 1) & 1
-    o = arow * k + (sb << 8) + (half << 7) + (sub << 5) + ((cc & 1) << 4)
-    a = ldg_v4(aq, o)
-    b = ldg_v4(aq, o + 64)
-    blk = (sb << 3) + (half << 2) + sub
-    s0 = _dot4(w[0], w[1], w[2], w[3], a) - 32 * _sum4(a)
-    s1 = _dot4(w[4], w[5], w[6], w[7], b) - 32 * _sum4(b)
-    return (_act_d(ads, arow, k, blk) * w[8] * np.float32(s0)
-            + _act_d(ads, arow, k, blk + 2) * w[9] * np.float32(s1))
+def _global_d(ads, arow, k, blk):
+    """d of q8_1 block `blk` of activation row `arow` (ds float32 [R, K/32, 2])."""
+    return bits_to_f32(ldg_u32(ads, ((arow * (k >> 5) + blk) << 3)))
+
+
+@device
+def _global_s(ads, arow, k, blk):
+    """s (the block's sum of floats) of q8_1 block `blk` of activation row `arow`."""
+    return bits_to_f32(ldg_u32(ads, ((arow * (k >> 5) + blk) << 3) + 4))
+
+
+@device
+def _shared_words(sq, off):
+    """4 quant words of a shared row copy (uint32 [K/4]); off: byte offset (arow 0)."""
+    i = off >> 2
+    return sq[i], sq[i + 1], sq[i + 2], sq[i + 3]
+
+
+@device
+def _shared_d(sd, arow, k, blk):
+    return sd[2 * blk]  # a shared row copy's (d, s) pairs, float32 [K/32 * 2]
+
+
+@device
+def _shared_s(sd, arow, k, blk):
+    return sd[2 * blk + 1]
+
+
+_DOTS = _make_dots(ldg_v4, _global_d, _global_s)
+# the same dots against one activation row that a block quantized into shared memory
+# (quantize.quantize_row_shared), read with arow = 0
+SHARED_DOT = _make_dots(_shared_words, _shared_d, _shared_s)
 
 
 # ---- float weights against float32 activations ----------------------------------------------
@@ -381,11 +491,28 @@ def dot_f8(w, x, x1, arow, k, c):
             + (w[6] * bits_to_f32(b[2]) + w[7] * bits_to_f32(b[3])))
 
 
+def _load_of(fetch, decode, n_raw: int):
+    """A chunk's whole load (GEMV kernels): its fetch into registers, decoded at once."""
+    @device
+    def load(W, base, nb, c):
+        raw = cuda.local.array((1, n_raw), np.uint32)
+        fetch(W, base, nb, c, raw, 0)
+        return decode(raw, 0, c)
+    return load
+
+
+# quant type -> (fetch, decode, raw words a chunk), for the tiled matmul's staging
+FETCH = {
+    Q8_0: (fetch_q8_0, decode_q8_0, 5), Q4_0: (fetch_q4_0, decode_q4_0, 5),
+    Q4_1: (fetch_q4_1, decode_q4_1, 5), Q5_0: (fetch_q5_0, decode_q5_0, 6),
+    Q5_1: (fetch_q5_1, decode_q5_1, 6), MXFP4: (fetch_mxfp4, decode_mxfp4, 5),
+    Q4_K: (fetch_q4_k, decode_q4_k, 8), Q5_K: (fetch_q5_k, decode_q5_k, 12),
+    Q6_K: (fetch_q6_k, decode_q6_k, 11),
+}
+_LOADS = {t: _load_of(*f) for t, f in FETCH.items()}
 # type -> (load, dot); values per chunk; whether activations are q8_1
 VECDOT = {
-    Q8_0: (load_q8_0, dot_q8_0), Q4_0: (load_q4_0, dot_q4_0), Q4_1: (load_q4_1, dot_q4_1),
-    Q5_0: (load_q5_0, dot_q5_0), Q5_1: (load_q5_1, dot_q4_1), MXFP4: (load_mxfp4, dot_mxfp4),
-    Q4_K: (load_q4_k, dot_kq4), Q5_K: (load_q5_k, dot_kq4), Q6_K: (load_q6_k, dot_q6_k),
+    **{t: (_LOADS[t], _DOTS[t]) for t in FETCH},
     F32: (load_f32, dot_f32), F16: (load_f16, dot_f8), BF16: (load_bf16, dot_f8),
 }
 VALUES = {Q8_0: 16, F32: 4, F16: 8, BF16: 8, Q4_0: 32, Q4_1: 32, Q5_0: 32, Q5_1: 32, MXFP4: 32,
