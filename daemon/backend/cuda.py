@@ -55,7 +55,7 @@ from ..kernels.cuda import sample as sample_k
 from ..kernels.cuda.device import SIM, upload
 from ..kernels.cuda.mmvq import MAX_COLS, Q8, QuantizeIn
 from ..kernels.cuda.quantize import QK8_1, quantize_q8_1
-from ..kernels.cuda.vecdot import FLOAT_ACT
+from ..kernels.cuda.vecdot import FLOAT_ACT, SHARED_DOT
 from ..model.weights import QWeight
 from . import cuda_experts as cx
 from .base import compose_delta_net, compose_expert_ffn, compose_expert_glu, compose_route
@@ -136,7 +136,7 @@ class Activations:
         whole = r0 == 0 and (r1 is None or r1 == self.rows)
         if ggml_type in FLOAT_ACT:
             return self.x if whole else self.x[r0:r1]
-        if one_token and self._q8 is None:
+        if one_token and self._q8 is None and ggml_type in SHARED_DOT:
             return QuantizeIn(self.x if whole else self.x[r0:r1])
         if self._q8 is None:
             R, K = self.x.shape

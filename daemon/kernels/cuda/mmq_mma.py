@@ -3,7 +3,7 @@
 
 A block of WM x WN warps computes BM = WM * 16 * TM rows x BN = WN * 8 * TN tokens. Each K step
 stages the same shared tiles as the dp4a kernel (mmq_stage.py; the next step's loads are issued
-before this step multiplies), with scale groups of SUB = 32
+before this step multiplies, except in Q8_0's expert launches), with scale groups of SUB = 32
 values (16 for Q6_K). Then, for each group, each warp loads its A fragments (16 rows x SUB k, one
 word a register) and B fragments (SUB k x 8 tokens) straight from the tiles, multiplies them
 exactly in int32 (ptx.mma_k32 / mma_k16), and scales each C value into its float accumulator:
@@ -27,6 +27,7 @@ from numba import cuda
 
 from ..quants import block_size
 from .mmq_stage import BK, scale_group, stagers
+from .vecdot import VALUES
 from .ptx import mma_k16, mma_k32
 
 _PAD = 36
@@ -67,6 +68,10 @@ def build(qtype: int, shape: Shape, ids_mode: bool, has_bias: bool, host: bool =
     fetch_acts, store_acts = st.fetch_acts, st.store_acts
     w_chunks, w_raw, a_groups, a_raw = st.w_chunks, st.w_raw, st.a_groups, st.a_raw
     qk = block_size(qtype)[0]
+    # the next K step's loads issued before this step multiplies: on an H200 (qwen3-30b-a3b's
+    # shapes, 512 tokens) dense launches gained 5-40% and MXFP4's experts 9%, but Q8_0's experts
+    # (twice the chunks a K step: 16 values each) lost 15-40%, so those load each step in turn
+    prefetch = not ids_mode or VALUES[qtype] == 32
 
     @cuda.jit
     def kernel(W, WH, aq, ads, ids, slot_of, pairs, starts, act_t, act_a, bias, out, n, k, stride,
@@ -108,13 +113,17 @@ def build(qtype: int, shape: Shape, ids_mode: bool, has_bias: bool, host: bool =
         nb = k // qk
         nk = (k + BK - 1) // BK
         cuda.syncthreads()
-        fetch_weights(W, slot, n, stride, nb, row0, 0, k, tid, wraw)
-        fetch_acts(aq, ads, k, 0, tid, rowid, araw)
+        if prefetch:
+            fetch_weights(W, slot, n, stride, nb, row0, 0, k, tid, wraw)
+            fetch_acts(aq, ads, k, 0, tid, rowid, araw)
         for kt in range(nk):
+            if not prefetch:
+                fetch_weights(W, slot, n, stride, nb, row0, kt, k, tid, wraw)
+                fetch_acts(aq, ads, k, kt, tid, rowid, araw)
             store_weights(wraw, kt, k, tid, wq, wmul, woff)
             store_acts(araw, kt, k, tid, rowid, xq, xd, xs)
             cuda.syncthreads()
-            if kt + 1 < nk:  # in flight while this step multiplies
+            if prefetch and kt + 1 < nk:  # in flight while this step multiplies
                 fetch_weights(W, slot, n, stride, nb, row0, kt + 1, k, tid, wraw)
                 fetch_acts(aq, ads, k, kt + 1, tid, rowid, araw)
             for q in range(groups_in_step(k, kt)):

@@ -61,7 +61,8 @@ class Q8(NamedTuple):
 
 
 class QuantizeIn(NamedTuple):
-    """float32 [R, K] activations for quantized weights, which the GEMV quantizes to q8_1 itself:
+    """float32 [R, K] activations for quantized weights (the types of vecdot.SHARED_DOT), which
+    the GEMV quantizes to q8_1 itself:
     each block its own row, in shared memory, with quantize_q8_1's bits. For one-token launches
     (a dense row, or the expert pairs of one token), where it saves a launch and a graph node."""
     x: object
@@ -290,6 +291,9 @@ def _prepare(w, w2, qtype, k, act, ids, slot_of, act_t, act_a, bias, bias2, out,
     qin = k if isinstance(act, QuantizeIn) else 0
     if qin and ncols != 1:
         raise ValueError("QuantizeIn activations are for one-token launches (one row a block)")
+    if qin and qtype not in SHARED_DOT:
+        raise UnsupportedError(f"{type_name(qtype)} weights take Q8 activations, not QuantizeIn "
+                               f"(vecdot.SHARED_DOT)")
     n = tuple(w.shape)[-2]
     lpr = tuning.lpr or choose_lpr(k)
     warps = 1 if SIMULATOR else tuning.warps  # simulated threads are Python threads

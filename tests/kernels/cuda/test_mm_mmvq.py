@@ -7,11 +7,13 @@ import numpy as np
 import pytest
 from numba import cuda
 
+from daemon.errors import UnsupportedError
 from daemon.kernels import quants as Q
 from daemon.kernels.cuda import mmvq
 from daemon.kernels.cuda.layout import repack
 from daemon.kernels.cuda.mmvq import Q8
 from daemon.kernels.cuda.quantize import quantize_q8_1
+from daemon.kernels.cuda.vecdot import SHARED_DOT
 from tests.kernels.cuda import refs
 
 # float32 products and sums: each rounding is <= 2**-24 relative, and a dot of K <= 512 terms
@@ -221,7 +223,7 @@ def _q8(x: np.ndarray) -> Q8:
     return Q8(*quantize_q8_1(cuda.to_device(x)))
 
 
-@pytest.mark.parametrize("qt", refs.QUANT, ids=[refs.NAMES[t] for t in refs.QUANT])
+@pytest.mark.parametrize("qt", sorted(SHARED_DOT), ids=lambda t: refs.NAMES[t])
 def test_one_token_quantizing_its_own_row_gives_the_same_bits(qt):
     """QuantizeIn (each block quantizes its activation row in shared memory) against the separate
     quantize_q8_1 launch: a dense row, the experts of one token, and the down projection's row a
@@ -256,3 +258,6 @@ def test_quantize_in_is_for_one_token_launches():
         mmvq.mul_mat_vec(w, qt, k, mmvq.QuantizeIn(cuda.to_device(np.ones((2, k), np.float32))))
     with pytest.raises(ValueError, match="float32"):
         mmvq.mul_mat_vec(w, qt, k, mmvq.QuantizeIn(cuda.to_device(np.ones((1, k - 32), np.float32))))
+    w41 = cuda.to_device(repack(refs.weights(Q.Q4_1, (3,), k, rng), Q.Q4_1))
+    with pytest.raises(UnsupportedError, match="Q4_1"):  # its dot's bits depend on where s_a is read
+        mmvq.mul_mat_vec(w41, Q.Q4_1, k, mmvq.QuantizeIn(cuda.to_device(np.ones((1, k), np.float32))))

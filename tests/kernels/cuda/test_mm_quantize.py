@@ -32,15 +32,17 @@ def test_q8_1_matches_the_reference():
 def _row_kernel(k: int):
     from daemon.kernels.cuda.quantize import quantize_row_shared
 
+    n_words, n_ds = k // 4, k // 16  # shared sizes: constants of the kernel
+
     @cuda.jit
     def kern(x, words, ds):
         # block r quantizes row r into shared memory, then copies it out
-        sq = cuda.shared.array(k // 4, np.uint32)
-        sd = cuda.shared.array(k // 16, np.float32)
+        sq = cuda.shared.array(n_words, np.uint32)
+        sd = cuda.shared.array(n_ds, np.float32)
         quantize_row_shared(x, cuda.blockIdx.x, k, sq, sd, cuda.threadIdx.x, cuda.blockDim.x)
-        for i in range(cuda.threadIdx.x, k // 4, cuda.blockDim.x):
+        for i in range(cuda.threadIdx.x, n_words, cuda.blockDim.x):
             words[cuda.blockIdx.x, i] = sq[i]
-        for i in range(cuda.threadIdx.x, k // 16, cuda.blockDim.x):
+        for i in range(cuda.threadIdx.x, n_ds, cuda.blockDim.x):
             ds[cuda.blockIdx.x, i] = sd[i]
 
     return kern
