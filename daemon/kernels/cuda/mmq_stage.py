@@ -167,15 +167,29 @@ def stagers(qtype: int, bm: int, bn: int, nthreads: int, sub: int, ids_mode: boo
         return min(ng, (k - kt * BK) // sub)
 
     @device
+    def weight_chunk(s, tid, kt, k):
+        """-> (tile row, chunk of the row, staged?) of this thread's chunk s of K step kt (a
+        partial last step stages only its chunks)."""
+        i = tid + s * nthreads
+        r = i // cpr
+        cr = i - r * cpr
+        return r, cr, i < bm * cpr and cr < min(cpr, (k - kt * BK) // per_chunk)
+
+    @device
+    def act_group(s, tid, kt, k):
+        """-> (tile token, scale group, staged?) of this thread's activation group s of step kt."""
+        i = tid + s * nthreads
+        tt = i // ng
+        g = i - tt * ng
+        return tt, g, i < bn * ng and g < groups_in_step(k, kt)
+
+    @device
     def fetch_weights(W, slot, n, stride, nb, row0, kt, k, tid, raw):
         # this thread's chunks of K step kt, raw, into raw uint32 [WCHUNKS, RAW]; rows past n
         # repeat the last one; a partial step's missing chunks are not read
-        valid = min(cpr, (k - kt * BK) // per_chunk)
         for s in range(w_chunks):
-            i = tid + s * nthreads
-            r = i // cpr
-            cr = i - r * cpr
-            if i < bm * cpr and cr < valid:
+            r, cr, ok = weight_chunk(s, tid, kt, k)
+            if ok:
                 row = min(row0 + r, n - 1)
                 fetch(W, (slot * n + row) * stride, nb, kt * cpr + cr, raw, s)
 
@@ -183,12 +197,9 @@ def stagers(qtype: int, bm: int, bn: int, nthreads: int, sub: int, ids_mode: boo
     def store_weights(raw, kt, k, tid, wq, wmul, woff):
         # raw (fetch_weights) -> wq uint32 [BM, PAD]; wmul/woff float32 [BM, NG]; the words of a
         # partial step's missing groups are left as they were (never read)
-        valid = min(cpr, (k - kt * BK) // per_chunk)
         for s in range(w_chunks):
-            i = tid + s * nthreads
-            r = i // cpr
-            cr = i - r * cpr
-            if i < bm * cpr and cr < valid:
+            r, cr, ok = weight_chunk(s, tid, kt, k)
+            if ok:
                 c = kt * cpr + cr
                 w = decode(raw, s, c)
                 vlo, vhi, mlo, olo, mhi, ohi = geom(w, c)
@@ -212,12 +223,9 @@ def stagers(qtype: int, bm: int, bn: int, nthreads: int, sub: int, ids_mode: boo
     def fetch_acts(aq, ads, k, kt, tid, rowid, raw):
         # aq int8 [R, K]; ads float32 [R, K/32, 2] (d first) -> raw uint32 [ACHUNKS, 1 + SUB/4]:
         # this thread's groups of K step kt (d's bits, then the quant words)
-        valid = groups_in_step(k, kt)
         for s in range(a_groups):
-            i = tid + s * nthreads
-            tt = i // ng
-            g = i - tt * ng
-            if i < bn * ng and g < valid:
+            tt, g, ok = act_group(s, tid, kt, k)
+            if ok:
                 ar = rowid[tt]
                 if ar >= 0:
                     v = kt * BK + g * sub
@@ -233,12 +241,9 @@ def stagers(qtype: int, bm: int, bn: int, nthreads: int, sub: int, ids_mode: boo
     def store_acts(raw, kt, k, tid, rowid, xq, xd, xs):
         # raw (fetch_acts) -> xq uint32 [BN, PAD]; xd/xs float32 [BN, NG]; tokens past the
         # tile's count are zeros
-        valid = groups_in_step(k, kt)
         for s in range(a_groups):
-            i = tid + s * nthreads
-            tt = i // ng
-            g = i - tt * ng
-            if i < bn * ng and g < valid:
+            tt, g, ok = act_group(s, tid, kt, k)
+            if ok:
                 w0 = g * (sub >> 2)
                 if rowid[tt] >= 0:
                     d = bits_to_f32(raw[s, 0])
