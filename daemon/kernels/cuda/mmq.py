@@ -48,8 +48,7 @@ def _build(qtype: int, bm: int, bn: int, ids_mode: bool, has_bias: bool, host: b
     nthreads = (bm // rm) * tx_n
     st = stagers(qtype, bm, bn, nthreads, 16, ids_mode, host)
     block_tile, tile_tokens, groups_in_step = st.block_tile, st.tile_tokens, st.groups_in_step
-    fetch_weights, store_weights = st.fetch_weights, st.store_weights
-    fetch_acts, store_acts = st.fetch_acts, st.store_acts
+    fetch_step, store_step = st.fetch_step, st.store_step
     w_chunks, w_raw, a_groups, a_raw = st.w_chunks, st.w_raw, st.a_groups, st.a_raw
     qk = block_size(qtype)[0]
 
@@ -90,15 +89,12 @@ def _build(qtype: int, bm: int, bn: int, ids_mode: bool, has_bias: bool, host: b
         ty = tid // tx_n
         tx = tid - ty * tx_n
         cuda.syncthreads()
-        fetch_weights(W, slot, n, stride, nb, row0, 0, k, tid, wraw)
-        fetch_acts(aq, ads, k, 0, tid, rowid, araw)
+        fetch_step(W, slot, n, stride, nb, row0, aq, ads, rowid, 0, k, tid, wraw, araw)
         for kt in range(nk):
-            store_weights(wraw, kt, k, tid, wq, wm, wo)
-            store_acts(araw, kt, k, tid, rowid, xq, xd, xs)
+            store_step(wraw, araw, rowid, kt, k, tid, wq, wm, wo, xq, xd, xs)
             cuda.syncthreads()
             if kt + 1 < nk:  # in flight while this step multiplies
-                fetch_weights(W, slot, n, stride, nb, row0, kt + 1, k, tid, wraw)
-                fetch_acts(aq, ads, k, kt + 1, tid, rowid, araw)
+                fetch_step(W, slot, n, stride, nb, row0, aq, ads, rowid, kt + 1, k, tid, wraw, araw)
             for g in range(groups_in_step(k, kt)):
                 for i in range(rm):
                     r = ty + i * (bm // rm)

@@ -64,8 +64,7 @@ def build(qtype: int, shape: Shape, ids_mode: bool, has_bias: bool, host: bool =
     wpg = sub // 4  # words a group
     st = stagers(qtype, bm, bn, nthreads, sub, ids_mode, host)
     block_tile, tile_tokens, groups_in_step = st.block_tile, st.tile_tokens, st.groups_in_step
-    fetch_weights, store_weights = st.fetch_weights, st.store_weights
-    fetch_acts, store_acts = st.fetch_acts, st.store_acts
+    fetch_step, store_step, stage_step = st.fetch_step, st.store_step, st.stage_step
     w_chunks, w_raw, a_groups, a_raw = st.w_chunks, st.w_raw, st.a_groups, st.a_raw
     qk = block_size(qtype)[0]
     # the next K step's loads issued before this step multiplies: on an H200 (qwen3-30b-a3b's
@@ -114,18 +113,16 @@ def build(qtype: int, shape: Shape, ids_mode: bool, has_bias: bool, host: bool =
         nk = (k + BK - 1) // BK
         cuda.syncthreads()
         if prefetch:
-            fetch_weights(W, slot, n, stride, nb, row0, 0, k, tid, wraw)
-            fetch_acts(aq, ads, k, 0, tid, rowid, araw)
+            fetch_step(W, slot, n, stride, nb, row0, aq, ads, rowid, 0, k, tid, wraw, araw)
         for kt in range(nk):
-            if not prefetch:
-                fetch_weights(W, slot, n, stride, nb, row0, kt, k, tid, wraw)
-                fetch_acts(aq, ads, k, kt, tid, rowid, araw)
-            store_weights(wraw, kt, k, tid, wq, wmul, woff)
-            store_acts(araw, kt, k, tid, rowid, xq, xd, xs)
+            if prefetch:
+                store_step(wraw, araw, rowid, kt, k, tid, wq, wmul, woff, xq, xd, xs)
+            else:
+                stage_step(W, slot, n, stride, nb, row0, aq, ads, rowid, kt, k, tid, wraw, araw, wq, wmul, woff,
+                           xq, xd, xs)
             cuda.syncthreads()
             if prefetch and kt + 1 < nk:  # in flight while this step multiplies
-                fetch_weights(W, slot, n, stride, nb, row0, kt + 1, k, tid, wraw)
-                fetch_acts(aq, ads, k, kt + 1, tid, rowid, araw)
+                fetch_step(W, slot, n, stride, nb, row0, aq, ads, rowid, kt + 1, k, tid, wraw, araw)
             for q in range(groups_in_step(k, kt)):
                 kw = q * wpg + t
                 for i in range(tm):

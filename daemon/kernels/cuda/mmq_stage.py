@@ -8,9 +8,10 @@ the exact int32 dot of the group's quants:
   - weights: each thread decodes chunks of the repacked rows with the GEMV's own per-type `load`
     (vecdot.py); value = mul * q + off (Q4_0's -8d, Q4_1's m, Q4_K's -dmin*m, Q6_K's -32 d*sc ...);
   - activations: q8_1 quants (quantize.py), d per 32 values; sum(q) exact, from dp4a.
-A K step is staged in two halves: fetch_* issues its global loads into registers (raw words),
-store_* decodes them into the shared tiles. The kernels fetch step kt + 1 before they multiply
-step kt, so those loads are in flight while the tensor cores (or dp4a) work.
+A K step is staged in two halves: fetch_step issues its global loads into registers (raw words),
+store_step decodes them into the shared tiles; a kernel that fetches step kt + 1 before it
+multiplies step kt has those loads in flight while the tensor cores (or dp4a) work. stage_step
+does both a chunk at a time (fewer registers live), for launches that do not prefetch.
 
 Legend: BK = 128 values a K step (the last may hold fewer: K is a multiple of 32, e.g. gpt-oss's 2880), BM/BN = tile rows/tokens, SUB = values a scale group,
 NG = BK / SUB groups, PAD = shared words a tile row (32 + padding against bank conflicts).
@@ -91,14 +92,13 @@ def scale_group(qtype: int) -> int:
 
 class Stagers(NamedTuple):
     """A tile shape's device functions, and the sizes of the register arrays that carry one K
-    step's loads from fetch_* to store_* (allocated by the kernel: wraw uint32 [w_chunks,
+    step's loads from fetch_step to store_step (allocated by the kernel: wraw uint32 [w_chunks,
     w_raw], araw uint32 [a_groups, a_raw])."""
     block_tile: object
     tile_tokens: object
-    fetch_weights: object
-    store_weights: object
-    fetch_acts: object
-    store_acts: object
+    fetch_step: object
+    store_step: object
+    stage_step: object
     groups_in_step: object
     w_chunks: int
     w_raw: int
@@ -184,81 +184,102 @@ def stagers(qtype: int, bm: int, bn: int, nthreads: int, sub: int, ids_mode: boo
         return tt, g, i < bn * ng and g < groups_in_step(k, kt)
 
     @device
-    def fetch_weights(W, slot, n, stride, nb, row0, kt, k, tid, raw):
-        # this thread's chunks of K step kt, raw, into raw uint32 [WCHUNKS, RAW]; rows past n
-        # repeat the last one; a partial step's missing chunks are not read
+    def fetch_weight_chunk(W, slot, n, stride, nb, row0, kt, k, tid, raw, s):
+        # chunk s of this thread's K step kt, raw, into raw[s, :]; rows past n repeat the last one
+        r, cr, ok = weight_chunk(s, tid, kt, k)
+        if ok:
+            fetch(W, (slot * n + min(row0 + r, n - 1)) * stride, nb, kt * cpr + cr, raw, s)
+
+    @device
+    def store_weight_chunk(raw, s, kt, k, tid, wq, wmul, woff):
+        # raw[s] -> wq uint32 [BM, PAD]; wmul/woff float32 [BM, NG]; the words of a partial
+        # step's missing groups are left as they were (never read)
+        r, cr, ok = weight_chunk(s, tid, kt, k)
+        if ok:
+            c = kt * cpr + cr
+            w = decode(raw, s, c)
+            vlo, vhi, mlo, olo, mhi, ohi = geom(w, c)
+            vlo -= kt * BK
+            wq[r, vlo >> 2] = w[0]
+            wq[r, (vlo >> 2) + 1] = w[1]
+            wq[r, (vlo >> 2) + 2] = w[2]
+            wq[r, (vlo >> 2) + 3] = w[3]
+            wmul[r, vlo >> shift] = mlo  # a 32-value group's two halves write the same value
+            woff[r, vlo >> shift] = olo
+            if two_halves:
+                vhi -= kt * BK
+                wq[r, vhi >> 2] = w[4]
+                wq[r, (vhi >> 2) + 1] = w[5]
+                wq[r, (vhi >> 2) + 2] = w[6]
+                wq[r, (vhi >> 2) + 3] = w[7]
+                wmul[r, vhi >> shift] = mhi
+                woff[r, vhi >> shift] = ohi
+
+    @device
+    def fetch_act_group(aq, ads, k, kt, tid, rowid, raw, s):
+        # aq int8 [R, K]; ads float32 [R, K/32, 2] (d first) -> raw[s, :]: d's bits, then the
+        # quant words of this thread's group s of step kt
+        tt, g, ok = act_group(s, tid, kt, k)
+        if ok:
+            ar = rowid[tt]
+            if ar >= 0:
+                v = kt * BK + g * sub
+                raw[s, 0] = ldg_u32(ads, (ar * (k >> 5) + (v >> 5)) << 3)
+                for h in range(parts):
+                    q = ldg_v4(aq, ar * k + v + 16 * h)
+                    raw[s, 1 + 4 * h] = q[0]
+                    raw[s, 2 + 4 * h] = q[1]
+                    raw[s, 3 + 4 * h] = q[2]
+                    raw[s, 4 + 4 * h] = q[3]
+
+    @device
+    def store_act_group(raw, s, kt, k, tid, rowid, xq, xd, xs):
+        # raw[s] -> xq uint32 [BN, PAD]; xd/xs float32 [BN, NG]; tokens past the tile's count are zeros
+        tt, g, ok = act_group(s, tid, kt, k)
+        if ok:
+            w0 = g * (sub >> 2)
+            if rowid[tt] >= 0:
+                d = bits_to_f32(raw[s, 0])
+                total = 0
+                for u in range(sub >> 2):
+                    q = raw[s, 1 + u]
+                    total = dp4a(ONES, q, total)
+                    xq[tt, w0 + u] = q
+                xd[tt, g] = d
+                xs[tt, g] = d * np.float32(total)
+            else:
+                for u in range(sub >> 2):
+                    xq[tt, w0 + u] = np.uint32(0)
+                xd[tt, g] = _Z
+                xs[tt, g] = _Z
+
+    @device
+    def fetch_step(W, slot, n, stride, nb, row0, aq, ads, rowid, kt, k, tid, wraw, araw):
+        """Issue every load of this thread's part of K step kt into wraw/araw (registers)."""
         for s in range(w_chunks):
-            r, cr, ok = weight_chunk(s, tid, kt, k)
-            if ok:
-                row = min(row0 + r, n - 1)
-                fetch(W, (slot * n + row) * stride, nb, kt * cpr + cr, raw, s)
+            fetch_weight_chunk(W, slot, n, stride, nb, row0, kt, k, tid, wraw, s)
+        for s in range(a_groups):
+            fetch_act_group(aq, ads, k, kt, tid, rowid, araw, s)
 
     @device
-    def store_weights(raw, kt, k, tid, wq, wmul, woff):
-        # raw (fetch_weights) -> wq uint32 [BM, PAD]; wmul/woff float32 [BM, NG]; the words of a
-        # partial step's missing groups are left as they were (never read)
+    def store_step(wraw, araw, rowid, kt, k, tid, wq, wmul, woff, xq, xd, xs):
+        """Decode fetch_step's registers into the shared tiles."""
         for s in range(w_chunks):
-            r, cr, ok = weight_chunk(s, tid, kt, k)
-            if ok:
-                c = kt * cpr + cr
-                w = decode(raw, s, c)
-                vlo, vhi, mlo, olo, mhi, ohi = geom(w, c)
-                vlo -= kt * BK
-                wq[r, vlo >> 2] = w[0]
-                wq[r, (vlo >> 2) + 1] = w[1]
-                wq[r, (vlo >> 2) + 2] = w[2]
-                wq[r, (vlo >> 2) + 3] = w[3]
-                wmul[r, vlo >> shift] = mlo  # a 32-value group's two halves write the same value
-                woff[r, vlo >> shift] = olo
-                if two_halves:
-                    vhi -= kt * BK
-                    wq[r, vhi >> 2] = w[4]
-                    wq[r, (vhi >> 2) + 1] = w[5]
-                    wq[r, (vhi >> 2) + 2] = w[6]
-                    wq[r, (vhi >> 2) + 3] = w[7]
-                    wmul[r, vhi >> shift] = mhi
-                    woff[r, vhi >> shift] = ohi
+            store_weight_chunk(wraw, s, kt, k, tid, wq, wmul, woff)
+        for s in range(a_groups):
+            store_act_group(araw, s, kt, k, tid, rowid, xq, xd, xs)
 
     @device
-    def fetch_acts(aq, ads, k, kt, tid, rowid, raw):
-        # aq int8 [R, K]; ads float32 [R, K/32, 2] (d first) -> raw uint32 [ACHUNKS, 1 + SUB/4]:
-        # this thread's groups of K step kt (d's bits, then the quant words)
+    def stage_step(W, slot, n, stride, nb, row0, aq, ads, rowid, kt, k, tid, wraw, araw, wq, wmul, woff,
+                   xq, xd, xs):
+        """K step kt straight into the shared tiles, each chunk stored after its own load (fewer
+        registers live than fetch_step then store_step)."""
+        for s in range(w_chunks):
+            fetch_weight_chunk(W, slot, n, stride, nb, row0, kt, k, tid, wraw, s)
+            store_weight_chunk(wraw, s, kt, k, tid, wq, wmul, woff)
         for s in range(a_groups):
-            tt, g, ok = act_group(s, tid, kt, k)
-            if ok:
-                ar = rowid[tt]
-                if ar >= 0:
-                    v = kt * BK + g * sub
-                    raw[s, 0] = ldg_u32(ads, (ar * (k >> 5) + (v >> 5)) << 3)
-                    for h in range(parts):
-                        q = ldg_v4(aq, ar * k + v + 16 * h)
-                        raw[s, 1 + 4 * h] = q[0]
-                        raw[s, 2 + 4 * h] = q[1]
-                        raw[s, 3 + 4 * h] = q[2]
-                        raw[s, 4 + 4 * h] = q[3]
+            fetch_act_group(aq, ads, k, kt, tid, rowid, araw, s)
+            store_act_group(araw, s, kt, k, tid, rowid, xq, xd, xs)
 
-    @device
-    def store_acts(raw, kt, k, tid, rowid, xq, xd, xs):
-        # raw (fetch_acts) -> xq uint32 [BN, PAD]; xd/xs float32 [BN, NG]; tokens past the
-        # tile's count are zeros
-        for s in range(a_groups):
-            tt, g, ok = act_group(s, tid, kt, k)
-            if ok:
-                w0 = g * (sub >> 2)
-                if rowid[tt] >= 0:
-                    d = bits_to_f32(raw[s, 0])
-                    total = 0
-                    for u in range(sub >> 2):
-                        q = raw[s, 1 + u]
-                        total = dp4a(ONES, q, total)
-                        xq[tt, w0 + u] = q
-                    xd[tt, g] = d
-                    xs[tt, g] = d * np.float32(total)
-                else:
-                    for u in range(sub >> 2):
-                        xq[tt, w0 + u] = np.uint32(0)
-                    xd[tt, g] = _Z
-                    xs[tt, g] = _Z
-
-    return Stagers(block_tile, tile_tokens, fetch_weights, store_weights, fetch_acts, store_acts,
-                   groups_in_step, w_chunks, n_raw, a_groups, 1 + (sub >> 2))
+    return Stagers(block_tile, tile_tokens, fetch_step, store_step, stage_step, groups_in_step,
+                   w_chunks, n_raw, a_groups, 1 + (sub >> 2))
