@@ -77,7 +77,7 @@ def cases(only: set[str]):
         yield ("delta-net conv (Kc 4)", gdn._conv_kernel(4).py_func,
                (f32(2), f32(2), f32(4), I32, i32(1), i32(1), BOOL, f32(2)))
         yield ("gated RMSNorm", gdn._gated_rms_norm.py_func, (f32(3), f32(1), f32(2), F32, f32(2)))
-    if not only or "mmvq" in only:  # the GEMVs: dense (1 and 16 columns) and a layer's experts with the GLU
+    if not only or "mmvq" in only:  # the GEMVs: dense (1, 4, 16 columns) and a layer's experts with the GLU
         from daemon.kernels.cuda import mmvq
         from daemon.kernels.cuda.vecdot import FLOAT_ACT
 
@@ -88,11 +88,6 @@ def cases(only: set[str]):
             for cols, ids, glu in ((1, False, 0), (16, False, 0), (1, True, mmvq.GLU_SWIGLU)):
                 kern = mmvq._build(qt, cols, 16, 4, ids, False, glu, 2)
                 yield kern.__name__, kern.py_func, sig
-            if qt not in FLOAT_ACT:  # one-token launches quantizing their own row (QuantizeIn, K 2048)
-                qin_sig = sig[:4] + (f32(2), f32(2)) + sig[6:]
-                for ids, glu in ((False, 0), (True, mmvq.GLU_SWIGLU)):
-                    kern = mmvq._build(qt, 1, 16, 4, ids, False, glu, 2, qin=2048)
-                    yield kern.__name__, kern.py_func, qin_sig
     if not only or "mmq" in only:  # the prefill's tiled matmuls
         from daemon.kernels.cuda import mmq, mmq_mma
 

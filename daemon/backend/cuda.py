@@ -53,9 +53,9 @@ from ..kernels.cuda import flash
 from ..kernels.cuda import mmq, mmvq, norm, rope as rope_k, router as router_k
 from ..kernels.cuda import sample as sample_k
 from ..kernels.cuda.device import SIM, upload
-from ..kernels.cuda.mmvq import MAX_COLS, Q8, QuantizeIn
+from ..kernels.cuda.mmvq import MAX_COLS, Q8
 from ..kernels.cuda.quantize import QK8_1, quantize_q8_1
-from ..kernels.cuda.vecdot import FLOAT_ACT, SHARED_DOT
+from ..kernels.cuda.vecdot import FLOAT_ACT
 from ..model.weights import QWeight
 from . import cuda_experts as cx
 from .base import compose_delta_net, compose_expert_ffn, compose_expert_glu, compose_route
@@ -129,15 +129,11 @@ class Activations:
     def rows(self) -> int:
         return self.x.shape[0]
 
-    def get(self, ggml_type: int, r0: int = 0, r1: int | None = None, one_token: bool = False):
-        """What weights of ggml_type read: f32 rows (float weights) or Q8 (quantized), rows r0..r1-1.
-        one_token: the GEMV of a one-token launch, which quantizes the rows itself (QuantizeIn:
-        the same bits, one launch fewer) unless another weight has already had them quantized."""
+    def get(self, ggml_type: int, r0: int = 0, r1: int | None = None):
+        """What weights of ggml_type read: f32 rows (float weights) or Q8 (quantized), rows r0..r1-1."""
         whole = r0 == 0 and (r1 is None or r1 == self.rows)
         if ggml_type in FLOAT_ACT:
             return self.x if whole else self.x[r0:r1]
-        if one_token and self._q8 is None and ggml_type in SHARED_DOT:
-            return QuantizeIn(self.x if whole else self.x[r0:r1])
         if self._q8 is None:
             R, K = self.x.shape
             qs, ds = (None, None) if self._empty is None else (self._empty((R, K), np.int8),
@@ -493,7 +489,7 @@ class CUDABackend:
         T = acts.rows
         out = self._empty((T, w.n_out), _F32)  # [T, N]
         for seg in cx.segments(step, T, lambda n: self._tiled(qt, K, n)):
-            a = acts.get(qt, seg.r0, seg.r1, one_token=T == 1)
+            a = acts.get(qt, seg.r0, seg.r1)
             o = out if (seg.r0, seg.r1) == (0, T) else out[seg.r0:seg.r1]
             if seg.tiled:
                 mmq.mul_mat_q(w.packed, qt, K, a, out=o, bias=bias, stream=self.stream)
@@ -584,7 +580,7 @@ class CUDABackend:
         for seg in plan.segments:
             whole = (seg.r0, seg.r1) == (0, T)
             r0, r1 = (seg.r0, seg.r1) if per_token else (seg.r0 * A, seg.r1 * A)
-            a = acts.get(ggml_type, r0, r1, one_token=T == 1)
+            a = acts.get(ggml_type, r0, r1)
             ids = plan.ids if whole else plan.ids[seg.r0:seg.r1]
             o = out if whole else out[seg.r0:seg.r1]
             if seg.tiled:
@@ -635,7 +631,7 @@ class CUDABackend:
                 glu_k.glu(g.reshape(n, F), u.reshape(n, F), o.reshape(n, F), kind, alpha, limit, stream=self.stream)
             else:
                 (gate, host_gate), (up, host_up) = cx.tiers(batch.gate), cx.tiers(batch.up)
-                mmvq.mul_mat_vec_glu_ids(gate, up, qt, K, acts.get(qt, r0, r1, one_token=T == 1), ids, plan.slot_of,
+                mmvq.mul_mat_vec_glu_ids(gate, up, qt, K, acts.get(qt, r0, r1), ids, plan.slot_of,
                                          glu="swiglu_oai" if kind == "oai" else "swiglu", bias_gate=batch.gate_bias,
                                          bias_up=batch.up_bias, alpha=alpha, limit=limit, out=o, host_gate=host_gate,
                                          host_up=host_up, stream=self.stream)

@@ -19,7 +19,6 @@ S = slots of an expert stack, N = output rows, K = values per row, stride = repa
 Shapes:
     w        uint8   [N, stride] (dense) or [S, N, stride] (experts), repacked (layout.repack)
     act      Q8 (qs int8 [R, K], ds float32 [R, K/32, 2]) for quant weights (quantize.py), or
-             QuantizeIn (float32 [R, K], quantized by each block: one-token launches), or
              float32 [R, K] for F32/F16/BF16 weights; R = T, or T*A for the down projection
     ids      int32   [T, A]   expert ids (the router's top-k)
     slot_of  int32   [E]      expert id -> slot in the stack (>= 0); with a host tier, -2 - h: row h
@@ -42,8 +41,7 @@ from ...errors import UnsupportedError
 from ..quants import block_size, type_name
 from .layout import GPU_TYPES, repacked_stride
 from .ptx import SIMULATOR, device, warp_sum
-from .quantize import quantize_row_shared
-from .vecdot import FLOAT_ACT, SHARED_DOT, VALUES, VECDOT
+from .vecdot import FLOAT_ACT, VALUES, VECDOT
 from .device import upload
 from .launch import launch
 
@@ -60,14 +58,6 @@ class Q8(NamedTuple):
     ds: object  # float32 [R, K/32, 2]
 
 
-class QuantizeIn(NamedTuple):
-    """float32 [R, K] activations for quantized weights (the types of vecdot.SHARED_DOT), which
-    the GEMV quantizes to q8_1 itself:
-    each block its own row, in shared memory, with quantize_q8_1's bits. For one-token launches
-    (a dense row, or the expert pairs of one token), where it saves a launch and a graph node."""
-    x: object
-
-
 def _glu(g, u, kind, alpha, limit):
     # exp's argument capped at 80 (float32 exp overflows past 88): x / (1 + e^80) is ~1e-33 x,
     # where the uncapped form gives -0
@@ -82,22 +72,9 @@ _glu_dev = device(_glu)
 
 
 def _build(qtype: int, ncols: int, lpr: int, warps: int, ids_mode: bool, has_bias: bool,
-           glu: int, unroll: int, host: bool = False, qin: int = 0):
-    """The kernel for one combination (closure constants are compile-time constants). qin = K:
-    the activations are float rows that each block quantizes into shared memory first (one row
-    a block: ncols 1), else 0."""
+           glu: int, unroll: int, host: bool = False):
+    """The kernel for one combination (closure constants are compile-time constants)."""
     load, dot = VECDOT[qtype]
-    if qin:
-        sdot = SHARED_DOT[qtype]
-
-        @device
-        def adot(w, A0, A1, sq, sd, r, k, c):
-            return sdot(w, sq, sd, 0, k, c)
-    else:
-        @device
-        def adot(w, A0, A1, sq, sd, r, k, c):
-            return dot(w, A0, A1, r, k, c)
-    n_sq, n_sd = max(qin // 4, 1), max(qin // 16, 1)
     per_chunk = VALUES[qtype]
     qk = block_size(qtype)[0]
     rows_per_block = warps * 32 // lpr
@@ -133,10 +110,6 @@ def _build(qtype: int, ncols: int, lpr: int, warps: int, ids_mode: bool, has_bia
             t = cuda.blockIdx.y * nc
             arow = t
             ncl = min(nc, n_tok - t)
-        sq = cuda.shared.array(n_sq, np.uint32)  # qin: this block's activation row as q8_1
-        sd = cuda.shared.array(n_sd, np.float32)
-        if qin:
-            quantize_row_shared(A0, arow, k, sq, sd, tid, warps * 32)
         live = row < n and slot >= 0
         base = (slot * n + row) * stride
         acc = cuda.local.array(nc, np.float32)
@@ -154,26 +127,26 @@ def _build(qtype: int, ncols: int, lpr: int, warps: int, ids_mode: bool, has_bia
                     wb = load(W, base, nb, c + lpr)
                     for j in range(nc):
                         if j < ncl:
-                            acc[j] += adot(w, A0, A1, sq, sd, arow + j, k, c) + adot(
-                                wb, A0, A1, sq, sd, arow + j, k, c + lpr)
+                            acc[j] += dot(w, A0, A1, arow + j, k, c) + dot(
+                                wb, A0, A1, arow + j, k, c + lpr)
                     if two:
                         w2 = load(W2, base, nb, c)
                         w2b = load(W2, base, nb, c + lpr)
                         for j in range(nc):
                             if j < ncl:
-                                acc2[j] += adot(w2, A0, A1, sq, sd, arow + j, k, c) + adot(
-                                    w2b, A0, A1, sq, sd, arow + j, k, c + lpr)
+                                acc2[j] += dot(w2, A0, A1, arow + j, k, c) + dot(
+                                    w2b, A0, A1, arow + j, k, c + lpr)
                     c += 2 * lpr
             while c < nch:
                 w = load(W, base, nb, c)
                 for j in range(nc):
                     if j < ncl:
-                        acc[j] += adot(w, A0, A1, sq, sd, arow + j, k, c)
+                        acc[j] += dot(w, A0, A1, arow + j, k, c)
                 if two:
                     w2 = load(W2, base, nb, c)
                     for j in range(nc):
                         if j < ncl:
-                            acc2[j] += adot(w2, A0, A1, sq, sd, arow + j, k, c)
+                            acc2[j] += dot(w2, A0, A1, arow + j, k, c)
                 c += lpr
         for j in range(nc):  # every lane takes part in the shuffles
             acc[j] = warp_sum(acc[j], lpr)
@@ -193,10 +166,9 @@ def _build(qtype: int, ncols: int, lpr: int, warps: int, ids_mode: bool, has_bia
                     if slot >= 0:  # an expert not held here is left to whoever holds it
                         out[t + j, a, row] = v
 
-    # named for profilers: mmvq_<type>_<ids|dense>[_glu][_host]_c<cols>_l<lanes per row>[_qin]
+    # named for profilers: mmvq_<type>_<ids|dense>[_glu]_c<cols>_l<lanes per row>
     kernel.__name__ = kernel.__qualname__ = (f"mmvq_{type_name(qtype)}_{'ids' if ids_mode else 'dense'}"
-                                             f"{'_glu' if two else ''}{'_host' if host else ''}_c{ncols}_l{lpr}"
-                                             f"{'_qin' if qin else ''}")
+                                             f"{'_glu' if two else ''}{'_host' if host else ''}_c{ncols}_l{lpr}")
     return cuda.jit(kernel)
 
 
@@ -249,11 +221,6 @@ def _check_act(act, qtype: int, k: int):
         if isinstance(act, Q8) or act.dtype != np.float32 or act.ndim != 2 or act.shape[1] != k:
             raise ValueError(f"{type_name(qtype)} weights take float32 [R, {k}] activations")
         return act, act, act.shape[0]
-    if isinstance(act, QuantizeIn):
-        x = act.x
-        if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != k:
-            raise ValueError(f"QuantizeIn takes float32 [R, {k}] activations, got {x.dtype} {x.shape}")
-        return x, x, x.shape[0]
     if not isinstance(act, Q8) or act.qs.shape[1] != k:
         raise ValueError(f"{type_name(qtype)} weights take q8_1 activations (Q8) of {k} values")
     return act.qs, act.ds, act.qs.shape[0]
@@ -288,17 +255,11 @@ def _prepare(w, w2, qtype, k, act, ids, slot_of, act_t, act_a, bias, bias2, out,
     """-> (kernel, grid, block, args): everything a launch needs, so that a backend can launch
     the compiled kernel itself (e.g. through cuda.core, or into a CUDA graph)."""
     a0, a1, _ = _check_act(act, qtype, k)
-    qin = k if isinstance(act, QuantizeIn) else 0
-    if qin and ncols != 1:
-        raise ValueError("QuantizeIn activations are for one-token launches (one row a block)")
-    if qin and qtype not in SHARED_DOT:
-        raise UnsupportedError(f"{type_name(qtype)} weights take Q8 activations, not QuantizeIn "
-                               f"(vecdot.SHARED_DOT)")
     n = tuple(w.shape)[-2]
     lpr = tuning.lpr or choose_lpr(k)
     warps = 1 if SIMULATOR else tuning.warps  # simulated threads are Python threads
     kern = _kernel(qtype, ncols, lpr, warps, ids is not None, bias is not None, glu,
-                   tuning.unroll, wh is not None, qin)
+                   tuning.unroll, wh is not None)
     rows_per_block = warps * 32 // lpr
     grid = ((n + rows_per_block - 1) // rows_per_block, grid_y)
     if wh is None:

@@ -26,27 +26,11 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from .ptx import bits_to_f32, device, ldg_v4, round_f16, warp_max, warp_sum
+from .ptx import round_f16, warp_max, warp_sum
 from .launch import launch
 
 QK8_1 = 32
 _THREADS = 256  # 8 q8_1 blocks per thread block
-_BYTE = np.int32(0xFF)
-
-
-@device
-def _quant(v, d, amax):
-    """v's quant (float32, an integer in -127..127) with the block's d = amax / 127."""
-    q = np.float32(0.0)
-    if amax != np.float32(0.0):
-        y = v / d
-        q = np.float32(int(y))  # toward zero
-        frac = y - q  # exact: |y| <= 127
-        if frac >= np.float32(0.5):
-            q += np.float32(1.0)
-        elif frac <= np.float32(-0.5):
-            q -= np.float32(1.0)
-    return q
 
 
 @cuda.jit
@@ -61,7 +45,15 @@ def _quantize_q8_1(x, qs, ds, n):
     v = x[r, c] if valid else np.float32(0.0)
     amax = warp_max(abs(v), 32)
     d = amax / np.float32(127.0)
-    q = _quant(v, d, amax)
+    q = np.float32(0.0)
+    if valid and amax != np.float32(0.0):
+        y = v / d
+        q = np.float32(int(y))  # toward zero
+        frac = y - q  # exact: |y| <= 127
+        if frac >= np.float32(0.5):
+            q += np.float32(1.0)
+        elif frac <= np.float32(-0.5):
+            q -= np.float32(1.0)
     total = warp_sum(q, 32)  # of the quants: exact in float32 (|total| <= 32 * 127)
     if valid:
         qs[r, c] = np.int8(q)
@@ -88,33 +80,3 @@ def quantize_q8_1(x, qs=None, ds=None, stream=0):
     if n:
         launch(_quantize_q8_1, (n + _THREADS - 1) // _THREADS, _THREADS, stream, x, qs, ds, n)
     return qs, ds
-
-
-@device
-def quantize_row_shared(x, row, k, sq, sd, tid, nthreads):
-    """Row `row` of x float32 [R, K] -> its q8_1 blocks in a block's shared memory: sq uint32
-    [K/4] (4 quants a word, low byte first, as qs's bytes) and sd float32 [K/32 * 2] (d, s per
-    block, as ds). The same bits as quantize_q8_1: the max and the sum of the quants are exact in
-    any order, so a lane may hold 4 values (8 lanes a block). Every thread of the block calls it
-    (warp shuffles, then a block barrier)."""
-    warp = tid >> 5
-    lane = tid & 31
-    for span in range(warp, (k + 127) >> 7, nthreads >> 5):  # 128 values a warp at a time
-        i = (span << 7) + 4 * lane  # this lane's first value; k % 32 == 0: 8 lanes all in or out
-        v0 = v1 = v2 = v3 = np.float32(0.0)
-        if i < k:
-            w = ldg_v4(x, (row * k + i) << 2)
-            v0, v1, v2, v3 = bits_to_f32(w[0]), bits_to_f32(w[1]), bits_to_f32(w[2]), bits_to_f32(w[3])
-        amax = warp_max(max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3))), 8)
-        d = amax / np.float32(127.0)
-        q0, q1, q2, q3 = _quant(v0, d, amax), _quant(v1, d, amax), _quant(v2, d, amax), _quant(v3, d, amax)
-        total = warp_sum((q0 + q1) + (q2 + q3), 8)
-        if i < k:
-            sq[i >> 2] = np.uint32((np.int32(q0) & _BYTE) | ((np.int32(q1) & _BYTE) << 8)
-                                   | ((np.int32(q2) & _BYTE) << 16) | ((np.int32(q3) & _BYTE) << 24))
-            if lane & 7 == 0:
-                b = i >> 5
-                sd[2 * b] = round_f16(d)
-                sd[2 * b + 1] = round_f16(d * total)
-    cuda.syncthreads()
-

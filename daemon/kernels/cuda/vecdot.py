@@ -345,111 +345,85 @@ def decode_q6_k(raw, s, c):
             d * np.float32(_i8(raw[s, 9])), d * np.float32(_i8(raw[s, 10])))
 
 
-# ---- activation side: q8_1 dots, from global memory or from a block's shared copy ------------
-
-def _make_dots(words, act_d, act_s):
-    """The quant types' dot functions over q8_1 activations read through `words(aq, off)` (the
-    4 words of quants at byte `off` of the [R, K] quants), `act_d(ads, arow, k, blk)` and
-    `act_s(...)` (block blk's d and s)."""
-
-    @device
-    def dot32(w, aq, arow, k, c):
-        """int sum over the 32 values of block c: words w[0:4] hold values 0..15, w[4:8] 16..31."""
-        o = arow * k + (c << 5)
-        return _dot4(w[0], w[1], w[2], w[3], words(aq, o)) + _dot4(w[4], w[5], w[6], w[7], words(aq, o + 16))
-
-    @device
-    def dot_q8_0(w, aq, ads, arow, k, c):
-        s = _dot4(w[0], w[1], w[2], w[3], words(aq, arow * k + (c << 4)))
-        return w[4] * act_d(ads, arow, k, c >> 1) * np.float32(s)
-
-    @device
-    def dot_q4_0(w, aq, ads, arow, k, c):
-        s = dot32(w, aq, arow, k, c)
-        return w[8] * (act_d(ads, arow, k, c) * np.float32(s) - _F8 * act_s(ads, arow, k, c))
-
-    @device
-    def dot_q4_1(w, aq, ads, arow, k, c):
-        s = dot32(w, aq, arow, k, c)
-        return w[8] * act_d(ads, arow, k, c) * np.float32(s) + w[9] * act_s(ads, arow, k, c)
-
-    @device
-    def dot_q5_0(w, aq, ads, arow, k, c):
-        s = dot32(w, aq, arow, k, c)
-        return w[8] * (act_d(ads, arow, k, c) * np.float32(s) - _F16 * act_s(ads, arow, k, c))
-
-    @device
-    def dot_mxfp4(w, aq, ads, arow, k, c):
-        s = dot32(w, aq, arow, k, c)
-        return w[8] * act_d(ads, arow, k, c) * np.float32(s)
-
-    @device
-    def dot_kq4(w, aq, ads, arow, k, c):
-        sb = c >> 3
-        j = (c & 7) >> 1
-        o = arow * k + (sb << 8) + (j << 6) + ((c & 1) << 4)
-        a = words(aq, o)
-        b = words(aq, o + 32)
-        blk = (sb << 3) + 2 * j
-        lo = w[8] * np.float32(_dot4(w[0], w[1], w[2], w[3], a)) - w[10] * np.float32(_sum4(a))
-        hi = w[9] * np.float32(_dot4(w[4], w[5], w[6], w[7], b)) - w[11] * np.float32(_sum4(b))
-        return act_d(ads, arow, k, blk) * lo + act_d(ads, arow, k, blk + 1) * hi
-
-    @device
-    def dot_q6_k(w, aq, ads, arow, k, c):
-        sb = c >> 3
-        cc = c & 7
-        half = cc >> 2
-        sub = (cc >> 1) & 1
-        o = arow * k + (sb << 8) + (half << 7) + (sub << 5) + ((cc & 1) << 4)
-        a = words(aq, o)
-        b = words(aq, o + 64)
-        blk = (sb << 3) + (half << 2) + sub
-        s0 = _dot4(w[0], w[1], w[2], w[3], a) - 32 * _sum4(a)
-        s1 = _dot4(w[4], w[5], w[6], w[7], b) - 32 * _sum4(b)
-        return (act_d(ads, arow, k, blk) * w[8] * np.float32(s0)
-                + act_d(ads, arow, k, blk + 2) * w[9] * np.float32(s1))
-
-    return {Q8_0: dot_q8_0, Q4_0: dot_q4_0, Q4_1: dot_q4_1, Q5_0: dot_q5_0, Q5_1: dot_q4_1,
-            MXFP4: dot_mxfp4, Q4_K: dot_kq4, Q5_K: dot_kq4, Q6_K: dot_q6_k}
-
+# ---- the quant types' dots against q8_1 activations ----------------------------------------
 
 @device
-def _global_d(ads, arow, k, blk):
+def _act_d(ads, arow, k, blk):
     """d of q8_1 block `blk` of activation row `arow` (ds float32 [R, K/32, 2])."""
     return bits_to_f32(ldg_u32(ads, ((arow * (k >> 5) + blk) << 3)))
 
 
 @device
-def _global_s(ads, arow, k, blk):
+def _act_s(ads, arow, k, blk):
     """s (the block's sum of floats) of q8_1 block `blk` of activation row `arow`."""
     return bits_to_f32(ldg_u32(ads, ((arow * (k >> 5) + blk) << 3) + 4))
 
 
 @device
-def _shared_words(sq, off):
-    """4 quant words of a shared row copy (uint32 [K/4]); off: byte offset (arow 0)."""
-    i = off >> 2
-    return sq[i], sq[i + 1], sq[i + 2], sq[i + 3]
+def _dot32(w, aq, arow, k, c):
+    """int sum over the 32 values of block c: words w[0:4] hold values 0..15, w[4:8] 16..31."""
+    o = arow * k + (c << 5)
+    return _dot4(w[0], w[1], w[2], w[3], ldg_v4(aq, o)) + _dot4(w[4], w[5], w[6], w[7],
+                                                                 ldg_v4(aq, o + 16))
 
 
 @device
-def _shared_d(sd, arow, k, blk):
-    return sd[2 * blk]  # a shared row copy's (d, s) pairs, float32 [K/32 * 2]
+def dot_q8_0(w, aq, ads, arow, k, c):
+    s = _dot4(w[0], w[1], w[2], w[3], ldg_v4(aq, arow * k + (c << 4)))
+    return w[4] * _act_d(ads, arow, k, c >> 1) * np.float32(s)
 
 
 @device
-def _shared_s(sd, arow, k, blk):
-    return sd[2 * blk + 1]
+def dot_q4_0(w, aq, ads, arow, k, c):
+    s = _dot32(w, aq, arow, k, c)
+    return w[8] * (_act_d(ads, arow, k, c) * np.float32(s) - _F8 * _act_s(ads, arow, k, c))
 
 
-_DOTS = _make_dots(ldg_v4, _global_d, _global_s)
-# the same dots against one activation row that a block quantized into shared memory
-# (quantize.quantize_row_shared), read with arow = 0. Q4_1 and Q5_1 are left out: their dot adds
-# two products (d_w d_a isum + m_w s_a), and on an H200 the compiler fused a different one of them
-# into an FMA when s_a came from shared memory, so the bits differed from the global-memory dot's.
-SHARED_DOT = {t: f for t, f in _make_dots(_shared_words, _shared_d, _shared_s).items()
-              if t not in (Q4_1, Q5_1)}
+@device
+def dot_q4_1(w, aq, ads, arow, k, c):
+    s = _dot32(w, aq, arow, k, c)
+    return w[8] * _act_d(ads, arow, k, c) * np.float32(s) + w[9] * _act_s(ads, arow, k, c)
+
+
+@device
+def dot_q5_0(w, aq, ads, arow, k, c):
+    s = _dot32(w, aq, arow, k, c)
+    return w[8] * (_act_d(ads, arow, k, c) * np.float32(s) - _F16 * _act_s(ads, arow, k, c))
+
+
+@device
+def dot_mxfp4(w, aq, ads, arow, k, c):
+    s = _dot32(w, aq, arow, k, c)
+    return w[8] * _act_d(ads, arow, k, c) * np.float32(s)
+
+
+@device
+def dot_kq4(w, aq, ads, arow, k, c):
+    sb = c >> 3
+    j = (c & 7) >> 1
+    o = arow * k + (sb << 8) + (j << 6) + ((c & 1) << 4)
+    a = ldg_v4(aq, o)
+    b = ldg_v4(aq, o + 32)
+    blk = (sb << 3) + 2 * j
+    lo = w[8] * np.float32(_dot4(w[0], w[1], w[2], w[3], a)) - w[10] * np.float32(_sum4(a))
+    hi = w[9] * np.float32(_dot4(w[4], w[5], w[6], w[7], b)) - w[11] * np.float32(_sum4(b))
+    return _act_d(ads, arow, k, blk) * lo + _act_d(ads, arow, k, blk + 1) * hi
+
+
+@device
+def dot_q6_k(w, aq, ads, arow, k, c):
+    sb = c >> 3
+    cc = c & 7
+    half = cc >> 2
+    sub = (cc >> 1) & 1
+    o = arow * k + (sb << 8) + (half << 7) + (sub << 5) + ((cc & 1) << 4)
+    a = ldg_v4(aq, o)
+    b = ldg_v4(aq, o + 64)
+    blk = (sb << 3) + (half << 2) + sub
+    s0 = _dot4(w[0], w[1], w[2], w[3], a) - 32 * _sum4(a)
+    s1 = _dot4(w[4], w[5], w[6], w[7], b) - 32 * _sum4(b)
+    return (_act_d(ads, arow, k, blk) * w[8] * np.float32(s0)
+            + _act_d(ads, arow, k, blk + 2) * w[9] * np.float32(s1))
 
 
 # ---- float weights against float32 activations ----------------------------------------------
@@ -515,7 +489,10 @@ FETCH = {
 _LOADS = {t: _load_of(*f) for t, f in FETCH.items()}
 # type -> (load, dot); values per chunk; whether activations are q8_1
 VECDOT = {
-    **{t: (_LOADS[t], _DOTS[t]) for t in FETCH},
+    Q8_0: (_LOADS[Q8_0], dot_q8_0), Q4_0: (_LOADS[Q4_0], dot_q4_0),
+    Q4_1: (_LOADS[Q4_1], dot_q4_1), Q5_0: (_LOADS[Q5_0], dot_q5_0),
+    Q5_1: (_LOADS[Q5_1], dot_q4_1), MXFP4: (_LOADS[MXFP4], dot_mxfp4),
+    Q4_K: (_LOADS[Q4_K], dot_kq4), Q5_K: (_LOADS[Q5_K], dot_kq4), Q6_K: (_LOADS[Q6_K], dot_q6_k),
     F32: (load_f32, dot_f32), F16: (load_f16, dot_f8), BF16: (load_bf16, dot_f8),
 }
 VALUES = {Q8_0: 16, F32: 4, F16: 8, BF16: 8, Q4_0: 32, Q4_1: 32, Q5_0: 32, Q5_1: 32, MXFP4: 32,

@@ -7,13 +7,11 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from daemon.errors import UnsupportedError
 from daemon.kernels import quants as Q
 from daemon.kernels.cuda import mmvq
 from daemon.kernels.cuda.layout import repack
 from daemon.kernels.cuda.mmvq import Q8
 from daemon.kernels.cuda.quantize import quantize_q8_1
-from daemon.kernels.cuda.vecdot import SHARED_DOT
 from tests.kernels.cuda import refs
 
 # float32 products and sums: each rounding is <= 2**-24 relative, and a dot of K <= 512 terms
@@ -217,47 +215,3 @@ def test_prepare_only_returns_the_launch():
     assert np.isnan(out.copy_to_host()).all()  # nothing launched yet
     kern[grid, block](*args)
     np.testing.assert_array_equal(out.copy_to_host(), want)
-
-
-def _q8(x: np.ndarray) -> Q8:
-    return Q8(*quantize_q8_1(cuda.to_device(x)))
-
-
-@pytest.mark.parametrize("qt", sorted(SHARED_DOT), ids=lambda t: refs.NAMES[t])
-def test_one_token_quantizing_its_own_row_gives_the_same_bits(qt):
-    """QuantizeIn (each block quantizes its activation row in shared memory) against the separate
-    quantize_q8_1 launch: a dense row, the experts of one token, and the down projection's row a
-    pair, bit for bit."""
-    rng = np.random.default_rng(80 + qt)
-    k, raw, slot_of = _experts(qt, rng)
-    w = cuda.to_device(repack(raw, qt))
-    dense = cuda.to_device(repack(raw[0], qt))
-    ids, slots = cuda.to_device(np.array([[3, 0]], np.int32)), cuda.to_device(slot_of)
-    x = rng.standard_normal((1, k)).astype(np.float32)
-    pairs = rng.standard_normal((2, k)).astype(np.float32)
-    quant_in = mmvq.QuantizeIn(cuda.to_device(x))
-    np.testing.assert_array_equal(mmvq.mul_mat_vec(dense, qt, k, quant_in).copy_to_host(),
-                                  mmvq.mul_mat_vec(dense, qt, k, _q8(x)).copy_to_host())
-    np.testing.assert_array_equal(mmvq.mul_mat_vec_ids(w, qt, k, quant_in, ids, slots).copy_to_host(),
-                                  mmvq.mul_mat_vec_ids(w, qt, k, _q8(x), ids, slots).copy_to_host())
-    np.testing.assert_array_equal(
-        mmvq.mul_mat_vec_ids(w, qt, k, mmvq.QuantizeIn(cuda.to_device(pairs)), ids, slots,
-                             act_per_pair=True).copy_to_host(),
-        mmvq.mul_mat_vec_ids(w, qt, k, _q8(pairs), ids, slots, act_per_pair=True).copy_to_host())
-    if qt in (Q.Q8_0, Q.MXFP4):  # gate, up and the GLU: two weights' dots on the shared row
-        got, want = (mmvq.mul_mat_vec_glu_ids(w, w, qt, k, a, ids, slots).copy_to_host()
-                     for a in (quant_in, _q8(x)))
-        np.testing.assert_array_equal(got, want)
-
-
-def test_quantize_in_is_for_one_token_launches():
-    rng = np.random.default_rng(90)
-    qt, k = Q.Q8_0, 256
-    w = cuda.to_device(repack(refs.weights(qt, (3,), k, rng), qt))
-    with pytest.raises(ValueError, match="one-token"):
-        mmvq.mul_mat_vec(w, qt, k, mmvq.QuantizeIn(cuda.to_device(np.ones((2, k), np.float32))))
-    with pytest.raises(ValueError, match="float32"):
-        mmvq.mul_mat_vec(w, qt, k, mmvq.QuantizeIn(cuda.to_device(np.ones((1, k - 32), np.float32))))
-    w41 = cuda.to_device(repack(refs.weights(Q.Q4_1, (3,), k, rng), Q.Q4_1))
-    with pytest.raises(UnsupportedError, match="Q4_1"):  # its dot's bits depend on where s_a is read
-        mmvq.mul_mat_vec(w41, Q.Q4_1, k, mmvq.QuantizeIn(cuda.to_device(np.ones((1, k), np.float32))))
