@@ -118,8 +118,7 @@ def build(qtype: int, shape: Shape, ids_mode: bool, has_bias: bool, host: bool =
             if prefetch:
                 store_step(wraw, araw, rowid, kt, k, tid, wq, wmul, woff, xq, xd, xs)
             else:
-                stage_step(W, slot, n, stride, nb, row0, aq, ads, rowid, kt, k, tid, wraw, araw, wq, wmul, woff,
-                           xq, xd, xs)
+                stage_step(W, slot, n, stride, nb, row0, aq, ads, rowid, kt, k, tid, wq, wmul, woff, xq, xd, xs)
             cuda.syncthreads()
             if prefetch and kt + 1 < nk:  # in flight while this step multiplies
                 fetch_step(W, slot, n, stride, nb, row0, aq, ads, rowid, kt + 1, k, tid, wraw, araw)

@@ -269,8 +269,7 @@ def stagers(qtype: int, bm: int, bn: int, nthreads: int, sub: int, ids_mode: boo
             store_act_group(araw, s, tid + s * nthreads, kt, k, rowid, xq, xd, xs)
 
     @device
-    def stage_step(W, slot, n, stride, nb, row0, aq, ads, rowid, kt, k, tid, wraw, araw, wq, wmul, woff,
-                   xq, xd, xs):
+    def stage_step(W, slot, n, stride, nb, row0, aq, ads, rowid, kt, k, tid, wq, wmul, woff, xq, xd, xs):
         """K step kt straight into the shared tiles, each chunk and group stored as soon as it is
         loaded, in loops the compiler keeps rolled: few registers live (Q8_0's expert launch at
         64 x 32: 79, against 128 with fetch_step and store_step; the activations read through the
