@@ -2,7 +2,7 @@
 router, glu, logits) at the shapes of a decode step and a prefill, launched through the numba
 dispatcher as the launchers do today.
 
-    python benchmarks/gpu_ops.py [--quick] [--repeats 200]
+    python benchmarks/gpu_ops.py [--quick] [--repeats 200] [--only NAME]
 
 Needs a GPU (under NUMBA_ENABLE_CUDASIM it would time the simulator). Per kernel and shape it prints:
 - launch us: host wall time per call of the Python launcher, for `repeats` calls back to back and
@@ -17,7 +17,7 @@ Needs a GPU (under NUMBA_ENABLE_CUDASIM it would time the simulator). Per kernel
 
 Shapes: qwen3-30b-a3b (D 2048, H 32, Hkv 4, Dh 128, E 128, A 8, F 768, V 151936) and gpt-oss-20b
 attention (H 64, Hkv 8, Dh 64, sinks, window 128); decode at B = 1 and 16 sequences of 1024 cached
-cells, prefill of 512 rows.
+cells, prefill of 512 rows; the fused router also at qwen3-next's 512 experts and gpt-oss's 32.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from daemon.kernels.cuda import attention as attn
 from daemon.kernels.cuda import glu, logits, norm, rope, router
 from daemon.kernels.cuda.device import SIM
 from daemon.kernels.cuda.embed import embed
+from daemon.kernels.cuda.layout import repack
 
 
 @cuda.jit
@@ -175,6 +176,18 @@ def cases(quick: bool, dims: dict = QWEN3):
         wts = cuda.device_array((T, A), np.float32)
         out.append(("router softmax+norm", f"T={T} E={E} A={A}",
                     lambda lg=lg, ids=ids, wts=wts: router.route(lg, "softmax", True, 0.0, ids, wts), 0))
+        for n_exp, K, used, gating, with_bias in ((128, 2048, 8, "softmax", False), (512, 2048, 10, "softmax", False),
+                                                  (32, 2880, 4, "softmax_weight", True)):
+            w = cuda.to_device(repack(rng.standard_normal((n_exp, K)).astype(np.float32).view(np.uint8), Q.F32))
+            x = _dev(rng, (T, K))
+            lgk = cuda.device_array((T, n_exp), np.float32)
+            idk = cuda.device_array((T, used), np.int32)
+            wtk = cuda.device_array((T, used), np.float32)
+            bias = _dev(rng, (n_exp,)) if with_bias else None
+            done = cuda.to_device(np.zeros(1, np.int32))
+            out.append(("router fused (GEMV + top-k)", f"T={T} K={K} E={n_exp} A={used}",
+                        lambda w=w, x=x, bias=bias, gating=gating, lgk=lgk, idk=idk, wtk=wtk, done=done:
+                        router.route_fused(w, Q.F32, x, bias, gating, True, 0.0, lgk, idk, wtk, done), 4 * n_exp * K))
         P = T * A
         g, u, hh = _dev(rng, (P, F)), _dev(rng, (P, F)), cuda.device_array((P, F), np.float32)
         out.append(("glu silu", f"P={P} F={F}", lambda g=g, u=u, hh=hh: glu.glu(g, u, hh, "silu"), 12 * P * F))
@@ -207,6 +220,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer batch sizes")
     ap.add_argument("--repeats", type=int, default=200)
+    ap.add_argument("--only", default="", help="time only the kernels whose name contains this")
     args = ap.parse_args(argv)
     if SIM or not cuda.is_available():
         print("gpu_ops: no GPU (or the simulator is on); nothing timed", file=sys.stderr)
@@ -216,6 +230,8 @@ def main(argv=None) -> int:
           f"cc {dev.compute_capability}, repeats {args.repeats}")
     rows = []
     for name, shape, fn, nbytes in cases(args.quick):
+        if args.only not in name:
+            continue
         host, kern = _time(fn, args.repeats, blocking=name.startswith("logits"))
         gbs = f"{nbytes / kern / 1e3:8.1f}" if nbytes and kern > 0 else "       -"
         rows.append((name, shape, host, kern, gbs))

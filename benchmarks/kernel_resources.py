@@ -103,11 +103,12 @@ def cases(only: set[str]):
     if not only or "router" in only:
         from daemon.kernels.cuda import router
 
-        sig = (arr(np.uint8, 2), f32(2), I64, I64, f32(1), BOOL, BOOL, BOOL, F32, BOOL, BOOL, f32(2), i32(2), f32(2),
-               i32(1))
+        sig = (arr(np.uint8, 2), f32(2), I64, I64, f32(1), BOOL, BOOL, BOOL, F32, BOOL, f32(2), i32(2), f32(2), i32(1))
         for E in (32, 128, 512):
             yield (f"fused router, F32, {E} experts",
-                   router._make_fused(Q.F32, router._per_lane(E), router._FUSED_WARPS).py_func, sig)
+                   router._make_fused(Q.F32, router._per_lane(E), router._warps(E), 1, True).py_func, sig)
+        yield ("router product tiles (no routing), F32", router._make_fused(Q.F32, 16, router._warps(512),
+                                                                              router._TILED_EXPERTS, False).py_func, sig)
     if not only or "norm" in only:
         yield ("residual add + RMSNorm", norm._add_rms_norm.py_func,
                (f32(2), f32(2), f32(1), BOOL, f32(1), F32, f32(2), f32(2)))

@@ -45,9 +45,7 @@ twins check it, so a layout bug fails in CI rather than as a misaligned-address 
                                                                             match.any.sync.b32
     warp_barrier()       the warp's lanes meet, and see each other's shared-memory writes: every
                          thread of the block must call it (the twin is a block barrier)
-    warp_argmax(v, i, none)
-                         (value, index) of the warp's largest value, the lowest index among
-                         equals; index `none` marks a lane with no candidate. Every lane gets it.
+    f32_bits(x)          a float32's bits as uint32 (order_key, a float's sortable int64 key, uses it)
 """
 
 from __future__ import annotations
@@ -60,15 +58,9 @@ from numba import cuda
 SIMULATOR = cuda.jit.__module__.startswith("numba.cuda.simulator")
 
 
-@cuda.jit(device=True, inline=True)
-def _beats(ov, oi, v, i, none):
-    """Candidate (ov, oi) ranks above (v, i): a larger value, or an equal one of a lower index;
-    index `none` is no candidate."""
-    return oi != none and (i == none or ov > v or (ov == v and oi < i))
-
 __all__ = ["SIMULATOR", "dp4a", "mma_k32", "mma_k16", "mma_f16", "pack_f16x2", "ldg_v4", "ldg_u32", "ldg_u16",
-           "ldg_u8", "prmt", "f16_to_f32", "bits_to_f32", "round_f16", "device", "warp_sum", "warp_max",
-           "warp_argmax", "warp_match", "warp_barrier"]
+           "ldg_u8", "prmt", "f16_to_f32", "bits_to_f32", "f32_bits", "order_key", "round_f16", "device", "warp_sum",
+           "warp_max", "warp_match", "warp_barrier"]
 
 
 if not SIMULATOR:
@@ -257,6 +249,17 @@ if not SIMULATOR:
         return types.float32(u), codegen
 
     @intrinsic
+    def f32_bits(typingctx, x):
+        """The bits of a float32, as uint32."""
+        if x != types.float32:
+            return None
+
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(args[0], ir.IntType(32))
+
+        return types.uint32(x), codegen
+
+    @intrinsic
     def round_f16(typingctx, x):
         if x != types.float32:
             return None
@@ -296,18 +299,6 @@ if not SIMULATOR:
     @device
     def warp_barrier():
         cuda.syncwarp(0xFFFFFFFF)
-
-    @device
-    def warp_argmax(v, i, none):
-        off = 16
-        while off > 0:
-            ov = cuda.shfl_xor_sync(0xFFFFFFFF, v, off)
-            oi = cuda.shfl_xor_sync(0xFFFFFFFF, i, off)
-            if _beats(ov, oi, v, i, none):
-                v = ov
-                i = oi
-            off >>= 1
-        return v, i
 
 else:
     # ---- simulator twins -------------------------------------------------------------------
@@ -440,6 +431,9 @@ else:
     def bits_to_f32(u):
         return np.uint32(int(u) & 0xFFFFFFFF).view(np.float32)
 
+    def f32_bits(x):
+        return np.float32(x).view(np.uint32)
+
     def round_f16(x):
         return np.float32(np.float16(np.float32(x)))
 
@@ -482,8 +476,14 @@ else:
     def warp_barrier():
         threading.current_thread().syncthreads()
 
-    def warp_argmax(v, i, none):
-        def pick(x, y):
-            return y if _beats(y[0], y[1], x[0], x[1], none) else x
 
-        return _butterfly((v, i), 32, pick)
+@device
+def order_key(x):
+    """An order-preserving key of a float32 that is not NaN (larger value, larger key), as int64
+    in [2**23 - 1, 2**32); -0.0 and +0.0 get one key. 0 is no key (a sentinel below every value)."""
+    if x == 0:
+        x = np.float32(0.0)
+    b = np.int64(f32_bits(x))
+    if b >= 0x80000000:
+        return np.int64(0xFFFFFFFF) - b
+    return b + np.int64(0x80000000)

@@ -12,15 +12,20 @@ weights * scale. Top-k order is largest first and ties keep the lower expert ind
 stable argsort); a NaN score ranks below every number. With `given` ids (routing replay) the ids
 are read from `ids` and only weighed.
 
-One warp per row. The top-k is A rounds of a warp argmax over (value, index) pairs (a total
-order: larger value, then lower index), so the result is the same on every run and independent
-of the other rows; the softmax's max and sum are warp butterflies in a fixed order.
+One warp per row. The top-k is A rounds of a warp max over int64 rank keys (the value's order
+key, then the lower index: a total order), a lane's experts' keys reduced as a tree first; so the
+result is the same on every run and independent of the other rows; the softmax's max and sum are
+warp butterflies in a fixed order. (Until 2026-12-02 a round scanned a lane's experts one by one
+and took a (value, index) arg-max butterfly: 14.1 us a row at 512 experts, 7.8 at 128, H200.)
 
 `route_fused` is the whole router of a decode step in one launch: a block per expert makes that
-expert's logit of every row (8 warps splitting the row, then the warps' sums in order), and the
+expert's logit of every row (the warps split the row, then the warps' sums in order), and the
 last block to finish (a ticket from an atomic counter, after a fence) routes every row as
-`route` does. Past FUSED_ROWS rows (a prefill) the same product runs in tiles of rows and `route`
-follows, so a row's logits, ids and weights do not depend on how many rows share the call.
+`route` does. Past FUSED_ROWS rows (a prefill) the same product runs in tiles of rows, two
+experts a block (an x chunk read once for both), with no routing code (fewer registers), and
+`route` follows. A logit's order depends only on the warps a block, a model constant (_warps:
+8, or 4 past 256 experts), so a row's logits, ids and weights do not depend on how many rows
+share the call.
 """
 
 from __future__ import annotations
@@ -34,19 +39,31 @@ from ...errors import UnsupportedError
 from ..quants import block_size, type_name
 from .device import SIM, placeholder
 from .layout import repacked_stride
-from .ptx import warp_argmax, warp_max, warp_sum
+from .ptx import order_key, warp_max, warp_sum
 from .launch import launch
 from .vecdot import FLOAT_ACT, VALUES, VECDOT
 
-MAX_EXPERTS = 1024  # 32 per lane: a lane's taken flags fit one register
+MAX_EXPERTS = 1024
+_INDEX = 1024  # a rank key's index part: (order key) * _INDEX + (_INDEX - 1 - expert)
 MAX_USED = 64
 _WARP = 32
 # rows of x a block of the fused router takes, and up to which it also routes; warps a block.
 # The simulator runs each thread in Python: fewer of both there (its tests still cross tiles).
 FUSED_ROWS = 4 if SIM else 16
 _FUSED_WARPS = 1 if SIM else 8
-_FUSED_PARTS = _FUSED_WARPS * FUSED_ROWS
-_FUSED_SEL = _FUSED_WARPS * MAX_USED
+
+
+def _warps(n_expert: int) -> int:
+    """Warps a block of the router's product (they split a row: the sums' order) for a model's
+    expert count: 4 past 256 experts, so a decode step's block per expert fits one wave (512
+    blocks at the routing tail's 122 registers)."""
+    return _FUSED_WARPS if n_expert <= 256 else max(1, _FUSED_WARPS // 2)
+
+
+# experts a block of the product makes past FUSED_ROWS rows: a prefill's tiles read each x chunk
+# for 2 (H200, 512 experts, 4096 rows: 3.09 ms at 1, 2.29 at 2, 3.63 at 4); a decode step's
+# launch keeps a block per expert (5.9 us at 512 experts against 9.0 at 4 a block)
+_TILED_EXPERTS = 2
 _NEG_INF = np.float32(-np.inf)
 
 
@@ -60,8 +77,7 @@ def _make_route_row(PER: int):
                   sel, s0):
         """Row t of logits f32 [T, E] -> ids int32 [t, :A] (or read from there when given), weights
         f32 [t, :A]. sel: shared f32, the warp's A chosen scores at sel[s0:s0 + A]; lane l holds
-        experts l + 32k in registers (k < PER, loaded together), and their taken flags as the bits
-        of one register."""
+        experts l + 32k in registers (k < PER, loaded together), and their rank keys."""
         E = logits.shape[1]
         A = ids.shape[1]
         vals = cuda.local.array(PER, np.float32)
@@ -87,33 +103,48 @@ def _make_route_row(PER: int):
                 inv = np.float32(1.0) / warp_sum(s, _WARP)
                 for k in range(PER):
                     vals[k] *= inv
-            taken = np.uint32(0)
+            # a rank key per expert: the value's order key (NaN as -inf: chosen only when nothing
+            # else is left), then the lower index; -1 once chosen or past E
+            keys = cuda.local.array(PER, np.int64)
+            for k in range(PER):
+                e = lane + k * _WARP
+                kk = np.int64(-1)
+                if e < E:
+                    v = vals[k]
+                    if v != v:
+                        v = _NEG_INF
+                    kk = order_key(v) * np.int64(_INDEX) + np.int64(_INDEX - 1 - e)
+                keys[k] = kk
+            best = cuda.local.array(PER, np.int64)
             for a in range(A):
                 if given:
                     win = ids[t, a]
                 else:
-                    bv = _NEG_INF
-                    bi = E  # none yet
-                    for k in range(PER):  # ascending: a tie keeps the lower index
-                        e = lane + k * _WARP
-                        if e < E and (taken >> np.uint32(k)) & np.uint32(1) == 0:
-                            v = vals[k]
-                            if v != v:
-                                v = _NEG_INF  # NaN ranks with -inf, chosen only when nothing else is left
-                            if bi == E or v > bv:
-                                bv = v
-                                bi = e
-                    bv, bi = warp_argmax(bv, bi, E)
-                    win = bi
+                    for k in range(PER):
+                        best[k] = keys[k]
+                    # a tree over the lane's keys, log2(PER) steps (constant strides: the loops unroll)
+                    if PER >= 32:
+                        for k in range(16):
+                            best[k] = max(best[k], best[k + 16])
+                    if PER >= 16:
+                        for k in range(8):
+                            best[k] = max(best[k], best[k + 8])
+                    if PER >= 8:
+                        for k in range(4):
+                            best[k] = max(best[k], best[k + 4])
+                    if PER >= 4:
+                        for k in range(2):
+                            best[k] = max(best[k], best[k + 2])
+                    if PER >= 2:
+                        best[0] = max(best[0], best[1])
+                    top = warp_max(best[0], _WARP)
+                    win = np.int32(_INDEX - 1 - top % np.int64(_INDEX))
                     if lane == 0:
                         ids[t, a] = win
-                mine = win % _WARP == lane
-                if mine:
-                    k_win = win // _WARP
-                    taken |= np.uint32(1) << np.uint32(k_win)
-                    for k in range(PER):  # a constant index keeps vals in registers
-                        if k == k_win:
-                            sel[s0 + a] = vals[k]
+                for k in range(PER):  # constant indices keep vals and keys in registers
+                    if lane + k * _WARP == win:
+                        sel[s0 + a] = vals[k]
+                        keys[k] = np.int64(-1)
         cuda.syncthreads()
         if live and lane == 0:
             if not softmax_first:  # softmax over the selected logits
@@ -156,74 +187,84 @@ def _make_route(PER: int):
     return route_kernel
 
 
-def _make_fused(qtype: int, PER: int, WARPS: int):
-    """The router's matrix-vector product and, when the launch has at most FUSED_ROWS rows, the
-    routing of every row by the last block to finish, in one launch."""
+def _make_fused(qtype: int, PER: int, WARPS: int, EB: int, ROUTE: bool):
+    """The router's matrix-vector product for EB experts a block and, with ROUTE (a launch of at
+    most FUSED_ROWS rows), the routing of every row by the last block to finish, in one launch.
+    The sums' order depends on WARPS alone (module doc): for one WARPS, every variant gives the
+    same bits."""
     load, dot = VECDOT[qtype]
     per_chunk = VALUES[qtype]
     qk = block_size(qtype)[0]
     THREADS = WARPS * _WARP
     NC = FUSED_ROWS
+    ACC = EB * NC  # array sizes: constants made outside the kernel
+    PARTS = WARPS * EB * NC
+    SEL = WARPS * MAX_USED
     route_row = _make_route_row(PER)
 
     @cuda.jit
-    def router_fused(W, x, stride, k, bias, has_bias, softmax_first, norm_topk, scale, given, do_route, logits,
-                     ids, weights, done):
-        """Grid (E, ceil(T / NC)) of WARPS warps: block (e, y) makes logits[y*NC : y*NC + NC, e]
-        = x . W[e] (+ bias[e]), its threads striding over the row's chunks (the same order
-        whatever T). With do_route (one y), the block that finishes last (a ticket from `done`,
-        int32 [1], which it sets back to 0) routes the rows, a warp a row (route_row).
+    def router_fused(W, x, stride, k, bias, has_bias, softmax_first, norm_topk, scale, given, logits, ids, weights,
+                     done):
+        """Grid (ceil(E / EB), ceil(T / NC)) of WARPS warps: block (b, y) makes
+        logits[y*NC : y*NC + NC, b*EB : b*EB + EB] = x . W[e] (+ bias[e]), its threads striding
+        over the rows' chunks (an x chunk serves EB experts; the same order whatever T). With
+        ROUTE (one y), the block that finishes last (a ticket from `done`, int32 [1], which it
+        sets back to 0) routes the rows, a warp a row (route_row).
         W: uint8 [E, stride] (repacked float rows, layout.py); x: f32 [T, K]."""
-        e = cuda.blockIdx.x
+        E = logits.shape[1]
+        e0 = cuda.blockIdx.x * EB
+        neb = min(EB, E - e0)
         t0 = cuda.blockIdx.y * NC
         T = logits.shape[0]
         ncl = min(NC, T - t0)
         tid = cuda.threadIdx.x
         warp = tid // _WARP
         lane = tid - warp * _WARP
-        acc = cuda.local.array(NC, np.float32)
-        for j in range(NC):
-            acc[j] = np.float32(0.0)
+        acc = cuda.local.array(ACC, np.float32)  # [EB, NC]
+        for i in range(ACC):
+            acc[i] = np.float32(0.0)
         nb = k // qk
-        base = e * stride
         c = tid
         while c < k // per_chunk:
-            w = load(W, base, nb, c)
-            for j in range(NC):
-                if j < ncl:
-                    acc[j] += dot(w, x, x, t0 + j, k, c)
+            for b in range(EB):
+                if b < neb:
+                    w = load(W, (e0 + b) * stride, nb, c)
+                    for j in range(NC):
+                        if j < ncl:
+                            acc[b * NC + j] += dot(w, x, x, t0 + j, k, c)
             c += THREADS
-        part = cuda.shared.array(_FUSED_PARTS, np.float32)  # [WARPS, NC]
-        for j in range(NC):
-            if j < ncl:  # the same in every thread of the block: the shuffles stay convergent
-                v = warp_sum(acc[j], _WARP)
-                if lane == 0:
-                    part[warp * NC + j] = v
+        part = cuda.shared.array(PARTS, np.float32)  # [WARPS, EB, NC]
+        for b in range(EB):
+            for j in range(NC):
+                if b < neb and j < ncl:  # the same in every thread of the block: the shuffles stay convergent
+                    v = warp_sum(acc[b * NC + j], _WARP)
+                    if lane == 0:
+                        part[(warp * EB + b) * NC + j] = v
         cuda.syncthreads()
-        if tid < ncl:
-            v = part[tid]
+        b = tid // NC
+        j = tid - b * NC
+        if b < neb and j < ncl:
+            v = part[b * NC + j]
             for w in range(1, WARPS):
-                v += part[w * NC + tid]
+                v += part[(w * EB + b) * NC + j]
             if has_bias:
-                v += bias[e]
-            logits[t0 + tid, e] = v
-        if not do_route:
-            return
-        cuda.threadfence()  # the logits are visible to the last block before its ticket is taken
-        last = cuda.shared.array(1, np.int32)
-        cuda.syncthreads()
-        if tid == 0:
-            ticket = cuda.atomic.add(done, 0, 1)
-            last[0] = ticket == cuda.gridDim.x * cuda.gridDim.y - 1
-        cuda.syncthreads()
-        if last[0] == 0:
-            return
-        sel = cuda.shared.array(_FUSED_SEL, np.float32)  # [WARPS, MAX_USED]
-        for r0 in range(0, T, WARPS):
-            route_row(r0 + warp, lane, r0 + warp < T, logits, bias, False, softmax_first, norm_topk, scale,
-                      given, ids, weights, sel, warp * MAX_USED)
-        if tid == 0:
-            done[0] = 0
+                v += bias[e0 + b]
+            logits[t0 + j, e0 + b] = v
+        if ROUTE:
+            cuda.threadfence()  # the logits are visible to the last block before its ticket is taken
+            last = cuda.shared.array(1, np.int32)
+            cuda.syncthreads()
+            if tid == 0:
+                ticket = cuda.atomic.add(done, 0, 1)
+                last[0] = ticket == cuda.gridDim.x - 1
+            cuda.syncthreads()
+            if last[0] != 0:
+                sel = cuda.shared.array(SEL, np.float32)  # [WARPS, MAX_USED]
+                for r0 in range(0, T, WARPS):
+                    route_row(r0 + warp, lane, r0 + warp < T, logits, bias, False, softmax_first, norm_topk, scale,
+                              given, ids, weights, sel, warp * MAX_USED)
+                if tid == 0:
+                    done[0] = 0
 
     return router_fused
 
@@ -278,14 +319,16 @@ def route_fused(w, qtype: int, x, bias, gating: str, norm_topk: bool, scale: flo
         raise ValueError(f"route_fused: w {w.shape}, x {x.shape}, logits {logits.shape}")
     if not T:
         return
-    key = (qtype, _per_lane(E))
+    fused = T <= FUSED_ROWS
+    eb = 1 if fused else _TILED_EXPERTS
+    warps = _warps(E)
+    key = (qtype, _per_lane(E), warps, eb, fused)
     kern = _FUSED.get(key)
     if kern is None:
-        kern = _FUSED[key] = _make_fused(qtype, key[1], _FUSED_WARPS)
-    fused = T <= FUSED_ROWS
-    launch(kern, (E, -(-T // FUSED_ROWS)), _FUSED_WARPS * _WARP, stream, w, x, w.shape[1], K,
+        kern = _FUSED[key] = _make_fused(*key)
+    launch(kern, (-(-E // eb), -(-T // FUSED_ROWS)), warps * _WARP, stream, w, x, w.shape[1], K,
            placeholder(np.float32) if bias is None else bias, bias is not None, gating == "softmax",
-           bool(norm_topk), np.float32(scale), bool(given), fused, logits, ids, weights, done)
+           bool(norm_topk), np.float32(scale), bool(given), logits, ids, weights, done)
     if not fused:
         route(logits, gating, norm_topk, scale, ids, weights, given=given, stream=stream)
 

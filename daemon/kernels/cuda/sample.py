@@ -71,7 +71,7 @@ from numba.cuda.random import xoroshiro128p_dtype, xoroshiro128p_uniform_float64
 
 from .launch import launch
 from .device import upload
-from .ptx import SIMULATOR, bits_to_f32, device
+from .ptx import SIMULATOR, bits_to_f32, device, order_key
 
 MAX_THREADS = 1024  # also the most candidates the sorted path holds
 _SCAN_SIZE = MAX_THREADS + 32  # a scan's buffer: a value a thread, then the warp totals
@@ -85,30 +85,10 @@ _INT_MAX = 2**31 - 1
 _FLT_MAX = float(np.finfo(np.float32).max)
 _EXP_FLOOR = -745.2  # exp() of anything below is 0 in float64
 MASKED = np.float32(-1e30)  # daemon.grammar.MASKED: finite, so the non-finite flag stays a model fault
-_MASKED_KEY = 0xFFFFFFFF - int(MASKED.view(np.uint32))  # _key(MASKED)
+_MASKED_KEY = 0xFFFFFFFF - int(MASKED.view(np.uint32))  # order_key(MASKED)
 # params columns
 P_TEMP, P_TOPK, P_TOPP, P_MINP, P_PENALTY, P_WINDOW = range(6)
 N_PARAMS = 8
-
-if not SIMULATOR:
-    from llvmlite import ir
-    from numba.cuda import types
-    from numba.cuda.extending import intrinsic
-
-    @intrinsic
-    def f32_bits(typingctx, x):
-        """The bits of a float32, as uint32."""
-        if x != types.float32:
-            return None
-
-        def codegen(context, builder, sig, args):
-            return builder.bitcast(args[0], ir.IntType(32))
-
-        return types.uint32(x), codegen
-else:
-    def f32_bits(x):
-        return np.float32(x).view(np.uint32)
-
 
 # 1024 threads a block fit only at <= 64 registers a thread: launch_bounds makes the compiler keep
 # to that (the simulator's jit takes no such option)
@@ -116,18 +96,6 @@ _kernel = cuda.jit if SIMULATOR else cuda.jit(launch_bounds=MAX_THREADS)
 
 
 # ---- device helpers -----------------------------------------------------------------------
-
-@device
-def _key(x):
-    """An order-preserving key of a finite float32 (larger value, larger key), as int64 in
-    [2**23, 2**32); -0.0 and +0.0 get one key. 0 is no key (a sentinel below every logit)."""
-    if x == 0:
-        x = np.float32(0.0)
-    b = np.int64(f32_bits(x))
-    if b >= 0x80000000:
-        return np.int64(0xFFFFFFFF) - b
-    return b + np.int64(0x80000000)
-
 
 @device
 def _unkey(k):
@@ -225,7 +193,7 @@ def _radix(logits, row, V, tid, nt, need, thr, rem, mx, scale, hist, sh_i, misc)
             hist[b] = 0
         cuda.syncthreads()
         for i in range(tid, V, nt):
-            k = _key(logits[row, i])
+            k = order_key(logits[row, i])
             if k > thr and (k >> (shift + 8)) == (prefix >> (shift + 8)):
                 w = np.int64(1) if scale == 0 else _fixed(logits[row, i], mx, scale)
                 if w > 0:
@@ -245,7 +213,7 @@ def _count_above(logits, row, n, key, tid, nt, sh_i):
     """How many of logits[row, :n] have a key above `key` (every thread). Every thread must call it."""
     c = np.int64(0)
     for i in range(tid, n, nt):
-        if _key(logits[row, i]) > key:
+        if order_key(logits[row, i]) > key:
             c += 1
     excl, incl, total = _scan(c, sh_i, tid, nt)
     return total
@@ -394,7 +362,7 @@ def _take(x, i, n, lo, flag, bk, bi, sh_k, sh_x):
         if math.isnan(x) or math.isinf(x):
             flag = 1
         else:
-            kk = _key(x)
+            kk = order_key(x)
         if kk > bk:
             bk = kk
             bi = lo + i
@@ -535,7 +503,7 @@ def _finish(logits, slots, params, rng, ring, ringpos, best, bad, cand_v, cand_i
             flag = 1
         else:
             i = best[slot, c]
-            kk = _key(logits[row, i])
+            kk = order_key(logits[row, i])
             if kk > bk:  # chunks rise with c: the first of equal keys stays
                 bk = kk
                 bi = i
@@ -738,7 +706,7 @@ def _tie_base(logits, row, tid, nt, lo, hi, t, sh_i):
     """How many elements of key t lie before this thread's range [lo, hi) (index order)."""
     n = np.int64(0)
     for i in range(lo, hi):
-        if _key(logits[row, i]) == t:
+        if order_key(logits[row, i]) == t:
             n += 1
     excl, incl, total = _scan(n, sh_i, tid, nt)
     return excl
@@ -750,7 +718,7 @@ def _sorted_path(logits, row, tid, nt, lo, hi, thr, rem, k, topp, minp, temp, u,
     that list, best first, as the CPU does. -> the token (every thread)."""
     base = _tie_base(logits, row, tid, nt, lo, hi, thr, sh_i)
     for i in range(lo, hi):
-        kk = _key(logits[row, i])
+        kk = order_key(logits[row, i])
         take = kk > thr
         if kk == thr:
             take = base < rem
@@ -832,7 +800,7 @@ def _unsorted_path(logits, row, tid, nt, V, lo, hi, thr, rem, mx, topp, minp, te
         # total mass of the top-k candidates (all keys when thr == 0): the first pass's histogram
         tot = np.int64(0)
         for i in range(tid, V, nt):
-            if _key(logits[row, i]) > thr:
+            if order_key(logits[row, i]) > thr:
                 tot += _fixed(logits[row, i], mx, scale)
         excl, incl, total = _scan(tot, sh_i, tid, nt)
         if rem > 0:
@@ -851,7 +819,7 @@ def _unsorted_path(logits, row, tid, nt, V, lo, hi, thr, rem, mx, topp, minp, te
     last = np.int64(-1)
     for i in range(lo, hi):
         x = logits[row, i]
-        kk = _key(x)
+        kk = order_key(x)
         take = kk > t
         if kk == t:
             take = base < j
@@ -873,7 +841,7 @@ def _unsorted_path(logits, row, tid, nt, V, lo, hi, thr, rem, mx, topp, minp, te
         pick = last
         for i in range(lo, hi):
             x = logits[row, i]
-            kk = _key(x)
+            kk = order_key(x)
             take = kk > t
             if kk == t:
                 take = base < j

@@ -73,6 +73,25 @@ def test_ties_keep_the_lower_index(gating):
     np.testing.assert_allclose(w.copy_to_host(), 0.25, rtol=1e-6)
 
 
+def test_many_experts_rank_by_value_then_index_with_nan_as_minus_infinity():
+    """300 experts (ten a lane, reduced as a tree): equal maxima and the two zeros in index order,
+    NaN and -inf below every number and chosen, by index, only when nothing else is left."""
+    n_exp, used = 300, 8
+    lg = np.full((2, n_exp), -5.0, np.float32)
+    lg[0, [250, 17, 299, 100, 5, 0, 1]] = [3.0, 3.0, 2.0, 0.0, -0.0, np.nan, -np.inf]
+    lg[1, :] = np.nan
+    lg[1, [40, 3]] = [1.0, -np.inf]
+    ids = cuda.to_device(np.zeros((2, used), np.int32))
+    w = cuda.device_array((2, used), np.float32)
+    route(cuda.to_device(lg), "softmax_weight", False, 0.0, ids, w)
+    got = ids.copy_to_host()
+    assert got[0].tolist() == [17, 250, 299, 5, 100, 2, 3, 4]
+    assert got[1].tolist() == [40, 0, 1, 2, 3, 4, 5, 6]
+    chosen = lg[0, got[0]].astype(np.float64)
+    ref = np.exp(chosen - chosen.max())
+    np.testing.assert_allclose(w.copy_to_host()[0], ref / ref.sum(), rtol=1e-5)
+
+
 def test_given_ids_are_weighed_not_chosen():
     rng = np.random.default_rng(3)
     logits = _logits(rng)
@@ -136,7 +155,7 @@ def _fused(qt, x, raw, bias, gating, norm_topk, scale, given=None):
     """route_fused on the device -> (logits, ids, weights) on the host, and its counter."""
     T = x.shape[0]
     done = cuda.to_device(np.zeros(1, np.int32))
-    logits = cuda.to_device(np.full((T, EF), np.nan, np.float32))
+    logits = cuda.to_device(np.full((T, raw.shape[0]), np.nan, np.float32))
     ids = cuda.to_device(np.full((T, A), -1, np.int32) if given is None else given)
     w = cuda.to_device(np.full((T, A), np.nan, np.float32))
     route_fused(cuda.to_device(repack(raw, qt)), qt, cuda.to_device(x), None if bias is None else cuda.to_device(bias),
@@ -178,6 +197,23 @@ def test_a_rows_routing_is_the_same_bits_whatever_rows_share_the_call():
         shared = _fused(Q.F32, x[:T], raw, bias, "softmax_weight", False, 0.0)[:3]
         for a, b in zip(alone, shared):
             assert np.array_equal(a[0], b[2]), T
+
+
+@pytest.mark.parametrize("qt", [Q.F32, Q.BF16], ids=["F32", "BF16"])
+def test_a_row_longer_than_a_warps_loads_and_an_expert_count_the_warps_do_not_divide(qt):
+    """K past one round of a warp's loads (lanes take several rounds of chunks, some lanes one
+    fewer) and E = 5 (a block's spare warp writes nothing): the logits within float32 rounding,
+    a row alone the same bits as among FUSED_ROWS + 1 rows (the tiled launch)."""
+    rng = np.random.default_rng(7)
+    K, n_exp = 1000, 5
+    raw = refs.weights(qt, (n_exp,), K, rng)
+    x = rng.standard_normal((FUSED_ROWS + 1, K)).astype(np.float32)
+    logits, ids, _, done = _fused(qt, x, raw, None, "softmax", True, 0.0)
+    want = x.astype(np.float64) @ refs.dequant(raw, qt).T
+    np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4)
+    assert np.array_equal(ids, _ref(logits, None, "softmax", True, 0.0)[0]) and done == 0
+    alone = _fused(qt, x[1:2], raw, None, "softmax", True, 0.0)
+    assert np.array_equal(alone[0][0], logits[1]) and np.array_equal(alone[1][0], ids[1])
 
 
 def test_fused_router_weighs_given_ids_and_refuses_quantized_routers():
