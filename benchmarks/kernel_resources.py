@@ -72,10 +72,22 @@ def cases(only: set[str]):
               f32(1), f32(2), F32, I32, f32(3), f32(2), i32(2))
         yield ("delta-net decode: conv + rule + gated norm (Dk 128)", gdn._decode_kernel(128, 4).py_func, dn)
         yield ("delta-net rule (Dk 128)", gdn._gdn_kernel(128).py_func,
-               (f32(2), f32(2), f32(2), f32(1), f32(1), f32(5), I32, i32(1), i32(1), BOOL, I32, BOOL, F32, F32, F32,
-                f32(3)))
+               (f32(2), f32(2), f32(2), f32(1), f32(1), f32(5), I32, i32(1), i32(1), BOOL, I64, I32, BOOL, F32, F32,
+                F32, f32(3)))
         yield ("delta-net conv (Kc 4)", gdn._conv_kernel(4).py_func,
                (f32(2), f32(2), f32(4), I32, i32(1), i32(1), BOOL, f32(2)))
+        yield ("delta-net conv state (Kc 4)", gdn._conv_state_kernel(4).py_func,
+               (f32(2), f32(4), I32, i32(1), i32(1), BOOL))
+        from daemon.kernels.cuda import gdn_chunked as gc
+
+        ch, rows, nt = gc.CHUNK, gc._ROWS, gc._CARRY_THREADS
+        yield (f"chunked delta-net intra (Dk 128, {ch} rows)",
+               gc._intra_kernel(128, 128, ch, gc._INTRA_THREADS).py_func,
+               (f32(2), f32(2), f32(2), f32(1), f32(1), i32(1), BOOL, I64, I64, I64, BOOL, F32, F32, f32(4), f32(4),
+                f32(4), f32(4), f32(4), f32(2)))
+        yield (f"chunked delta-net carry (Dk 128, {ch} rows, {rows} value rows)",
+               gc._carry_kernel(128, ch, rows, nt).py_func,
+               (f32(4), f32(4), f32(4), f32(4), f32(4), f32(2), f32(5), I64, i32(1), i32(1), BOOL, I64, F32, f32(3)))
         yield ("gated RMSNorm", gdn._gated_rms_norm.py_func, (f32(3), f32(1), f32(2), F32, f32(2)))
     if not only or "mmvq" in only:  # the GEMVs: dense (1, 4, 16 columns) and a layer's experts with the GLU
         from daemon.kernels.cuda import mmvq

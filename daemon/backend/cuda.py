@@ -888,9 +888,15 @@ class CUDABackend:
         cache = step.caches[0]
         T, Hv = qkv.shape[0], ssm.n_v_head
         out = self._empty((T, Hv, ssm.head_v), _F32)  # [T, Hv, Dv]
+        rows = None
+        if not step.one_row_each:  # a sequence of many rows takes the chunked form (gdn_chunked.py)
+            rows = step.memo.get("sequence rows")
+            if rows is None:
+                rows = step.memo["sequence rows"] = np.diff(step.offsets)
         gdn.gated_delta_net(qkv, b, a, self._dev(dt_bias), self._dev(ssm_a), cache.pool.state,
                             cache.layers[layer].index, self._step_slots(step), self._step_offsets(step), step.S,
-                            ssm.n_k_head, ssm.head_k, ssm.tiled, eps, out, stream=self.stream)
+                            ssm.n_k_head, ssm.head_k, ssm.tiled, eps, out, stream=self.stream, rows=rows,
+                            empty=self._empty)
         return out
 
     @_guarded

@@ -169,22 +169,35 @@ def test_states_are_kept_when_the_pool_grows(cuda_backend):
 # -- the ops against the CPU backend ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("tiled", [False, True], ids=["grouped", "tiled"])
-def test_delta_net_ops_match_the_cpu_backend(cuda_backend, tiled):
+def _long_rows():
+    from daemon.kernels.cuda.gdn_chunked import MIN_ROWS
+
+    return MIN_ROWS + 3
+
+
+@pytest.mark.parametrize("tiled,long", [(False, False), (True, False), (True, True)],
+                         ids=["grouped", "tiled", "tiled-chunked"])
+def test_delta_net_ops_match_the_cpu_backend(cuda_backend, tiled, long, monkeypatch):
     """Two sequences in slots the CUDA backend chose, a batched prefill of 3 and 1 rows (the
-    second shorter than Kc-1: its conv state keeps zeros), then a decode step of both, through
-    recurrent layers 0 and 3 of the model: conv_silu, gated_delta_net and (layer 3)
-    gated_rms_norm equal the CPU backend's within f32 tolerance at every step, and so do the
-    states."""
+    second shorter than Kc-1: its conv state keeps zeros; `long`: the first of
+    gdn_chunked.MIN_ROWS + 3 rows, the chunked form with a partial last chunk), then a decode step
+    of both, through recurrent layers 0 and 3 of the model: conv_silu, gated_delta_net and
+    (layer 3) gated_rms_norm equal the CPU backend's within f32 tolerance at every step, and so
+    do the states."""
+    from daemon.kernels.cuda import launch
+
+    record = []
+    monkeypatch.setattr(launch, "RECORD", record)
     ssm = dataclasses.replace(SSM, tiled=tiled)
     hp = hybrid_hparams(ssm)
     cpu, gpu = CPUBackend("float32"), cuda_backend
     rng = np.random.default_rng(3)
     weights = {il: _layer_weights(rng, ssm) for il in (0, 3)}
     norm_w = rng.uniform(0.5, 1.5, ssm.head_v).astype(np.float32)
-    n_ctx = 16
+    first = _long_rows() if long else 3
+    n_ctx = max(16, first + 1)
     caches = {be: [be.new_cache(hp, n_ctx) for _ in range(2)] for be in (cpu, gpu)}
-    for counts in ([3, 1], [1, 1]):
+    for counts in ([first, 1], [1, 1]):
         T = sum(counts)
         per_layer = {il: (*_gdn_inputs(rng, T, ssm), rng.standard_normal((T, ssm.v_dim)).astype(np.float32))
                      for il in (0, 3)}
@@ -207,6 +220,7 @@ def test_delta_net_ops_match_the_cpu_backend(cuda_backend, tiled):
         stores, slot = caches[cpu][s].states, caches[gpu][s].slot
         np.testing.assert_allclose(_pool_host(gpu, pool.state)[slot], stores.ssm, rtol=RTOL, atol=ATOL)
         np.testing.assert_allclose(_pool_host(gpu, pool.conv)[slot], stores.conv, rtol=0, atol=0)
+    assert ("carry" in record) == long  # the chunked form ran, in the long case only
 
 
 @pytest.mark.parametrize("per_row", [False, True])

@@ -13,10 +13,13 @@ A call's rows are grouped by sequence: sequence s has rows offsets[s]..offsets[s
 step: row s alone, no offsets array), and its state is slot slots[first row] of layer `layer`.
 
 Kernels:
-- conv_silu: one thread per (channel, sequence), over its sequence's rows in order with the Kc
-  inputs in registers; reads the old state first and writes the last Kc-1 inputs back (which
-  may partly be old state when the sequence has fewer rows than Kc-1). x is read once, coalesced
-  over channels. out = silu(sum_{i=0}^{Kc-1} in[t+i] * w[c, i]) summed from 0 in ascending i.
+- conv_silu: not recurrent, so parallel over rows: a block per row, a thread per channel
+  (coalesced), its window from the rows before it in its sequence (found by a search of
+  offsets) or from the conv state where the window reaches before the sequence's first row.
+  out = silu(sum_{i=0}^{Kc-1} in[t+i] * w[c, i]) summed from 0 in ascending i (_conv_row, as
+  the fused decode). A second launch, after every output has read the old state (stream
+  order), writes each sequence's last Kc-1 inputs back, a thread per (channel, sequence)
+  (partly old state when the sequence has fewer rows than Kc-1).
 - gated_delta_net: grid (Hv, S, Dv / rows per block). A group of LW lanes (LW = Dk rounded up to
   a power of two, at most 32: one warp for the real Dk = 128) owns one value row j of M, each
   lane holding Dk/LW keys of it in registers (loaded coalesced: lanes over consecutive keys)
@@ -29,7 +32,9 @@ Kernels:
   is written back once at the end. A decode step of one sequence with Hv = 32, Dv = 128 is 1024
   blocks of 4 warps, each reading 2 KiB of state: the 2 MiB of a layer is read and written once,
   spread over the whole GPU. Prefill is sequential over a sequence's rows, parallel over heads,
-  sequences and value rows.
+  sequences and value rows. Given the sequences' row counts, those of gdn_chunked.MIN_ROWS rows
+  or more take the chunked form instead (gdn_chunked.py: the same rule within f32 rounding,
+  sequential over chunks of rows, not rows); this kernel skips them (`below`).
 - gated_rms_norm: one block per (head, row): rms_norm over D (mean of squares, 1/sqrt(mean +
   eps)), times weight, times silu(z), rounded in that order (ggml: rms_norm, mul, mul).
 - decode_step: the three above for a decode step (one row a sequence) in one launch, with the
@@ -64,6 +69,7 @@ _THREADS = 128  # elementwise kernels; and the conv's channels per block
 _GDN_THREADS = 128  # threads of a delta-net block (4 warps): 128 / LW value rows each
 _MAX_THREADS = 1024
 _HELD = 8  # values of a normed head each thread holds: heads up to 8192 values
+_NO_LIMIT = 2**31 - 1  # gdn's `below` when no sequence takes the chunked form
 
 
 def _grid(n: int) -> int:
@@ -105,13 +111,49 @@ def _conv_kernel(KC: int):
 
     @cuda.jit
     def conv(x, w, conv_state, layer, slots, offsets, has_offsets, out):
-        """x, out: f32 [T, C]; w: f32 [C, KC]; conv_state: f32 [SL, NR, C, KC-1]; slots: int32
-        [T]; offsets: int32 [S+1] (read when has_offsets, else sequence s is row s).
-        Grid (ceil(C / threads), S)."""
+        """x, out: f32 [T, C]; w: f32 [C, KC]; conv_state: f32 [SL, NR, C, KC-1] (read only);
+        slots: int32 [T]; offsets: int32 [S+1] (read when has_offsets, else row t is sequence t).
+        Grid (T, ceil(C / threads)): one row a block, channels over its threads."""
+        t = cuda.blockIdx.x
+        c = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+        if c >= x.shape[1]:
+            return
+        r0 = t  # the first row of t's sequence: a search of offsets (the same for the whole block)
+        if has_offsets:
+            lo = 0
+            hi = offsets.shape[0] - 1
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if offsets[mid] <= t:
+                    lo = mid
+                else:
+                    hi = mid
+            r0 = offsets[lo]
+        slot = slots[r0]
+        win = cuda.local.array(KS, np.float32)  # the KC-1 inputs before row t, oldest first
+        ws = cuda.local.array(KC, np.float32)
+        for i in range(KC - 1):
+            p = t - (KC - 1) + i
+            win[i] = x[p, c] if p >= r0 else conv_state[slot, layer, c, p - r0 + KC - 1]
+        for i in range(KC):
+            ws[i] = w[c, i]
+        out[t, c] = conv_row(win, ws, x[t, c])
+
+    return conv
+
+
+@functools.lru_cache(maxsize=None)
+def _conv_state_kernel(KC: int):
+    """The conv state's update for kernel width KC, after the conv kernel has read it."""
+    KS = max(KC - 1, 1)
+
+    @cuda.jit
+    def conv_state_update(x, conv_state, layer, slots, offsets, has_offsets):
+        """Each sequence's window moved on by its rows: the last KC-1 inputs, taking old state
+        where it has fewer rows. Arrays as the conv kernel's. Grid (ceil(C / threads), S)."""
         c = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
         s = cuda.blockIdx.y
-        C = x.shape[1]
-        if c >= C:
+        if c >= x.shape[1]:
             return
         r0 = s
         r1 = s + 1
@@ -119,23 +161,14 @@ def _conv_kernel(KC: int):
             r0 = offsets[s]
             r1 = offsets[s + 1]
         slot = slots[r0]
-        win = cuda.local.array(KS, np.float32)  # the KC-1 inputs before the current row, oldest first
-        ws = cuda.local.array(KC, np.float32)
+        old = cuda.local.array(KS, np.float32)
         for i in range(KC - 1):
-            win[i] = conv_state[slot, layer, c, i]
-        for i in range(KC):
-            ws[i] = w[c, i]
-        for t in range(r0, r1):
-            cur = x[t, c]
-            out[t, c] = conv_row(win, ws, cur)
-            for i in range(KC - 2):
-                win[i] = win[i + 1]
-            if KC > 1:
-                win[KC - 2] = cur
+            old[i] = conv_state[slot, layer, c, i]
         for i in range(KC - 1):
-            conv_state[slot, layer, c, i] = win[i]
+            p = r1 - (KC - 1) + i
+            conv_state[slot, layer, c, i] = x[p, c] if p >= r0 else old[p - r0 + KC - 1]
 
-    return conv
+    return conv_state_update
 
 
 def _rows_of(slots, offsets, n_seq: int, T: int):
@@ -155,16 +188,20 @@ def conv_silu(x, weight, conv_state, layer: int, slots, offsets, n_seq: int, out
 
     x, out: device f32 [T, C]; weight: f32 [C, Kc]; conv_state: f32 [SL, NR, C, Kc-1] (layer
     `layer` of slot slots[first row] per sequence, updated in place); slots: int32 [T];
-    offsets: int32 [n_seq + 1] row offsets of the sequences, or None when each has one row."""
+    offsets: int32 [n_seq + 1] row offsets of the sequences, or None when each has one row.
+    out must not be x (a row's window reads the rows before it)."""
     T, C = x.shape
     KC = weight.shape[1]
     if weight.shape[0] != C or out.shape != (T, C) or conv_state.shape[2:] != (C, KC - 1) or slots.shape[0] != T:
         raise ValueError(f"conv_silu: x {x.shape}, weight {weight.shape}, state {conv_state.shape}, "
                          f"out {out.shape}, slots {slots.shape}")
     offsets, has = _rows_of(slots, offsets, n_seq, T)
-    if T and C:
-        launch(_conv_kernel(KC), (_grid(C), n_seq), _THREADS, stream, x, weight, conv_state, int(layer), slots,
-               offsets, has, out)
+    if T and C:  # the state moves on once every output has read it: the next launch, in stream order
+        launch(_conv_kernel(KC), (T, _grid(C)), _THREADS, stream, x, weight, conv_state, int(layer), slots, offsets,
+               has, out)
+        if KC > 1:
+            launch(_conv_state_kernel(KC), (_grid(C), n_seq), _THREADS, stream, x, conv_state, int(layer), slots,
+                   offsets, has)
 
 
 # -- the gated delta rule --------------------------------------------------------------------
@@ -235,11 +272,12 @@ def _gdn_kernel(DK: int):
         return qkv[t, v0], b[t, h], a[t, h]
 
     @cuda.jit
-    def gdn(qkv, b, a, dt_bias, ssm_a, state, layer, slots, offsets, has_offsets, n_k_head, tiled, eps_k, k_scale,
-            o_scale, out):
+    def gdn(qkv, b, a, dt_bias, ssm_a, state, layer, slots, offsets, has_offsets, below, n_k_head, tiled, eps_k,
+            k_scale, o_scale, out):
         """qkv: f32 [T, C]; b, a: f32 [T, Hv]; dt_bias, ssm_a: f32 [Hv]; state: f32 [SL, NR, Hv,
-        Dv, DK]; slots: int32 [T]; offsets: int32 [S+1] (read when has_offsets); eps_k: eps/DK;
-        k_scale: 1/sqrt(DK); o_scale: 1/sqrt(Dv); out: f32 [T, Hv, Dv].
+        Dv, DK]; slots: int32 [T]; offsets: int32 [S+1] (read when has_offsets); below: sequences
+        of this many rows or more are left alone (the chunked form's); eps_k: eps/DK; k_scale:
+        1/sqrt(DK); o_scale: 1/sqrt(Dv); out: f32 [T, Hv, Dv].
         Grid (Hv, S, ceil(Dv / (threads / LW))); lanes tid % LW of group tid // LW hold row j."""
         h = cuda.blockIdx.x
         s = cuda.blockIdx.y
@@ -261,6 +299,8 @@ def _gdn_kernel(DK: int):
         if has_offsets:
             r0 = offsets[s]
             r1 = offsets[s + 1]
+        if r1 - r0 >= below:
+            return
         slot = slots[r0]
 
         m = cuda.local.array(R, np.float32)  # this lane's keys of row j of M
@@ -296,14 +336,19 @@ def _gdn_kernel(DK: int):
 
 
 def gated_delta_net(qkv, b, a, dt_bias, ssm_a, state, layer: int, slots, offsets, n_seq: int, n_k_head: int,
-                    head_k: int, tiled: bool, eps: float, out, stream=0) -> None:
+                    head_k: int, tiled: bool, eps: float, out, stream=0, rows=None, empty=None) -> None:
     """The gated delta rule over each sequence's rows (see the module doc).
 
     qkv: device f32 [T, C] (q [Hk*Dk] | k [Hk*Dk] | v [Hv*Dv], head-major); b, a: f32 [T, Hv];
     dt_bias, ssm_a: f32 [Hv]; state: f32 [SL, NR, Hv, Dv, Dk], layer `layer` of slot slots[first
     row] per sequence, updated in place; slots: int32 [T]; offsets: int32 [n_seq + 1] or None
     (one row per sequence); tiled: value head h reads key head h % Hk (else h // (Hv/Hk));
-    eps: the RMS eps of the l2 norms. out: f32 [T, Hv, Dv]."""
+    eps: the RMS eps of the l2 norms. out: f32 [T, Hv, Dv].
+
+    rows: the sequences' row counts on the host (int [n_seq]) when the caller has them: those of
+    at least gdn_chunked.MIN_ROWS rows then take the chunked form (gdn_chunked.py, its scratch
+    from empty(shape, dtype)), the others this kernel; a sequence's form depends on its own rows
+    only. None: every sequence this kernel."""
     T, C = qkv.shape
     _, _, Hv, Dv, Dk = state.shape
     if (Dk != head_k or C != 2 * n_k_head * Dk + Hv * Dv or Hv % n_k_head or b.shape != (T, Hv)
@@ -311,12 +356,24 @@ def gated_delta_net(qkv, b, a, dt_bias, ssm_a, state, layer: int, slots, offsets
             or slots.shape[0] != T):
         raise ValueError(f"gated_delta_net: qkv {qkv.shape}, b {b.shape}, a {a.shape}, state {state.shape}, "
                          f"Hk {n_k_head}, Dk {head_k}, out {out.shape}")
-    offsets, has = _rows_of(slots, offsets, n_seq, T)
+    offs, has = _rows_of(slots, offsets, n_seq, T)
     if not T:
         return
+    below = _NO_LIMIT
+    if rows is not None and has:
+        from . import gdn_chunked  # it imports this module
+
+        long = np.asarray(rows) >= gdn_chunked.MIN_ROWS
+        if long.any():
+            below = gdn_chunked.MIN_ROWS
+            gdn_chunked.gated_delta_net(qkv, b, a, dt_bias, ssm_a, state, layer, slots, offsets, n_seq, n_k_head,
+                                        head_k, tiled, eps, out, stream, min_rows=below,
+                                        chunks=gdn_chunked.n_chunks(rows, min_rows=below), empty=empty)
+            if long.all():
+                return
     threads, blocks, eps_k, k_scale, o_scale = _gdn_config(Dk, Dv, float(eps))
     launch(_gdn_kernel(Dk), (Hv, n_seq, blocks), threads, stream, qkv, b, a, dt_bias, ssm_a, state, int(layer), slots,
-           offsets, has, int(n_k_head), bool(tiled), eps_k, k_scale, o_scale, out)
+           offs, has, below, int(n_k_head), bool(tiled), eps_k, k_scale, o_scale, out)
 
 
 @functools.lru_cache(maxsize=None)

@@ -110,6 +110,29 @@ def test_conv_silu_batched_sequences_then_decode(Kc):
     np.testing.assert_array_equal(state.copy_to_host(), after)
 
 
+def test_conv_silu_prefill_gives_its_rows_one_at_a_time_bits():
+    """Sequences of 2 rows (fewer than Kc-1 = 3) and 6 in one call (a thread per row and channel,
+    the state moved on by a second launch) against the same rows one call each (a row's window
+    all in the state): outputs and states the same bits."""
+    rng = np.random.default_rng(8)
+    C, Kc, counts = 12, 4, [2, 6]
+    w = rng.standard_normal((C, Kc)).astype(np.float32)
+    st0 = rng.standard_normal((2, 1, C, Kc - 1)).astype(np.float32)
+    x = rng.standard_normal((sum(counts), C)).astype(np.float32)
+    slots = np.repeat([1, 0], counts).astype(np.int32)
+    state = cuda.to_device(st0)
+    out = cuda.device_array(x.shape, np.float32)
+    gdn.conv_silu(*_dev(x, w), state, 0, *_dev(slots, _offsets(counts)), 2, out)
+    one = cuda.to_device(st0)
+    rows = []
+    for t in range(x.shape[0]):
+        o1 = cuda.device_array((1, C), np.float32)
+        gdn.conv_silu(*_dev(x[t:t + 1], w), one, 0, *_dev(slots[t:t + 1]), None, 1, o1)
+        rows.append(o1.copy_to_host())
+    assert np.array_equal(out.copy_to_host(), np.concatenate(rows))
+    assert np.array_equal(state.copy_to_host(), one.copy_to_host())
+
+
 # -- the gated delta rule --------------------------------------------------------------------
 
 # (Hk, Hv, Dk, Dv, tiled): lane groups of 16 (two value rows a warp); the real LW = 32 with 4
