@@ -335,6 +335,18 @@ def _gdn_kernel(DK: int):
     return gdn
 
 
+def check_rule(qkv, b, a, dt_bias, ssm_a, state, slots, n_k_head: int, head_k: int, out, what: str):
+    """-> (T, Hv, Dv, Dk) of a delta rule's call, after its shape checks (gated_delta_net's arguments)."""
+    T, C = qkv.shape
+    _, _, Hv, Dv, Dk = state.shape
+    if (Dk != head_k or C != 2 * n_k_head * Dk + Hv * Dv or Hv % n_k_head or b.shape != (T, Hv)
+            or a.shape != (T, Hv) or dt_bias.shape != (Hv,) or ssm_a.shape != (Hv,) or out.shape != (T, Hv, Dv)
+            or slots.shape[0] != T):
+        raise ValueError(f"{what}: qkv {qkv.shape}, b {b.shape}, a {a.shape}, state {state.shape}, "
+                         f"Hk {n_k_head}, Dk {head_k}, out {out.shape}")
+    return T, Hv, Dv, Dk
+
+
 def gated_delta_net(qkv, b, a, dt_bias, ssm_a, state, layer: int, slots, offsets, n_seq: int, n_k_head: int,
                     head_k: int, tiled: bool, eps: float, out, stream=0, rows=None, empty=None) -> None:
     """The gated delta rule over each sequence's rows (see the module doc).
@@ -349,13 +361,7 @@ def gated_delta_net(qkv, b, a, dt_bias, ssm_a, state, layer: int, slots, offsets
     at least gdn_chunked.MIN_ROWS rows then take the chunked form (gdn_chunked.py, its scratch
     from empty(shape, dtype)), the others this kernel; a sequence's form depends on its own rows
     only. None: every sequence this kernel."""
-    T, C = qkv.shape
-    _, _, Hv, Dv, Dk = state.shape
-    if (Dk != head_k or C != 2 * n_k_head * Dk + Hv * Dv or Hv % n_k_head or b.shape != (T, Hv)
-            or a.shape != (T, Hv) or dt_bias.shape != (Hv,) or ssm_a.shape != (Hv,) or out.shape != (T, Hv, Dv)
-            or slots.shape[0] != T):
-        raise ValueError(f"gated_delta_net: qkv {qkv.shape}, b {b.shape}, a {a.shape}, state {state.shape}, "
-                         f"Hk {n_k_head}, Dk {head_k}, out {out.shape}")
+    T, Hv, Dv, Dk = check_rule(qkv, b, a, dt_bias, ssm_a, state, slots, n_k_head, head_k, out, "gated_delta_net")
     offs, has = _rows_of(slots, offsets, n_seq, T)
     if not T:
         return

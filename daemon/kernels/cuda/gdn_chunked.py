@@ -61,7 +61,7 @@ import numpy as np
 from numba import cuda
 
 from .device import SIM, sigmoid
-from .gdn import _gdn_config, _rows_of
+from .gdn import _gdn_config, _rows_of, check_rule
 from .launch import launch
 
 _F32 = np.float32
@@ -351,13 +351,8 @@ def gated_delta_net(qkv, b, a, dt_bias, ssm_a, state, layer: int, slots, offsets
     knows (else a bound: scratch for every sequence); chunk: rows a chunk (a power of two, at
     most 32 for Dk = 128: the intra kernel's shared tiles); empty(shape, dtype): makes the
     scratch (default cuda.device_array)."""
-    T, C = qkv.shape
-    _, _, Hv, Dv, Dk = state.shape
-    if (Dk != head_k or C != 2 * n_k_head * Dk + Hv * Dv or Hv % n_k_head or b.shape != (T, Hv)
-            or a.shape != (T, Hv) or dt_bias.shape != (Hv,) or ssm_a.shape != (Hv,) or out.shape != (T, Hv, Dv)
-            or slots.shape[0] != T):
-        raise ValueError(f"gated_delta_net (chunked): qkv {qkv.shape}, b {b.shape}, a {a.shape}, state {state.shape}, "
-                         f"Hk {n_k_head}, Dk {head_k}, out {out.shape}")
+    T, Hv, Dv, Dk = check_rule(qkv, b, a, dt_bias, ssm_a, state, slots, n_k_head, head_k, out,
+                               "gated_delta_net (chunked)")
     offsets, has = _rows_of(slots, offsets, n_seq, T)
     N = (T + n_seq * (chunk - 1)) // chunk if chunks is None else int(chunks)  # ceil(n / chunk) summed <= this
     if not T or not N:
