@@ -15,7 +15,8 @@ cached cuda.core path and through numba's dispatcher (eager steps differ; graph 
 The cProfile of one prefill is printed too (eager: host time per launch).
 --kernels N (needs PyTorch, whose profiler reads CUPTI): the GPU time of each kernel over N
 graph-replayed decode steps, by kernel, per step, against the step's wall time (the rest is gaps
-between kernels and the graph launch); then the same for one eager prefill of --prompt tokens.
+between kernels and the graph launch); then the same for N steps of --batch sequences and for one
+eager prefill of --prompt tokens.
 """
 
 from __future__ import annotations
@@ -155,9 +156,18 @@ def kernel_split(args, model, cuda) -> dict:
 
     decode = profiled(lambda: model.forward([1], seq), args.kernels,
                       f"one decode step ({args.kernels} graph replays)")
+    caches = [model.new_cache(args.prompt + args.kernels + 8) for _ in range(args.batch)]
+    model.forward_many([prompt] * args.batch, caches)
+    tok = [1] * args.batch
+    for _ in range(3):
+        model.forward_batch(tok, caches)
+    cuda.synchronize()
+    batch = profiled(lambda: model.forward_batch(tok, caches), args.kernels,
+                     f"one step of {args.batch} sequences ({args.kernels} graph replays)")
+    del caches
     prefill = profiled(lambda: model.forward(prompt, model.new_cache(args.prompt + 8)), 1,
                        f"one prefill of {args.prompt} tokens (eager)")
-    return {**decode, "prefill": prefill}
+    return {**decode, "batch": batch, "prefill": prefill}
 
 
 STEP_GAP_US = 50.0  # an idle GPU longer than this is the host between steps, not a graph's node-to-node gap
