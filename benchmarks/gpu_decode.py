@@ -158,7 +158,7 @@ def kernel_split(args, model, cuda) -> dict:
                       f"one decode step ({args.kernels} graph replays)")
     caches = [model.new_cache(args.prompt + args.kernels + 8) for _ in range(args.batch)]
     model.forward_many([prompt] * args.batch, caches)
-    tok = [1] * args.batch
+    tok = rng.integers(0, V, args.batch).tolist()  # distinct rows: each routes to its own experts
     for _ in range(3):
         model.forward_batch(tok, caches)
     cuda.synchronize()
