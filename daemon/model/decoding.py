@@ -175,41 +175,50 @@ class DeviceDecoder:
                 self.slots.push_mask(s.slot, stream=self.backend.stream)
 
     def warm(self, n_ctx: int, prefill_rows: int = 512, cells: tuple[int, ...] = WARM_CELLS) -> int:
-        """Capture now, at load, the decode graphs of every padded size (1, 2, 4, 8, 16, ...) for
-        contexts up to each of `cells`, so that the first burst of users does not wait for them:
-        each shape runs once eagerly and is then captured. First a prefill pass of `prefill_rows`
-        and prefills of 1..16 rows and of 1..max_batch prompts compile what they need (a first
-        burst would compile its row and prompt counts' kernels), and the KV pool makes room for max_batch sequences. Longer
-        contexts' graphs are captured when first met, once: the pool's growth keeps graphs.
-        -> graphs made."""
+        """Capture now, at load, the decode graphs of every batch size a step runs as (padded:
+        1, 2, 4, 8, 16, ...; a model with recurrent layers, which cannot pad, each of
+        1..max_batch) for contexts up to each of `cells`, so that the first burst of users does
+        not wait for them: each shape runs once eagerly and is then captured. First a prefill
+        pass of `prefill_rows` and prefills of 1..16 rows and of 1..max_batch prompts compile what
+        they need (a first burst would compile its row and prompt counts' kernels), and the KV
+        pool makes room for max_batch sequences. Longer contexts' graphs are captured when first
+        met, once: the pool's growth keeps graphs. -> graphs made."""
         cells = tuple(c for c in cells if c < n_ctx)
-        if not (cells and self.pad and getattr(self.backend, "use_graphs", False)):
+        if not (cells and self.model.device_fed and getattr(self.backend, "use_graphs", False)):
             return 0
-        # a prefill pass as large as the serving loop makes: its kernels compile now
+        self._warm_prefills(n_ctx, prefill_rows)
+        caches = [self.model.new_cache(max(cells) + 1) for _ in range(self.max_batch)]
+        for c in caches:
+            c.reserve(max(cells))
+        if self.pad:  # padded steps: copies of one sequence's row
+            steps = [([caches[0]], n) for n in sorted({padded_size(S, self.max_batch)
+                                                       for S in range(1, self.max_batch + 1)})]
+        else:  # each size its own sequences (a recurrent state is a sequence's alone)
+            steps = [(caches[:S], 0) for S in range(1, self.max_batch + 1)]
+        before = self.backend.graphs.captures
+        for c in cells:
+            for seqs, n in steps:
+                feed = None
+                for _ in range(2):  # eager once, then captured (cuda_graphs.GraphCache); fed as in serving
+                    for cache in seqs:
+                        cache.n_past = max(0, c // 2)  # positions in (c/2, c]: this many cells
+                    out, _flags = self.model.decode_sampled([0] * len(seqs), seqs, [-1] * len(seqs), feed, pad=n)
+                    feed = (np.zeros(len(seqs), np.int32), out)
+        self.backend.stream.synchronize()
+        return self.backend.graphs.captures - before
+
+    def _warm_prefills(self, n_ctx: int, prefill_rows: int) -> None:
+        """The prefill kernels a serving loop's first passes would compile: one pass as large as
+        it makes, and short prompts, whose kernels up to mmvq.MAX_COLS rows are specialized by
+        the row count, and whose output rows (one per prompt) by theirs."""
         rows = max(1, min(prefill_rows, n_ctx - 1))
         self.model.forward_many([[0] * rows], [self.model.new_cache(rows)])
-        # short prompts: up to mmvq.MAX_COLS rows a pass runs kernels specialized by its row count,
-        # and its output rows (one per prompt) by theirs; a first burst would compile them
         from ..kernels.cuda.mmvq import MAX_COLS  # the GEMV path's most rows (this decoder is CUDA's)
 
         for t in range(1, MAX_COLS + 1):
             self.model.prefill_sampled([[0] * t], [self.model.new_cache(t)], [-1])
         for k in range(2, self.max_batch + 1):
             self.model.prefill_sampled([[0, 0]] * k, [self.model.new_cache(2) for _ in range(k)], [-1] * k)
-        caches = [self.model.new_cache(max(cells) + 1) for _ in range(self.max_batch)]
-        scratch = caches[0]
-        scratch.reserve(max(cells))
-        sizes = sorted({padded_size(S, self.max_batch) for S in range(1, self.max_batch + 1)})
-        before = self.backend.graphs.captures
-        for c in cells:
-            for n in sizes:
-                feed = None
-                for _ in range(2):  # eager once, then captured (cuda_graphs.GraphCache); fed as in serving
-                    scratch.n_past = max(0, c // 2)  # positions in (c/2, c]: this many cells
-                    out, _flags = self.model.decode_sampled([0], [scratch], [-1], feed, pad=n)
-                    feed = (np.zeros(1, np.int32), out)
-        self.backend.stream.synchronize()
-        return self.backend.graphs.captures - before
 
     def prefill(self, seqs) -> tuple[np.ndarray, list]:
         """The prompts of seqs in one pass, each one's first token sampled on the device by its

@@ -43,6 +43,8 @@ twins check it, so a layout bug fails in CI rather than as a misaligned-address 
                          block must call it (the twin exchanges through the block).
     warp_match(v)        the mask of the warp's lanes whose v equals this lane's (every lane calls it)
                                                                             match.any.sync.b32
+    warp_ballot(pred)    the mask of the warp's lanes whose pred is true (every thread of the block
+                         calls it, as warp_sum)                                    vote.ballot.sync
     warp_barrier()       the warp's lanes meet, and see each other's shared-memory writes: every
                          thread of the block must call it (the twin is a block barrier)
     f32_bits(x)          a float32's bits as uint32 (order_key, a float's sortable int64 key, uses it)
@@ -60,7 +62,7 @@ SIMULATOR = cuda.jit.__module__.startswith("numba.cuda.simulator")
 
 __all__ = ["SIMULATOR", "dp4a", "mma_k32", "mma_k16", "mma_f16", "pack_f16x2", "ldg_v4", "ldg_u32", "ldg_u16",
            "ldg_u8", "prmt", "f16_to_f32", "bits_to_f32", "f32_bits", "order_key", "round_f16", "device", "warp_sum",
-           "warp_max", "warp_match", "warp_barrier"]
+           "warp_max", "warp_match", "warp_ballot", "warp_barrier"]
 
 
 if not SIMULATOR:
@@ -297,6 +299,10 @@ if not SIMULATOR:
         return cuda.match_any_sync(0xFFFFFFFF, v)
 
     @device
+    def warp_ballot(pred):
+        return cuda.ballot_sync(0xFFFFFFFF, pred)
+
+    @device
     def warp_barrier():
         cuda.syncwarp(0xFFFFFFFF)
 
@@ -472,6 +478,10 @@ else:
     def warp_match(v):
         lanes, _ = _exchange(v)
         return np.uint32(sum(1 << i for i, x in enumerate(lanes) if x == v))
+
+    def warp_ballot(pred):
+        lanes, _ = _exchange(bool(pred))
+        return np.uint32(sum(1 << i for i, x in enumerate(lanes) if x))
 
     def warp_barrier():
         threading.current_thread().syncthreads()
