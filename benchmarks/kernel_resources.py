@@ -89,7 +89,7 @@ def cases(only: set[str]):
                gc._carry_kernel(128, ch, rows, nt).py_func,
                (f32(4), f32(4), f32(4), f32(4), f32(4), f32(2), f32(5), I64, i32(1), i32(1), BOOL, I64, F32, f32(3)))
         yield ("gated RMSNorm", gdn._gated_rms_norm.py_func, (f32(3), f32(1), f32(2), F32, f32(2)))
-    if not only or "mmvq" in only:  # the GEMVs: dense (1, 16 columns) and a layer's experts (one pair a block, or 4 grouped)
+    if not only or "mmvq" in only:  # the GEMVs: dense (1, 4, 16 columns) and a layer's experts with the GLU
         from daemon.kernels.cuda import mmvq
         from daemon.kernels.cuda.vecdot import FLOAT_ACT
 
@@ -97,9 +97,8 @@ def cases(only: set[str]):
             acts = (f32(2), f32(2)) if qt in FLOAT_ACT else (arr(np.int8, 2), f32(3))
             sig = (arr(np.uint8, 3),) * 4 + acts + (i32(2), i32(1), I64, I64, f32(2), f32(2), f32(3), I64, I64, I64,
                                                     I64, F32, F32)
-            for cols, ids, glu in ((1, False, 0), (16, False, 0), (1, True, mmvq.GLU_SWIGLU), (4, True, mmvq.GLU_SWIGLU),
-                                   (4, True, 0)):
-                kern = mmvq._build(qt, cols, 16, 4, ids, False, glu, 2, grouped=ids and cols > 1)
+            for cols, ids, glu in ((1, False, 0), (16, False, 0), (1, True, mmvq.GLU_SWIGLU)):
+                kern = mmvq._build(qt, cols, 16, 4, ids, False, glu, 2)
                 yield kern.__name__, kern.py_func, sig
     if not only or "mmq" in only:  # the prefill's tiled matmuls
         from daemon.kernels.cuda import mmq, mmq_mma

@@ -129,6 +129,9 @@ class Graph:
             pass
 
 
+_MARGIN = 16  # graphs beyond a warm-up's, for the shapes first met in serving
+
+
 class GraphCache:
     """Graphs by step key, least recently used dropped past `limit`. A key is captured on its
     second sighting (the first runs eagerly: kernels compile, one-time buffers are made)."""
@@ -142,6 +145,11 @@ class GraphCache:
         self.replays = 0
         self.clock = HostClock()  # the replays' host time
         self.cutting = None  # while a segmented capture runs: cut(fn, sync) ends a segment there
+
+    def keep_at_least(self, n: int) -> None:
+        """Room for n graphs besides the limit's margin: a warm-up's set is not evicted by itself
+        (a hybrid's, each unpadded batch size at each context, is 48)."""
+        self.limit = max(self.limit, n + _MARGIN)
 
     def __len__(self) -> int:
         return len(self._graphs)

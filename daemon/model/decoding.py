@@ -195,6 +195,7 @@ class DeviceDecoder:
                                                        for S in range(1, self.max_batch + 1)})]
         else:  # each size its own sequences (a recurrent state is a sequence's alone)
             steps = [(caches[:S], 0) for S in range(1, self.max_batch + 1)]
+        self.backend.graphs.keep_at_least(len(cells) * len(steps))
         before = self.backend.graphs.captures
         for c in cells:
             for seqs, n in steps:

@@ -9,12 +9,7 @@ columns each chunk is decoded once and dotted with all T activation rows.
 The expert variant (`mul_mat_vec_ids`) is one launch for every (token, selected expert) pair of
 a layer: grid.y runs over the T*A pairs and each block reads its expert id from `ids` on the
 device, then the expert's slot in the stack from `slot_of`, so the router's output feeds it with
-no host sync (and the launch can live in a CUDA graph). At 2-16 tokens the pairs are grouped:
-the block of an expert's first pair reads the expert's rows once for up to Tuning.group_cols of
-its pairs, found by a warp ballot over `ids`, and the blocks of the others return at once. Each
-(pair, row) dot sums in the same order whatever the grouping or the number of columns (lanes
-over chunks, then the warp's butterfly), so a row's bits do not depend on the batch.
-`mul_mat_vec_glu[_ids]` fuses gate, up,
+no host sync (and the launch can live in a CUDA graph). `mul_mat_vec_glu[_ids]` fuses gate, up,
 optional biases and the GLU (SwiGLU, or gpt-oss's clamped swiglu_oai) in one pass over both
 weights; its output, quantized, feeds the down projection.
 
@@ -45,7 +40,7 @@ from numba import cuda
 from ...errors import UnsupportedError
 from ..quants import block_size, type_name
 from .layout import GPU_TYPES, repacked_stride
-from .ptx import SIMULATOR, device, prefetch_l1, warp_ballot, warp_sum
+from .ptx import SIMULATOR, device, warp_sum
 from .vecdot import FLOAT_ACT, VALUES, VECDOT
 from .device import upload
 from .launch import launch
@@ -74,72 +69,16 @@ def _glu(g, u, kind, alpha, limit):
 
 
 _glu_dev = device(_glu)
-_LOW = np.uint32(1)
-
-
-@device
-def _prefetch_row(arr, r, tid, threads):
-    """Row r of arr (C-contiguous, any dtype) brought toward L1, a 128-byte line a thread."""
-    row_bytes = arr.strides[0]
-    for off in range(tid * 128, row_bytes, threads * 128):
-        prefetch_l1(arr, r * row_bytes + off)
-
-
-@device
-def _gather_pairs(ids, e, p, nc, pair):
-    """Grouped blocks: pair p's place among the pairs of expert e (in pair order). A pair at a
-    place that is a multiple of nc leads: -> how many of e's pairs from p on it computes (up to
-    nc), their indices in pair[] (shared; the places past them repeat the last). Any other pair
-    -> 0 (its leader computes it). Every thread of the block calls it."""
-    n_a = ids.shape[1]
-    n_pairs = ids.shape[0] * n_a
-    lane = cuda.threadIdx.x % 32
-    found = cuda.shared.array(2, np.int32)  # [0]: pairs of e taken from p on; [1]: p's place
-    if cuda.threadIdx.x == 0:
-        found[0] = 0
-        found[1] = 0
-    cuda.syncthreads()
-    for base in range(0, n_pairs, 32):  # the same trips in every warp: each gets every mask
-        q = base + lane
-        hit = False
-        if q < n_pairs:
-            tq = q // n_a
-            hit = ids[tq, q - tq * n_a] == e
-        m = warp_ballot(hit)
-        if cuda.threadIdx.x == 0:
-            if p >= base:  # the matches before p: its place
-                before = m if p - base >= 32 else m & ((_LOW << np.uint32(p - base)) - _LOW)
-                found[1] += cuda.popc(before)
-                m ^= before
-            f = found[0]
-            while m != 0 and f < nc:  # the lowest match first
-                low = m & (~m + _LOW)
-                pair[f] = base + cuda.popc(low - _LOW)
-                f += 1
-                m ^= low
-            found[0] = f
-    if cuda.threadIdx.x == 0:
-        f = found[0]
-        for j in range(f, nc):
-            pair[j] = pair[f - 1]
-        if found[1] % nc != 0:
-            found[0] = 0
-    cuda.syncthreads()
-    return found[0]
 
 
 def _build(qtype: int, ncols: int, lpr: int, warps: int, ids_mode: bool, has_bias: bool,
-           glu: int, unroll: int, host: bool = False, grouped: bool = False):
-    """The kernel for one combination (closure constants are compile-time constants). grouped
-    (ids_mode): the block of a pair of expert e computes, from e's weight rows read once, the
-    next `ncols` pairs of e too; the blocks of those pairs return at once."""
+           glu: int, unroll: int, host: bool = False):
+    """The kernel for one combination (closure constants are compile-time constants)."""
     load, dot = VECDOT[qtype]
     per_chunk = VALUES[qtype]
     qk = block_size(qtype)[0]
     rows_per_block = warps * 32 // lpr
-    threads = warps * 32
     two = glu != GLU_NONE
-    float_act = qtype in FLOAT_ACT
     nc = ncols
 
     def kernel(W, W2, WH, WH2, A0, A1, ids, slot_of, act_t, act_a, bias, bias2, out, n, k, stride,
@@ -152,44 +91,27 @@ def _build(qtype: int, ncols: int, lpr: int, warps: int, ids_mode: bool, has_bia
         tid = cuda.threadIdx.x
         row = cuda.blockIdx.x * rows_per_block + tid // lpr
         lane = tid % lpr
+        a = 0
         e = 0
         slot = 0
-        arows = cuda.local.array(nc, np.int64)  # each column's activation row
-        pair = cuda.shared.array(nc, np.int32)  # grouped: each column's pair (t * A + a)
-        ncl = 1
         if ids_mode:
-            n_a = ids.shape[1]
             p = cuda.blockIdx.y
-            t = p // n_a
-            e = ids[t, p - t * n_a]
+            t = p // ids.shape[1]
+            a = p - t * ids.shape[1]
+            e = ids[t, a]
             slot = slot_of[e] if 0 <= e < slot_of.shape[0] else -1
             if host and slot <= -2:  # a miss read in place from pinned host memory
                 slot = -2 - slot
                 W = WH
                 W2 = WH2
-            if grouped:
-                ncl = _gather_pairs(ids, e, p, nc, pair)
-                if ncl == 0:  # a pair another block computes
-                    return
-                for j in range(nc):
-                    q = pair[j]
-                    tq = q // n_a
-                    arows[j] = tq * act_t + (q - tq * n_a) * act_a
-            else:
-                arows[0] = t * act_t + (p - t * n_a) * act_a
+            arow = t * act_t + a * act_a
+            ncl = 1
         else:
-            t0 = cuda.blockIdx.y * nc
-            ncl = min(nc, n_tok - t0)
-            for j in range(nc):  # a tile's columns past its last are its last again, never stored
-                arows[j] = t0 + min(j, ncl - 1)
+            t = cuda.blockIdx.y * nc
+            arow = t
+            ncl = min(nc, n_tok - t)
         live = row < n and slot >= 0
         base = (slot * n + row) * stride
-        if nc > 1:  # the columns' activations into L1 at once: a column's first loads (which
-            # the compiler issues column by column) then hit, not L2 (~0.5 us a column at 16)
-            for j in range(nc):
-                _prefetch_row(A0, arows[j], tid, threads)
-                if not float_act:
-                    _prefetch_row(A1, arows[j], tid, threads)
         acc = cuda.local.array(nc, np.float32)
         acc2 = cuda.local.array(nc, np.float32)
         for j in range(nc):
@@ -199,28 +121,32 @@ def _build(qtype: int, ncols: int, lpr: int, warps: int, ids_mode: bool, has_bia
             nb = k // qk
             nch = k // per_chunk
             c = lane
-            # every column computed, with no branch between columns: the compiler issues all
-            # their activation loads at once (a branch each serialized them, ~0.5 us a column)
             if unroll == 2:  # two chunks' loads in flight per lane
                 while c + lpr < nch:
                     w = load(W, base, nb, c)
                     wb = load(W, base, nb, c + lpr)
                     for j in range(nc):
-                        acc[j] += dot(w, A0, A1, arows[j], k, c) + dot(wb, A0, A1, arows[j], k, c + lpr)
+                        if j < ncl:
+                            acc[j] += dot(w, A0, A1, arow + j, k, c) + dot(
+                                wb, A0, A1, arow + j, k, c + lpr)
                     if two:
                         w2 = load(W2, base, nb, c)
                         w2b = load(W2, base, nb, c + lpr)
                         for j in range(nc):
-                            acc2[j] += dot(w2, A0, A1, arows[j], k, c) + dot(w2b, A0, A1, arows[j], k, c + lpr)
+                            if j < ncl:
+                                acc2[j] += dot(w2, A0, A1, arow + j, k, c) + dot(
+                                    w2b, A0, A1, arow + j, k, c + lpr)
                     c += 2 * lpr
             while c < nch:
                 w = load(W, base, nb, c)
                 for j in range(nc):
-                    acc[j] += dot(w, A0, A1, arows[j], k, c)
+                    if j < ncl:
+                        acc[j] += dot(w, A0, A1, arow + j, k, c)
                 if two:
                     w2 = load(W2, base, nb, c)
                     for j in range(nc):
-                        acc2[j] += dot(w2, A0, A1, arows[j], k, c)
+                        if j < ncl:
+                            acc2[j] += dot(w2, A0, A1, arow + j, k, c)
                 c += lpr
         for j in range(nc):  # every lane takes part in the shuffles
             acc[j] = warp_sum(acc[j], lpr)
@@ -238,16 +164,10 @@ def _build(qtype: int, ncols: int, lpr: int, warps: int, ids_mode: bool, has_bia
                             u += bias2[e, row]
                         v = _glu_dev(v, u, glu, alpha, limit)
                     if slot >= 0:  # an expert not held here is left to whoever holds it
-                        if ids_mode:
-                            q = pair[j] if grouped else cuda.blockIdx.y
-                            tq = q // n_a
-                            out[tq, q - tq * n_a, row] = v
-                        else:
-                            out[arows[j], 0, row] = v
+                        out[t + j, a, row] = v
 
-    # named for profilers: mmvq_<type>_<ids|grouped|dense>[_glu]_c<cols>_l<lanes per row>
-    mode = ("grouped" if grouped else "ids") if ids_mode else "dense"
-    kernel.__name__ = kernel.__qualname__ = (f"mmvq_{type_name(qtype)}_{mode}"
+    # named for profilers: mmvq_<type>_<ids|dense>[_glu]_c<cols>_l<lanes per row>
+    kernel.__name__ = kernel.__qualname__ = (f"mmvq_{type_name(qtype)}_{'ids' if ids_mode else 'dense'}"
                                              f"{'_glu' if two else ''}{'_host' if host else ''}_c{ncols}_l{lpr}")
     return cuda.jit(kernel)
 
@@ -321,13 +241,10 @@ def _bias(b, n: int, stack: bool):
 class Tuning(NamedTuple):
     """Launch shape: lanes per output row (None: choose_lpr), warps per block, and how many
     chunks each lane has in flight (1 or 2). On the H100, 2 or 8 warps and unroll 1 measured no
-    better than these defaults at the best lane count. group_cols: the most pairs of one expert
-    that one block computes at 2-16 tokens (every block computes that many columns, so more
-    costs the blocks of experts that few tokens chose)."""
+    better than these defaults at the best lane count."""
     lpr: int | None = None
     warps: int = 4
     unroll: int = 2
-    group_cols: int = 4
 
 
 DEFAULT = Tuning()
@@ -341,9 +258,8 @@ def _prepare(w, w2, qtype, k, act, ids, slot_of, act_t, act_a, bias, bias2, out,
     n = tuple(w.shape)[-2]
     lpr = tuning.lpr or choose_lpr(k)
     warps = 1 if SIMULATOR else tuning.warps  # simulated threads are Python threads
-    grouped = ids is not None and ncols > 1
     kern = _kernel(qtype, ncols, lpr, warps, ids is not None, bias is not None, glu,
-                   tuning.unroll, wh is not None, grouped)
+                   tuning.unroll, wh is not None)
     rows_per_block = warps * 32 // lpr
     grid = ((n + rows_per_block - 1) // rows_per_block, grid_y)
     if wh is None:
@@ -400,11 +316,8 @@ def _experts(w, w2, qtype, k, act, ids, slot_of, out, bias, bias2, act_per_pair,
     if out is None:
         out = cuda.device_array((t, a, n), np.float32, stream=stream)
     act_t, act_a = (a, 1) if act_per_pair else (1, 0)
-    # a step of few rows: each block of an expert's pair computes its next pairs too, from the
-    # weights read once (grouped); more rows (a float prefill) read them for each pair
-    ncols = min(t, tuning.group_cols) if t <= MAX_COLS else 1
     prep = _launch(w, w2, qtype, k, act, ids, slot_of, act_t, act_a, _bias(bias, n, True),
-                   _bias(bias2, n, True), out, ncols, t * a, t, glu, alpha, limit, tuning, wh, wh2,
+                   _bias(bias2, n, True), out, 1, t * a, t, glu, alpha, limit, tuning, wh, wh2,
                    stream=stream, prepare_only=prepare_only)
     return prep or out
 

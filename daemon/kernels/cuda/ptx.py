@@ -30,8 +30,6 @@ twins check it, so a layout bug fails in CI rather than as a misaligned-address 
                                                   mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32
     ldg_v4(arr, off)     4 x uint32 from 16 bytes at off, read-only path   ld.global.nc.v4.u32
     ldg_u32 / ldg_u16 / ldg_u8(arr, off)   one word, zero-extended to uint32         ld.global.nc.*
-    prefetch_l1(arr, off)  start bringing the line of byte off into L1, not waited for
-                                                                            prefetch.global.L1
     prmt(a, b, sel)      byte permute of the 8 bytes {b:a} (PTX prmt.b32 default mode)
     f16_to_f32(bits)     IEEE half (low 16 bits) -> float32                         cvt.f32.f16
     pack_f16x2(lo, hi)   two float32 rounded to halves (nearest, ties to even), lo in the low 16
@@ -45,8 +43,6 @@ twins check it, so a layout bug fails in CI rather than as a misaligned-address 
                          block must call it (the twin exchanges through the block).
     warp_match(v)        the mask of the warp's lanes whose v equals this lane's (every lane calls it)
                                                                             match.any.sync.b32
-    warp_ballot(pred)    the mask of the warp's lanes whose pred is true (every thread of the block
-                         calls it, as warp_sum)                                    vote.ballot.sync
     warp_barrier()       the warp's lanes meet, and see each other's shared-memory writes: every
                          thread of the block must call it (the twin is a block barrier)
     f32_bits(x)          a float32's bits as uint32 (order_key, a float's sortable int64 key, uses it)
@@ -63,8 +59,8 @@ SIMULATOR = cuda.jit.__module__.startswith("numba.cuda.simulator")
 
 
 __all__ = ["SIMULATOR", "dp4a", "mma_k32", "mma_k16", "mma_f16", "pack_f16x2", "ldg_v4", "ldg_u32", "ldg_u16",
-           "ldg_u8", "prefetch_l1", "prmt", "f16_to_f32", "bits_to_f32", "f32_bits", "order_key", "round_f16", "device", "warp_sum",
-           "warp_max", "warp_match", "warp_ballot", "warp_barrier"]
+           "ldg_u8", "prmt", "f16_to_f32", "bits_to_f32", "f32_bits", "order_key", "round_f16", "device", "warp_sum",
+           "warp_max", "warp_match", "warp_barrier"]
 
 
 if not SIMULATOR:
@@ -217,20 +213,6 @@ if not SIMULATOR:
     ldg_u8 = _scalar_load(8)
 
     @intrinsic
-    def prefetch_l1(typingctx, arr, off):
-        if not _check_load(arr, off):
-            return None
-
-        def codegen(context, builder, sig, args):
-            addr = _address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ir.IntType(64)]), "prefetch.global.L1 [$0];", "l",
-                               side_effect=True)
-            builder.call(asm, [addr])
-            return context.get_dummy_value()
-
-        return types.none(arr, off), codegen
-
-    @intrinsic
     def prmt(typingctx, a, b, sel):
         if not all(isinstance(t, types.Integer) for t in (a, b, sel)):
             return None
@@ -315,11 +297,6 @@ if not SIMULATOR:
         return cuda.match_any_sync(0xFFFFFFFF, v)
 
     @device
-    def warp_ballot(pred):
-        # as uint32: numba's result is signed, and lane 31's bit would sign-extend in wider math
-        return np.uint32(cuda.ballot_sync(0xFFFFFFFF, pred))
-
-    @device
     def warp_barrier():
         cuda.syncwarp(0xFFFFFFFF)
 
@@ -356,9 +333,6 @@ else:
 
     def ldg_u32(arr, off):
         return np.uint32(_load(arr, off, 4).view(np.uint32)[0])
-
-    def prefetch_l1(arr, off):
-        _load(arr, off - off % 16, 16)  # only checked: the simulator has no cache
 
     def ldg_u16(arr, off):
         return np.uint32(_load(arr, off, 2).view(np.uint16)[0])
@@ -498,10 +472,6 @@ else:
     def warp_match(v):
         lanes, _ = _exchange(v)
         return np.uint32(sum(1 << i for i, x in enumerate(lanes) if x == v))
-
-    def warp_ballot(pred):
-        lanes, _ = _exchange(bool(pred))
-        return np.uint32(sum(1 << i for i, x in enumerate(lanes) if x))
 
     def warp_barrier():
         threading.current_thread().syncthreads()

@@ -134,43 +134,6 @@ def test_experts_not_held_are_not_written():
     assert np.all(np.isfinite(got[0, 0])) and (got[0, 0] != 7.0).any() and np.all(got[0, 1] == 7.0)
 
 
-@pytest.mark.parametrize("qt,group_cols", [(Q.Q8_0, 4), (Q.Q8_0, 2), (Q.Q4_K, 4), (Q.MXFP4, 4), (Q.F16, 3)],
-                         ids=["Q8_0-cols4", "Q8_0-cols2", "Q4_K-cols4", "MXFP4-cols4", "F16-cols3"])
-def test_grouped_pairs_equal_each_token_alone(qt, group_cols):
-    """A step of several tokens computes the pairs of one expert in one block (grouped): each
-    pair's bits are those of its token's one-row step, for gate+up+GLU and for down (per pair),
-    whether an expert's pairs fit one block or need several (5 tokens on expert 0), and a pair of
-    an expert not held is left as it was."""
-    rng = np.random.default_rng(90 + qt)
-    k, gate, slot_of = _experts(qt, rng)
-    up = refs.weights(qt, gate.shape[:2], k, rng)
-    ids = np.array([[0, 2], [3, 0], [0, 1], [2, 0], [0, 3], [1, 2]], np.int32)  # [T, A]; expert 1 not held
-    T, A = ids.shape
-    dev = [cuda.to_device(repack(w, qt)) for w in (gate, up)]
-    slots = cuda.to_device(slot_of)
-    tuning = mmvq.Tuning(group_cols=group_cols)
-    x = rng.standard_normal((T, k)).astype(np.float32)
-    xp = rng.standard_normal((T * A, k)).astype(np.float32)  # down: a row per pair
-    n = gate.shape[1]
-
-    def run(rows, pair_rows, sel, out=None):
-        glu = mmvq.mul_mat_vec_glu_ids(*dev, qt, k, _act(qt, rows)[0], cuda.to_device(sel), slots,
-                                       tuning=tuning).copy_to_host()
-        out = cuda.to_device(np.full((sel.shape[0], A, n), 7.0, np.float32))
-        down = mmvq.mul_mat_vec_ids(dev[0], qt, k, _act(qt, pair_rows)[0], cuda.to_device(sel), slots, out=out,
-                                    act_per_pair=True, tuning=tuning).copy_to_host()
-        return glu, down
-
-    glu, down = run(x, xp, ids)
-    for t in range(T):
-        g1, d1 = run(x[t:t + 1], xp[t * A:(t + 1) * A], ids[t:t + 1])
-        for a in range(A):
-            if slot_of[ids[t, a]] < 0:
-                assert np.all(down[t, a] == 7.0)
-                continue
-            assert np.array_equal(glu[t, a], g1[0, a]) and np.array_equal(down[t, a], d1[0, a])
-
-
 def _silu(g):
     return g * 0.5 * (1 + np.tanh(g / 2))  # g * sigmoid(g), without exp overflow
 
