@@ -3,6 +3,13 @@ registers, local memory (stack frame), spills and shared memory per kernel, comp
 target without a GPU.
 
     python benchmarks/kernel_resources.py [--cc 9.0] [--only attention,flash,rope,gdn,norm,mmvq,mmq,router]
+                                          [--order NAME] [--launch-bounds THREADS,BLOCKS]
+
+--order NAME also prints, for each kernel whose name contains NAME, the order ptxas issues its
+global loads (L) and int8 dot products (d) in (cuobjdump -sass; the toolkit's, or the
+nvidia-cuda-cuobjdump wheel's): "LLLLdddd" is loads in flight together, "LdLd" each waited for.
+--launch-bounds compiles with numba's launch_bounds (max threads, min blocks an SM): ptxas then
+budgets registers for that occupancy, which decides whether it keeps loads hoisted.
 
 It needs NVVM and ptxas (a CUDA toolkit: CUDA_HOME, or /usr/local/cuda) and NVRTC (numba-cuda
 loads it; on a machine without one, `pip download nvidia-cuda-nvrtc` and put its lib/ folder on
@@ -126,21 +133,23 @@ def cases(only: set[str]):
                (f32(2), f32(2), f32(1), BOOL, f32(1), F32, f32(2), f32(2)))
 
 
-def ptxas_report(ptx: str, arch: str) -> dict:
+def ptxas_report(ptx: str, arch: str, order: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as d:
-        src = Path(d, "k.ptx")
+        src, cubin = Path(d, "k.ptx"), Path(d, "k.cubin")
         src.write_text(ptx)
-        r = subprocess.run(["ptxas", f"-arch={arch}", "-v", str(src), "-o", str(Path(d, "k.cubin"))],
-                           capture_output=True, text=True)
-    if r.returncode:
-        raise RuntimeError(r.stderr.strip())
+        r = subprocess.run(["ptxas", f"-arch={arch}", "-v", str(src), "-o", str(cubin)], capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(r.stderr.strip())
+        sass = subprocess.run(["cuobjdump", "-sass", str(cubin)], capture_output=True, text=True).stdout if order else ""
     text = r.stderr
 
     def num(pattern):
         m = re.search(pattern, text)
         return int(m.group(1)) if m else 0
 
-    return {"registers": num(r"Used (\d+) registers"), "stack": num(r"(\d+) bytes stack frame"),
+    ops = [line.split()[1] for line in sass.splitlines() if "/*" in line and len(line.split()) > 2]
+    return {"order": "".join("L" if o.startswith("LDG") else "d" for o in ops if o.startswith(("LDG", "IDP"))),
+            "registers": num(r"Used (\d+) registers"), "stack": num(r"(\d+) bytes stack frame"),
             "spill_st": num(r"(\d+) bytes spill stores"), "spill_ld": num(r"(\d+) bytes spill loads"),
             "smem": num(r"(\d+) bytes smem")}
 
@@ -149,7 +158,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cc", default="9.0", help="compute capability to compile for (9.0: H100, H200)")
     ap.add_argument("--only", default="", help="comma-separated groups: attention, flash, rope, gdn, norm, mmvq, mmq, router")
+    ap.add_argument("--order", default="", help="print the load / dot issue order of kernels whose name has this")
+    ap.add_argument("--launch-bounds", default="", help="THREADS,BLOCKS: compile with numba's launch_bounds")
     args = ap.parse_args()
+    bounds = tuple(int(v) for v in args.launch_bounds.split(",")) if args.launch_bounds else None
     cc = tuple(int(p) for p in args.cc.split("."))
     # device functions compile for the current device's capability: with no GPU, name it
     import numba.cuda.dispatcher as dispatcher
@@ -160,13 +172,15 @@ def main() -> int:
     failed = 0
     for name, fn, sig in cases({s for s in args.only.split(",") if s}):
         try:
-            ptx, _ = cuda.compile_ptx(fn, sig, cc=cc)
-            r = ptxas_report(ptx, arch)
+            ptx, _ = cuda.compile_ptx(fn, sig, cc=cc, launch_bounds=bounds)
+            r = ptxas_report(ptx, arch, bool(args.order) and args.order in name)
         except Exception as e:  # noqa: BLE001 - report every kernel, then fail
             print(f"{name:<52} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
             failed += 1
             continue
         print(f"{name:<52} {r['registers']:>5} {r['stack']:>8} {r['spill_st'] + r['spill_ld']:>8} {r['smem']:>7}")
+        if r["order"]:
+            print(f"    issue order ({len(r['order'])}): {r['order'][:240]}")
     return 1 if failed else 0
 
 
