@@ -188,11 +188,11 @@ class DeviceDecoder:
             return 0
         self._warm_prefills(n_ctx, prefill_rows)
         caches = [self.model.new_cache(max(cells) + 1) for _ in range(self.max_batch)]
-        for c in caches:
-            c.reserve(max(cells))
-        if self.pad:  # padded steps: copies of one sequence's row
-            steps = [([caches[0]], n) for n in sorted({padded_size(S, self.max_batch)
-                                                       for S in range(1, self.max_batch + 1)})]
+        used = caches[:1] if self.pad else caches  # padded steps copy one sequence's row
+        for cache in used:
+            cache.reserve(max(cells))
+        if self.pad:
+            steps = [(used, n) for n in sorted({padded_size(S, self.max_batch) for S in range(1, self.max_batch + 1)})]
         else:  # each size its own sequences (a recurrent state is a sequence's alone)
             steps = [(caches[:S], 0) for S in range(1, self.max_batch + 1)]
         self.backend.graphs.keep_at_least(len(cells) * len(steps))
