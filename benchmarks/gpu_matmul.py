@@ -351,6 +351,9 @@ def main() -> int:
     ap.add_argument("--mma-shapes", default="",
                     help="with --mmq, only these tensor-core tile shapes, 'WM,WN,TM,TN;...', on the prefill's "
                          "shapes (dense 4096 and 512 rows, the experts' gate) at 512 tokens")
+    ap.add_argument("--bounds", action="store_true",
+                    help="only the multi-column dense GEMV at 2-16 tokens under each launch bound "
+                         "(Tuning.min_blocks 0, 1, 3), Q8_0, Q4_K, Q6_K, F16, 4096 x 2048")
     ap.add_argument("--shape", default="2048,768,128,8",
                     help="D,F,E,A of the expert layer (default Qwen3-30B-A3B; gpt-oss-20b is 2880,2880,32,4)")
     args = ap.parse_args()
@@ -397,6 +400,13 @@ def main() -> int:
                 run(bench_experts, layer, "glu", t, a, rng)  # gate + up of every routed pair
                 run(bench_experts, layer, "down", t, a, rng)
             del layer
+        return 0
+    if args.bounds:
+        for qt in main_types[:1] if args.smoke else [Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.F16]:
+            for t in [2] if args.smoke else [2, 4, 8, 16]:
+                for mb in (0, 1, 3):
+                    run(bench_dense, qt, 256 if args.smoke else 4096, d, t, rng,
+                        tuning=Tuning(min_blocks=mb))
         return 0
     dn = 256 if args.smoke else 4096
     pt = 4 if args.smoke else 512

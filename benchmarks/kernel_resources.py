@@ -56,7 +56,7 @@ def cases(only: set[str]):
     if not only or "attention" in only:
         part = (f32(3), f16(5), f16(5), i32(1), i32(1), F32, I32, f32(3), f32(3), f32(4), f32(1), BOOL, f32(3), i32(1))
         # (G, heads a block, rows a tile, head size, fused): decode grids take few heads a block
-        for G, hb, rt, dh, fuse in [(8, 1, 1, 64, False), (8, 1, 1, 64, True), (8, 2, 1, 128, True),
+        for G, hb, rt, dh, fuse in [(8, 1, 1, 64, False), (8, 1, 1, 64, True), (8, 1, 1, 128, True), (8, 2, 1, 128, True),
                                     (8, 8, 1, 128, True), (8, 8, 4, 128, True), (8, 1, 1, 256, True),
                                     (8, 8, 2, 256, True)]:
             yield (f"attention chunk G{G} heads{hb} rows{rt} Dh{dh}{' +combine' if fuse else ''}",

@@ -33,8 +33,9 @@ groups of 32 words (one array of 64 or 128 words, for Dh 128 or 256, was indexed
 compiler did not unroll, so it lived in local memory: benchmarks/kernel_resources.py). For
 the values, a thread owns two dims of a group of cells (one 32-bit load a cell, a warp's loads one
 run of a cell's values, 8 cells in flight); each group sums its cells in ascending order and the
-groups' sums are added in group order. Max and sum of exps are warp butterflies, then the warps in
-order. A decode step's grid is small (one chunk per 128 cells), so blocks then take fewer of a KV
+groups' sums are added in group order. A one-row tile of one or two heads whose group has at most
+_V_HOIST cells (gpt-oss's decode: Dv 64, 32 cells) loads its values together with its keys. Max
+and sum of exps are warp butterflies, then the warps in order. A decode step's grid is small (one chunk per 128 cells), so blocks then take fewer of a KV
 head's query heads (down to one: `_FEW_BLOCKS`); each (row, head) pair's sums run in the same order
 whatever the grouping. Measured on the H200 (gpt-oss-20b heads: 64 q, 8 kv, Dh 64; one row over 128
 cells): 8.1 us a layer in a decode step, 18.9 with a thread per value dim walking every cell.
@@ -63,7 +64,8 @@ MAX_PAIRS = 32  # (query row, head) pairs of one KV head per block: G * rows per
 MAX_QD = 4096  # pairs * Dh queries held in shared memory (>= MAX_PAIRS * CHUNK: reused for reductions)
 _SCORES = MAX_PAIRS * CHUNK  # shared [pairs, CHUNK] scores (a plain global: shared sizes must be constants)
 _WARP_PARTS = MAX_PAIRS * (CHUNK // 32)  # shared [warps, pairs]: each warp's max, then sum
-_V_UNROLL = 8  # value loads a thread has in flight
+_V_UNROLL = 8  # value loads a thread has in flight, in rounds after the softmax
+_V_HOIST = 32  # cells of values a thread may load with its keys (module doc)
 _FEW_BLOCKS = 256  # a grid below this spreads a KV head's query heads over blocks
 _NEG_INF = np.float32(-np.inf)
 # cells a block of the cache holds (a divisor of CHUNK); the simulator's CHUNK holds 4 as on a GPU
@@ -82,11 +84,11 @@ def _sees(p, lo, j0):
     return j0 <= p and j0 + CHUNK > lo
 
 
-def _make_partial(G: int, HB: int, RT: int, DH: int, FUSE: bool):
+def _make_partial(G: int, HB: int, RT: int, DH: int, FUSE: bool, DV: int = 0):
     """The chunk kernel for G query heads per KV head, HB of them per block (HB divides G), tiles
-    of RT query rows of one slot and head size DH, compiled with all as constants: the NP = HB*RT
-    accumulators and a cell's DH keys stay in registers, and the loads are unrolled so they are in
-    flight together. Each pair's arithmetic does not depend on HB or RT (sums over d and over
+    of RT query rows of one slot, key and value head sizes DH and DV (0: DH), compiled with all as
+    constants: the NP = HB*RT accumulators and a cell's DH keys stay in registers, and the loads
+    are unrolled so they are in flight together. Each pair's arithmetic does not depend on HB or RT (sums over d and over
     cells in ascending order), so a row's result is the same however the call groups it.
     FUSE: the last block of each (tile, head group) to finish combines its pairs' chunks (the
     combine kernel's arithmetic, `_combine_one`), so a call is one launch."""
@@ -100,6 +102,21 @@ def _make_partial(G: int, HB: int, RT: int, DH: int, FUSE: bool):
     KG1, KG2 = (KG if NG > 1 else 4), (KG if NG > 2 else 4)  # sizes of groups 1 and 2-3 (4: unused)
     if NG * KG != KW or NG > 4:
         raise UnsupportedError(f"attention: head size {DH} (the kernel holds up to 256 key values a cell)")
+    DV = DV or DH
+    # values: a thread owns a pair of dims (one 32-bit load a cell) in a group of PER_GRP cells
+    N_DP = DV // 2
+    N_GRP = CHUNK // N_DP
+    if N_GRP == 0:
+        raise UnsupportedError(f"attention: value head size {DV} above {2 * CHUNK}")
+    PER_GRP = (CHUNK + N_GRP - 1) // N_GRP
+    # A one-row tile of one or two heads (decode's small grids) loads its values with its keys,
+    # before the softmax: its group's cells are then one round trip to memory, not PER_GRP /
+    # _V_UNROLL of them one after another. The sums' order is the same either way, so the bits
+    # are. Measured in graph-replayed decode steps on the H200 (docs/benchmarks.md, issue 30,
+    # eleventh step): gpt-oss (32 cells a group, 2 heads) 10.2 us a layer against 12.1; qwen3's
+    # 64 cells (two register arrays) 17.8 against 16.1, and 8 heads at 16 rows slower for both.
+    HOIST = RT == 1 and HB <= 2 and PER_GRP <= _V_HOIST
+    VH = PER_GRP if HOIST else 4  # 4: a placeholder, unused
 
     @cuda.jit(device=True, inline=True)
     def load_keys(k_cache, base, kw):
@@ -121,6 +138,31 @@ def _make_partial(G: int, HB: int, RT: int, DH: int, FUSE: bool):
                 s += q_sh[i * DH + d0 + 2 * w + 1] * f16_to_f32(kw[w] >> 16)
             acc[i] = s
 
+    @cuda.jit(device=True, inline=True)
+    def load_values(v_cache, j0, g_start, a, b, v_block, v_head, dp, vw):
+        for u in range(VH):
+            jj = g_start + u
+            if jj >= a and jj <= b:
+                jc = j0 + jj
+                jb = jc // KV_BLOCK
+                vw[u] = ldg_u32(v_cache, 2 * (jb * v_block + v_head + (jc - jb * KV_BLOCK) * DV + 2 * dp))
+
+    @cuda.jit(device=True, inline=True)
+    def add_values(vw, g_start, a, b, s_sh, o):
+        # pairs outside, cells inside (as dot_keys): the inner loop unrolls whatever NP, so vw
+        # stays in registers; each pair's sum runs over the cells in ascending order
+        for i in range(NP):
+            lo_s = o[2 * i]
+            hi_s = o[2 * i + 1]
+            for u in range(VH):
+                jj = g_start + u
+                if jj >= a and jj <= b:
+                    pw = s_sh[i * CHUNK + jj]
+                    lo_s += pw * f16_to_f32(vw[u] & 0xFFFF)
+                    hi_s += pw * f16_to_f32(vw[u] >> 16)
+            o[2 * i] = lo_s
+            o[2 * i + 1] = hi_s
+
     @cuda.jit
     def partial(q, k_cache, v_cache, slots, positions, scale, window, part_m, part_l, part_o, sinks, has_sinks,
                 out, done):
@@ -138,7 +180,6 @@ def _make_partial(G: int, HB: int, RT: int, DH: int, FUSE: bool):
         tid = cuda.threadIdx.x
         R = q.shape[0]
         NS, Hkv = k_cache.shape[1], k_cache.shape[2]
-        Dv = v_cache.shape[4]
         j0 = c * CHUNK
         pos = cuda.local.array(RT, np.int32)  # per row: last and first visible cell
         los = cuda.local.array(RT, np.int32)
@@ -172,6 +213,14 @@ def _make_partial(G: int, HB: int, RT: int, DH: int, FUSE: bool):
                 if NG > 2:
                     load_keys(k_cache, base + 8 * KG, kw2)
                     load_keys(k_cache, base + 12 * KG, kw3)
+            v_block = NS * Hkv * KV_BLOCK * DV  # values a block of the cache holds
+            v_head = (slot * Hkv + kh) * KV_BLOCK * DV  # where this head's cells start within a block
+            grp = tid // N_DP
+            dp = tid - grp * N_DP
+            g_start = grp * PER_GRP
+            vw = cuda.local.array(VH, np.uint32)
+            if HOIST and grp < N_GRP:
+                load_values(v_cache, j0, g_start, a, b, v_block, v_head, dp, vw)
             q_sh = cuda.shared.array(MAX_QD, np.float32)  # [NP, DH] scaled queries, then reductions
             s_sh = cuda.shared.array(_SCORES, np.float32)  # [NP, CHUNK] scores, then exps
             for e in range(tid, NP * DH, CHUNK):
@@ -231,44 +280,41 @@ def _make_partial(G: int, HB: int, RT: int, DH: int, FUSE: bool):
                 for w in range(1, CHUNK // 32):
                     total += w_sh[w * NP + tid]
                 part_l[r0 + tid // HB, h0 + tid % HB, c] = total
-            # values: a thread owns a pair of dims (one 32-bit load a cell) in a group of cells; the
-            # groups' sums (each over its cells in ascending order) are added in group order
-            v_block = NS * Hkv * KV_BLOCK * Dv  # values a block holds
-            v_head = (slot * Hkv + kh) * KV_BLOCK * Dv  # where this head's cells start within a block
-            n_dp = Dv // 2
-            grp = tid // n_dp
-            dp = tid - grp * n_dp
-            n_grp = CHUNK // n_dp
-            per_grp = (CHUNK + n_grp - 1) // n_grp
+            # values: each group sums its cells in ascending order; the groups' sums are added in
+            # group order
             o = cuda.local.array(NP2, np.float32)
             for i in range(NP2):
                 o[i] = np.float32(0.0)
-            g0 = max(a, grp * per_grp)
-            g1 = min(b, grp * per_grp + per_grp - 1)
-            if grp >= n_grp:
-                g1 = -1
-            words = cuda.local.array(_V_UNROLL, np.uint32)
-            jj = g0
-            while jj <= g1:
-                for u in range(_V_UNROLL):  # loads in flight together
-                    if jj + u <= g1:
-                        jc = j0 + jj + u
-                        jb = jc // KV_BLOCK
-                        words[u] = ldg_u32(v_cache, 2 * (jb * v_block + v_head + (jc - jb * KV_BLOCK) * Dv + 2 * dp))
-                for u in range(_V_UNROLL):
-                    if jj + u <= g1:
-                        lo_v = f16_to_f32(words[u] & 0xFFFF)
-                        hi_v = f16_to_f32(words[u] >> 16)
-                        for i in range(NP):
-                            pw = s_sh[i * CHUNK + jj + u]
-                            o[2 * i] += pw * lo_v
-                            o[2 * i + 1] += pw * hi_v
-                jj += _V_UNROLL
-            o_sh = q_sh  # [NP, Dv]; the queries are no longer read
-            for g in range(n_grp):
+            if HOIST:
+                if grp < N_GRP:
+                    add_values(vw, g_start, a, b, s_sh, o)
+            else:
+                g0 = max(a, g_start)
+                g1 = min(b, g_start + PER_GRP - 1)
+                if grp >= N_GRP:
+                    g1 = -1
+                words = cuda.local.array(_V_UNROLL, np.uint32)
+                jj = g0
+                while jj <= g1:
+                    for u in range(_V_UNROLL):  # loads in flight together
+                        if jj + u <= g1:
+                            jc = j0 + jj + u
+                            jb = jc // KV_BLOCK
+                            words[u] = ldg_u32(v_cache, 2 * (jb * v_block + v_head + (jc - jb * KV_BLOCK) * DV + 2 * dp))
+                    for u in range(_V_UNROLL):
+                        if jj + u <= g1:
+                            lo_v = f16_to_f32(words[u] & 0xFFFF)
+                            hi_v = f16_to_f32(words[u] >> 16)
+                            for i in range(NP):
+                                pw = s_sh[i * CHUNK + jj + u]
+                                o[2 * i] += pw * lo_v
+                                o[2 * i + 1] += pw * hi_v
+                    jj += _V_UNROLL
+            o_sh = q_sh  # [NP, DV]; the queries are no longer read
+            for g in range(N_GRP):
                 if grp == g:
                     for i in range(NP):
-                        at = i * Dv + 2 * dp
+                        at = i * DV + 2 * dp
                         if g == 0:
                             o_sh[at] = o[2 * i]
                             o_sh[at + 1] = o[2 * i + 1]
@@ -276,10 +322,10 @@ def _make_partial(G: int, HB: int, RT: int, DH: int, FUSE: bool):
                             o_sh[at] += o[2 * i]
                             o_sh[at + 1] += o[2 * i + 1]
                 cuda.syncthreads()
-            for e in range(tid, NP * Dv, CHUNK):
-                i = e // Dv
+            for e in range(tid, NP * DV, CHUNK):
+                i = e // DV
                 if _sees(pos[i // HB], los[i // HB], j0):
-                    part_o[r0 + i // HB, h0 + i % HB, c, e - i * Dv] = o_sh[e]
+                    part_o[r0 + i // HB, h0 + i % HB, c, e - i * DV] = o_sh[e]
         if FUSE:
             cuda.threadfence()  # the parts are visible to the last block before its ticket is taken
             last = cuda.shared.array(1, np.int32)
@@ -289,11 +335,11 @@ def _make_partial(G: int, HB: int, RT: int, DH: int, FUSE: bool):
                 last[0] = cuda.atomic.add(done, at, 1) == cuda.gridDim.x - 1
             cuda.syncthreads()
             if last[0] != 0:
-                for e in range(tid, NP * Dv, CHUNK):
-                    i = e // Dv
+                for e in range(tid, NP * DV, CHUNK):
+                    i = e // DV
                     row = i // HB
                     if r0 + row < R:
-                        _combine_one(part_m, part_l, part_o, r0 + row, h0 + i - row * HB, e - i * Dv, pos[row],
+                        _combine_one(part_m, part_l, part_o, r0 + row, h0 + i - row * HB, e - i * DV, pos[row],
                                      window, sinks, has_sinks, out)
                 if tid == 0:
                     done[at] = 0
@@ -304,8 +350,8 @@ def _make_partial(G: int, HB: int, RT: int, DH: int, FUSE: bool):
 _PARTIAL = {}
 
 
-def _partial_kernel(G: int, HB: int, RT: int, DH: int, fuse: bool):
-    key = (G, HB, RT, DH, fuse)
+def _partial_kernel(G: int, HB: int, RT: int, DH: int, fuse: bool, DV: int):
+    key = (G, HB, RT, DH, fuse, DV)
     kern = _PARTIAL.get(key)
     if kern is None:
         kern = _PARTIAL[key] = _make_partial(*key)
@@ -453,7 +499,7 @@ def attention(q, k_cache, v_cache, slots, positions, scale: float, window: int, 
     while hb % 2 == 0 and nch * (H // hb) * tiles < _FEW_BLOCKS:
         hb //= 2
     sinks_arg = sinks if has_sinks else placeholder(np.float32)
-    launch(_partial_kernel(G, hb, rt, Dh, fused), (nch, H // hb, tiles), CHUNK, stream,
+    launch(_partial_kernel(G, hb, rt, Dh, fused, Dv), (nch, H // hb, tiles), CHUNK, stream,
         q, k_cache, v_cache, slots, positions, np.float32(scale), np.int32(window), work.part_m, work.part_l,
         work.part_o, sinks_arg, has_sinks, out, work.done)
     if fused:

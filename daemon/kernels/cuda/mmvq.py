@@ -72,7 +72,7 @@ _glu_dev = device(_glu)
 
 
 def _build(qtype: int, ncols: int, lpr: int, warps: int, ids_mode: bool, has_bias: bool,
-           glu: int, unroll: int, host: bool = False):
+           glu: int, unroll: int, host: bool = False, min_blocks: int = 0):
     """The kernel for one combination (closure constants are compile-time constants)."""
     load, dot = VECDOT[qtype]
     per_chunk = VALUES[qtype]
@@ -110,6 +110,7 @@ def _build(qtype: int, ncols: int, lpr: int, warps: int, ids_mode: bool, has_bia
             t = cuda.blockIdx.y * nc
             arow = t
             ncl = min(nc, n_tok - t)
+        last = ncl - 1
         live = row < n and slot >= 0
         base = (slot * n + row) * stride
         acc = cuda.local.array(nc, np.float32)
@@ -121,32 +122,30 @@ def _build(qtype: int, ncols: int, lpr: int, warps: int, ids_mode: bool, has_bia
             nb = k // qk
             nch = k // per_chunk
             c = lane
+            # columns past the tile's last token repeat the last one (its rows, not written):
+            # no branch in the loop, so ptxas can issue every column's loads before the dp4a's
             if unroll == 2:  # two chunks' loads in flight per lane
                 while c + lpr < nch:
                     w = load(W, base, nb, c)
                     wb = load(W, base, nb, c + lpr)
                     for j in range(nc):
-                        if j < ncl:
-                            acc[j] += dot(w, A0, A1, arow + j, k, c) + dot(
-                                wb, A0, A1, arow + j, k, c + lpr)
+                        r = arow + min(j, last)
+                        acc[j] += dot(w, A0, A1, r, k, c) + dot(wb, A0, A1, r, k, c + lpr)
                     if two:
                         w2 = load(W2, base, nb, c)
                         w2b = load(W2, base, nb, c + lpr)
                         for j in range(nc):
-                            if j < ncl:
-                                acc2[j] += dot(w2, A0, A1, arow + j, k, c) + dot(
-                                    w2b, A0, A1, arow + j, k, c + lpr)
+                            r = arow + min(j, last)
+                            acc2[j] += dot(w2, A0, A1, r, k, c) + dot(w2b, A0, A1, r, k, c + lpr)
                     c += 2 * lpr
             while c < nch:
                 w = load(W, base, nb, c)
                 for j in range(nc):
-                    if j < ncl:
-                        acc[j] += dot(w, A0, A1, arow + j, k, c)
+                    acc[j] += dot(w, A0, A1, arow + min(j, last), k, c)
                 if two:
                     w2 = load(W2, base, nb, c)
                     for j in range(nc):
-                        if j < ncl:
-                            acc2[j] += dot(w2, A0, A1, arow + j, k, c)
+                        acc2[j] += dot(w2, A0, A1, arow + min(j, last), k, c)
                 c += lpr
         for j in range(nc):  # every lane takes part in the shuffles
             acc[j] = warp_sum(acc[j], lpr)
@@ -169,7 +168,11 @@ def _build(qtype: int, ncols: int, lpr: int, warps: int, ids_mode: bool, has_bia
     # named for profilers: mmvq_<type>_<ids|dense>[_glu]_c<cols>_l<lanes per row>
     kernel.__name__ = kernel.__qualname__ = (f"mmvq_{type_name(qtype)}_{'ids' if ids_mode else 'dense'}"
                                              f"{'_glu' if two else ''}{'_host' if host else ''}_c{ncols}_l{lpr}")
-    return cuda.jit(kernel)
+    if SIMULATOR or nc == 1 or not min_blocks:
+        return cuda.jit(kernel)
+    # at its default occupancy target ptxas sinks each column's loads to their dot products
+    # (docs/benchmarks.md, Issue 30 tenth step); fewer blocks an SM let it hoist them
+    return cuda.jit(kernel, launch_bounds=(warps * 32, min_blocks))
 
 
 _KERNELS: dict[tuple, object] = {}
@@ -241,10 +244,12 @@ def _bias(b, n: int, stack: bool):
 class Tuning(NamedTuple):
     """Launch shape: lanes per output row (None: choose_lpr), warps per block, and how many
     chunks each lane has in flight (1 or 2). On the H100, 2 or 8 warps and unroll 1 measured no
-    better than these defaults at the best lane count."""
+    better than these defaults at the best lane count. min_blocks: the blocks an SM that a
+    multi-column kernel is compiled for (CUDA launch bounds; 0: ptxas's own target)."""
     lpr: int | None = None
     warps: int = 4
     unroll: int = 2
+    min_blocks: int = 1
 
 
 DEFAULT = Tuning()
@@ -259,7 +264,7 @@ def _prepare(w, w2, qtype, k, act, ids, slot_of, act_t, act_a, bias, bias2, out,
     lpr = tuning.lpr or choose_lpr(k)
     warps = 1 if SIMULATOR else tuning.warps  # simulated threads are Python threads
     kern = _kernel(qtype, ncols, lpr, warps, ids is not None, bias is not None, glu,
-                   tuning.unroll, wh is not None)
+                   tuning.unroll, wh is not None, tuning.min_blocks if ncols > 1 else 0)
     rows_per_block = warps * 32 // lpr
     grid = ((n + rows_per_block - 1) // rows_per_block, grid_y)
     if wh is None:

@@ -79,6 +79,20 @@ def test_dense_more_than_16_tokens_runs_in_tiles(qt):
     _close(got, refs.matvec(raw, qt, x, ref_act), refs.magnitude(raw, qt, x))
 
 
+@pytest.mark.parametrize("qt", [Q.Q8_0, Q.Q4_K, Q.MXFP4, Q.F16], ids=lambda t: refs.NAMES[t])
+def test_a_token_gives_its_bits_alone_in_any_tile(qt):
+    """Batch invariance: a token's row is the same bits in a tile of 16, in the last tile of 2
+    (whose 14 spare columns repeat its last token, not stored), and alone."""
+    rng = np.random.default_rng(90 + qt)
+    k, n, t = _k(qt), 3, 18
+    w = cuda.to_device(repack(refs.weights(qt, (n,), k, rng), qt))
+    x = rng.standard_normal((t, k)).astype(np.float32)
+    tile = mmvq.mul_mat_vec(w, qt, k, _act(qt, x)[0]).copy_to_host()
+    for r in (0, 9, 16, 17):
+        alone = mmvq.mul_mat_vec(w, qt, k, _act(qt, x[r:r + 1])[0]).copy_to_host()
+        np.testing.assert_array_equal(alone[0].view(np.uint32), tile[r].view(np.uint32))
+
+
 def test_dense_takes_device_quantized_activations():
     rng = np.random.default_rng(30)
     qt, k, n = Q.Q4_K, 512, 4

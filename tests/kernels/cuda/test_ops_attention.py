@@ -99,6 +99,34 @@ def test_attention_prefill_rows_are_causal_and_batch_invariant(tiled):
     assert np.array_equal(alone.copy_to_host()[0], got[1])
 
 
+@pytest.mark.parametrize("dh,dv", [(16, 32), (64, 64), (128, 128)])
+def test_one_row_calls_give_the_tiled_bits_at_real_value_sizes(dh, dv):
+    """A one-row tile of few heads loads its values with its keys when its group of cells is
+    small (Dv 32, 64), a tile of rows in rounds after the softmax (and both at Dv 128): the same
+    sums in the same order, so the same bits."""
+    if dv > 2 * CHUNK:
+        pytest.skip(f"Dv {dv} needs CHUNK >= {dv // 2} (the simulator's is {CHUNK})")
+    rng = np.random.default_rng(dv)
+    T, hkv, g = 2, 1, 2
+    positions = [CHUNK + 3, CHUNK + 4]  # two chunks, the second partly visible
+    cells = 2 * CHUNK
+    kc, vc, dk, dvc, ds, dp = filled_cache(rng, (cells, 1, hkv, dh, dv), [0] * T, positions)
+    q = rng.standard_normal((T, hkv * g, dh)).astype(np.float32)
+    work = AttentionWork(T, hkv * g, cells, dv)
+    tiled = cuda.to_device(np.full((T, hkv * g, dv), np.nan, np.float32))
+    attention(cuda.to_device(q), dk, dvc, ds, dp, 0.25, 0, None, tiled, work, cells, one_slot=True, tile_rows=2)
+    rows = cuda.to_device(np.full((T, hkv * g, dv), np.nan, np.float32))
+    attention(cuda.to_device(q), dk, dvc, ds, dp, 0.25, 0, None, rows, work, cells)
+    assert np.array_equal(rows.copy_to_host(), tiled.copy_to_host())
+    ref = np.zeros((T, hkv * g, dv))
+    for r, p in enumerate(positions):
+        for h in range(hkv * g):
+            z = kc[:p + 1, 0, h // g].astype(np.float64) @ q[r, h].astype(np.float64) * 0.25
+            e = np.exp(z - z.max())
+            ref[r, h] = e @ vc[:p + 1, 0, h // g].astype(np.float64) / e.sum()
+    np.testing.assert_allclose(rows.copy_to_host(), ref, rtol=0, atol=2e-5)
+
+
 def test_attention_checks_shapes_and_limits():
     k, v = new_kv_cache(1, 1, 16, 8, 8)
     ones = cuda.to_device(np.zeros(1, np.int32))
