@@ -291,7 +291,7 @@ class CUDABackend:
         if moved:  # more slots, or longer than reserved: new arrays
             log.debug("%s: the KV pool was made again (%+d bytes); %d graphs dropped", self.name, delta,
                       len(self.graphs))
-            self.graphs.clear()  # they hold the old pool's addresses
+            self.graphs.clear("the KV pool was made again")  # they hold the old pool's addresses
         else:
             log.debug("%s: the KV pool mapped %d bytes more", self.name, delta)
 
@@ -340,7 +340,7 @@ class CUDABackend:
         if self.samplers is not None and self.samplers.generation != self._sampler_generation:
             self._sampler_generation = self.samplers.generation
             log.debug("%s: sampler pools remade; %d graphs dropped", self.name, len(self.graphs))
-            self.graphs.clear()  # they hold the old pools' addresses
+            self.graphs.clear("the sampler pools were made again")  # they hold the old pools' addresses
         key = self._graph_key(step) if (static or segmented) and self.use_graphs else None
         if key is None or key in self.graphs.failed:
             if step.feed is not None:  # the input tokens, from the step before's sampled ids
@@ -813,7 +813,7 @@ class CUDABackend:
             if not _fits(w, small, n_head, chunks, dv):
                 if w is not None:
                     log.debug("%s: decode attention scratch made again; %d graphs dropped", self.name, len(self.graphs))
-                    self.graphs.clear()  # they hold its addresses
+                    self.graphs.clear("the decode attention scratch was made again")  # they hold its addresses
                 self._step_work, old, w = None, _work_bytes(w), None  # freed before the new one is made
                 self._step_work = self._new_work(old, small, n_head, chunks, dv)
             return self._step_work
@@ -826,7 +826,7 @@ class CUDABackend:
             self._work, old, w = None, _work_bytes(w), None  # freed before the new one is made
             if self._work_captured:
                 log.debug("%s: attention scratch grows; %d graphs dropped", self.name, len(self.graphs))
-                self.graphs.clear()  # they hold its addresses
+                self.graphs.clear("the attention scratch grew")  # they hold its addresses
                 self._work_captured = False
             self._work = self._new_work(old, rows, n_head, chunks, dv)
         self._work_captured |= self._capturing

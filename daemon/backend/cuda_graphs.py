@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 from numba import cuda
 
@@ -143,6 +143,7 @@ class GraphCache:
         self.failed: set = set()  # keys whose capture failed: always eager
         self.captures = 0
         self.replays = 0
+        self.dropped: Counter = Counter()  # why graphs were dropped: clear(reason) and "evicted"
         self.clock = HostClock()  # the replays' host time
         self.cutting = None  # while a segmented capture runs: cut(fn, sync) ends a segment there
 
@@ -171,8 +172,9 @@ class GraphCache:
         self._seen.add(key)
         return True
 
-    def clear(self) -> None:
-        """Every graph is stale (an array they use was reallocated)."""
+    def clear(self, reason: str = "") -> None:
+        """Every graph is stale (an array they use was reallocated, named by `reason`)."""
+        self.dropped[reason or "cleared"] += len(self._graphs)
         self._graphs.clear()
         self._seen.clear()
 
@@ -240,4 +242,5 @@ class GraphCache:
         self.captures += 1
         while len(self._graphs) > self.limit:
             self._graphs.popitem(last=False)
+            self.dropped["evicted"] += 1
         return g

@@ -180,15 +180,12 @@ class DeviceDecoder:
         1..max_batch) for contexts up to each of `cells`, so that the first burst of users does
         not wait for them: each shape runs once eagerly and is then captured. First a prefill
         pass of `prefill_rows` and prefills of 1..16 rows and of 1..max_batch prompts compile what
-        they need (a first burst would compile its row and prompt counts' kernels), the KV pool
-        makes room for max_batch sequences and the sampler pools for twice that. Longer contexts' graphs are captured when first
+        they need (a first burst would compile its row and prompt counts' kernels), and the KV
+        pool makes room for max_batch sequences. Longer contexts' graphs are captured when first
         met, once: the pool's growth keeps graphs. -> graphs made."""
         cells = tuple(c for c in cells if c < n_ctx)
         if not (cells and self.model.device_fed and getattr(self.backend, "use_graphs", False)):
             return 0
-        # a full batch attaching while as many ended sequences still hold theirs (their last
-        # step in flight): growing the pools later would drop every graph captured here
-        self.slots.reserve(2 * self.max_batch)
         self._warm_prefills(n_ctx, prefill_rows)
         caches = [self.model.new_cache(max(cells) + 1) for _ in range(self.max_batch)]
         used = caches[:1] if self.pad else caches  # padded steps copy one sequence's row

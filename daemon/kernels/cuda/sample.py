@@ -980,18 +980,6 @@ class SamplerSlots:
                            cuda.device_array((n, cap), np.float32), cuda.device_array((n, cap), np.int32))
         return self._chunk
 
-    def reserve(self, n: int) -> None:
-        """Room for n slots at once, made now (growing in a burst would bump `generation` then,
-        and every captured graph would be captured again)."""
-        if n > self.capacity:
-            self._grow(n, self.width)
-
-    def _grow(self, n: int, w: int) -> None:
-        self._free += list(range(self.capacity, n))
-        heapq.heapify(self._free)
-        self._alloc(n, w)
-        self.generation += 1
-
     def assign(self, options, history: list[int], max_history: int, stream=0) -> int:
         """A slot for a sequence with these options (ipc.protocol.SamplingOptions), whose history
         so far is `history` and never exceeds max_history tokens. -> the slot."""
@@ -999,7 +987,11 @@ class SamplerSlots:
         window = min(o.repeat_last_n, max_history) if o.repeat_penalty != 1.0 else 0
         if not self._free or window > self.width:
             n = self.capacity * 2 if not self._free else self.capacity
-            self._grow(n, max(self.width, window) if window <= self.width else max(window, 2 * self.width))
+            w = max(self.width, window) if window <= self.width else max(window, 2 * self.width)
+            self._free += list(range(self.capacity, n))
+            heapq.heapify(self._free)
+            self._alloc(n, w)
+            self.generation += 1
         slot = heapq.heappop(self._free)
         with np.errstate(over="ignore", under="ignore"):
             penalty = float(np.float32(o.repeat_penalty))  # 0 or inf where it rounds so

@@ -167,19 +167,6 @@ def test_greedy_and_penalized_logits_are_the_cpus(threads):
     assert np.array_equal(d_logits.copy_to_host().view(np.uint32), np.array(want_logits).view(np.uint32))
 
 
-def test_reserved_slots_are_assigned_without_growing_the_pools():
-    """reserve() grows the pools once, now: assigning that many slots later does not bump the
-    generation (a bump drops every captured graph); a smaller reserve is a no-op."""
-    pool = SamplerSlots(2, 4)
-    pool.reserve(6)
-    assert pool.capacity == 6 and pool.generation == 1
-    pool.reserve(3)
-    slots = [pool.assign(_opts(temperature=0.0), [1, 2], 100) for _ in range(6)]
-    assert sorted(slots) == list(range(6)) and pool.generation == 1
-    pool.assign(_opts(temperature=0.0), [1], 100)  # a seventh grows them
-    assert pool.capacity == 12 and pool.generation == 2
-
-
 def test_penalty_sees_history_and_sampled_tokens_over_steps():
     rng = np.random.default_rng(1)
     V = 40
