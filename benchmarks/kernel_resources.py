@@ -60,7 +60,7 @@ def cases(only: set[str]):
                                     (8, 8, 1, 128, True), (8, 8, 4, 128, True), (8, 1, 1, 256, True),
                                     (8, 8, 2, 256, True)]:
             yield (f"attention chunk G{G} heads{hb} rows{rt} Dh{dh}{' +combine' if fuse else ''}",
-                   attn._make_partial(G, hb, rt, dh, fuse).py_func, part)
+                   attn._make_partial(G, hb, rt, dh, fuse, dh).py_func, part)
         yield ("attention combine", attn._attn_combine.py_func,
                (f32(3), f32(3), f32(4), i32(1), I32, f32(1), BOOL, f32(3)))
     if not only or "flash" in only:

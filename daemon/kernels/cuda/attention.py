@@ -35,9 +35,9 @@ the values, a thread owns two dims of a group of cells (one 32-bit load a cell, 
 run of a cell's values, 8 cells in flight); each group sums its cells in ascending order and the
 groups' sums are added in group order. A one-row tile of one or two heads whose group has at most
 _V_HOIST cells (gpt-oss's decode: Dv 64, 32 cells) loads its values together with its keys. Max
-and sum of exps are warp butterflies, then the warps in order. A decode step's grid is small (one chunk per 128 cells), so blocks then take fewer of a KV
-head's query heads (down to one: `_FEW_BLOCKS`); each (row, head) pair's sums run in the same order
-whatever the grouping. Measured on the H200 (gpt-oss-20b heads: 64 q, 8 kv, Dh 64; one row over 128
+and sum of exps are warp butterflies, then the warps in order. A decode step's grid is small (one
+chunk per 128 cells), so blocks then take fewer of a KV head's query heads (down to one:
+`_FEW_BLOCKS`); each (row, head) pair's sums run in the same order whatever the grouping. Measured on the H200 (gpt-oss-20b heads: 64 q, 8 kv, Dh 64; one row over 128
 cells): 8.1 us a layer in a decode step, 18.9 with a thread per value dim walking every cell.
 The chunking depends only on the row's own position and window, so a row's result does not
 depend on the other rows of the call (batch invariance), there are no atomics, and the same inputs
@@ -84,12 +84,13 @@ def _sees(p, lo, j0):
     return j0 <= p and j0 + CHUNK > lo
 
 
-def _make_partial(G: int, HB: int, RT: int, DH: int, FUSE: bool, DV: int = 0):
+def _make_partial(G: int, HB: int, RT: int, DH: int, FUSE: bool, DV: int):
     """The chunk kernel for G query heads per KV head, HB of them per block (HB divides G), tiles
-    of RT query rows of one slot, key and value head sizes DH and DV (0: DH), compiled with all as
+    of RT query rows of one slot, key and value head sizes DH and DV, compiled with all as
     constants: the NP = HB*RT accumulators and a cell's DH keys stay in registers, and the loads
-    are unrolled so they are in flight together. Each pair's arithmetic does not depend on HB or RT (sums over d and over
-    cells in ascending order), so a row's result is the same however the call groups it.
+    are unrolled so they are in flight together. Each pair's arithmetic does not depend on HB or
+    RT (sums over d and over cells in ascending order), so a row's result is the same however the
+    call groups it.
     FUSE: the last block of each (tile, head group) to finish combines its pairs' chunks (the
     combine kernel's arithmetic, `_combine_one`), so a call is one launch."""
     NP = HB * RT
@@ -102,7 +103,6 @@ def _make_partial(G: int, HB: int, RT: int, DH: int, FUSE: bool, DV: int = 0):
     KG1, KG2 = (KG if NG > 1 else 4), (KG if NG > 2 else 4)  # sizes of groups 1 and 2-3 (4: unused)
     if NG * KG != KW or NG > 4:
         raise UnsupportedError(f"attention: head size {DH} (the kernel holds up to 256 key values a cell)")
-    DV = DV or DH
     # values: a thread owns a pair of dims (one 32-bit load a cell) in a group of PER_GRP cells
     N_DP = DV // 2
     N_GRP = CHUNK // N_DP

@@ -168,7 +168,7 @@ def _build(qtype: int, ncols: int, lpr: int, warps: int, ids_mode: bool, has_bia
     # named for profilers: mmvq_<type>_<ids|dense>[_glu]_c<cols>_l<lanes per row>
     kernel.__name__ = kernel.__qualname__ = (f"mmvq_{type_name(qtype)}_{'ids' if ids_mode else 'dense'}"
                                              f"{'_glu' if two else ''}{'_host' if host else ''}_c{ncols}_l{lpr}")
-    if SIMULATOR or nc == 1 or not min_blocks:
+    if SIMULATOR or not min_blocks:  # _prepare passes 0 for one column
         return cuda.jit(kernel)
     # at its default occupancy target ptxas sinks each column's loads to their dot products
     # (docs/benchmarks.md, Issue 30 tenth step); fewer blocks an SM let it hoist them
