@@ -63,7 +63,7 @@ def main() -> None:
     slot_of = cuda.to_device(np.arange(E, dtype=np.int32))
     gout = cuda.device_array((T, A, F), np.float32)
     sync = stream.synchronize
-    from daemon.kernels.cuda import mmq
+    from daemon.kernels.cuda import grouping, mmq
 
     Tt, Dt, Et, Ft = 32, 256, 4, 64  # the tiled matmul: a few microseconds of GPU a launch
     raw_t = quantize(rng.standard_normal((Et * Ft, Dt)).astype(np.float32), GGMLQuantizationType.Q8_0)
@@ -71,7 +71,7 @@ def main() -> None:
     q8_t = mmvq.Q8(*quantize_q8_1(cuda.to_device(rng.standard_normal((Tt, Dt)).astype(np.float32)), stream=stream))
     ids_t = cuda.to_device(np.stack([rng.permutation(Et)[:2] for _ in range(Tt)]).astype(np.int32))
     slots_t = cuda.to_device(np.arange(Et, dtype=np.int32))
-    groups_t = mmq.group_by_expert(ids_t, Et, stream=stream)
+    groups_t = grouping.group_by_expert(ids_t, Et, stream=stream)
     tout = cuda.device_array((Tt, 2, Ft), np.float32)
 
     def rms():

@@ -3,6 +3,7 @@
     python benchmarks/gpu_matmul.py [--quick] [--json PATH] [--budget SECONDS] [--smoke]
     python benchmarks/gpu_matmul.py --table [--shape D,F,E,A] [--json PATH]
     python benchmarks/gpu_matmul.py --mmq [--shape D,F,E,A] [--json PATH]
+    python benchmarks/gpu_matmul.py --grouped [--json PATH]
 
 --table prints only issue 30's per-type table: for Q8_0, Q4_K, Q5_K, Q6_K, MXFP4 and F16 at 1, 4
 and 16 tokens, one expert's gate matrix [F, D] (a dense launch) and a layer's routed experts in
@@ -10,6 +11,10 @@ one launch each (gate + up fused, and down), against the device copy measured in
 
 --mmq prints only the tiled prefill kernels at 512 and 4096 tokens, for Q8_0, Q4_K, Q6_K and
 MXFP4: the tensor-core kernel (experts: with 64- and with 32-token tiles) against the dp4a one.
+
+--grouped prints only the experts' GEMV at 2-16 tokens: a block a pair against the pairs grouped
+by expert (each expert read once for runs of 2-16 of its pairs), on qwen3-30b-a3b's layer (Q8_0,
+Q4_K) and gpt-oss-20b's (MXFP4), with the grouping kernel's own time.
 
 Prints, on the GPU it finds:
   * the device-to-device copy bandwidth (bytes read + written / time), the ceiling to compare with;
@@ -47,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from numba import cuda  # noqa: E402
 
 from daemon.kernels import quants as Q  # noqa: E402
-from daemon.kernels.cuda import mmq, mmvq  # noqa: E402
+from daemon.kernels.cuda import grouping, mmq, mmvq  # noqa: E402
 from daemon.kernels.cuda.layout import repack  # noqa: E402
 from daemon.kernels.cuda.mmvq import Q8, Tuning  # noqa: E402
 from daemon.kernels.cuda.ptx import ldg_v4  # noqa: E402
@@ -219,11 +224,15 @@ class ExpertLayer:
         return self.dev[p].nbytes // self.e
 
 
-def bench_experts(layer: ExpertLayer, proj: str, t: int, a: int, rng, tuning=mmvq.DEFAULT):
+def bench_experts(layer: ExpertLayer, proj: str, t: int, a: int, rng, tuning=mmvq.DEFAULT,
+                  grouped: bool = False):
+    """grouped: the launch over pairs grouped by expert (tuning.group_cols a block); the
+    grouping kernel's own time is reported apart (group_us)."""
     qt, d, f = layer.qt, layer.d, layer.f
     id_sets = [np.stack([rng.choice(layer.e, a, replace=False) for _ in range(t)]).astype(np.int32)
                for _ in range(32)]
     ids = [cuda.to_device(s) for s in id_sets]
+    groups = [grouping.group_by_expert(i, layer.e) if grouped else None for i in ids]
     k = f if proj == "down" else d
     rows = t * a if proj == "down" else t
     act, x = activation(qt, rng.standard_normal((rows, k), dtype=np.float32))
@@ -234,10 +243,12 @@ def bench_experts(layer: ExpertLayer, proj: str, t: int, a: int, rng, tuning=mmv
     def launch(i):
         if proj == "glu":
             mmvq.mul_mat_vec_glu_ids(layer.dev["gate"], layer.dev["up"], qt, k, act,
-                                     ids[i % 32], layer.slot_of, out=out, tuning=tuning)
+                                     ids[i % 32], layer.slot_of, out=out, tuning=tuning,
+                                     groups=groups[i % 32])
         else:
             mmvq.mul_mat_vec_ids(layer.dev[proj], qt, k, act, ids[i % 32], layer.slot_of,
-                                 out=out, act_per_pair=per_pair, tuning=tuning)
+                                 out=out, act_per_pair=per_pair, tuning=tuning,
+                                 groups=groups[i % 32])
 
     launch(0)
     got = out.copy_to_host()
@@ -262,9 +273,14 @@ def bench_experts(layer: ExpertLayer, proj: str, t: int, a: int, rng, tuning=mmv
     distinct = np.mean([len(np.unique(z)) for z in id_sets])
     nbytes = distinct * layer.slice_bytes("gate" if proj == "glu" else proj) * (
         2 if proj == "glu" else 1)
-    return dict(kind=f"experts/{proj}", type=Q.type_name(qt), n=n, k=k, tokens=t, experts=a,
-                err=err, us=dev_us, host_us=host_us, gbs=nbytes / dev_us / 1e3,
-                tuning=list(tuning), raw_host_us=raw_us)
+    group_us = None
+    if grouped:
+        group_us = timed(lambda i: grouping.group_by_expert(ids[i % 32], layer.e, out=groups[i % 32]),
+                         n=20)[0]
+    return dict(kind=f"experts/{proj}" + ("/grouped" if grouped else ""), type=Q.type_name(qt),
+                n=n, k=k, tokens=t, experts=a, err=err, us=dev_us, host_us=host_us,
+                gbs=nbytes / dev_us / 1e3, tuning=list(tuning), raw_host_us=raw_us,
+                group_us=group_us, distinct=float(distinct))
 
 
 def bench_mmq_dense(qt: int, n: int, k: int, t: int, rng) -> dict:
@@ -286,13 +302,13 @@ def bench_mmq_experts(layer: ExpertLayer, t: int, a: int, rng) -> dict:
     ids = cuda.to_device(s)
     act, x = activation(qt, rng.standard_normal((t, d), dtype=np.float32))
     out = cuda.to_device(np.full((t, a, f), np.nan, np.float32))
-    groups = mmq.group_by_expert(ids, layer.e)
+    groups = grouping.group_by_expert(ids, layer.e)
     mmq.mul_mat_q_ids(layer.dev["gate"], qt, d, act, ids, layer.slot_of, groups, out=out)
     got = out.copy_to_host()
     want = np.stack([x[ti] @ dequant(layer.raw["gate"][s[ti, ai]], qt).T
                      for ti in range(4) for ai in range(a)]).reshape(4, a, f)
     err = rel_err(got[:4], want) if np.isfinite(got).all() else np.nan
-    g_us, _ = timed(lambda i: mmq.group_by_expert(ids, layer.e, out=groups), n=20)
+    g_us, _ = timed(lambda i: grouping.group_by_expert(ids, layer.e, out=groups), n=20)
     dev_us, host_us = timed(lambda i: mmq.mul_mat_q_ids(layer.dev["gate"], qt, d, act, ids,
                                                         layer.slot_of, groups, out=out), n=20)
     return dict(kind="mmq/experts/gate", type=Q.type_name(qt), n=f, k=d, tokens=t, experts=a,
@@ -324,8 +340,10 @@ def with_mmq(variant: str, fn, *a):
 
 def fmt(r: dict) -> str:
     extra = f"{r['gbs']:8.0f} GB/s" if "gbs" in r else f"{r['tops']:7.2f} TOPS"
-    if "group_us" in r:
+    if r.get("group_us") is not None:
         extra += f"  (grouping {r['group_us']:.1f} µs)"
+    if r.get("distinct") is not None and r["tokens"] > 1:
+        extra += f"  ({r['distinct']:.0f} distinct)"
     if r.get("raw_host_us"):
         extra += f"  (dispatcher alone: host {r['raw_host_us']:.1f} µs)"
     tun = f"  {tuple(r['tuning'])}" if r.get("tuning") and r["tuning"] != list(mmvq.DEFAULT) else ""
@@ -354,6 +372,9 @@ def main() -> int:
     ap.add_argument("--bounds", action="store_true",
                     help="only the multi-column dense GEMV at 2-16 tokens under each launch bound "
                          "(Tuning.min_blocks 0, 1, 3), Q8_0, Q4_K, Q6_K, F16, 4096 x 2048")
+    ap.add_argument("--grouped", action="store_true",
+                    help="only the experts' GEMV at 2-16 tokens, a block a pair against pairs grouped by "
+                         "expert (group_cols 2-16), qwen3-30b-a3b's layer (Q8_0, Q4_K) and gpt-oss-20b's (MXFP4)")
     ap.add_argument("--shape", default="2048,768,128,8",
                     help="D,F,E,A of the expert layer (default Qwen3-30B-A3B; gpt-oss-20b is 2880,2880,32,4)")
     args = ap.parse_args()
@@ -399,6 +420,19 @@ def main() -> int:
                 run(bench_dense, qt, f, d, t, rng)  # one expert's gate matrix [F, D]
                 run(bench_experts, layer, "glu", t, a, rng)  # gate + up of every routed pair
                 run(bench_experts, layer, "down", t, a, rng)
+            del layer
+        return 0
+    if args.grouped:
+        shapes = [(Q.Q8_0, (d, f, e, a))] if args.smoke else [
+            (Q.Q8_0, (2048, 768, 128, 8)), (Q.Q4_K, (2048, 768, 128, 8)), (Q.MXFP4, (2880, 2880, 32, 4))]
+        for qt, (gd, gf, ge, ga) in shapes:
+            layer = ExpertLayer(qt, gd, gf, ge, rng)
+            for t in [2] if args.smoke else [2, 4, 8, 16]:
+                for proj in ("glu", "down"):
+                    run(bench_experts, layer, proj, t, ga, rng)
+                    for cols in [2] if args.smoke else [2, 4, 8, 16]:
+                        if cols <= t:
+                            run(bench_experts, layer, proj, t, ga, rng, Tuning(group_cols=cols), True)
             del layer
         return 0
     if args.bounds:

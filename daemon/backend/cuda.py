@@ -584,11 +584,14 @@ class CUDABackend:
             ids = plan.ids if whole else plan.ids[seg.r0:seg.r1]
             o = out if whole else out[seg.r0:seg.r1]
             if seg.tiled:
-                mmq.mul_mat_q_ids(stack, ggml_type, k, a, ids, plan.slot_of, cx.groups_of(plan, seg, self.stream),
-                                  out=o, bias=bias, act_per_pair=not per_token, w_host=host, stream=self.stream)
+                mmq.mul_mat_q_ids(stack, ggml_type, k, a, ids, plan.slot_of,
+                                  cx.groups_of(plan, seg, self.stream, self._empty), out=o, bias=bias,
+                                  act_per_pair=not per_token, w_host=host, stream=self.stream)
             else:
                 mmvq.mul_mat_vec_ids(stack, ggml_type, k, a, ids, plan.slot_of, out=o, bias=bias,
-                                     act_per_pair=not per_token, w_host=host, stream=self.stream)
+                                     act_per_pair=not per_token, w_host=host,
+                                     groups=cx.gemv_groups(plan, seg, self.stream, self._empty),
+                                     stream=self.stream)
         return out.reshape(T * A, n)  # [P, N]
 
     @_guarded
@@ -621,7 +624,7 @@ class CUDABackend:
             if seg.tiled:  # as expert_linear twice and glu, on these rows
                 n = (r1 - r0) * A
                 a = acts.get(qt, r0, r1)
-                groups = cx.groups_of(plan, seg, self.stream)
+                groups = cx.groups_of(plan, seg, self.stream, self._empty)
                 g = self._empty((r1 - r0, A, F), _F32)
                 u = self._empty((r1 - r0, A, F), _F32)
                 for stack, bias, dst in ((batch.gate, batch.gate_bias, g), (batch.up, batch.up_bias, u)):
@@ -634,7 +637,8 @@ class CUDABackend:
                 mmvq.mul_mat_vec_glu_ids(gate, up, qt, K, acts.get(qt, r0, r1), ids, plan.slot_of,
                                          glu="swiglu_oai" if kind == "oai" else "swiglu", bias_gate=batch.gate_bias,
                                          bias_up=batch.up_bias, alpha=alpha, limit=limit, out=o, host_gate=host_gate,
-                                         host_up=host_up, stream=self.stream)
+                                         host_up=host_up, groups=cx.gemv_groups(plan, seg, self.stream, self._empty),
+                                         stream=self.stream)
         return out.reshape(T * A, F)  # [P, F]
 
     @_guarded

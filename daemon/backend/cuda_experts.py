@@ -24,7 +24,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import cuda
 
-from ..kernels.cuda import mmq
+from ..kernels.cuda import grouping
 from ..kernels.cuda.device import upload
 from ..kernels.quants import row_bytes
 from ..storage.experts import PROJECTIONS, ExpertBatch, ExpertLayout, ResidentExperts, expert_biases
@@ -64,7 +64,7 @@ class Segment:
     r0: int
     r1: int
     tiled: bool
-    groups: object = None  # mmq.Groups of the segment's pairs, made on first tiled use
+    groups: object = None  # grouping.Groups of the segment's pairs, made on first use
 
 
 @dataclass(eq=False)
@@ -197,8 +197,25 @@ def segments(step, T: int, tiled_rows) -> list[Segment]:
     return out
 
 
-def groups_of(plan: DevicePlan, seg: Segment, stream=0):
-    """The pairs of a tiled segment grouped by expert (once per plan: gate, up and down share it)."""
+# GEMV segments of at least this many rows read each expert once for runs of its pairs
+# (mmvq's grouped launch); below it, one block a pair and no grouping launch
+GROUPED_GEMV_ROWS = 4
+
+
+def groups_of(plan: DevicePlan, seg: Segment, stream=0, empty=None):
+    """The pairs of a segment grouped by expert (once per plan: gate, up and down share it).
+    empty(shape, dtype): the buffers' allocator (the backend's, which a graph capture keeps)."""
     if seg.groups is None:
-        seg.groups = mmq.group_by_expert(plan.ids[seg.r0:seg.r1], plan.n_expert, stream=stream)
+        buffers = None
+        if empty is not None:
+            buffers = grouping.Groups(empty((max(1, (seg.r1 - seg.r0) * plan.A),), np.int32),
+                                      empty((plan.n_expert + 1,), np.int32), plan.n_expert)
+        seg.groups = grouping.group_by_expert(plan.ids[seg.r0:seg.r1], plan.n_expert, buffers, stream)
     return seg.groups
+
+
+def gemv_groups(plan: DevicePlan, seg: Segment, stream=0, empty=None):
+    """A GEMV segment's groups, or None where it runs a block a pair (GROUPED_GEMV_ROWS)."""
+    if seg.r1 - seg.r0 < GROUPED_GEMV_ROWS:
+        return None
+    return groups_of(plan, seg, stream, empty)

@@ -10,8 +10,8 @@ The offsets are dotted with the exact integer sums of the activation quants (the
 q8_1 block sums s for the 32-value types, as llama.cpp's mmvq does; both round the same float
 product differently, well inside the tolerance against the float weights).
 
-Experts: `group_by_expert` lists, on the device, the (token, slot) pairs of each expert (in pair
-order, so results do not depend on timing), and one launch runs grid (row tiles, expert,
+Experts: `grouping.group_by_expert` lists, on the device, the (token, slot) pairs of each expert
+(in pair order, so results do not depend on timing), and one launch runs grid (row tiles, expert,
 token tiles) over them; empty tiles exit at once. No host sync between router and experts.
 The tensor-core launch takes 32-token tiles where an expert averages fewer than 48 pairs.
 Float weights (F32/F16/BF16) go through the GEMV kernels in tiles of 16 tokens instead.
@@ -22,8 +22,6 @@ row (a multiple of 32), BM/BN = tile rows/tokens, BK = 128 (a K step).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 from numba import cuda
 
@@ -33,7 +31,8 @@ from . import mmq_mma, mmvq
 from .launch import launch
 from .mmq_mma import Shape
 from .mmq_stage import BK, K_MULTIPLE, MMQ_TYPES, stagers
-from .ptx import SIMULATOR, dp4a, warp_barrier, warp_match
+from .grouping import Groups
+from .ptx import SIMULATOR, dp4a
 from .vecdot import FLOAT_ACT
 
 _G = BK // 16  # 16-value groups a K step
@@ -57,7 +56,7 @@ def _build(qtype: int, bm: int, bn: int, ids_mode: bool, has_bias: bool, host: b
                n_tok):
         # W uint8 [S, N, stride]; WH: the host tier [H, N, stride] (mmvq's module doc), read where
         # `host` and slot_of[e] = -2 - h; aq int8 [R, K]; ads float32 [R, K/32, 2]; ids int32 [T, A];
-        # slot_of int32 [E]; pairs int32 [P], starts int32 [E+1] (group_by_expert);
+        # slot_of int32 [E]; pairs int32 [P], starts int32 [E+1] (grouping.py);
         # bias float32 [E or 1, N]; out float32 [T, A, N].
         # grid: x = row tiles; dense: y = token tiles; experts: y = expert, z = token tiles.
         wq = cuda.shared.array((bm, _PAD), np.uint32)
@@ -124,108 +123,6 @@ def _build(qtype: int, bm: int, bn: int, ids_mode: bool, has_bias: bool, host: b
                         out[outt[tt], outa[tt], row] = v
 
     return kernel, nthreads, bm, bn
-
-
-_MAX_EXPERTS = 1024
-_GROUP_THREADS = 512  # 16 warps (at 122 registers a thread: 1024 would not fit an SM)
-_HIST_WORDS = 8192  # shared [warps walking pairs, E] counts (32 KB)
-_SIM_GROUP_THREADS = 64  # two warps (the simulator runs each thread in Python)
-
-
-@cuda.jit
-def _group_kernel(ids, n_pairs, n_expert, pairs, starts):
-    # ids int32 [P] (the [T, A] ids, flat) -> pairs int32 [P]: the pair indices grouped by
-    # expert, increasing within a group; starts int32 [E+1]. One block. Warp w < W walks
-    # segment w of the pairs 32 at a time: lanes of one expert find each other (match.any),
-    # the lowest adds their count to hist[w, e]; after a prefix over (e, w) in pair order, a
-    # second walk writes each pair at its warp's next place plus its rank among its lanes. So
-    # the order never depends on timing (no atomics). Ids outside 0..E-1 are left out.
-    hist = cuda.shared.array(_HIST_WORDS, np.int32)  # [W, E]
-    totals = cuda.shared.array(_MAX_EXPERTS, np.int32)  # [E]
-    part = cuda.shared.array(32, np.int32)  # experts' totals, summed per lane's range
-    tid = cuda.threadIdx.x
-    nthreads = cuda.blockDim.x
-    warp = tid // 32
-    lane = tid - 32 * warp
-    n_walk = min(nthreads // 32, _HIST_WORDS // n_expert)
-    seg = (n_pairs + n_walk - 1) // n_walk
-    seg = (seg + 31) // 32 * 32
-    below = (np.uint32(1) << np.uint32(lane)) - np.uint32(1)  # the lanes before this one
-    for i in range(tid, n_walk * n_expert, nthreads):
-        hist[i] = 0
-    cuda.syncthreads()
-    for second in range(2):
-        lo = warp * seg
-        for base in range(0, seg, 32):  # every warp the same trips: the barriers need all threads
-            p = lo + base + lane
-            e = np.int32(-1)
-            if warp < n_walk and p < n_pairs:
-                e = ids[p]
-                if e < 0 or e >= n_expert:
-                    e = np.int32(-1)
-            peers = warp_match(e)
-            at = warp * n_expert + e
-            if second and e >= 0:
-                pairs[hist[at] + cuda.popc(peers & below)] = p
-            warp_barrier()  # every lane has read hist[at] before its leader moves it
-            if e >= 0 and (peers & below) == 0:
-                hist[at] += cuda.popc(peers)
-            warp_barrier()
-        cuda.syncthreads()
-        if second:
-            break
-        for e in range(tid, n_expert, nthreads):  # where each warp's pairs of e start, relative to e
-            total = 0
-            for w in range(n_walk):
-                c = hist[w * n_expert + e]
-                hist[w * n_expert + e] = total
-                total += c
-            totals[e] = total
-        cuda.syncthreads()
-        span = (n_expert + 31) // 32  # the experts' exclusive prefix: 32 threads, a range each
-        if tid < 32:
-            total = 0
-            for e in range(tid * span, min(n_expert, tid * span + span)):
-                total += totals[e]
-            part[tid] = total
-        cuda.syncthreads()
-        if tid < 32:
-            total = 0
-            for i in range(tid):
-                total += part[i]
-            for e in range(tid * span, min(n_expert, tid * span + span)):
-                starts[e] = total
-                total += totals[e]
-            if tid == 31:
-                starts[n_expert] = total
-        cuda.syncthreads()
-        for i in range(tid, n_walk * n_expert, nthreads):  # absolute places
-            hist[i] += starts[i % n_expert]  # (written before the barrier: visible to the block)
-        cuda.syncthreads()
-
-
-class Groups(NamedTuple):
-    """The pairs of each expert (group_by_expert), shared by a layer's gate, up and down."""
-    pairs: object  # int32 [P]
-    starts: object  # int32 [E+1]
-    n_expert: int
-
-
-def group_by_expert(ids, n_expert: int, out: Groups | None = None, stream=0) -> Groups:
-    """Group the (token, slot) pairs of ids int32 [T, A] by expert, on the device. `out`:
-    buffers from an earlier call to reuse (pairs of at least T*A, starts of n_expert + 1)."""
-    t, a = ids.shape
-    if out is None:
-        out = Groups(cuda.device_array(max(t * a, 1), np.int32, stream=stream),
-                     cuda.device_array(n_expert + 1, np.int32, stream=stream), n_expert)
-    elif out.n_expert != n_expert or out.pairs.shape[0] < t * a:
-        raise ValueError(f"group buffers for {out.n_expert} experts and {out.pairs.shape[0]} "
-                         f"pairs cannot hold {n_expert} experts and {t * a} pairs")
-    if not 0 < n_expert <= _MAX_EXPERTS:
-        raise UnsupportedError(f"grouping supports up to {_MAX_EXPERTS} experts, got {n_expert}")
-    launch(_group_kernel, 1, _SIM_GROUP_THREADS if SIMULATOR else _GROUP_THREADS, stream,
-        ids.reshape(t * a), t * a, n_expert, out.pairs, out.starts)
-    return out
 
 
 # None: the tensor cores where the GPU has them (sm_80+; the simulator's twins always); a test or
@@ -296,7 +193,7 @@ def mul_mat_q(w, qtype: int, k: int, act, out=None, bias=None, *, stream=0):
 def mul_mat_q_ids(w, qtype: int, k: int, act, ids, slot_of, groups: Groups, out=None,
                   bias=None, act_per_pair=False, *, w_host=None, stream=0):
     """out[t, a, N] = act[row] . w[slot_of[ids[t, a]]]^T (+ bias[ids[t, a]]), tiled, for every
-    pair; row = t, or t*A + a with act_per_pair. groups = group_by_expert(ids, E). w_host: a
+    pair; row = t, or t*A + a with act_per_pair. groups = grouping.group_by_expert(ids, E). w_host: a
     host tier, for slots -2 - h (mmvq's module doc). Float weights run on mmvq.mul_mat_vec_ids."""
     if qtype in FLOAT_ACT:
         return mmvq.mul_mat_vec_ids(w, qtype, k, act, ids, slot_of, out, bias, act_per_pair,

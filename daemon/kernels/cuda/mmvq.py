@@ -9,7 +9,11 @@ columns each chunk is decoded once and dotted with all T activation rows.
 The expert variant (`mul_mat_vec_ids`) is one launch for every (token, selected expert) pair of
 a layer: grid.y runs over the T*A pairs and each block reads its expert id from `ids` on the
 device, then the expert's slot in the stack from `slot_of`, so the router's output feeds it with
-no host sync (and the launch can live in a CUDA graph). `mul_mat_vec_glu[_ids]` fuses gate, up,
+no host sync (and the launch can live in a CUDA graph). Given the pairs grouped by expert
+(grouping.py), a block takes a run of up to `Tuning.group_cols` pairs of one expert instead, its
+weights read once for all of them as the dense kernel's columns: a batch of 16 reads each shared
+expert once, not once a token. A pair's result is the same bits either way (each column keeps its
+own sums in the same order). `mul_mat_vec_glu[_ids]` fuses gate, up,
 optional biases and the GLU (SwiGLU, or gpt-oss's clamped swiglu_oai) in one pass over both
 weights; its output, quantized, feeds the down projection.
 
@@ -21,6 +25,7 @@ Shapes:
     act      Q8 (qs int8 [R, K], ds float32 [R, K/32, 2]) for quant weights (quantize.py), or
              float32 [R, K] for F32/F16/BF16 weights; R = T, or T*A for the down projection
     ids      int32   [T, A]   expert ids (the router's top-k)
+    pairs, starts  int32 [P], [E+1]: the pairs grouped by expert (grouping.py), P = T*A
     slot_of  int32   [E]      expert id -> slot in the stack (>= 0); with a host tier, -2 - h: row h
                               of the host stack; -1: not here (its outputs not written)
     w_host   uint8   [H, N, stride]: the host tier, pinned host memory mapped into the device's
@@ -72,7 +77,7 @@ _glu_dev = device(_glu)
 
 
 def _build(qtype: int, ncols: int, lpr: int, warps: int, ids_mode: bool, has_bias: bool,
-           glu: int, unroll: int, host: bool = False, min_blocks: int = 0):
+           glu: int, unroll: int, host: bool = False, min_blocks: int = 0, grouped: bool = False):
     """The kernel for one combination (closure constants are compile-time constants)."""
     load, dot = VECDOT[qtype]
     per_chunk = VALUES[qtype]
@@ -81,35 +86,59 @@ def _build(qtype: int, ncols: int, lpr: int, warps: int, ids_mode: bool, has_bia
     two = glu != GLU_NONE
     nc = ncols
 
-    def kernel(W, W2, WH, WH2, A0, A1, ids, slot_of, act_t, act_a, bias, bias2, out, n, k, stride,
-               n_tok, alpha, limit):
+    def kernel(W, W2, WH, WH2, A0, A1, ids, slot_of, pairs, starts, act_t, act_a, bias, bias2,
+               out, n, k, stride, n_tok, alpha, limit):
         # W, W2: uint8 [S, N, stride]; WH, WH2: the host tier [H, N, stride] (read when `host`
         # and slot_of says so; placeholders otherwise); A0, A1: activations (see module doc);
-        # ids int32 [T, A]; slot_of int32 [E]; bias, bias2 float32 [E or 1, N]; out float32 [T, A, N].
-        # grid: x = groups of rows_per_block rows; y = (token, expert) pair (ids), or the tile
-        # of nc tokens starting at y * nc (dense, n_tok tokens in all).
+        # ids int32 [T, A]; slot_of int32 [E]; pairs int32 [P], starts int32 [E+1] (grouped:
+        # grouping.py); bias, bias2 float32 [E or 1, N]; out float32 [T, A, N].
+        # grid: x = groups of rows_per_block rows; y = (token, expert) pair (ids), the run of up
+        # to nc pairs of one expert starting at pairs[y] (grouped: blocks inside a run exit), or
+        # the tile of nc tokens starting at y * nc (dense, n_tok tokens in all).
         tid = cuda.threadIdx.x
         row = cuda.blockIdx.x * rows_per_block + tid // lpr
         lane = tid % lpr
         a = 0
         e = 0
         slot = 0
-        if ids_mode:
+        # grouped: column j's token, its expert slot in top-k order and its activation row (the
+        # run's last pair repeated past its end)
+        col_t = cuda.local.array(nc, np.int32)
+        col_a = cuda.local.array(nc, np.int32)
+        col_row = cuda.local.array(nc, np.int32)
+        if grouped:
+            y = cuda.blockIdx.y
+            n_ids = ids.shape[1]
+            t = 0
+            arow = 0
+            ncl = 0
+            if y < starts[starts.shape[0] - 1]:
+                p = pairs[y]
+                e = ids[p // n_ids, p % n_ids]
+                if (y - starts[e]) % nc == 0:  # a run's first pair
+                    ncl = min(nc, starts[e + 1] - y)
+            for j in range(nc):
+                p = pairs[y + min(j, ncl - 1)] if ncl > 0 else 0
+                col_t[j] = p // n_ids
+                col_a[j] = p % n_ids
+                col_row[j] = col_t[j] * act_t + col_a[j] * act_a
+            slot = slot_of[e] if ncl > 0 else -1
+        elif ids_mode:
             p = cuda.blockIdx.y
             t = p // ids.shape[1]
             a = p - t * ids.shape[1]
             e = ids[t, a]
             slot = slot_of[e] if 0 <= e < slot_of.shape[0] else -1
-            if host and slot <= -2:  # a miss read in place from pinned host memory
-                slot = -2 - slot
-                W = WH
-                W2 = WH2
             arow = t * act_t + a * act_a
             ncl = 1
         else:
             t = cuda.blockIdx.y * nc
             arow = t
             ncl = min(nc, n_tok - t)
+        if host and slot <= -2:  # a miss read in place from pinned host memory
+            slot = -2 - slot
+            W = WH
+            W2 = WH2
         last = ncl - 1
         live = row < n and slot >= 0
         base = (slot * n + row) * stride
@@ -129,23 +158,25 @@ def _build(qtype: int, ncols: int, lpr: int, warps: int, ids_mode: bool, has_bia
                     w = load(W, base, nb, c)
                     wb = load(W, base, nb, c + lpr)
                     for j in range(nc):
-                        r = arow + min(j, last)
+                        r = col_row[j] if grouped else arow + min(j, last)
                         acc[j] += dot(w, A0, A1, r, k, c) + dot(wb, A0, A1, r, k, c + lpr)
                     if two:
                         w2 = load(W2, base, nb, c)
                         w2b = load(W2, base, nb, c + lpr)
                         for j in range(nc):
-                            r = arow + min(j, last)
+                            r = col_row[j] if grouped else arow + min(j, last)
                             acc2[j] += dot(w2, A0, A1, r, k, c) + dot(w2b, A0, A1, r, k, c + lpr)
                     c += 2 * lpr
             while c < nch:
                 w = load(W, base, nb, c)
                 for j in range(nc):
-                    acc[j] += dot(w, A0, A1, arow + min(j, last), k, c)
+                    r = col_row[j] if grouped else arow + min(j, last)
+                    acc[j] += dot(w, A0, A1, r, k, c)
                 if two:
                     w2 = load(W2, base, nb, c)
                     for j in range(nc):
-                        acc2[j] += dot(w2, A0, A1, arow + min(j, last), k, c)
+                        r = col_row[j] if grouped else arow + min(j, last)
+                        acc2[j] += dot(w2, A0, A1, r, k, c)
                 c += lpr
         for j in range(nc):  # every lane takes part in the shuffles
             acc[j] = warp_sum(acc[j], lpr)
@@ -162,11 +193,16 @@ def _build(qtype: int, ncols: int, lpr: int, warps: int, ids_mode: bool, has_bia
                         if has_bias:
                             u += bias2[e, row]
                         v = _glu_dev(v, u, glu, alpha, limit)
-                    if slot >= 0:  # an expert not held here is left to whoever holds it
+                    if slot < 0:  # an expert not held here is left to whoever holds it
+                        pass
+                    elif grouped:
+                        out[col_t[j], col_a[j], row] = v
+                    else:
                         out[t + j, a, row] = v
 
-    # named for profilers: mmvq_<type>_<ids|dense>[_glu]_c<cols>_l<lanes per row>
-    kernel.__name__ = kernel.__qualname__ = (f"mmvq_{type_name(qtype)}_{'ids' if ids_mode else 'dense'}"
+    # named for profilers: mmvq_<type>_<ids|grouped|dense>[_glu]_c<cols>_l<lanes per row>
+    mode = "grouped" if grouped else "ids" if ids_mode else "dense"
+    kernel.__name__ = kernel.__qualname__ = (f"mmvq_{type_name(qtype)}_{mode}"
                                              f"{'_glu' if two else ''}{'_host' if host else ''}_c{ncols}_l{lpr}")
     if SIMULATOR or not min_blocks:  # _prepare passes 0 for one column
         return cuda.jit(kernel)
@@ -245,18 +281,20 @@ class Tuning(NamedTuple):
     """Launch shape: lanes per output row (None: choose_lpr), warps per block, and how many
     chunks each lane has in flight (1 or 2). On the H100, 2 or 8 warps and unroll 1 measured no
     better than these defaults at the best lane count. min_blocks: the blocks an SM that a
-    multi-column kernel is compiled for (CUDA launch bounds; 0: ptxas's own target)."""
+    multi-column kernel is compiled for (CUDA launch bounds; 0: ptxas's own target).
+    group_cols: the columns of a grouped expert launch (pairs of one expert a block)."""
     lpr: int | None = None
     warps: int = 4
     unroll: int = 2
     min_blocks: int = 1
+    group_cols: int = 4
 
 
 DEFAULT = Tuning()
 
 
 def _prepare(w, w2, qtype, k, act, ids, slot_of, act_t, act_a, bias, bias2, out, ncols, grid_y,
-             n_tok, glu, alpha, limit, tuning, wh=None, wh2=None):
+             n_tok, glu, alpha, limit, tuning, wh=None, wh2=None, groups=None):
     """-> (kernel, grid, block, args): everything a launch needs, so that a backend can launch
     the compiled kernel itself (e.g. through cuda.core, or into a CUDA graph)."""
     a0, a1, _ = _check_act(act, qtype, k)
@@ -264,14 +302,16 @@ def _prepare(w, w2, qtype, k, act, ids, slot_of, act_t, act_a, bias, bias2, out,
     lpr = tuning.lpr or choose_lpr(k)
     warps = 1 if SIMULATOR else tuning.warps  # simulated threads are Python threads
     kern = _kernel(qtype, ncols, lpr, warps, ids is not None, bias is not None, glu,
-                   tuning.unroll, wh is not None, tuning.min_blocks if ncols > 1 else 0)
+                   tuning.unroll, wh is not None, tuning.min_blocks if ncols > 1 else 0,
+                   groups is not None)
     rows_per_block = warps * 32 // lpr
     grid = ((n + rows_per_block - 1) // rows_per_block, grid_y)
     if wh is None:
         wh = wh2 = _dummy("w")
     args = (w, w if w2 is None else w2, wh, wh if wh2 is None else wh2, a0, a1,
             _dummy("ids") if ids is None else ids, _dummy("slot") if slot_of is None else slot_of,
-            act_t, act_a,
+            _dummy("slot") if groups is None else groups.pairs,
+            _dummy("slot") if groups is None else groups.starts, act_t, act_a,
             _dummy("bias") if bias is None else bias, _dummy("bias") if bias2 is None else bias2,
             out, n, k, tuple(w.shape)[-1], n_tok, np.float32(alpha), np.float32(limit))
     return kern, grid, warps * 32, args
@@ -304,7 +344,7 @@ def _dense(w, w2, qtype, k, act, out, bias, bias2, glu, alpha, limit, tuning, st
 
 
 def _experts(w, w2, qtype, k, act, ids, slot_of, out, bias, bias2, act_per_pair, glu, alpha,
-             limit, tuning, stream, prepare_only=False, wh=None, wh2=None):
+             limit, tuning, stream, prepare_only=False, wh=None, wh2=None, groups=None):
     for stack in (w, w2, wh, wh2):
         if stack is not None:
             _check_weight(stack, qtype, k, stack=True)
@@ -321,9 +361,15 @@ def _experts(w, w2, qtype, k, act, ids, slot_of, out, bias, bias2, act_per_pair,
     if out is None:
         out = cuda.device_array((t, a, n), np.float32, stream=stream)
     act_t, act_a = (a, 1) if act_per_pair else (1, 0)
+    ncols = 1
+    if groups is not None:
+        if groups.n_expert != slot_of.shape[0] or groups.pairs.shape[0] < t * a:
+            raise ValueError(f"groups of {groups.n_expert} experts and {groups.pairs.shape[0]} pairs "
+                             f"do not fit {slot_of.shape[0]} experts and ids {ids.shape}")
+        ncols = min(t, tuning.group_cols)
     prep = _launch(w, w2, qtype, k, act, ids, slot_of, act_t, act_a, _bias(bias, n, True),
-                   _bias(bias2, n, True), out, 1, t * a, t, glu, alpha, limit, tuning, wh, wh2,
-                   stream=stream, prepare_only=prepare_only)
+                   _bias(bias2, n, True), out, ncols, t * a, t, glu, alpha, limit, tuning, wh, wh2,
+                   groups, stream=stream, prepare_only=prepare_only)
     return prep or out
 
 
@@ -348,21 +394,27 @@ def mul_mat_vec_glu(w_gate, w_up, qtype: int, k: int, act, glu: str = "swiglu", 
 
 
 def mul_mat_vec_ids(w, qtype: int, k: int, act, ids, slot_of, out=None, bias=None,
-                    act_per_pair=False, *, w_host=None, tuning=DEFAULT, stream=0, prepare_only=False):
+                    act_per_pair=False, *, w_host=None, groups=None, tuning=DEFAULT, stream=0,
+                    prepare_only=False):
     """out[t, a, N] = act[row] . w[slot_of[ids[t, a]]]^T (+ bias[ids[t, a]]) for every pair, in
     one launch. row = t (gate/up: the token's activation) or t*A + a with act_per_pair (down:
-    each pair's own GLU output). w_host: a host tier (module doc), for slots -2 - h."""
+    each pair's own GLU output). w_host: a host tier (module doc), for slots -2 - h.
+    groups (grouping.group_by_expert(ids, E)): each expert's weights read once for runs of up
+    to tuning.group_cols of its pairs (every pair's result the same bits either way)."""
     return _experts(w, None, qtype, k, act, ids, slot_of, out, bias, None, act_per_pair,
-                    GLU_NONE, 0.0, 0.0, tuning, stream, prepare_only, w_host, None)
+                    GLU_NONE, 0.0, 0.0, tuning, stream, prepare_only, w_host, None, groups)
 
 
 def mul_mat_vec_glu_ids(w_gate, w_up, qtype: int, k: int, act, ids, slot_of, glu="swiglu",
                         bias_gate=None, bias_up=None, *, alpha=1.702, limit=7.0, out=None,
-                        host_gate=None, host_up=None, tuning=DEFAULT, stream=0, prepare_only=False):
+                        host_gate=None, host_up=None, groups=None, tuning=DEFAULT, stream=0,
+                        prepare_only=False):
     """out[t, a, F] = glu(gate_e . act[t] (+ bias), up_e . act[t] (+ bias)) with e = ids[t, a],
-    for all pairs in one launch (see mul_mat_vec_glu for glu). host_gate, host_up: a host tier."""
+    for all pairs in one launch (see mul_mat_vec_glu for glu). host_gate, host_up: a host tier.
+    groups: as for mul_mat_vec_ids."""
     return _experts(w_gate, w_up, qtype, k, act, ids, slot_of, out, bias_gate, bias_up, False,
-                    _glu_kind(glu), alpha, limit, tuning, stream, prepare_only, host_gate, host_up)
+                    _glu_kind(glu), alpha, limit, tuning, stream, prepare_only, host_gate, host_up,
+                    groups)
 
 
 def _glu_kind(glu: str) -> int:

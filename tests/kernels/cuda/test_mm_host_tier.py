@@ -15,7 +15,7 @@ import pytest
 from numba import cuda
 
 from daemon.kernels import quants as Q
-from daemon.kernels.cuda import mmq, mmvq
+from daemon.kernels.cuda import grouping, mmq, mmvq
 from daemon.kernels.cuda.layout import repack
 from tests.kernels.cuda import refs
 from tests.kernels.cuda.test_mm_mmvq import _act, _k
@@ -109,7 +109,7 @@ def test_tiled_prefill_reads_misses_in_place_with_the_bits_of_a_slot(qt):
     act, _ = _act(qt, x)
     resident, slots, host = _tiers(raw, qt)
     ids = cuda.to_device(ids_h)
-    groups = mmq.group_by_expert(ids, E)
+    groups = grouping.group_by_expert(ids, E)
     want = mmq.mul_mat_q_ids(resident, qt, k, act, ids, cuda.to_device(RESIDENT), groups).copy_to_host()
     got = mmq.mul_mat_q_ids(slots, qt, k, act, ids, cuda.to_device(SPLIT), groups, w_host=host,
                             out=_out(T, A, raw.shape[1])).copy_to_host()
@@ -130,4 +130,4 @@ def test_a_host_tier_must_match_the_weights():
     with pytest.raises(ValueError, match="host tier"):  # gate's host stack without up's
         mmvq.mul_mat_vec_glu_ids(slots, slots, qt, k, act, ids, slot_of, host_gate=host)
     with pytest.raises(ValueError):
-        mmq.mul_mat_q_ids(slots, qt, k, act, ids, slot_of, mmq.group_by_expert(ids, E), w_host=other_rows)
+        mmq.mul_mat_q_ids(slots, qt, k, act, ids, slot_of, grouping.group_by_expert(ids, E), w_host=other_rows)

@@ -10,7 +10,7 @@ from numba import cuda
 
 from daemon.errors import UnsupportedError
 from daemon.kernels import quants as Q
-from daemon.kernels.cuda import mmq
+from daemon.kernels.cuda import grouping, mmq
 from daemon.kernels.cuda.layout import repack
 from daemon.kernels.cuda.ptx import SIMULATOR
 from tests.kernels.cuda import refs
@@ -81,7 +81,7 @@ def test_group_by_expert_lists_pairs_in_order(tokens):
     rng = np.random.default_rng(120)
     ids = np.stack([rng.choice(7, 3, replace=False) for _ in range(tokens)]).astype(np.int32)
     ids[: tokens // 2, 0] = 3  # runs of one expert: a step's lanes ranked among each other
-    g = mmq.group_by_expert(cuda.to_device(ids), 8)  # expert 7 is never chosen
+    g = grouping.group_by_expert(cuda.to_device(ids), 8)  # expert 7 is never chosen
     flat = ids.reshape(-1)
     order = np.argsort(flat, kind="stable")
     np.testing.assert_array_equal(g.pairs.copy_to_host(), order)
@@ -105,7 +105,7 @@ def test_experts_grouped_tiles(qt, path):
     bias = rng.standard_normal((e, n)).astype(np.float32)
     act, ref_act = _act(qt, x)
     d_ids = cuda.to_device(ids)
-    groups = mmq.group_by_expert(d_ids, e)
+    groups = grouping.group_by_expert(d_ids, e)
     got = mmq.mul_mat_q_ids(cuda.to_device(repack(raw, qt)), qt, k, act, d_ids,
                             cuda.to_device(slot_of), groups, bias=cuda.to_device(bias),
                             act_per_pair=per_pair).copy_to_host()
@@ -129,7 +129,7 @@ def test_experts_not_loaded_give_nan(path):
     d_ids = cuda.to_device(ids)
     out = cuda.to_device(np.full((2, 2, 4), 7.0, np.float32))  # pairs of expert 1 must stay as they were
     got = mmq.mul_mat_q_ids(cuda.to_device(repack(raw, qt)), qt, k, act, d_ids, cuda.to_device(slot_of),
-                            mmq.group_by_expert(d_ids, 2), out=out).copy_to_host()
+                            grouping.group_by_expert(d_ids, 2), out=out).copy_to_host()
     assert np.isfinite(got[0, 0]).all() and np.isfinite(got[1, 1]).all() and (got[0, 0] != 7.0).any()
     assert (got[0, 1] == 7.0).all() and (got[1, 0] == 7.0).all()
 

@@ -8,7 +8,7 @@ import pytest
 from numba import cuda
 
 from daemon.kernels import quants as Q
-from daemon.kernels.cuda import mmvq
+from daemon.kernels.cuda import grouping, mmvq
 from daemon.kernels.cuda.layout import repack
 from daemon.kernels.cuda.mmvq import Q8
 from daemon.kernels.cuda.quantize import quantize_q8_1
@@ -146,6 +146,59 @@ def test_experts_not_held_are_not_written():
     got = mmvq.mul_mat_vec_ids(cuda.to_device(repack(raw, qt)), qt, k, act, cuda.to_device(ids),
                                cuda.to_device(slot_of), out=out).copy_to_host()
     assert np.all(np.isfinite(got[0, 0])) and (got[0, 0] != 7.0).any() and np.all(got[0, 1] == 7.0)
+
+
+# every token chooses expert 0 (runs of 4 and 3 at 4 columns), 3 and 2 are shared, 1 and 4 are
+# not held (slot -1, their pairs left as they were)
+_SHARED_IDS = np.array([[0, 3], [2, 0], [0, 1], [3, 0], [0, 2], [4, 0], [0, 3]], np.int32)
+
+
+@pytest.mark.parametrize("qt,proj,cols", [(qt, proj, 4) for qt in (Q.Q8_0, Q.Q4_K, Q.MXFP4, Q.F16)
+                                           for proj in ("glu", "per_token", "per_pair")]
+                         + [(Q.Q8_0, "glu", 2), (Q.Q4_K, "per_pair", 16)],
+                         ids=lambda v: refs.NAMES.get(v, str(v)) if isinstance(v, int) else v)
+def test_grouped_experts_give_each_pair_its_own_bits(qt, proj, cols):
+    """Batch invariance: read once for a run of its pairs, an expert gives every pair the bits
+    of the one-pair launch; experts not held stay unwritten."""
+    rng = np.random.default_rng(100 + qt)
+    k, raw, slot_of = _experts(qt, rng)
+    ids = _SHARED_IDS
+    T, A = ids.shape
+    x = rng.standard_normal((T * A if proj == "per_pair" else T, k)).astype(np.float32)
+    act, _ = _act(qt, x)
+    d_ids, d_slots = cuda.to_device(ids), cuda.to_device(slot_of)
+    w = cuda.to_device(repack(raw, qt))
+    groups = grouping.group_by_expert(d_ids, len(slot_of))
+    tuning = mmvq.Tuning(group_cols=cols)
+    outs = []
+    for g in (None, groups):
+        out = cuda.to_device(np.full((T, A, raw.shape[1]), 7.0, np.float32))
+        if proj == "glu":
+            up = cuda.to_device(repack(refs.weights(qt, raw.shape[:2], k, np.random.default_rng(1)), qt))
+            mmvq.mul_mat_vec_glu_ids(w, up, qt, k, act, d_ids, d_slots, "swiglu_oai", out=out,
+                                     groups=g, tuning=tuning)
+        else:
+            mmvq.mul_mat_vec_ids(w, qt, k, act, d_ids, d_slots, out=out, groups=g,
+                                 act_per_pair=proj == "per_pair", tuning=tuning)
+        outs.append(out.copy_to_host())
+    alone, grouped = outs
+    np.testing.assert_array_equal(grouped.view(np.uint32), alone.view(np.uint32))
+    held = slot_of[ids] >= 0
+    assert np.all(grouped[~held] == 7.0) and np.all(grouped[held] != 7.0)
+
+
+def test_grouped_experts_check_their_groups():
+    qt = Q.Q8_0
+    k, raw, slot_of = _experts(qt, np.random.default_rng(0))
+    ids = cuda.to_device(_SHARED_IDS)
+    act, _ = _act(qt, np.zeros((_SHARED_IDS.shape[0], k), np.float32))
+    w, slots = cuda.to_device(repack(raw, qt)), cuda.to_device(slot_of)
+    kern = mmvq.mul_mat_vec_ids(w, qt, k, act, ids, slots, prepare_only=True,
+                                groups=grouping.group_by_expert(ids, len(slot_of)))[0]
+    assert "_grouped_" in kern.__name__ and "_c4_" in kern.__name__  # the grouped kernel runs
+    groups = grouping.group_by_expert(ids[:2], len(slot_of))  # buffers for 4 pairs, not 14
+    with pytest.raises(ValueError, match="do not fit"):
+        mmvq.mul_mat_vec_ids(w, qt, k, act, ids, slots, groups=groups)
 
 
 def _silu(g):
