@@ -107,22 +107,27 @@ def _build(qtype: int, ncols: int, lpr: int, warps: int, ids_mode: bool, has_bia
         col_a = cuda.local.array(nc, np.int32)
         col_row = cuda.local.array(nc, np.int32)
         if grouped:
+            # three rounds of loads (pairs, then the first pair's expert, then its run and slot),
+            # each round's loads independent of each other
             y = cuda.blockIdx.y
             n_ids = ids.shape[1]
+            n_pairs = ids.shape[0] * n_ids
+            run = cuda.local.array(nc, np.int32)  # the pairs from pairs[y] on
+            for j in range(nc):
+                run[j] = pairs[min(y + j, n_pairs - 1)]
+            filled = starts[starts.shape[0] - 1]
+            p = run[0]
             t = 0
             arow = 0
-            ncl = 0
-            if y < starts[starts.shape[0] - 1]:
-                p = pairs[y]
-                e = ids[p // n_ids, p % n_ids]
-                if (y - starts[e]) % nc == 0:  # a run's first pair
-                    ncl = min(nc, starts[e + 1] - y)
+            e = ids[p // n_ids, p % n_ids] if y < filled else 0
+            first = starts[e]
+            ncl = min(nc, starts[e + 1] - y) if y < filled and (y - first) % nc == 0 else 0
+            slot = slot_of[e] if ncl > 0 else -1
             for j in range(nc):
-                p = pairs[y + min(j, ncl - 1)] if ncl > 0 else 0
+                p = run[min(j, max(ncl, 1) - 1)]
                 col_t[j] = p // n_ids
                 col_a[j] = p % n_ids
                 col_row[j] = col_t[j] * act_t + col_a[j] * act_a
-            slot = slot_of[e] if ncl > 0 else -1
         elif ids_mode:
             p = cuda.blockIdx.y
             t = p // ids.shape[1]
