@@ -102,10 +102,12 @@ def cases(only: set[str]):
 
         for qt in (Q.Q8_0, Q.MXFP4, Q.Q4_K, Q.F16):
             acts = (f32(2), f32(2)) if qt in FLOAT_ACT else (arr(np.int8, 2), f32(3))
-            sig = (arr(np.uint8, 3),) * 4 + acts + (i32(2), i32(1), I64, I64, f32(2), f32(2), f32(3), I64, I64, I64,
-                                                    I64, F32, F32)
-            for cols, ids, glu in ((1, False, 0), (16, False, 0), (1, True, mmvq.GLU_SWIGLU)):
-                kern = mmvq._build(qt, cols, 16, 4, ids, False, glu, 2)
+            sig = (arr(np.uint8, 3),) * 4 + acts + (i32(2), i32(1), i32(1), i32(1), I64, I64, f32(2), f32(2), f32(3),
+                                                    I64, I64, I64, I64, F32, F32)
+            for cols, ids, glu, grouped in ((1, False, 0, False), (16, False, 0, False), (1, True, mmvq.GLU_SWIGLU, False),
+                                            (2, True, mmvq.GLU_SWIGLU, True), (4, True, mmvq.GLU_SWIGLU, True),
+                                            (4, True, 0, True)):
+                kern = mmvq._build(qt, cols, 16, 4, ids, False, glu, 2, grouped=grouped)
                 yield kern.__name__, kern.py_func, sig
     if not only or "mmq" in only:  # the prefill's tiled matmuls
         from daemon.kernels.cuda import mmq, mmq_mma

@@ -124,7 +124,11 @@ def _build(qtype: int, ncols: int, lpr: int, warps: int, ids_mode: bool, has_bia
             ncl = min(nc, starts[e + 1] - y) if y < filled and (y - first) % nc == 0 else 0
             slot = slot_of[e] if ncl > 0 else -1
             for j in range(nc):
-                p = run[min(j, max(ncl, 1) - 1)]
+                at = min(j, max(ncl, 1) - 1)
+                p = run[0]
+                for i in range(1, nc):  # constant indices only: run stays in registers
+                    if i == at:
+                        p = run[i]
                 col_t[j] = p // n_ids
                 col_a[j] = p % n_ids
                 col_row[j] = col_t[j] * act_t + col_a[j] * act_a
@@ -292,7 +296,7 @@ class Tuning(NamedTuple):
     warps: int = 4
     unroll: int = 2
     min_blocks: int = 1
-    group_cols: int = 4
+    group_cols: int = 2
 
 
 DEFAULT = Tuning()
