@@ -589,9 +589,8 @@ class CUDABackend:
                                   act_per_pair=not per_token, w_host=host, stream=self.stream)
             else:
                 mmvq.mul_mat_vec_ids(stack, ggml_type, k, a, ids, plan.slot_of, out=o, bias=bias,
-                                     act_per_pair=not per_token, w_host=host,
-                                     groups=cx.gemv_groups(plan, seg, self.stream, self._empty),
-                                     stream=self.stream)
+                                     act_per_pair=not per_token, w_host=host, stream=self.stream,
+                                     **cx.gemv_launch(plan, seg, ggml_type, False, self.stream, self._empty))
         return out.reshape(T * A, n)  # [P, N]
 
     @_guarded
@@ -637,8 +636,8 @@ class CUDABackend:
                 mmvq.mul_mat_vec_glu_ids(gate, up, qt, K, acts.get(qt, r0, r1), ids, plan.slot_of,
                                          glu="swiglu_oai" if kind == "oai" else "swiglu", bias_gate=batch.gate_bias,
                                          bias_up=batch.up_bias, alpha=alpha, limit=limit, out=o, host_gate=host_gate,
-                                         host_up=host_up, groups=cx.gemv_groups(plan, seg, self.stream, self._empty),
-                                         stream=self.stream)
+                                         host_up=host_up, stream=self.stream,
+                                         **cx.gemv_launch(plan, seg, qt, True, self.stream, self._empty))
         return out.reshape(T * A, F)  # [P, F]
 
     @_guarded

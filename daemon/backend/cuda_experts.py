@@ -24,7 +24,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import cuda
 
-from ..kernels.cuda import grouping
+from ..kernels.cuda import grouping, mmvq
 from ..kernels.cuda.device import upload
 from ..kernels.quants import row_bytes
 from ..storage.experts import PROJECTIONS, ExpertBatch, ExpertLayout, ResidentExperts, expert_biases
@@ -197,9 +197,9 @@ def segments(step, T: int, tiled_rows) -> list[Segment]:
     return out
 
 
-# GEMV segments of at least this many rows read each expert once for runs of its pairs
-# (mmvq's grouped launch); below it, one block a pair and no grouping launch
-GROUPED_GEMV_ROWS = 4
+# GEMV segments of at least this many rows read each expert once for runs of its pairs, for the
+# types and projections where that measured faster (mmvq.expert_tuning); else one block a pair
+GROUPED_GEMV_ROWS = 8
 
 
 def groups_of(plan: DevicePlan, seg: Segment, stream=0, empty=None):
@@ -214,8 +214,11 @@ def groups_of(plan: DevicePlan, seg: Segment, stream=0, empty=None):
     return seg.groups
 
 
-def gemv_groups(plan: DevicePlan, seg: Segment, stream=0, empty=None):
-    """A GEMV segment's groups, or None where it runs a block a pair (GROUPED_GEMV_ROWS)."""
-    if seg.r1 - seg.r0 < GROUPED_GEMV_ROWS:
-        return None
-    return groups_of(plan, seg, stream, empty)
+def gemv_launch(plan: DevicePlan, seg: Segment, qtype: int, glu: bool, stream=0, empty=None) -> dict:
+    """The expert GEMV's shape for a segment: groups and the grouped tuning where it reads
+    each expert once for runs of its pairs (GROUPED_GEMV_ROWS, mmvq.expert_tuning), else a
+    block a pair."""
+    grouped = mmvq.expert_tuning(qtype, glu, True) if seg.r1 - seg.r0 >= GROUPED_GEMV_ROWS else None
+    if grouped is None:
+        return {"tuning": mmvq.expert_tuning(qtype, glu, False)}
+    return {"groups": groups_of(plan, seg, stream, empty), "tuning": grouped}

@@ -43,6 +43,7 @@ import numpy as np
 from numba import cuda
 
 from ...errors import UnsupportedError
+from .. import quants as Q
 from ..quants import block_size, type_name
 from .layout import GPU_TYPES, repacked_stride
 from .ptx import SIMULATOR, device, warp_sum
@@ -300,6 +301,26 @@ class Tuning(NamedTuple):
 
 
 DEFAULT = Tuning()
+
+# The expert launches' shapes, by (type, fused gate+up), for a block a pair and for the grouped
+# launch where that measured faster at 16 tokens on the H200 (gpu_matmul.py --grouped;
+# docs/benchmarks.md, issue 30, twelfth step): MXFP4 gate+up 181.8 against 227.9 us and down
+# 117.6 against 130.7 (gpt-oss-20b's layer), Q8_0 gate+up 81.7 against 103.1 (qwen3-30b-a3b's);
+# Q8_0's down, Q4_K and 4 columns measured slower. A pair's sums follow `unroll`, so a type's
+# expert launches share it (MXFP4: 1) and a pair gives the same bits grouped or not.
+_EXPERT_UNROLL = {Q.MXFP4: 1}
+_GROUPED = {(Q.MXFP4, True): (4, 2), (Q.MXFP4, False): (4, 2), (Q.Q8_0, True): (0, 2)}  # min_blocks, cols
+
+
+def expert_tuning(qtype: int, glu: bool, grouped: bool) -> Tuning | None:
+    """The expert launch's Tuning; None for a grouped launch where grouping does not pay."""
+    unroll = _EXPERT_UNROLL.get(qtype, DEFAULT.unroll)
+    if not grouped:
+        return Tuning(unroll=unroll)
+    shape = _GROUPED.get((qtype, glu))
+    if shape is None:
+        return None
+    return Tuning(unroll=unroll, min_blocks=shape[0], group_cols=shape[1])
 
 
 def _prepare(w, w2, qtype, k, act, ids, slot_of, act_t, act_a, bias, bias2, out, ncols, grid_y,

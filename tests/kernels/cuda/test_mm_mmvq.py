@@ -187,6 +187,32 @@ def test_grouped_experts_give_each_pair_its_own_bits(qt, proj, cols):
     assert np.all(grouped[~held] == 7.0) and np.all(grouped[held] != 7.0)
 
 
+@pytest.mark.parametrize("qt,glu", [(Q.MXFP4, True), (Q.MXFP4, False), (Q.Q8_0, True)],
+                         ids=["MXFP4-glu", "MXFP4-down", "Q8_0-glu"])
+def test_the_backends_grouped_shapes_keep_each_pairs_bits(qt, glu):
+    """expert_tuning's grouped launch against its launch a block a pair, as the backend makes
+    them (their unroll the same, so their sums' order)."""
+    rng = np.random.default_rng(110 + qt)
+    k, raw, slot_of = _experts(qt, rng)
+    ids = _SHARED_IDS
+    T, A = ids.shape
+    x = rng.standard_normal((T if glu else T * A, k)).astype(np.float32)
+    act, _ = _act(qt, x)
+    d_ids, d_slots = cuda.to_device(ids), cuda.to_device(slot_of)
+    w = cuda.to_device(repack(raw, qt))
+    outs = []
+    for grouped in (False, True):
+        kw = dict(tuning=mmvq.expert_tuning(qt, glu, grouped))
+        if grouped:
+            kw["groups"] = grouping.group_by_expert(d_ids, len(slot_of))
+        if glu:
+            outs.append(mmvq.mul_mat_vec_glu_ids(w, w, qt, k, act, d_ids, d_slots, "swiglu_oai", **kw).copy_to_host())
+        else:
+            outs.append(mmvq.mul_mat_vec_ids(w, qt, k, act, d_ids, d_slots, act_per_pair=True, **kw).copy_to_host())
+    held = slot_of[ids] >= 0
+    np.testing.assert_array_equal(outs[1][held].view(np.uint32), outs[0][held].view(np.uint32))
+
+
 def test_grouped_experts_check_their_groups():
     qt = Q.Q8_0
     k, raw, slot_of = _experts(qt, np.random.default_rng(0))
