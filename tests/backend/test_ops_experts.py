@@ -125,13 +125,15 @@ def test_experts_and_mix(backend, gate_type, down_type, counts):
     assert R.rel_err(got, ex.reference(x, ids, weights, glu)) < 2 * tol  # two products in a row
 
 
-@pytest.mark.parametrize("gate_type,down_type", [(Q.Q4_K, Q.Q6_K), (Q.Q8_0, Q.Q8_0)], ids=["Q4_K-Q6_K", "Q8_0"])
+@pytest.mark.parametrize("gate_type,down_type", [(Q.Q4_K, Q.Q6_K), (Q.Q8_0, Q.Q8_0), (Q.MXFP4, Q.MXFP4)],
+                         ids=["Q4_K-Q6_K", "Q8_0", "MXFP4"])
 def test_experts_compute_each_sequence_as_alone(backend, gate_type, down_type):
-    """Batched prefill (rows 9, 2, 8) and a decode step: every sequence's rows bit-identical to a
-    step holding that sequence alone (K-quant experts change kernels at 8 rows per expert)."""
+    """Batched prefill (rows 9, 2, 8) and decode steps of 3 and 9 sequences: every sequence's
+    rows bit-identical to a step holding that sequence alone (K-quant experts change kernels at 8
+    rows per expert; on a GPU, a segment of 8+ rows reads an expert once for two of its pairs)."""
     rng = np.random.default_rng(3)
     ex = _Experts(gate_type, down_type, rng, biases=False)
-    for counts in ((9, 2, 8), (1, 1, 1)):
+    for counts in ((9, 2, 8), (1, 1, 1), (1,) * 9):
         T = sum(counts)
         x = rng.standard_normal((T, D)).astype(np.float32)
         ids = np.tile(np.arange(A), (T, 1))  # every row on the same experts: most rows per expert
