@@ -443,7 +443,7 @@ def main() -> int:
             for key, kern in mmvq._KERNELS.items():
                 if key[4]:
                     print(f"{kern.__name__} min_blocks={key[9]} unroll={key[7]}: "
-                          f"{kern.get_regs_per_thread()} registers", flush=True)
+                          f"{sorted(set(kern.get_regs_per_thread().values()))} registers", flush=True)
         return 0
     if args.bounds:
         for qt in main_types[:1] if args.smoke else [Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.F16]:
