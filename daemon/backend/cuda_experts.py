@@ -202,19 +202,17 @@ def segments(step, T: int, tiled_rows) -> list[Segment]:
 GROUPED_GEMV_ROWS = 8
 
 
-def groups_of(plan: DevicePlan, seg: Segment, stream=0, empty=None):
+def groups_of(plan: DevicePlan, seg: Segment, stream, empty):
     """The pairs of a segment grouped by expert (once per plan: gate, up and down share it).
     empty(shape, dtype): the buffers' allocator (the backend's, which a graph capture keeps)."""
     if seg.groups is None:
-        buffers = None
-        if empty is not None:
-            buffers = grouping.Groups(empty((max(1, (seg.r1 - seg.r0) * plan.A),), np.int32),
-                                      empty((plan.n_expert + 1,), np.int32), plan.n_expert)
+        buffers = grouping.Groups(empty((max(1, (seg.r1 - seg.r0) * plan.A),), np.int32),
+                                  empty((plan.n_expert + 1,), np.int32), plan.n_expert)
         seg.groups = grouping.group_by_expert(plan.ids[seg.r0:seg.r1], plan.n_expert, buffers, stream)
     return seg.groups
 
 
-def gemv_launch(plan: DevicePlan, seg: Segment, qtype: int, glu: bool, stream=0, empty=None) -> dict:
+def gemv_launch(plan: DevicePlan, seg: Segment, qtype: int, glu: bool, stream, empty) -> dict:
     """The expert GEMV's shape for a segment: groups and the grouped tuning where it reads
     each expert once for runs of its pairs (GROUPED_GEMV_ROWS, mmvq.expert_tuning), else a
     block a pair."""
