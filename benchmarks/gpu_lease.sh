@@ -5,10 +5,11 @@
 #   here (with the registries):  bash benchmarks/gpu_lease.sh pack OLD_COMMIT
 #       .device/ gets ../shared/device's bootstrap and wheels, old.tgz (OLD_COMMIT's daemon/ and
 #       benchmarks/) and lcp.tgz (llama-cpp-python's vendored llama.cpp, LLAMA_CPP_PYTHON version).
-#   device call 1:  eval "$(bash .device/bootstrap.sh)"; bash benchmarks/gpu_lease.sh prepare;
+#   device call 1:  eval "$(bash .device/bootstrap.sh)"; bash benchmarks/gpu_lease.sh prepare [q8 oss];
 #                   MOED_COMMIT=<sha> bash benchmarks/gpu_tests.sh all -k "not smollm2 and not demo"
 #       prepare starts, in sessions of their own (they outlive the call, not the machine), the
-#       synth files (/tmp/oss.gguf, /tmp/q8.gguf) and the llama.cpp build (/tmp/lcp/build/bin).
+#       synth files (/tmp/oss.gguf, /tmp/q8.gguf; in the order given) and the llama.cpp build
+#       (/tmp/lcp/build/bin).
 #   device call 2, 3 (at once after the last, while the machine is warm):
 #                   eval "$(bash .device/bootstrap.sh)"; bash benchmarks/gpu_lease.sh ab /tmp/q8.gguf q8
 #       gpu_decode.py at this checkout ("new") and at old.tgz ("old"), then llama-bench -fa 0,1 and
@@ -39,8 +40,14 @@ case ${1:-} in
     rm -rf "$tmp"
     ls -la $dev/old.tgz $dev/lcp.tgz ;;
   prepare)
-    setsid bash -c 'python3 -m daemon.cli synth /tmp/oss.gguf --like gpt-oss-20b > /tmp/synth-oss.log 2>&1
-      python3 -m daemon.cli synth /tmp/q8.gguf --like qwen3-30b-a3b --type Q8_0 > /tmp/synth-q8.log 2>&1
+    # the files in the order asked (default oss q8); each TAG.done marks one, synth.done them all
+    setsid bash -c 'for tag in '"${2:-oss q8}"'; do
+        case $tag in
+          oss) python3 -m daemon.cli synth /tmp/oss.gguf --like gpt-oss-20b > /tmp/synth-oss.log 2>&1 ;;
+          q8) python3 -m daemon.cli synth /tmp/q8.gguf --like qwen3-30b-a3b --type Q8_0 > /tmp/synth-q8.log 2>&1 ;;
+        esac
+        touch /tmp/$tag.done
+      done
       touch /tmp/synth.done' < /dev/null > /dev/null 2>&1 &
     if [ -f $dev/lcp.tgz ]; then
       # niced: the tests beside it compile kernels on the same cores
@@ -58,7 +65,7 @@ case ${1:-} in
     model=${2:?usage: $0 ab MODEL TAG [versions]}
     tag=${3:?usage: $0 ab MODEL TAG [versions]}
     versions=${4:-new old}
-    wait_for /tmp/synth.done 400 || exit 1
+    wait_for /tmp/$tag.done 540 || exit 1
     [ -d /tmp/old/daemon ] || { mkdir -p /tmp/old && tar xzf $dev/old.tgz -C /tmp/old; }
     for v in $versions; do
       if [ "$v" = old ]; then d=/tmp/old; else d=$PWD; fi
@@ -80,5 +87,5 @@ print({k: round(v, 2) for k, v in d.items() if k.endswith(('_tps', '_ms'))})" "$
     else
       tail -n 3 /tmp/lcp-build.log 2>/dev/null
     fi ;;
-  *) echo "usage: $0 pack OLD_COMMIT | prepare | ab MODEL TAG [versions]" >&2; exit 2 ;;
+  *) echo "usage: $0 pack OLD_COMMIT | prepare [oss q8] | ab MODEL TAG [versions]" >&2; exit 2 ;;
 esac

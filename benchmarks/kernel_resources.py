@@ -131,8 +131,10 @@ def cases(only: set[str]):
         yield ("router product tiles (no routing), F32", router._make_fused(Q.F32, 16, router._warps(512),
                                                                               router._TILED_EXPERTS, False).py_func, sig)
     if not only or "norm" in only:
-        yield ("residual add + RMSNorm", norm._add_rms_norm.py_func,
-               (f32(2), f32(2), f32(1), BOOL, f32(1), F32, f32(2), f32(2)))
+        sig = (f32(2), f32(2), f32(1), BOOL, f32(1), F32, f32(2), f32(2), arr(np.int8, 2), f32(3))
+        for add, quant in ((False, False), (False, True), (True, False), (True, True)):
+            yield (f"RMSNorm{' + residual add' if add else ''}{' + q8_1' if quant else ''}",
+                   norm._make(add, quant).py_func, sig)
 
 
 def ptxas_report(ptx: str, arch: str, order: bool = False) -> dict:

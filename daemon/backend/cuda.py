@@ -115,13 +115,14 @@ def _op_arrays():
 
 class Activations:
     """x [T, K] (device f32) with its q8_1 blocks made on first use, shared by every quantized
-    weight that reads x (q, k and v; gate and up)."""
+    weight that reads x (q, k and v; gate and up). A norm's output comes with its blocks (the
+    norm kernels write them: `_with_q8_1`)."""
 
     __slots__ = ("x", "_q8", "_stream", "_empty")
 
     def __init__(self, x, stream=0, empty=None):
         self.x = x
-        self._q8 = None
+        self._q8 = getattr(x, "q8_1", None)
         self._stream = stream
         self._empty = empty
 
@@ -140,6 +141,15 @@ class Activations:
                                                                self._empty((R, K // QK8_1, 2), _F32))
             self._q8 = Q8(*quantize_q8_1(self.x, qs, ds, stream=self._stream))
         return self._q8 if whole else Q8(self._q8.qs[r0:r1], self._q8.ds[r0:r1])
+
+
+def _with_q8_1(out, q8):
+    """out, carrying its q8_1 blocks q8 (None: none) for the Activations made from it. They hang
+    on the array object, not its memory: a view or another array over the same buffer has none,
+    and nothing writes a norm's output in place."""
+    if q8 is not None:
+        out.q8_1 = q8
+    return out
 
 
 class CUDABackend:
@@ -700,12 +710,20 @@ class CUDABackend:
 
     # -- elementwise and attention -------------------------------------------------------------
 
+    def _norm_q8_1(self, x):
+        """Room for a row norm's q8_1 blocks (x [T, D] with D a multiple of 32), else None."""
+        if x.ndim != 2 or x.shape[1] % QK8_1:
+            return None
+        T, D = x.shape
+        return Q8(self._empty((T, D), np.int8), self._empty((T, D // QK8_1, 2), _F32))
+
     @_guarded
     def rms_norm(self, x, weight, eps):
         x = self._dev(x)
         out = self._empty(x.shape, _F32)
-        norm.rms_norm(x, self._dev(weight), eps, out, stream=self.stream)
-        return out
+        q8 = self._norm_q8_1(x)
+        norm.rms_norm(x, self._dev(weight), eps, out, q8=q8, stream=self.stream)
+        return _with_q8_1(out, q8)
 
     @_guarded
     def rms_norm_heads(self, x, weight, eps):
@@ -938,8 +956,9 @@ class CUDABackend:
         x = self._dev(x)
         x_out = self._empty(x.shape, _F32)  # [T, D]
         out = self._empty(x.shape, _F32)
-        norm.add_rms_norm(x, self._dev(delta), self._dev(weight), eps, out, x_out=x_out, stream=self.stream)
-        return x_out, out
+        q8 = self._norm_q8_1(x)
+        norm.add_rms_norm(x, self._dev(delta), self._dev(weight), eps, out, x_out=x_out, q8=q8, stream=self.stream)
+        return x_out, _with_q8_1(out, q8)
 
     @_guarded
     def take_rows(self, x, rows):

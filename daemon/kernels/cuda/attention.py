@@ -64,7 +64,7 @@ MAX_PAIRS = 32  # (query row, head) pairs of one KV head per block: G * rows per
 MAX_QD = 4096  # pairs * Dh queries held in shared memory (>= MAX_PAIRS * CHUNK: reused for reductions)
 _SCORES = MAX_PAIRS * CHUNK  # shared [pairs, CHUNK] scores (a plain global: shared sizes must be constants)
 _WARP_PARTS = MAX_PAIRS * (CHUNK // 32)  # shared [warps, pairs]: each warp's max, then sum
-_V_UNROLL = 8  # value loads a thread has in flight, in rounds after the softmax
+_V_LOADS = 32  # value words a thread may have in flight after the softmax (more in one array spills)
 _V_HOIST = 32  # cells of values a thread may load with its keys (module doc)
 _FEW_BLOCKS = 256  # a grid below this spreads a KV head's query heads over blocks
 _NEG_INF = np.float32(-np.inf)
@@ -111,12 +111,16 @@ def _make_partial(G: int, HB: int, RT: int, DH: int, FUSE: bool, DV: int):
     PER_GRP = (CHUNK + N_GRP - 1) // N_GRP
     # A one-row tile of one or two heads (decode's small grids) loads its values with its keys,
     # before the softmax: its group's cells are then one round trip to memory, not PER_GRP /
-    # _V_UNROLL of them one after another. The sums' order is the same either way, so the bits
+    # VU (below) of them one after another. The sums' order is the same either way, so the bits
     # are. Measured in graph-replayed decode steps on the H200 (docs/benchmarks.md, issue 30,
     # eleventh step): gpt-oss (32 cells a group, 2 heads) 10.2 us a layer against 12.1; qwen3's
     # 64 cells (two register arrays) 17.8 against 16.1, and 8 heads at 16 rows slower for both.
     HOIST = RT == 1 and HB <= 2 and PER_GRP <= _V_HOIST
     VH = PER_GRP if HOIST else 4  # 4: a placeholder, unused
+    # Otherwise the values are loaded in rounds after the softmax, VU words a round: a block of
+    # few pairs (decode's one-row tiles) has the registers for more of them in flight, so fewer
+    # rounds one after another. The order of the sums does not change with VU.
+    VU = min(PER_GRP, max(8, _V_LOADS // NP))
 
     @cuda.jit(device=True, inline=True)
     def load_keys(k_cache, base, kw):
@@ -293,15 +297,15 @@ def _make_partial(G: int, HB: int, RT: int, DH: int, FUSE: bool, DV: int):
                 g1 = min(b, g_start + PER_GRP - 1)
                 if grp >= N_GRP:
                     g1 = -1
-                words = cuda.local.array(_V_UNROLL, np.uint32)
+                words = cuda.local.array(VU, np.uint32)
                 jj = g0
                 while jj <= g1:
-                    for u in range(_V_UNROLL):  # loads in flight together
+                    for u in range(VU):  # loads in flight together
                         if jj + u <= g1:
                             jc = j0 + jj + u
                             jb = jc // KV_BLOCK
                             words[u] = ldg_u32(v_cache, 2 * (jb * v_block + v_head + (jc - jb * KV_BLOCK) * DV + 2 * dp))
-                    for u in range(_V_UNROLL):
+                    for u in range(VU):
                         if jj + u <= g1:
                             lo_v = f16_to_f32(words[u] & 0xFFFF)
                             hi_v = f16_to_f32(words[u] >> 16)
@@ -309,7 +313,7 @@ def _make_partial(G: int, HB: int, RT: int, DH: int, FUSE: bool, DV: int):
                                 pw = s_sh[i * CHUNK + jj + u]
                                 o[2 * i] += pw * lo_v
                                 o[2 * i + 1] += pw * hi_v
-                    jj += _V_UNROLL
+                    jj += VU
             o_sh = q_sh  # [NP, DV]; the queries are no longer read
             for g in range(N_GRP):
                 if grp == g:
@@ -358,26 +362,46 @@ def _partial_kernel(G: int, HB: int, RT: int, DH: int, fuse: bool, DV: int):
     return kern
 
 
+_COMBINE_LOADS = 8  # chunks whose partials a combining thread loads together
+
+
 @cuda.jit(device=True, inline=True)
 def _combine_one(part_m, part_l, part_o, r, h, d, p, window, sinks, has_sinks, out):
-    """out[r, h, d] from the chunks of row r (at position p) in ascending order."""
+    """out[r, h, d] from the chunks of row r (at position p) in ascending order. The partials of
+    _COMBINE_LOADS chunks are loaded together (indices clamped to the last chunk, so no load
+    waits behind a branch): two round trips to memory for a row of up to that many chunks, not
+    three a chunk one after another. The sums run over the chunks in the same order either way."""
     c0 = _visible(p, window) // CHUNK
     c1 = p // CHUNK
-    m = _NEG_INF
-    for c in range(c0, c1 + 1):
-        m = max(m, part_m[r, h, c])
-    if has_sinks:
-        m = max(m, sinks[h])
+    m = sinks[h] if has_sinks else _NEG_INF
+    ms = cuda.local.array(_COMBINE_LOADS, np.float32)
+    ls = cuda.local.array(_COMBINE_LOADS, np.float32)
+    os = cuda.local.array(_COMBINE_LOADS, np.float32)
+    c = c0
+    while c <= c1:
+        for u in range(_COMBINE_LOADS):
+            ms[u] = part_m[r, h, min(c + u, c1)]
+        for u in range(_COMBINE_LOADS):
+            m = max(m, ms[u])  # max is exact and a clamped repeat changes none
+        c += _COMBINE_LOADS
     total = np.float32(0.0)
-    for c in range(c0, c1 + 1):
-        total += part_l[r, h, c] * math.exp(part_m[r, h, c] - m)
+    acc = np.float32(0.0)
+    c = c0
+    while c <= c1:
+        for u in range(_COMBINE_LOADS):
+            cu = min(c + u, c1)
+            ms[u] = part_m[r, h, cu]
+            ls[u] = part_l[r, h, cu]
+            os[u] = part_o[r, h, cu, d]
+        for u in range(_COMBINE_LOADS):
+            if c + u <= c1:
+                e = math.exp(ms[u] - m)
+                total += ls[u] * e
+                acc += os[u] * e
+        c += _COMBINE_LOADS
     if has_sinks:
         total += math.exp(sinks[h] - m)
-    inv = np.float32(1.0) / total
-    acc = np.float32(0.0)
-    for c in range(c0, c1 + 1):
-        acc += part_o[r, h, c, d] * math.exp(part_m[r, h, c] - m)
-    out[r, h, d] = acc * inv
+    out[r, h, d] = acc * (np.float32(1.0) / total)
 
 
 @cuda.jit

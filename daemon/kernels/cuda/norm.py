@@ -1,12 +1,22 @@
-"""RMSNorm on the device, over rows or per head, optionally fused with the residual add.
+"""RMSNorm on the device, over rows or per head, optionally fused with the residual add and with
+the q8_1 quantization of its output.
 
 Legend: R = rows normalised (tokens, or tokens x heads for the per-head q/k norm), N = values per
 row (D, or Dh per head), T = tokens, H = heads, D = hidden size.
 
 As ops.rms_norm: scale = 1/sqrt(mean(x^2) + eps), y = (x*scale)*w. One block per row, each thread
-holding up to 8 of its values (loaded together); the sum of squares is a fixed-order tree of warp
-butterflies in float32 (the CPU sums in float64; the
-relative difference is ~1e-7 and does not vary between runs).
+holding up to 8 of its values (element tid + u * threads); the sum of squares is a fixed-order
+tree of warp butterflies in float32 (the CPU sums in float64; the relative difference is ~1e-7 and
+does not vary between runs).
+
+Every load of a row is issued before any use or store, at an index clamped into the row, so no
+load sits behind a branch: a branch around a load made the thread wait for it there, and the
+residual add's eight loads a thread then ran one after another (4.7 us a launch on the H200
+against 2.4 for the plain norm; docs/benchmarks.md, issue 30, thirteenth step).
+
+With q8_1 blocks asked for, the norm also quantizes y as quantize.py does (the same device
+function, so the same bits): a warp's 32 lanes hold one q8_1 block of y for each u, since the
+threads are a multiple of 32 and so is N.
 """
 
 from __future__ import annotations
@@ -16,55 +26,82 @@ import math
 import numpy as np
 from numba import cuda
 
-from .device import block_sum
+from .device import block_sum, placeholder
 from .launch import launch
+from .ptx import warp_max, warp_sum
+from .quantize import QK8_1, q8_1_quant, store_q8_1
 
 _MAX_THREADS = 1024
 _HELD = 8  # values of a row each thread holds (loaded together): rows up to 8192 values
 
 
-@cuda.jit(device=True, inline=True)
-def _normalise_held(xs, w, eps, out, buf):
-    """xs: this thread's values of one row (element tid + u*threads is xs[u]); out: the row f32 [N]
-    -> (x*scale)*w."""
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    N = out.shape[0]
-    acc = np.float32(0.0)
-    for u in range(_HELD):
-        if tid + u * nt < N:
-            acc += xs[u] * xs[u]
-    ws = cuda.local.array(_HELD, np.float32)  # loaded before any store: out may alias w for all numba knows
-    for u in range(_HELD):
-        i = tid + u * nt
-        ws[u] = w[i] if i < N else np.float32(0.0)
-    total = block_sum(acc, buf, tid, nt)
-    scale = np.float32(1.0) / math.sqrt(total / np.float32(N) + eps)
-    for u in range(_HELD):
-        i = tid + u * nt
-        if i < N:
-            out[i] = (xs[u] * scale) * ws[u]
+def _make(add: bool, quant: bool):
+    """The row kernel: out = rms_norm(x (+ delta + bias)) * w, with x_out = x + delta (+ bias)
+    when `add`, and out's q8_1 blocks when `quant`."""
+
+    @cuda.jit
+    def row_norm(x, delta, bias, has_bias, w, eps, x_out, out, qs, ds):
+        """x, delta, x_out, out: f32 [R, N] (x_out and out may be x); bias, w: f32 [N]; qs: int8
+        [R, N] and ds: f32 [R, N/32, 2] (read only when quant). Grid R blocks."""
+        buf = cuda.shared.array(32, np.float32)
+        r = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        N = w.shape[0]
+        xs = cuda.local.array(_HELD, np.float32)
+        ws = cuda.local.array(_HELD, np.float32)
+        for u in range(_HELD):  # clamped: every load issued before any is used (module doc)
+            i = min(tid + u * nt, N - 1)
+            xs[u] = x[r, i]
+            ws[u] = w[i]
+        if add:
+            dv = cuda.local.array(_HELD, np.float32)
+            for u in range(_HELD):
+                dv[u] = delta[r, min(tid + u * nt, N - 1)]
+            if has_bias:
+                for u in range(_HELD):
+                    dv[u] += bias[min(tid + u * nt, N - 1)]
+            for u in range(_HELD):
+                xs[u] += dv[u]
+                i = tid + u * nt
+                if i < N:
+                    x_out[r, i] = xs[u]
+        acc = np.float32(0.0)
+        for u in range(_HELD):
+            if tid + u * nt < N:
+                acc += xs[u] * xs[u]
+        total = block_sum(acc, buf, tid, nt)
+        scale = np.float32(1.0) / math.sqrt(total / np.float32(N) + eps)
+        for u in range(_HELD):
+            i = tid + u * nt
+            xs[u] = (xs[u] * scale) * ws[u] if i < N else np.float32(0.0)  # y
+            if i < N:
+                out[r, i] = xs[u]
+        if quant:
+            # each step over all u before the next, without branches, so the 8 blocks' shuffles
+            # interleave; every lane reaches them (a warp's lanes are all valid or none)
+            amax = cuda.local.array(_HELD, np.float32)
+            for u in range(_HELD):
+                amax[u] = warp_max(abs(xs[u]), 32)
+            for u in range(_HELD):
+                ws[u] = q8_1_quant(xs[u], amax[u], tid + u * nt < N)  # the quants
+            sums = cuda.local.array(_HELD, np.float32)  # of each block's quants
+            for u in range(_HELD):
+                sums[u] = warp_sum(ws[u], 32)
+            for u in range(_HELD):
+                store_q8_1(ws[u], amax[u], sums[u], tid + u * nt < N, qs, ds, r, tid + u * nt)
+
+    return row_norm
 
 
-@cuda.jit(device=True, inline=True)
-def _normalise_row(x, w, eps, out, buf):
-    """x, out: one row f32 [N]."""
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    N = x.shape[0]
-    xs = cuda.local.array(_HELD, np.float32)
-    for u in range(_HELD):
-        i = tid + u * nt
-        xs[u] = x[i] if i < N else np.float32(0.0)
-    _normalise_held(xs, w, eps, out, buf)
+_KERNELS = {}
 
 
-@cuda.jit
-def _rms_norm(x, w, eps, out):
-    """x, out: f32 [T, N]; w: f32 [N]. Grid T blocks."""
-    buf = cuda.shared.array(32, np.float32)
-    t = cuda.blockIdx.x
-    _normalise_row(x[t], w, eps, out[t], buf)
+def _kernel(add: bool, quant: bool):
+    kern = _KERNELS.get((add, quant))
+    if kern is None:
+        kern = _KERNELS[add, quant] = _make(add, quant)
+    return kern
 
 
 @cuda.jit
@@ -73,33 +110,25 @@ def _rms_norm_heads(x, w, eps, out):
     buf = cuda.shared.array(32, np.float32)
     h = cuda.blockIdx.x
     t = cuda.blockIdx.y
-    _normalise_row(x[t, h], w, eps, out[t, h], buf)
-
-
-@cuda.jit
-def _add_rms_norm(x, delta, bias, has_bias, w, eps, x_out, out):
-    """x_out = x + delta (+ bias), then out = rms_norm(x_out) * w. x, delta, x_out, out: f32
-    [R, N] (x_out may be x); bias, w: [N]."""
-    buf = cuda.shared.array(32, np.float32)
-    r = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
-    N = x.shape[1]
+    N = w.shape[0]
     xs = cuda.local.array(_HELD, np.float32)
-    for u in range(_HELD):  # every load before the first store, so they are in flight together
-        i = tid + u * nt
-        v = np.float32(0.0)
-        if i < N:
-            d = delta[r, i]
-            if has_bias:
-                d += bias[i]
-            v = x[r, i] + d
-        xs[u] = v
+    ws = cuda.local.array(_HELD, np.float32)
+    for u in range(_HELD):
+        i = min(tid + u * nt, N - 1)
+        xs[u] = x[t, h, i]
+        ws[u] = w[i]
+    acc = np.float32(0.0)
+    for u in range(_HELD):
+        if tid + u * nt < N:
+            acc += xs[u] * xs[u]
+    total = block_sum(acc, buf, tid, nt)
+    scale = np.float32(1.0) / math.sqrt(total / np.float32(N) + eps)
     for u in range(_HELD):
         i = tid + u * nt
         if i < N:
-            x_out[r, i] = xs[u]
-    _normalise_held(xs, w, eps, out[r], buf)
+            out[t, h, i] = (xs[u] * scale) * ws[u]
 
 
 def _threads(n: int) -> int:
@@ -112,33 +141,49 @@ def _threads(n: int) -> int:
     return t
 
 
-def rms_norm(x, weight, eps: float, out, stream=0) -> None:
+def _q8_args(q8, T: int, N: int, what: str):
+    """(qs, ds, quant) for a launch: q8 = (qs int8 [T, N], ds f32 [T, N/32, 2]) or None."""
+    if q8 is None:
+        return placeholder(np.int8, 2), placeholder(np.float32, 3), False
+    qs, ds = q8
+    if N % QK8_1 or qs.shape != (T, N) or ds.shape != (T, N // QK8_1, 2):
+        raise ValueError(f"{what}: q8_1 blocks qs {qs.shape}, ds {ds.shape} for rows [{T}, {N}]")
+    return qs, ds, True
+
+
+def rms_norm(x, weight, eps: float, out, q8=None, stream=0) -> None:
     """out = rms_norm(x) * weight over the last axis of length N = weight.shape[0].
 
     x, out: device f32 [T, D] with weight [D], or [T, H, Dh] with weight [Dh] (q/k norm per head);
-    out may be x."""
+    out may be x. q8: (qs int8 [T, D], ds f32 [T, D/32, 2]) to take out's q8_1 blocks too (rows
+    only), the bits of quantize_q8_1(out)."""
     N = weight.shape[0]
     if x.ndim not in (2, 3) or x.shape[x.ndim - 1] != N or out.shape != x.shape:
         raise ValueError(f"rms_norm: x {x.shape}, out {out.shape}, weight {weight.shape}")
+    if x.ndim == 3 and q8 is not None:
+        raise ValueError("rms_norm: q8_1 blocks are made for rows [T, D] only")
     if x.size == 0:
         return
     if x.ndim == 2:
-        launch(_rms_norm, x.shape[0], _threads(N), stream, x, weight, np.float32(eps), out)
+        qs, ds, quant = _q8_args(q8, x.shape[0], N, "rms_norm")
+        launch(_kernel(False, quant), x.shape[0], _threads(N), stream, x, x, weight, False, weight,
+               np.float32(eps), x, out, qs, ds)
     else:
         launch(_rms_norm_heads, (x.shape[1], x.shape[0]), _threads(N), stream, x, weight, np.float32(eps), out)
 
 
-def add_rms_norm(x, delta, weight, eps: float, out, bias=None, x_out=None, stream=0) -> None:
+def add_rms_norm(x, delta, weight, eps: float, out, bias=None, x_out=None, q8=None, stream=0) -> None:
     """The residual add and the next norm in one launch: x_out = x + delta (+ bias), out =
     rms_norm(x_out) * weight.
 
     x, delta, out, x_out: device f32 [T, D] (x_out None: x, updated in place); weight, bias: [D]
-    (bias: e.g. the attention output's bias, added before the residual as the CPU path does)."""
+    (bias: e.g. the attention output's bias, added before the residual as the CPU path does);
+    q8: out's q8_1 blocks too, as for rms_norm."""
     T, D = x.shape
     x_out = x if x_out is None else x_out
     if delta.shape != x.shape or out.shape != x.shape or x_out.shape != x.shape or weight.shape != (D,):
         raise ValueError(f"add_rms_norm: x {x.shape}, delta {delta.shape}, out {out.shape}, weight {weight.shape}")
+    qs, ds, quant = _q8_args(q8, T, D, "add_rms_norm")
     if T:
-        launch(_add_rms_norm, T, _threads(D), stream, x, delta, weight if bias is None else bias, bias is not None,
-                                               weight, np.float32(eps), x_out, out)
-
+        launch(_kernel(True, quant), T, _threads(D), stream, x, delta, weight if bias is None else bias,
+               bias is not None, weight, np.float32(eps), x_out, out, qs, ds)

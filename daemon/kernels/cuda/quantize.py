@@ -33,6 +33,32 @@ QK8_1 = 32
 _THREADS = 256  # 8 q8_1 blocks per thread block
 
 
+@cuda.jit(device=True, inline=True)
+def q8_1_quant(v, amax, valid):
+    """The quant of v in a block whose max |x| is amax (0 for an invalid lane or amax 0): round
+    half away from zero, as selects (no branch), so a thread's several blocks interleave."""
+    ok = valid and amax != np.float32(0.0)
+    y = v / (amax / np.float32(127.0)) if ok else np.float32(0.0)
+    q = np.float32(int(y))  # toward zero
+    frac = y - q  # exact: |y| <= 127
+    return q + (np.float32(1.0) if frac >= np.float32(0.5) else
+                (np.float32(-1.0) if frac <= np.float32(-0.5) else np.float32(0.0)))
+
+
+@cuda.jit(device=True, inline=True)
+def store_q8_1(q, amax, total, valid, qs, ds, r, c):
+    """Lane c % 32 of the warp holding one q8_1 block of row r: its quant q into qs[r, c] and,
+    from the block's first lane, (d, s) into ds[r, c // 32]; amax and total (the sum of the
+    block's quants) are the warp's reductions. An invalid lane stores nothing."""
+    if valid:
+        qs[r, c] = np.int8(q)
+        if c % QK8_1 == 0:
+            d = amax / np.float32(127.0)
+            b = c // QK8_1
+            ds[r, b, 0] = round_f16(d)
+            ds[r, b, 1] = round_f16(d * total)
+
+
 @cuda.jit
 def _quantize_q8_1(x, qs, ds, n):
     # x: float32 [R, K] -> qs: int8 [R, K], ds: float32 [R, K/32, 2]; one thread per value,
@@ -44,23 +70,9 @@ def _quantize_q8_1(x, qs, ds, n):
     c = i - r * k if valid else 0
     v = x[r, c] if valid else np.float32(0.0)
     amax = warp_max(abs(v), 32)
-    d = amax / np.float32(127.0)
-    q = np.float32(0.0)
-    if valid and amax != np.float32(0.0):
-        y = v / d
-        q = np.float32(int(y))  # toward zero
-        frac = y - q  # exact: |y| <= 127
-        if frac >= np.float32(0.5):
-            q += np.float32(1.0)
-        elif frac <= np.float32(-0.5):
-            q -= np.float32(1.0)
+    q = q8_1_quant(v, amax, valid)
     total = warp_sum(q, 32)  # of the quants: exact in float32 (|total| <= 32 * 127)
-    if valid:
-        qs[r, c] = np.int8(q)
-        if c % QK8_1 == 0:
-            b = c // QK8_1
-            ds[r, b, 0] = round_f16(d)
-            ds[r, b, 1] = round_f16(d * total)
+    store_q8_1(q, amax, total, valid, qs, ds, r, c)
 
 
 def quantize_q8_1(x, qs=None, ds=None, stream=0):
