@@ -155,6 +155,10 @@ class GraphCache:
     def __len__(self) -> int:
         return len(self._graphs)
 
+    def keys(self) -> set:
+        """The keys of the graphs held."""
+        return set(self._graphs)
+
     @property
     def nbytes(self) -> int:
         """VRAM held by the graphs' own arrays (activations and scratch of their steps)."""

@@ -194,14 +194,17 @@ async def test_a_first_burst_compiles_and_captures_nothing_the_load_did_not(warm
     await _run(s, Generate(1, model, tokens=[5, 6, 7], max_tokens=2, options=GREEDY))  # loads and warms
     backend = s.registry.find(model).engine.model.backend
     kernels, captures, dropped = dict(launch.COUNTS), backend.graphs.captures, dict(backend.graphs.dropped)
+    warm_keys = backend.graphs.keys()
     for n in (3, 7, 12, 16):
         reqs = [Generate(100 * n + i, model, tokens=[(11 * i + n) % 400 + 1] * (2 + i % 5), max_tokens=5,
                          options=GREEDY) for i in range(n)]
         await asyncio.gather(*(_run(s, r) for r in reqs))
     assert launch.COUNTS == kernels
-    # dropped graphs name their cause (the KV pool made again, evicted, ...): once seen under
-    # pytest-xdist on the H200 (19 captures against 16), never alone
-    assert (backend.graphs.captures, dict(backend.graphs.dropped)) == (captures, dropped)
+    # dropped graphs name their cause (the KV pool made again, evicted, ...), new keys their step:
+    # seen under pytest-xdist on the H200 (19 captures against 16; 17 against 15 with no graph
+    # dropped, so steps the warm-up had not captured), never alone
+    assert (backend.graphs.captures, dict(backend.graphs.dropped), backend.graphs.keys() - warm_keys) == (
+        captures, dropped, set())
 
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
