@@ -104,33 +104,6 @@ def _kernel(add: bool, quant: bool):
     return kern
 
 
-@cuda.jit
-def _rms_norm_heads(x, w, eps, out):
-    """x, out: f32 [T, H, Dh]; w: f32 [Dh]. Grid (H, T) blocks."""
-    buf = cuda.shared.array(32, np.float32)
-    h = cuda.blockIdx.x
-    t = cuda.blockIdx.y
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    N = w.shape[0]
-    xs = cuda.local.array(_HELD, np.float32)
-    ws = cuda.local.array(_HELD, np.float32)
-    for u in range(_HELD):
-        i = min(tid + u * nt, N - 1)
-        xs[u] = x[t, h, i]
-        ws[u] = w[i]
-    acc = np.float32(0.0)
-    for u in range(_HELD):
-        if tid + u * nt < N:
-            acc += xs[u] * xs[u]
-    total = block_sum(acc, buf, tid, nt)
-    scale = np.float32(1.0) / math.sqrt(total / np.float32(N) + eps)
-    for u in range(_HELD):
-        i = tid + u * nt
-        if i < N:
-            out[t, h, i] = (xs[u] * scale) * ws[u]
-
-
 def _threads(n: int) -> int:
     """A power of two in 32..1024 holding n values at _HELD per thread."""
     t = 32
@@ -154,8 +127,8 @@ def _q8_args(q8, T: int, N: int, what: str):
 def rms_norm(x, weight, eps: float, out, q8=None, stream=0) -> None:
     """out = rms_norm(x) * weight over the last axis of length N = weight.shape[0].
 
-    x, out: device f32 [T, D] with weight [D], or [T, H, Dh] with weight [Dh] (q/k norm per head);
-    out may be x. q8: (qs int8 [T, D], ds f32 [T, D/32, 2]) to take out's q8_1 blocks too (rows
+    x, out: device f32 [T, D] with weight [D], or C-contiguous [T, H, Dh] with weight [Dh] (q/k norm
+    per head); out may be x. q8: (qs int8 [T, D], ds f32 [T, D/32, 2]) to take out's q8_1 blocks too (rows
     only), the bits of quantize_q8_1(out)."""
     N = weight.shape[0]
     if x.ndim not in (2, 3) or x.shape[x.ndim - 1] != N or out.shape != x.shape:
@@ -164,12 +137,12 @@ def rms_norm(x, weight, eps: float, out, q8=None, stream=0) -> None:
         raise ValueError("rms_norm: q8_1 blocks are made for rows [T, D] only")
     if x.size == 0:
         return
-    if x.ndim == 2:
-        qs, ds, quant = _q8_args(q8, x.shape[0], N, "rms_norm")
-        launch(_kernel(False, quant), x.shape[0], _threads(N), stream, x, x, weight, False, weight,
-               np.float32(eps), x, out, qs, ds)
-    else:
-        launch(_rms_norm_heads, (x.shape[1], x.shape[0]), _threads(N), stream, x, weight, np.float32(eps), out)
+    rows = x.size // N
+    if x.ndim == 3:  # each (token, head) a row of Dh
+        x, out = x.reshape(rows, N), out.reshape(rows, N)
+    qs, ds, quant = _q8_args(q8, rows, N, "rms_norm")
+    launch(_kernel(False, quant), rows, _threads(N), stream, x, x, weight, False, weight, np.float32(eps), x, out,
+           qs, ds)
 
 
 def add_rms_norm(x, delta, weight, eps: float, out, bias=None, x_out=None, q8=None, stream=0) -> None:
