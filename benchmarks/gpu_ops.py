@@ -122,11 +122,14 @@ def cases(quick: bool, dims: dict = QWEN3):
     wh = cuda.to_device(np.ones(Dh, np.float32))
     for T in batches + (prefill,):
         x, dx, h = _dev(rng, (T, D)), _dev(rng, (T, D)), cuda.device_array((T, D), np.float32)
-        out.append(("rms_norm", f"T={T} D={D}", lambda x=x, h=h: norm.rms_norm(x, w, 1e-6, h), 8 * T * D))
-        out.append(("add_rms_norm", f"T={T} D={D}", lambda x=x, dx=dx, h=h: norm.add_rms_norm(x, dx, w, 1e-6, h),
+        out.append(("rms_norm", f"T={T} D={D}", lambda x=x, h=h, w=w: norm.rms_norm(x, w, 1e-6, h), 8 * T * D))
+        out.append(("add_rms_norm", f"T={T} D={D}", lambda x=x, dx=dx, h=h, w=w: norm.add_rms_norm(x, dx, w, 1e-6, h),
                     16 * T * D))
+        q8 = (cuda.device_array((T, D), np.int8), cuda.device_array((T, D // 32, 2), np.float32))
+        out.append(("add_rms_norm q8_1", f"T={T} D={D}",
+                    lambda x=x, dx=dx, h=h, q8=q8, w=w: norm.add_rms_norm(x, dx, w, 1e-6, h, q8=q8), 18 * T * D))
         q, k = _dev(rng, (T, H, Dh)), _dev(rng, (T, Hkv, Dh))
-        out.append(("rms_norm heads", f"T={T} H={H} Dh={Dh}", lambda q=q: norm.rms_norm(q, wh, 1e-6, q), 8 * q.size))
+        out.append(("rms_norm heads", f"T={T} H={H} Dh={Dh}", lambda q=q, wh=wh: norm.rms_norm(q, wh, 1e-6, q), 8 * q.size))
         pos = cuda.to_device(np.arange(cells, cells + T, dtype=np.int32))
         cache = cuda.device_array((T, Dh // 2, 2), np.float32)
         out.append(("rope_cache yarn", f"T={T} P={Dh // 2}",
@@ -143,7 +146,7 @@ def cases(quick: bool, dims: dict = QWEN3):
         kc = cuda.to_device(rng.standard_normal((nb, S, Hk, attn.KV_BLOCK, dh)).astype(np.float16))
         vc = cuda.to_device(rng.standard_normal((nb, S, Hk, attn.KV_BLOCK, dh)).astype(np.float16))
         sk = _dev(rng, Hq) if sinks else None
-        work = attn.AttentionWork(prefill, Hq, C, dh)
+        work = attn.AttentionWork(max(prefill, *batches), Hq, C, dh)
         for B, is_prefill in [(b, False) for b in batches] + [(prefill, True)]:
             if is_prefill:
                 rows_label = f"prefill T={B} after {cells // 2}"
