@@ -9,10 +9,10 @@ holding up to 8 of its values (element tid + u * threads); the sum of squares is
 tree of warp butterflies in float32 (the CPU sums in float64; the relative difference is ~1e-7 and
 does not vary between runs).
 
-Every load of a row is issued before any use or store, at an index clamped into the row, so no
-load sits behind a branch: a branch around a load made the thread wait for it there, and the
-residual add's eight loads a thread then ran one after another (4.7 us a launch on the H200
-against 2.4 for the plain norm; docs/benchmarks.md, issue 30, thirteenth step).
+Every load of a row is issued before any use or store, at an index clamped into the row (no load
+behind a branch). That did not make the residual add's form faster: on the H200 it takes 4.7 us
+for a one-row step's 2,048 values against 2.5 for the plain norm, for a reason not yet found
+(docs/benchmarks.md, issue 30, thirteenth step).
 
 With q8_1 blocks asked for, the norm also quantizes y as quantize.py does (the same device
 function, so the same bits): a warp's 32 lanes hold one q8_1 block of y for each u, since the
