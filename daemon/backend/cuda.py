@@ -136,11 +136,14 @@ class Activations:
         if ggml_type in FLOAT_ACT:
             return self.x if whole else self.x[r0:r1]
         if self._q8 is None:
-            R, K = self.x.shape
-            qs, ds = (None, None) if self._empty is None else (self._empty((R, K), np.int8),
-                                                               self._empty((R, K // QK8_1, 2), _F32))
+            qs, ds = (None, None) if self._empty is None else _q8_room(self._empty, *self.x.shape)
             self._q8 = Q8(*quantize_q8_1(self.x, qs, ds, stream=self._stream))
         return self._q8 if whole else Q8(self._q8.qs[r0:r1], self._q8.ds[r0:r1])
+
+
+def _q8_room(empty, rows: int, k: int) -> Q8:
+    """Uninitialised q8_1 blocks for rows of k values (k a multiple of 32), from `empty`."""
+    return Q8(empty((rows, k), np.int8), empty((rows, k // QK8_1, 2), _F32))
 
 
 def _with_q8_1(out, q8):
@@ -714,8 +717,7 @@ class CUDABackend:
         """Room for a row norm's q8_1 blocks (x [T, D] with D a multiple of 32), else None."""
         if x.ndim != 2 or x.shape[1] % QK8_1:
             return None
-        T, D = x.shape
-        return Q8(self._empty((T, D), np.int8), self._empty((T, D // QK8_1, 2), _F32))
+        return _q8_room(self._empty, *x.shape)
 
     @_guarded
     def rms_norm(self, x, weight, eps):

@@ -368,9 +368,8 @@ _COMBINE_LOADS = 8  # chunks whose partials a combining thread loads together
 @cuda.jit(device=True, inline=True)
 def _combine_one(part_m, part_l, part_o, r, h, d, p, window, sinks, has_sinks, out):
     """out[r, h, d] from the chunks of row r (at position p) in ascending order. The partials of
-    _COMBINE_LOADS chunks are loaded together (indices clamped to the last chunk, so no load
-    waits behind a branch): two round trips to memory for a row of up to that many chunks, not
-    three a chunk one after another. The sums run over the chunks in the same order either way."""
+    _COMBINE_LOADS chunks are loaded together (indices clamped to the last chunk): two round
+    trips to memory for a row of up to that many chunks, not three a chunk one after another. The sums run over the chunks in the same order either way."""
     c0 = _visible(p, window) // CHUNK
     c1 = p // CHUNK
     m = sinks[h] if has_sinks else _NEG_INF

@@ -21,6 +21,7 @@ threads are a multiple of 32 and so is N.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -35,6 +36,7 @@ _MAX_THREADS = 1024
 _HELD = 8  # values of a row each thread holds (loaded together): rows up to 8192 values
 
 
+@functools.cache
 def _make(add: bool, quant: bool):
     """The row kernel: out = rms_norm(x (+ delta + bias)) * w, with x_out = x + delta (+ bias)
     when `add`, and out's q8_1 blocks when `quant`."""
@@ -94,16 +96,6 @@ def _make(add: bool, quant: bool):
     return row_norm
 
 
-_KERNELS = {}
-
-
-def _kernel(add: bool, quant: bool):
-    kern = _KERNELS.get((add, quant))
-    if kern is None:
-        kern = _KERNELS[add, quant] = _make(add, quant)
-    return kern
-
-
 def _threads(n: int) -> int:
     """A power of two in 32..1024 holding n values at _HELD per thread."""
     t = 32
@@ -141,7 +133,7 @@ def rms_norm(x, weight, eps: float, out, q8=None, stream=0) -> None:
     if x.ndim == 3:  # each (token, head) a row of Dh
         x, out = x.reshape(rows, N), out.reshape(rows, N)
     qs, ds, quant = _q8_args(q8, rows, N, "rms_norm")
-    launch(_kernel(False, quant), rows, _threads(N), stream, x, x, weight, False, weight, np.float32(eps), x, out,
+    launch(_make(False, quant), rows, _threads(N), stream, x, x, weight, False, weight, np.float32(eps), x, out,
            qs, ds)
 
 
@@ -158,5 +150,5 @@ def add_rms_norm(x, delta, weight, eps: float, out, bias=None, x_out=None, q8=No
         raise ValueError(f"add_rms_norm: x {x.shape}, delta {delta.shape}, out {out.shape}, weight {weight.shape}")
     qs, ds, quant = _q8_args(q8, T, D, "add_rms_norm")
     if T:
-        launch(_kernel(True, quant), T, _threads(D), stream, x, delta, weight if bias is None else bias,
+        launch(_make(True, quant), T, _threads(D), stream, x, delta, weight if bias is None else bias,
                bias is not None, weight, np.float32(eps), x_out, out, qs, ds)
