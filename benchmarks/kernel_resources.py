@@ -8,6 +8,8 @@ target without a GPU.
 --order NAME also prints, for each kernel whose name contains NAME, the order ptxas issues its
 global loads (L) and int8 dot products (d) in (cuobjdump -sass; the toolkit's, or the
 nvidia-cuda-cuobjdump wheel's): "LLLLdddd" is loads in flight together, "LdLd" each waited for.
+The SASS column counts the kernel's instructions: a decode step's small kernels run one pass of
+straight-line code, so it is their issue time (their warps are too few to hide it).
 --launch-bounds compiles with numba's launch_bounds (max threads, min blocks an SM): ptxas then
 budgets registers for that occupancy, which decides whether it keeps loads hoisted.
 
@@ -126,15 +128,17 @@ def cases(only: set[str]):
 
         sig = (arr(np.uint8, 2), f32(2), I64, I64, f32(1), BOOL, BOOL, BOOL, F32, BOOL, f32(2), i32(2), f32(2), i32(1))
         for E in (32, 128, 512):
-            yield (f"fused router, F32, {E} experts",
-                   router._make_fused(Q.F32, router._per_lane(E), router._warps(E), 1, True).py_func, sig)
+            for nc in (1, router.FUSED_ROWS):
+                yield (f"fused router, F32, {E} experts, {nc} rows",
+                       router._make_fused(Q.F32, router._per_lane(E), router._warps(E), 1, True, nc).py_func, sig)
         yield ("router product tiles (no routing), F32", router._make_fused(Q.F32, 16, router._warps(512),
                                                                               router._TILED_EXPERTS, False).py_func, sig)
     if not only or "norm" in only:
         sig = (f32(2), f32(2), f32(1), BOOL, f32(1), F32, f32(2), f32(2), arr(np.int8, 2), f32(3))
         for add, quant in ((False, False), (False, True), (True, False), (True, True)):
-            yield (f"RMSNorm{' + residual add' if add else ''}{' + q8_1' if quant else ''}",
-                   norm._make(add, quant).py_func, sig)
+            for held in (2, 8):
+                yield (f"RMSNorm{' + residual add' if add else ''}{' + q8_1' if quant else ''}, {held} values a thread",
+                       norm._make(add, quant, held).py_func, sig)
 
 
 def ptxas_report(ptx: str, arch: str, order: bool = False) -> dict:
@@ -144,15 +148,17 @@ def ptxas_report(ptx: str, arch: str, order: bool = False) -> dict:
         r = subprocess.run(["ptxas", f"-arch={arch}", "-v", str(src), "-o", str(cubin)], capture_output=True, text=True)
         if r.returncode:
             raise RuntimeError(r.stderr.strip())
-        sass = subprocess.run(["cuobjdump", "-sass", str(cubin)], capture_output=True, text=True).stdout if order else ""
+        sass = subprocess.run(["cuobjdump", "-sass", str(cubin)], capture_output=True, text=True).stdout
     text = r.stderr
 
     def num(pattern):
         m = re.search(pattern, text)
         return int(m.group(1)) if m else 0
 
-    ops = [line.split()[1] for line in sass.splitlines() if "/*" in line and len(line.split()) > 2]
-    return {"order": "".join("L" if o.startswith("LDG") else "d" for o in ops if o.startswith(("LDG", "IDP"))),
+    # an instruction's line starts with its address, /*0a70*/ (its encoding follows on a line of its own)
+    ops = [line.split()[1] for line in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/", line)]
+    return {"order": "".join("L" if o.startswith("LDG") else "d" for o in ops if o.startswith(("LDG", "IDP")))
+            if order else "", "instructions": len(ops),
             "registers": num(r"Used (\d+) registers"), "stack": num(r"(\d+) bytes stack frame"),
             "spill_st": num(r"(\d+) bytes spill stores"), "spill_ld": num(r"(\d+) bytes spill loads"),
             "smem": num(r"(\d+) bytes smem")}
@@ -172,7 +178,8 @@ def main() -> int:
 
     dispatcher.get_current_device = lambda: SimpleNamespace(compute_capability=cc)
     arch = f"sm_{cc[0]}{cc[1]}"
-    print(f"{'kernel':<52} {'regs':>5} {'stack B':>8} {'spill B':>8} {'smem B':>7}   ({arch}, ptxas -v)")
+    print(f"{'kernel':<52} {'regs':>5} {'stack B':>8} {'spill B':>8} {'smem B':>7} {'SASS':>6}   ({arch}, ptxas -v; "
+          "SASS: instructions in the kernel, 0 without cuobjdump)")
     failed = 0
     for name, fn, sig in cases({s for s in args.only.split(",") if s}):
         try:
@@ -182,7 +189,8 @@ def main() -> int:
             print(f"{name:<52} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
             failed += 1
             continue
-        print(f"{name:<52} {r['registers']:>5} {r['stack']:>8} {r['spill_st'] + r['spill_ld']:>8} {r['smem']:>7}")
+        print(f"{name:<52} {r['registers']:>5} {r['stack']:>8} {r['spill_st'] + r['spill_ld']:>8} {r['smem']:>7} "
+              f"{r['instructions']:>6}")
         if r["order"]:
             print(f"    issue order ({len(r['order'])}): {r['order'][:240]}")
     return 1 if failed else 0

@@ -68,6 +68,7 @@ _V_LOADS = 32  # value words a thread may have in flight after the softmax (more
 _V_HOIST = 32  # cells of values a thread may load with its keys (module doc)
 _FEW_BLOCKS = 256  # a grid below this spreads a KV head's query heads over blocks
 _NEG_INF = np.float32(-np.inf)
+_U = np.uint32  # unsigned index arithmetic: a signed index costs each access a negative-index fix-up
 # cells a block of the cache holds (a divisor of CHUNK); the simulator's CHUNK holds 4 as on a GPU
 KV_BLOCK = 8 if SIM else 32
 
@@ -120,7 +121,11 @@ def _make_partial(G: int, HB: int, RT: int, DH: int, FUSE: bool, DV: int):
     # Otherwise the values are loaded in rounds after the softmax, VU words a round: a block of
     # few pairs (decode's one-row tiles) has the registers for more of them in flight, so fewer
     # rounds one after another. The order of the sums does not change with VU.
-    VU = min(PER_GRP, max(8, _V_LOADS // NP))
+    # VU is a power of two (up to KV_BLOCK): a round starts at a cell aligned to VU, so its cells
+    # lie in one block of the cache, consecutive values rows DV apart, and each load's address is
+    # the round's plus a constant (the per-cell 64-bit index arithmetic was 40% of a one-row
+    # tile's instructions, Nsight Compute on the H200).
+    VU = min(KV_BLOCK, 1 << (max(8, _V_LOADS // NP).bit_length() - 1))
 
     @cuda.jit(device=True, inline=True)
     def load_keys(k_cache, base, kw):
@@ -142,26 +147,37 @@ def _make_partial(G: int, HB: int, RT: int, DH: int, FUSE: bool, DV: int):
                 s += q_sh[i * DH + d0 + 2 * w + 1] * f16_to_f32(kw[w] >> 16)
             acc[i] = s
 
+    # a group's first cell starts a block of the cache (gpt-oss: 32 cells a group and a block):
+    # each cell's address is then the group's plus a constant
+    ALIGNED = PER_GRP % KV_BLOCK == 0
+
     @cuda.jit(device=True, inline=True)
     def load_values(v_cache, j0, g_start, a, b, v_block, v_head, dp, vw):
+        u_first = np.int32(a - g_start)  # the group's visible cells: g_start + u_first..u_last
+        u_last = np.int32(b - g_start)
+        at = 2 * (((j0 + g_start) // KV_BLOCK) * v_block + v_head + 2 * dp)
         for u in range(VH):
-            jj = g_start + u
-            if jj >= a and jj <= b:
-                jc = j0 + jj
-                jb = jc // KV_BLOCK
-                vw[u] = ldg_u32(v_cache, 2 * (jb * v_block + v_head + (jc - jb * KV_BLOCK) * DV + 2 * dp))
+            if u >= u_first and u <= u_last:
+                if ALIGNED:
+                    vw[u] = ldg_u32(v_cache, at + 2 * ((u // KV_BLOCK) * v_block + (u % KV_BLOCK) * DV))
+                else:
+                    jc = j0 + g_start + u
+                    jb = jc // KV_BLOCK
+                    vw[u] = ldg_u32(v_cache, 2 * (jb * v_block + v_head + (jc - jb * KV_BLOCK) * DV + 2 * dp))
 
     @cuda.jit(device=True, inline=True)
     def add_values(vw, g_start, a, b, s_sh, o):
         # pairs outside, cells inside (as dot_keys): the inner loop unrolls whatever NP, so vw
         # stays in registers; each pair's sum runs over the cells in ascending order
+        u_first = np.int32(a - g_start)
+        u_last = np.int32(b - g_start)
+        s_at = _U(g_start)
         for i in range(NP):
             lo_s = o[2 * i]
             hi_s = o[2 * i + 1]
             for u in range(VH):
-                jj = g_start + u
-                if jj >= a and jj <= b:
-                    pw = s_sh[i * CHUNK + jj]
+                if u >= u_first and u <= u_last:
+                    pw = s_sh[s_at + _U(i * CHUNK + u)]
                     lo_s += pw * f16_to_f32(vw[u] & 0xFFFF)
                     hi_s += pw * f16_to_f32(vw[u] >> 16)
             o[2 * i] = lo_s
@@ -298,19 +314,23 @@ def _make_partial(G: int, HB: int, RT: int, DH: int, FUSE: bool, DV: int):
                 if grp >= N_GRP:
                     g1 = -1
                 words = cuda.local.array(VU, np.uint32)
-                jj = g0
+                # bytes to this thread's two dims of the chunk's first cell (j0 is a whole block)
+                v_at = 2 * ((j0 // KV_BLOCK) * v_block + v_head + 2 * dp)
+                jj = g0 - g0 % VU  # a round: cells jj.. of the chunk, in one block of the cache
                 while jj <= g1:
+                    v_round = v_at + 2 * ((jj // KV_BLOCK) * v_block + (jj % KV_BLOCK) * DV)
+                    u_first = np.int32(g0 - jj)  # the round's cells u in u_first..u_last are the group's
+                    u_last = np.int32(g1 - jj)
                     for u in range(VU):  # loads in flight together
-                        if jj + u <= g1:
-                            jc = j0 + jj + u
-                            jb = jc // KV_BLOCK
-                            words[u] = ldg_u32(v_cache, 2 * (jb * v_block + v_head + (jc - jb * KV_BLOCK) * DV + 2 * dp))
+                        if u >= u_first and u <= u_last:
+                            words[u] = ldg_u32(v_cache, v_round + 2 * u * DV)
+                    s_at = _U(jj)
                     for u in range(VU):
-                        if jj + u <= g1:
+                        if u >= u_first and u <= u_last:
                             lo_v = f16_to_f32(words[u] & 0xFFFF)
                             hi_v = f16_to_f32(words[u] >> 16)
                             for i in range(NP):
-                                pw = s_sh[i * CHUNK + jj + u]
+                                pw = s_sh[s_at + _U(i * CHUNK + u)]
                                 o[2 * i] += pw * lo_v
                                 o[2 * i + 1] += pw * hi_v
                     jj += VU
@@ -370,8 +390,11 @@ def _combine_one(part_m, part_l, part_o, r, h, d, p, window, sinks, has_sinks, o
     """out[r, h, d] from the chunks of row r (at position p) in ascending order. The partials of
     _COMBINE_LOADS chunks are loaded together (indices clamped to the last chunk): two round
     trips to memory for a row of up to that many chunks, not three a chunk one after another. The sums run over the chunks in the same order either way."""
-    c0 = _visible(p, window) // CHUNK
-    c1 = p // CHUNK
+    c0 = _U(_visible(p, window) // CHUNK)
+    c1 = _U(p // CHUNK)
+    r = _U(r)  # unsigned indices (no negative-index fix-ups), hoisted out of the unrolled loads
+    h = _U(h)
+    d = _U(d)
     m = sinks[h] if has_sinks else _NEG_INF
     ms = cuda.local.array(_COMBINE_LOADS, np.float32)
     ls = cuda.local.array(_COMBINE_LOADS, np.float32)
@@ -379,25 +402,25 @@ def _combine_one(part_m, part_l, part_o, r, h, d, p, window, sinks, has_sinks, o
     c = c0
     while c <= c1:
         for u in range(_COMBINE_LOADS):
-            ms[u] = part_m[r, h, min(c + u, c1)]
+            ms[u] = part_m[r, h, min(c + _U(u), c1)]
         for u in range(_COMBINE_LOADS):
             m = max(m, ms[u])  # max is exact and a clamped repeat changes none
-        c += _COMBINE_LOADS
+        c += _U(_COMBINE_LOADS)
     total = np.float32(0.0)
     acc = np.float32(0.0)
     c = c0
     while c <= c1:
         for u in range(_COMBINE_LOADS):
-            cu = min(c + u, c1)
+            cu = min(c + _U(u), c1)
             ms[u] = part_m[r, h, cu]
             ls[u] = part_l[r, h, cu]
             os[u] = part_o[r, h, cu, d]
         for u in range(_COMBINE_LOADS):
-            if c + u <= c1:
+            if c + _U(u) <= c1:
                 e = math.exp(ms[u] - m)
                 total += ls[u] * e
                 acc += os[u] * e
-        c += _COMBINE_LOADS
+        c += _U(_COMBINE_LOADS)
     if has_sinks:
         total += math.exp(sinks[h] - m)
     out[r, h, d] = acc * (np.float32(1.0) / total)

@@ -17,6 +17,7 @@ SIMD exp; the GPU uses expf, so values agree to a few ulp):
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -26,6 +27,7 @@ from .device import placeholder, sigmoid
 from .launch import launch
 
 _THREADS = 128
+_U = np.uint32
 
 
 def _grid(n: int) -> int:
@@ -55,26 +57,40 @@ def _glu(gate, up, oai, alpha, limit, gate_bias, up_bias, has_bias, ids, out):
         out[p, i] = g / (np.float32(1.0) + math.exp(-g)) * u
 
 
-@cuda.jit
-def _moe_mix(y, weights, rows, has_rows, down_bias, ids, has_bias, out):
-    """y: f32 [P, D]; weights: f32 [T, A]; rows: int32 [T, A] rows of y (else t*A + a);
-    down_bias: f32 [E, D] by ids [T, A] (read when has_bias); out: f32 [T, D]."""
-    idx = cuda.grid(1)
-    T, D = out.shape
-    if idx >= T * D:
-        return
-    t = idx // D
-    d = idx - t * D
-    A = weights.shape[1]
-    acc = np.float32(0.0)
-    for a in range(A):
-        r = rows[t, a] if has_rows else t * A + a
-        v = y[r, d]
+@functools.cache
+def _mix_kernel(A: int):
+    """The MoE mix for A experts a token (a constant: the A loads unroll and are in flight together;
+    with A a run-time bound they were waited for one after another). Indices are unsigned (no
+    negative-index fix-ups)."""
+
+    @cuda.jit
+    def _moe_mix(y, weights, rows, has_rows, down_bias, ids, has_bias, out):
+        """y: f32 [P, D]; weights: f32 [T, A]; rows: int32 [T, A] rows of y (else t*A + a);
+        down_bias: f32 [E, D] by ids [T, A] (read when has_bias); out: f32 [T, D]."""
+        idx = _U(cuda.grid(1))
+        T = _U(out.shape[0])
+        D = _U(out.shape[1])
+        if idx >= T * D:
+            return
+        t = idx // D
+        d = idx - t * D
+        rs = cuda.local.array(A, np.uint32)
+        for a in range(A):
+            rs[a] = _U(rows[t, _U(a)]) if has_rows else t * _U(A) + _U(a)
+        vs = cuda.local.array(A, np.float32)
+        ws = cuda.local.array(A, np.float32)
+        for a in range(A):
+            vs[a] = y[rs[a], d]
+            ws[a] = weights[t, _U(a)]
         if has_bias:
-            v += down_bias[ids[t, a], d]
-        term = v * weights[t, a]
-        acc = term if a == 0 else acc + term
-    out[t, d] = acc
+            for a in range(A):
+                vs[a] += down_bias[_U(ids[t, _U(a)]), d]
+        acc = vs[0] * ws[0]
+        for a in range(1, A):
+            acc += vs[a] * ws[a]
+        out[t, d] = acc
+
+    return _moe_mix
 
 
 @cuda.jit
@@ -125,12 +141,12 @@ def moe_mix(y, weights, out, rows=None, down_bias=None, ids=None, stream=0) -> N
     (None: t*A + a); down_bias: f32 [E, D] with ids int32 [T, A], or None."""
     T, D = out.shape
     has_bias = down_bias is not None
-    if weights.shape[0] != T or y.shape[1] != D or (rows is not None and rows.shape != weights.shape) \
+    if weights.shape[0] != T or weights.shape[1] < 1 or y.shape[1] != D or (rows is not None and rows.shape != weights.shape) \
             or (has_bias and (ids is None or ids.shape != weights.shape)):
         raise ValueError(f"moe_mix: y {y.shape}, weights {weights.shape}, out {out.shape}")
     if T * D:
         dummy = placeholder(np.int32, 2)
-        launch(_moe_mix, _grid(T * D), _THREADS, stream, y, weights, dummy if rows is None else rows, rows is not None,
+        launch(_mix_kernel(weights.shape[1]), _grid(T * D), _THREADS, stream, y, weights, dummy if rows is None else rows, rows is not None,
                                                  down_bias if has_bias else y, dummy if ids is None else ids,
                                                  has_bias, out)
 

@@ -30,6 +30,7 @@ from .ptx import round_f16, warp_max, warp_sum
 from .launch import launch
 
 QK8_1 = 32
+_U = np.uint32  # kernels index with unsigned values (store_q8_1)
 _THREADS = 256  # 8 q8_1 blocks per thread block
 
 
@@ -49,25 +50,26 @@ def q8_1_quant(v, amax, valid):
 def store_q8_1(q, amax, total, valid, qs, ds, r, c):
     """Lane c % 32 of the warp holding one q8_1 block of row r: its quant q into qs[r, c] and,
     from the block's first lane, (d, s) into ds[r, c // 32]; amax and total (the sum of the
-    block's quants) are the warp's reductions. An invalid lane stores nothing."""
+    block's quants) are the warp's reductions. An invalid lane stores nothing. r and c are
+    unsigned (np.uint32 arithmetic): signed indices cost each access a negative-index fix-up."""
     if valid:
         qs[r, c] = np.int8(q)
-        if c % QK8_1 == 0:
+        if c % _U(QK8_1) == _U(0):
             d = amax / np.float32(127.0)
-            b = c // QK8_1
-            ds[r, b, 0] = round_f16(d)
-            ds[r, b, 1] = round_f16(d * total)
+            b = c // _U(QK8_1)
+            ds[r, b, _U(0)] = round_f16(d)
+            ds[r, b, _U(1)] = round_f16(d * total)
 
 
 @cuda.jit
 def _quantize_q8_1(x, qs, ds, n):
     # x: float32 [R, K] -> qs: int8 [R, K], ds: float32 [R, K/32, 2]; one thread per value,
     # one warp per q8_1 block. Every thread reaches the warp reductions (none returns early).
-    i = cuda.grid(1)
-    k = x.shape[1]
-    valid = i < n
-    r = i // k if valid else 0
-    c = i - r * k if valid else 0
+    i = _U(cuda.grid(1))
+    k = _U(x.shape[1])
+    valid = i < _U(n)
+    r = i // k if valid else _U(0)
+    c = i - r * k if valid else _U(0)
     v = x[r, c] if valid else np.float32(0.0)
     amax = warp_max(abs(v), 32)
     q = q8_1_quant(v, amax, valid)

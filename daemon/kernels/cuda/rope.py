@@ -27,7 +27,8 @@ from .device import block_sum, placeholder
 from .launch import launch
 
 _THREADS = 128
-MAX_HEAD = 1024  # values of one head norm_rope_qk holds in shared memory
+MAX_HEAD = 1024  # values of one head norm_rope_qk holds (a thread each)
+_U = np.uint32
 
 
 @cuda.jit
@@ -95,61 +96,80 @@ def _apply_rope_qk(q, k, cache, neox):
 @cuda.jit
 def _norm_rope_qk(q, k, wq, wk, has_norm, eps, cache, neox, v, slots, positions, k_cache, v_cache, append):
     """In place: each head of q [T, H, Dh] and k [T, Hkv, Dh] RMS-normed with wq / wk [Dh] (when
-    has_norm), then rotated by cache [T, P, 2]. Grid (H + Hkv, T); a head's values go through
-    shared memory, so the norm and the rotation need one read and one write of them. With append,
-    a k head's block also stores its rotated keys, as f16, and the head's values v [T, Hkv, Dv]
-    in cell positions[t] of slot slots[t] of k_cache / v_cache (attention.kv_append's layout and
-    conversion, from the same float32 values)."""
-    h = cuda.blockIdx.x
-    t = cuda.blockIdx.y
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    H = q.shape[1]
-    x = q[t, h] if h < H else k[t, h - H]  # [Dh]
-    w = wq if h < H else wk
-    Dh = x.shape[0]
-    P = cache.shape[1]
+    has_norm), then rotated by cache [T, P, 2]. Grid (H + Hkv, T), a thread per value of the head
+    (Dh <= threads): every global load (the value, its norm weight, its pair's cos and sin, the
+    step's slot and position, the value it appends) is issued first, so the launch waits on memory
+    once; the normed values go through shared memory for the rotation. With append, a k head's
+    block also stores its rotated keys, as f16, and the head's values v [T, Hkv, Dv] in cell
+    positions[t] of slot slots[t] of k_cache / v_cache (attention.kv_append's layout and
+    conversion, from the same float32 values). Indices are unsigned (no negative-index fix-ups)."""
+    h = _U(cuda.blockIdx.x)
+    t = _U(cuda.blockIdx.y)
+    i = _U(cuda.threadIdx.x)
+    H = _U(q.shape[1])
+    is_k = h >= H
+    hk = h - H if is_k else _U(0)
+    Dh = _U(q.shape[2])
+    P = _U(cache.shape[1])
+    Dv = _U(v.shape[2])
+    store = append and is_k
+    ix = min(i, Dh - _U(1))
+    xv = k[t, hk, ix] if is_k else q[t, h, ix]
+    wv = np.float32(1.0)
+    if has_norm:
+        wv = wk[ix] if is_k else wq[ix]
+    c = np.float32(0.0)
+    sn = np.float32(0.0)
+    if P > _U(0):
+        ip = min(i, P - _U(1))
+        c = cache[t, ip, _U(0)]
+        sn = cache[t, ip, _U(1)]
+    slot = _U(0)
+    pos = _U(0)
+    vv = np.float32(0.0)
+    if store:
+        slot = _U(slots[t])
+        pos = _U(positions[t])
+        vv = v[t, hk, min(i, Dv - _U(1))]
     vals = cuda.shared.array(MAX_HEAD, np.float32)
     red = cuda.shared.array(32, np.float32)
-    acc = np.float32(0.0)
-    for i in range(tid, Dh, nt):
-        v0 = x[i]
-        vals[i] = v0
-        acc += v0 * v0
+    live = i < Dh
+    if not live:
+        xv = np.float32(0.0)
     if has_norm:
-        total = block_sum(acc, red, tid, nt)
-        scale = np.float32(1.0) / math.sqrt(total / np.float32(Dh) + eps)
-        for i in range(tid, Dh, nt):
-            vals[i] = (vals[i] * scale) * w[i]
+        total = block_sum(xv * xv, red, cuda.threadIdx.x, cuda.blockDim.x)
+        scale = np.float32(1.0) / math.sqrt(total / np.float32(q.shape[2]) + eps)
+        xv = (xv * scale) * wv
+    if live:
+        vals[i] = xv
     cuda.syncthreads()
-    store = append and h >= H
-    slot = 0
-    b = 0
-    cell = 0
-    if store:
-        slot = slots[t]
-        b = positions[t] // KV_BLOCK
-        cell = positions[t] - b * KV_BLOCK
-    for i in range(2 * P + tid, Dh, nt):  # past n_dims: not rotated
-        x[i] = vals[i]
+    b = pos // _U(KV_BLOCK)
+    cell = pos % _U(KV_BLOCK)
+    if i >= _U(2) * P and live:  # past n_dims: not rotated
+        if is_k:
+            k[t, hk, i] = xv
+        else:
+            q[t, h, i] = xv
         if store:
-            k_cache[b, slot, h - H, cell, i] = np.float16(vals[i])
-    for i in range(tid, P, nt):
-        a, b2 = _pair(i, P, neox)
-        c = cache[t, i, 0]
-        sn = cache[t, i, 1]
+            k_cache[b, slot, hk, cell, i] = np.float16(xv)
+    if i < P:
+        a = i if neox else _U(2) * i  # _pair's dimensions, unsigned
+        b2 = i + P if neox else _U(2) * i + _U(1)
         x0 = vals[a]
         x1 = vals[b2]
         y0 = x0 * c - x1 * sn
         y1 = x0 * sn + x1 * c
-        x[a] = y0
-        x[b2] = y1
+        if is_k:
+            k[t, hk, a] = y0
+            k[t, hk, b2] = y1
+        else:
+            q[t, h, a] = y0
+            q[t, h, b2] = y1
         if store:
-            k_cache[b, slot, h - H, cell, a] = np.float16(y0)
-            k_cache[b, slot, h - H, cell, b2] = np.float16(y1)
-    if store:
-        for i in range(tid, v.shape[2], nt):
-            v_cache[b, slot, h - H, cell, i] = np.float16(v[t, h - H, i])
+            k_cache[b, slot, hk, cell, a] = np.float16(y0)
+            k_cache[b, slot, hk, cell, b2] = np.float16(y1)
+    if store and i < Dv:
+        v_cache[b, slot, hk, cell, i] = np.float16(vv)
 
 
 def norm_rope_qk(q, k, cache, neox: bool, q_norm=None, k_norm=None, eps: float = 0.0, append=None, stream=0) -> None:
@@ -166,13 +186,13 @@ def norm_rope_qk(q, k, cache, neox: bool, q_norm=None, k_norm=None, eps: float =
     if append is not None:
         v, slots, positions, k_cache, v_cache = append
         Hkv, Dv = k.shape[1], v.shape[2]
-        if (v.shape[:2] != (T, Hkv) or k_cache.shape[2:] != (Hkv, KV_BLOCK, Dh)
+        if (v.shape[:2] != (T, Hkv) or Dv > MAX_HEAD or k_cache.shape[2:] != (Hkv, KV_BLOCK, Dh)
                 or v_cache.shape[2:] != (Hkv, KV_BLOCK, Dv) or slots.shape != (T,) or positions.shape != (T,)):
             raise ValueError(f"norm_rope_qk: v {v.shape}, caches {k_cache.shape} {v_cache.shape}")
     if T == 0:
         return
     threads = 32
-    while threads < min(Dh, 256):
+    while threads < max(Dh, v.shape[2] if append is not None else 0):  # a thread per value
         threads *= 2
     has_norm = q_norm is not None
     w = placeholder(np.float32)

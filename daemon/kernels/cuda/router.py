@@ -187,16 +187,17 @@ def _make_route(PER: int):
     return route_kernel
 
 
-def _make_fused(qtype: int, PER: int, WARPS: int, EB: int, ROUTE: bool):
-    """The router's matrix-vector product for EB experts a block and, with ROUTE (a launch of at
-    most FUSED_ROWS rows), the routing of every row by the last block to finish, in one launch.
-    The sums' order depends on WARPS alone (module doc): for one WARPS, every variant gives the
-    same bits."""
+def _make_fused(qtype: int, PER: int, WARPS: int, EB: int, ROUTE: bool, NC: int = FUSED_ROWS):
+    """The router's matrix-vector product for EB experts and NC rows a block and, with ROUTE (a
+    launch of at most NC rows), the routing of every row by the last block to finish, in one
+    launch. The sums' order depends on WARPS alone (module doc): for one WARPS, every variant gives
+    the same bits. NC is a compile-time constant: a one-row step's block does not walk 15 empty
+    columns (their compares and branches were most of its instructions, Nsight Compute on the
+    H200)."""
     load, dot = VECDOT[qtype]
     per_chunk = VALUES[qtype]
     qk = block_size(qtype)[0]
     THREADS = WARPS * _WARP
-    NC = FUSED_ROWS
     ACC = EB * NC  # array sizes: constants made outside the kernel
     PARTS = WARPS * EB * NC
     SEL = WARPS * MAX_USED
@@ -280,6 +281,14 @@ def _per_lane(n_expert: int) -> int:
     return per
 
 
+def _fused_cols(rows: int) -> int:
+    """Columns of a fused launch of `rows` rows: the least power of two holding them."""
+    nc = 1
+    while nc < rows:
+        nc *= 2
+    return nc
+
+
 def _route_kernel(n_expert: int):
     per = _per_lane(n_expert)
     kern = _ROUTE.get(per)
@@ -321,12 +330,13 @@ def route_fused(w, qtype: int, x, bias, gating: str, norm_topk: bool, scale: flo
         return
     fused = T <= FUSED_ROWS
     eb = 1 if fused else _TILED_EXPERTS
+    nc = _fused_cols(T) if fused else FUSED_ROWS
     warps = _warps(E)
-    key = (qtype, _per_lane(E), warps, eb, fused)
+    key = (qtype, _per_lane(E), warps, eb, fused, nc)
     kern = _FUSED.get(key)
     if kern is None:
         kern = _FUSED[key] = _make_fused(*key)
-    launch(kern, (-(-E // eb), -(-T // FUSED_ROWS)), warps * _WARP, stream, w, x, w.shape[1], K,
+    launch(kern, (-(-E // eb), -(-T // nc)), warps * _WARP, stream, w, x, w.shape[1], K,
            placeholder(np.float32) if bias is None else bias, bias is not None, gating == "softmax",
            bool(norm_topk), np.float32(scale), bool(given), logits, ids, weights, done)
     if not fused:

@@ -186,8 +186,8 @@ def test_fused_router_makes_the_logits_and_routes_them(qt, family):
 
 
 def test_a_rows_routing_is_the_same_bits_whatever_rows_share_the_call():
-    """Row r alone, among 3 rows (routed in the launch) and among FUSED_ROWS + 2 (two tiles, then
-    `route`): the same logits, ids and weights, bit for bit."""
+    """Row r alone (a one-column launch), among 3 rows (routed in a launch of 4 columns) and among
+    FUSED_ROWS + 2 (two tiles, then `route`): the same logits, ids and weights, bit for bit."""
     rng = np.random.default_rng(11)
     raw = refs.weights(Q.F32, (EF,), KF, rng)
     bias = (rng.standard_normal(EF) * 0.5).astype(np.float32)
