@@ -12,6 +12,10 @@ one launch each (gate + up fused, and down), against the device copy measured in
 --mmq prints only the tiled prefill kernels at 512 and 4096 tokens, for Q8_0, Q4_K, Q6_K and
 MXFP4: the tensor-core kernel (experts: with 64- and with 32-token tiles) against the dp4a one.
 
+--decode prints only a one-token decode step's GEMVs (qwen3-30b-a3b Q8_0 and Q4_K experts, its
+Q8_0 q/k/v and o; gpt-oss-20b's MXFP4 experts and Q8_0 q/k/v and o) under each launch shape:
+lanes per row (choose_lpr's and twice it) and chunks in flight a lane (unroll 1, 2, 4).
+
 --grouped prints only the experts' GEMV at 16 tokens: a block a pair against the pairs grouped
 by expert (each expert read once for runs of 2 or 4 of its pairs, under several launch bounds), on qwen3-30b-a3b's layer (Q8_0,
 Q4_K) and gpt-oss-20b's (MXFP4), with the grouping kernel's own time.
@@ -359,6 +363,37 @@ GROUP_TUNINGS = [Tuning(group_cols=c, min_blocks=mb, unroll=u)
                                   (4, 0, 2), (4, 8, 2), (4, 4, 1))]
 
 
+# (model, expert type, D, F, E, A; dense type, q/k/v rows, o's K)
+DECODE_MODELS = [("qwen3-30b-a3b", Q.Q8_0, 2048, 768, 128, 8, Q.Q8_0, 5120, 4096),
+                 ("qwen3-30b-a3b", Q.Q4_K, 2048, 768, 128, 8, None, 0, 0),
+                 ("gpt-oss-20b", Q.MXFP4, 2880, 2880, 32, 4, Q.Q8_0, 5120, 4096)]
+
+
+def decode_shapes(run, rng, smoke: bool) -> None:
+    """Each one-token GEMV of a decode layer under lanes per row x unroll; the best per shape."""
+    models = [("smoke", Q.Q8_0, 256, 256, 2, 1, Q.Q8_0, 64, 256)] if smoke else DECODE_MODELS
+    for model, qt, d, f, e, a, dqt, qkv_rows, o_k in models:
+        layer = ExpertLayer(qt, d, f, e, rng)
+        cases = [("experts gate+up", lambda tun: run(bench_experts, layer, "glu", 1, a, rng, tun), d),
+                 ("experts down", lambda tun: run(bench_experts, layer, "down", 1, a, rng, tun), f)]
+        if dqt is not None:
+            cases += [("q/k/v", lambda tun: run(bench_dense, dqt, qkv_rows, d, 1, rng, tun), d),
+                      ("o", lambda tun: run(bench_dense, dqt, d, o_k, 1, rng, tun), o_k)]
+        for name, bench, k in cases:
+            base = mmvq.choose_lpr(k)
+            got = []
+            for lpr in (base,) if smoke else (base, min(32, 2 * base)):
+                for unroll in (1, 2, 4):
+                    r = bench(Tuning(lpr=lpr, unroll=unroll))
+                    if r is not None:
+                        got.append((r["us"], lpr, unroll))
+            if got:
+                us, lpr, unroll = min(got)
+                print(f"== {model} {Q.type_name(qt if name.startswith('experts') else dqt)} {name}: best "
+                      f"{us:.2f} us at lpr {lpr}, unroll {unroll}", flush=True)
+        del layer
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="Q8_0 and Q4_K only")
@@ -381,6 +416,9 @@ def main() -> int:
     ap.add_argument("--grouped", action="store_true",
                     help="only the experts' GEMV at 2-16 tokens, a block a pair against pairs grouped by "
                          "expert (group_cols 2-16), qwen3-30b-a3b's layer (Q8_0, Q4_K) and gpt-oss-20b's (MXFP4)")
+    ap.add_argument("--decode", action="store_true",
+                    help="only a one-token decode step's GEMVs (qwen3-30b-a3b, gpt-oss-20b) under each "
+                         "lanes-per-row and unroll")
     ap.add_argument("--shape", default="2048,768,128,8",
                     help="D,F,E,A of the expert layer (default Qwen3-30B-A3B; gpt-oss-20b is 2880,2880,32,4)")
     args = ap.parse_args()
@@ -427,6 +465,9 @@ def main() -> int:
                 run(bench_experts, layer, "glu", t, a, rng)  # gate + up of every routed pair
                 run(bench_experts, layer, "down", t, a, rng)
             del layer
+        return 0
+    if args.decode:
+        decode_shapes(run, rng, args.smoke)
         return 0
     if args.grouped:
         shapes = [(Q.Q8_0, (d, f, e, a))] if args.smoke else [

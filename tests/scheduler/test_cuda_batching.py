@@ -193,12 +193,15 @@ async def test_a_first_burst_compiles_and_captures_nothing_the_load_did_not(warm
     s, model = warm_sched
     await _run(s, Generate(1, model, tokens=[5, 6, 7], max_tokens=2, options=GREEDY))  # loads and warms
     backend = s.registry.find(model).engine.model.backend
-    kernels, captures, dropped = dict(launch.COUNTS), backend.graphs.captures, dict(backend.graphs.dropped)
+    kernels, resolved = dict(launch.COUNTS), dict(launch.RESOLVED)
+    captures, dropped = backend.graphs.captures, dict(backend.graphs.dropped)
     warm_keys = backend.graphs.keys()
     for n in (3, 7, 12, 16):
         reqs = [Generate(100 * n + i, model, tokens=[(11 * i + n) % 400 + 1] * (2 + i % 5), max_tokens=5,
                          options=GREEDY) for i in range(n)]
         await asyncio.gather(*(_run(s, r) for r in reqs))
+    # a kernel compiled (or loaded from the disk cache) by the burst is named
+    assert {n: c - resolved.get(n, 0) for n, c in launch.RESOLVED.items() if c != resolved.get(n, 0)} == {}
     assert launch.COUNTS == kernels
     # dropped graphs name their cause (the KV pool made again, evicted, ...), new keys their step:
     # seen under pytest-xdist on the H200 (19 captures against 16; 17 against 15 with no graph

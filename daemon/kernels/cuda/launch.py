@@ -28,6 +28,7 @@ this is the dispatcher launch itself, and nothing is cached.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import logging
 import struct
@@ -47,6 +48,7 @@ _DIMS: dict = {}  # (grid, block) -> (gx, gy, gz, bx, by, bz) (prefill grids var
 _MAX_DIMS = 4096
 _LOCK = threading.Lock()  # a signature's one parameter buffer, packed and launched by one thread at a time
 COUNTS = {"compiled": 0, "cached": 0}  # fast-path overloads compiled here vs loaded from the disk cache
+RESOLVED: collections.Counter = collections.Counter()  # kernel name -> overloads compiled or loaded
 RECORD: list[str] | None = None  # a list: each launch appends its kernel's name (launches a step, tests)
 
 
@@ -139,6 +141,7 @@ def _resolve(kernel, args):
     and each array's rank: from the disk cache when it holds this (kernel, argument types,
     device), else compiled (and stored)."""
     argtypes = tuple(kernel.typeof_pyval(a) for a in args)
+    RESOLVED[getattr(kernel, "__name__", str(kernel))] += 1
     codes = _codes(argtypes)
     ndims = tuple(getattr(ty, "ndim", 0) for ty in argtypes)
     cached = _disk.load(kernel, argtypes)
@@ -260,4 +263,4 @@ class _Core:
 
 _core = _Core()
 
-__all__ = ["launch", "COUNTS", "FAST"]
+__all__ = ["launch", "COUNTS", "RESOLVED", "FAST"]

@@ -87,6 +87,31 @@ def _build(qtype: int, ncols: int, lpr: int, warps: int, ids_mode: bool, has_bia
     two = glu != GLU_NONE
     nc = ncols
 
+    # A lane's chunks' dots with every column's activation row, added to the column's sum one
+    # chunk at a time. Columns past the tile's last token repeat the last one (their rows, not
+    # written): no branch, so ptxas can issue every column's loads before the dp4a's.
+    @cuda.jit(device=True, inline=True)
+    def add1(acc, w, A0, A1, col_row, arow, last, k, c):
+        for j in range(nc):
+            r = col_row[j] if grouped else arow + min(j, last)
+            acc[j] += dot(w, A0, A1, r, k, c)
+
+    @cuda.jit(device=True, inline=True)
+    def add2(acc, w, wb, A0, A1, col_row, arow, last, k, c):
+        for j in range(nc):
+            r = col_row[j] if grouped else arow + min(j, last)
+            acc[j] += dot(w, A0, A1, r, k, c)
+            acc[j] += dot(wb, A0, A1, r, k, c + lpr)
+
+    @cuda.jit(device=True, inline=True)
+    def add4(acc, w, wb, wc, wd, A0, A1, col_row, arow, last, k, c):
+        for j in range(nc):
+            r = col_row[j] if grouped else arow + min(j, last)
+            acc[j] += dot(w, A0, A1, r, k, c)
+            acc[j] += dot(wb, A0, A1, r, k, c + lpr)
+            acc[j] += dot(wc, A0, A1, r, k, c + 2 * lpr)
+            acc[j] += dot(wd, A0, A1, r, k, c + 3 * lpr)
+
     def kernel(W, W2, WH, WH2, A0, A1, ids, slot_of, pairs, starts, act_t, act_a, bias, bias2,
                out, n, k, stride, n_tok, alpha, limit):
         # W, W2: uint8 [S, N, stride]; WH, WH2: the host tier [H, N, stride] (read when `host`
@@ -161,32 +186,43 @@ def _build(qtype: int, ncols: int, lpr: int, warps: int, ids_mode: bool, has_bia
             nb = k // qk
             nch = k // per_chunk
             c = lane
-            # columns past the tile's last token repeat the last one (its rows, not written):
-            # no branch in the loop, so ptxas can issue every column's loads before the dp4a's
-            if unroll == 2:  # two chunks' loads in flight per lane
-                while c + lpr < nch:
+            # a lane's chunks c, c + lpr, ... in rounds of `unroll`, then of 2 and 1 for the
+            # rest: each round's loads in flight together. Its sums add one chunk at a time in
+            # ascending order whatever the rounds, so `unroll` is a launch shape, not a change
+            # of bits (a row's result is the same at any unroll and any column count).
+            if unroll >= 4:
+                while c + 3 * lpr < nch:
                     w = load(W, base, nb, c)
                     wb = load(W, base, nb, c + lpr)
-                    for j in range(nc):
-                        r = col_row[j] if grouped else arow + min(j, last)
-                        acc[j] += dot(w, A0, A1, r, k, c) + dot(wb, A0, A1, r, k, c + lpr)
+                    wc = load(W, base, nb, c + 2 * lpr)
+                    wd = load(W, base, nb, c + 3 * lpr)
                     if two:
                         w2 = load(W2, base, nb, c)
                         w2b = load(W2, base, nb, c + lpr)
-                        for j in range(nc):
-                            r = col_row[j] if grouped else arow + min(j, last)
-                            acc2[j] += dot(w2, A0, A1, r, k, c) + dot(w2b, A0, A1, r, k, c + lpr)
+                        w2c = load(W2, base, nb, c + 2 * lpr)
+                        w2d = load(W2, base, nb, c + 3 * lpr)
+                    add4(acc, w, wb, wc, wd, A0, A1, col_row, arow, last, k, c)
+                    if two:
+                        add4(acc2, w2, w2b, w2c, w2d, A0, A1, col_row, arow, last, k, c)
+                    c += 4 * lpr
+            if unroll >= 2:
+                while c + lpr < nch:
+                    w = load(W, base, nb, c)
+                    wb = load(W, base, nb, c + lpr)
+                    if two:
+                        w2 = load(W2, base, nb, c)
+                        w2b = load(W2, base, nb, c + lpr)
+                    add2(acc, w, wb, A0, A1, col_row, arow, last, k, c)
+                    if two:
+                        add2(acc2, w2, w2b, A0, A1, col_row, arow, last, k, c)
                     c += 2 * lpr
             while c < nch:
                 w = load(W, base, nb, c)
-                for j in range(nc):
-                    r = col_row[j] if grouped else arow + min(j, last)
-                    acc[j] += dot(w, A0, A1, r, k, c)
                 if two:
                     w2 = load(W2, base, nb, c)
-                    for j in range(nc):
-                        r = col_row[j] if grouped else arow + min(j, last)
-                        acc2[j] += dot(w2, A0, A1, r, k, c)
+                add1(acc, w, A0, A1, col_row, arow, last, k, c)
+                if two:
+                    add1(acc2, w2, A0, A1, col_row, arow, last, k, c)
                 c += lpr
         for j in range(nc):  # every lane takes part in the shuffles
             acc[j] = warp_sum(acc[j], lpr)
@@ -289,8 +325,8 @@ def _bias(b, n: int, stack: bool):
 
 class Tuning(NamedTuple):
     """Launch shape: lanes per output row (None: choose_lpr), warps per block, and how many
-    chunks each lane has in flight (1 or 2). On the H100, 2 or 8 warps and unroll 1 measured no
-    better than these defaults at the best lane count. min_blocks: the blocks an SM that a
+    chunks each lane has in flight (1, 2 or 4: a shape only, the sums' order is the same). On the
+    H100, 2 or 8 warps and unroll 1 measured no better than these defaults at the best lane count. min_blocks: the blocks an SM that a
     multi-column kernel is compiled for (CUDA launch bounds; 0: ptxas's own target).
     group_cols: the columns of a grouped expert launch (pairs of one expert a block)."""
     lpr: int | None = None
@@ -306,8 +342,8 @@ DEFAULT = Tuning()
 # launch where that measured faster at 16 tokens on the H200 (gpu_matmul.py --grouped;
 # docs/benchmarks.md, issue 30, twelfth step): MXFP4 gate+up 181.8 against 227.9 us and down
 # 117.6 against 130.7 (gpt-oss-20b's layer), Q8_0 gate+up 81.7 against 103.1 (qwen3-30b-a3b's);
-# Q8_0's down, Q4_K and 4 columns measured slower. A pair's sums follow `unroll`, so a type's
-# expert launches share it (MXFP4: 1) and a pair gives the same bits grouped or not.
+# Q8_0's down, Q4_K and 4 columns measured slower. MXFP4's expert launches keep one chunk a lane
+# in flight (faster at one row, twelfth step); a pair gives the same bits at any shape.
 _EXPERT_UNROLL = {Q.MXFP4: 1}
 _GROUPED = {(Q.MXFP4, True): (4, 2), (Q.MXFP4, False): (4, 2), (Q.Q8_0, True): (0, 2)}  # min_blocks, cols
 

@@ -52,7 +52,7 @@ def test_dense_matches_reference(qt):
 
 
 @pytest.mark.parametrize("qt", [Q.Q8_0, Q.Q4_K, Q.MXFP4, Q.F16], ids=lambda t: refs.NAMES[t])
-@pytest.mark.parametrize("lpr,unroll", [(4, 2), (4, 1), (16, 2), (32, 2)])
+@pytest.mark.parametrize("lpr,unroll", [(4, 2), (4, 1), (4, 4), (16, 2), (32, 2)])
 def test_dense_lanes_per_row(qt, lpr, unroll):
     """Several chunks per lane (lpr 4, each unroll path) and idle lanes (lpr 16 or 32 over fewer
     chunks); 1 token; a bias."""
@@ -66,6 +66,28 @@ def test_dense_lanes_per_row(qt, lpr, unroll):
                            bias=cuda.to_device(bias),
                            tuning=mmvq.Tuning(lpr=lpr, unroll=unroll)).copy_to_host()
     _close(got, refs.matvec(raw, qt, x, ref_act) + bias, refs.magnitude(raw, qt, x) + np.abs(bias))
+
+
+@pytest.mark.parametrize("qt", [Q.Q8_0, Q.MXFP4, Q.F16], ids=lambda t: refs.NAMES[t])
+def test_unroll_is_a_shape_not_a_change_of_bits(qt):
+    """7 chunks a lane (one round of 4, one of 2, one alone at unroll 4): the loads in flight
+    change with `unroll`, each sum's order does not, so 1, 2 and 4 give the same bits, for one
+    column and for three, plain and with gate + up fused."""
+    rng = np.random.default_rng(30 + qt)
+    lpr = 4
+    k, n = 7 * lpr * mmvq.VALUES[qt], 3
+    gate, up = (cuda.to_device(repack(refs.weights(qt, (n,), k, rng), qt)) for _ in range(2))
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    for t in (1, 3):
+        act, _ = _act(qt, x[:t])
+        outs = {}
+        for unroll in (1, 2, 4):
+            tuning = mmvq.Tuning(lpr=lpr, unroll=unroll)
+            outs[unroll] = (mmvq.mul_mat_vec(gate, qt, k, act, tuning=tuning).copy_to_host(),
+                            mmvq.mul_mat_vec_glu(gate, up, qt, k, act, tuning=tuning).copy_to_host())
+        for unroll in (2, 4):
+            for got, want in zip(outs[unroll], outs[1]):
+                np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 @pytest.mark.parametrize("qt", [Q.Q5_1, Q.BF16], ids=lambda t: refs.NAMES[t])
