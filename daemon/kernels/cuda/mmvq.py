@@ -325,38 +325,53 @@ def _bias(b, n: int, stack: bool):
 
 class Tuning(NamedTuple):
     """Launch shape: lanes per output row (None: choose_lpr), warps per block, and how many
-    chunks each lane has in flight (1, 2 or 4: a shape only, the sums' order is the same). On the
-    H100, 2 or 8 warps and unroll 1 measured no better than these defaults at the best lane count. min_blocks: the blocks an SM that a
-    multi-column kernel is compiled for (CUDA launch bounds; 0: ptxas's own target).
-    group_cols: the columns of a grouped expert launch (pairs of one expert a block)."""
+    chunks each lane has in flight (1, 2 or 4; None: `launch_unroll`). unroll is a shape only: the
+    sums' order does not change with it. On the H100, 2 or 8 warps measured no better than these
+    defaults at the best lane count. min_blocks: the blocks an SM that a multi-column kernel is
+    compiled for (CUDA launch bounds; 0: ptxas's own target). group_cols: the columns of a
+    grouped expert launch (pairs of one expert a block)."""
     lpr: int | None = None
     warps: int = 4
-    unroll: int = 2
+    unroll: int | None = None
     min_blocks: int = 1
     group_cols: int = 2
 
 
 DEFAULT = Tuning()
 
-# The expert launches' shapes, by (type, fused gate+up), for a block a pair and for the grouped
-# launch where that measured faster at 16 tokens on the H200 (gpu_matmul.py --grouped;
-# docs/benchmarks.md, issue 30, twelfth step): MXFP4 gate+up 181.8 against 227.9 us and down
-# 117.6 against 130.7 (gpt-oss-20b's layer), Q8_0 gate+up 81.7 against 103.1 (qwen3-30b-a3b's);
-# Q8_0's down, Q4_K and 4 columns measured slower. MXFP4's expert launches keep one chunk a lane
-# in flight (faster at one row, twelfth step); a pair gives the same bits at any shape.
-_EXPERT_UNROLL = {Q.MXFP4: 1}
-_GROUPED = {(Q.MXFP4, True): (4, 2), (Q.MXFP4, False): (4, 2), (Q.Q8_0, True): (0, 2)}  # min_blocks, cols
+# One-token GEMVs on the H200 (gpu_matmul.py --decode; docs/benchmarks.md, issue 30, fifteenth
+# step), us a launch at unroll 1 / 2 / 4: qwen3-30b-a3b's experts, gate+up Q8_0 11.2 / 12.3 / 11.1,
+# Q4_K 9.6 / 10.8 / 12.2, down Q4_K 7.6 / 8.7 / 8.7, gpt-oss-20b's MXFP4 gate+up 18.4 / 20.3 /
+# 20.6: a block a pair keeps one chunk a lane in flight. One dense column, Q8_0 [5120, 2048]
+# 7.6 / 7.0 / 6.6 and [5120, 2880] 11.8 / 9.9 / 9.7: four (other types' dense rows not measured).
+_DENSE_ONE_COLUMN_UNROLL = {Q.Q8_0: 4}
+
+
+def launch_unroll(qtype: int, ncols: int, experts: bool) -> int:
+    """The chunks a lane has in flight where the Tuning leaves it open."""
+    if experts and ncols == 1:
+        return 1
+    if ncols == 1:
+        return _DENSE_ONE_COLUMN_UNROLL.get(qtype, 2)
+    return 2
+
+
+# The grouped expert launches' shapes, by (type, fused gate+up), where they measured faster than a
+# block a pair at 16 tokens on the H200 (gpu_matmul.py --grouped; docs/benchmarks.md, issue 30,
+# twelfth step): MXFP4 gate+up 181.8 against 227.9 us and down 117.6 against 130.7 (gpt-oss-20b's
+# layer), Q8_0 gate+up 81.7 against 103.1 (qwen3-30b-a3b's); Q8_0's down, Q4_K and 4 columns
+# measured slower. A pair gives the same bits grouped or not, at any shape.
+_GROUPED = {(Q.MXFP4, True): (4, 2, 1), (Q.MXFP4, False): (4, 2, 1), (Q.Q8_0, True): (0, 2, 2)}  # min_blocks, cols, unroll
 
 
 def expert_tuning(qtype: int, glu: bool, grouped: bool) -> Tuning | None:
     """The expert launch's Tuning; None for a grouped launch where grouping does not pay."""
-    unroll = _EXPERT_UNROLL.get(qtype, DEFAULT.unroll)
     if not grouped:
-        return Tuning(unroll=unroll)
+        return DEFAULT
     shape = _GROUPED.get((qtype, glu))
     if shape is None:
         return None
-    return Tuning(unroll=unroll, min_blocks=shape[0], group_cols=shape[1])
+    return Tuning(min_blocks=shape[0], group_cols=shape[1], unroll=shape[2])
 
 
 def _prepare(w, w2, qtype, k, act, ids, slot_of, act_t, act_a, bias, bias2, out, ncols, grid_y,
@@ -367,8 +382,9 @@ def _prepare(w, w2, qtype, k, act, ids, slot_of, act_t, act_a, bias, bias2, out,
     n = tuple(w.shape)[-2]
     lpr = tuning.lpr or choose_lpr(k)
     warps = 1 if SIMULATOR else tuning.warps  # simulated threads are Python threads
+    unroll = tuning.unroll or launch_unroll(qtype, ncols, ids is not None)
     kern = _kernel(qtype, ncols, lpr, warps, ids is not None, bias is not None, glu,
-                   tuning.unroll, wh is not None, tuning.min_blocks if ncols > 1 else 0,
+                   unroll, wh is not None, tuning.min_blocks if ncols > 1 else 0,
                    groups is not None)
     rows_per_block = warps * 32 // lpr
     grid = ((n + rows_per_block - 1) // rows_per_block, grid_y)

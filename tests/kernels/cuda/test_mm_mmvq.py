@@ -213,7 +213,7 @@ def test_grouped_experts_give_each_pair_its_own_bits(qt, proj, cols):
                          ids=["MXFP4-glu", "MXFP4-down", "Q8_0-glu"])
 def test_the_backends_grouped_shapes_keep_each_pairs_bits(qt, glu):
     """expert_tuning's grouped launch against its launch a block a pair, as the backend makes
-    them (their unroll the same, so their sums' order)."""
+    them (a pair's sums run in the same order at any launch shape)."""
     rng = np.random.default_rng(110 + qt)
     k, raw, slot_of = _experts(qt, rng)
     ids = _SHARED_IDS
