@@ -183,12 +183,13 @@ class Backend(Protocol):
 
     def attention(self, layer: int, q: Array, k: Array, v: Array, step: Step, scale: float, window: int,
                   sinks: Array | None, rope: Rope | None = None, q_norm: Array | None = None,
-                  k_norm: Array | None = None, eps: float = 0.0) -> Array:
+                  k_norm: Array | None = None, eps: float = 0.0, into: QWeight | None = None) -> Array:
         """Store k [T, Hkv, Dh] and v [T, Hkv, Dv] in layer `layer` of each sequence's cache, then
         attend each query row q [T, H, Dh] causally to its own sequence's cells (GQA: head h reads
         KV head h // (H / Hkv)). window: sliding window (0 = full); sinks: [H] extra logit per
         head or None. rope: q and k are first normed and rotated as rope_qk does (a backend may
-        fuse that with storing k). -> [T, H, Dv]"""
+        fuse that with storing k). -> [T, H, Dv]; with `into` (the weight of the linear the output
+        goes straight to): [T, H*Dv], which a backend may hand over with that linear's input made."""
         ...
 
     def glu(self, gate: Array, up: Array, kind: str, alpha: float = 0.0, limit: float = 0.0) -> Array:

@@ -255,7 +255,11 @@ class CPUBackend:
         return table
 
     def attention(self, layer, q, k, v, step: Step, scale, window, sinks, rope=None, q_norm=None, k_norm=None,
-                  eps=0.0) -> np.ndarray:
+                  eps=0.0, into=None) -> np.ndarray:
+        out = self._attention(layer, q, k, v, step, scale, window, sinks, rope, q_norm, k_norm, eps)
+        return out if into is None else out.reshape(out.shape[0], -1)
+
+    def _attention(self, layer, q, k, v, step: Step, scale, window, sinks, rope, q_norm, k_norm, eps) -> np.ndarray:
         if rope is not None:
             q, k = self.rope_qk(q, k, step, rope, q_norm, k_norm, eps)
         ggml = self.numerics == "ggml"

@@ -766,8 +766,11 @@ class CUDABackend:
 
     @_guarded
     def attention(self, layer, q, k, v, step: Step, scale, window, sinks, rope=None, q_norm=None, k_norm=None,
-                  eps=0.0):
-        """With rope, one launch norms and rotates q and k and stores k and v (norm_rope_qk's append)."""
+                  eps=0.0, into=None):
+        """With rope, one launch norms and rotates q and k and stores k and v (norm_rope_qk's append).
+        into (the linear's weight the output goes to, returned [T, H*Dv]): when one chunk launch
+        covers the call (a decode step) and the weight reads q8_1, its combine writes those blocks
+        too (no quantize launch)."""
         q, k, v = self._dev(q), self._dev(k), self._dev(v)
         cache = step.caches[0]
         pool: KVPool = cache.pool
@@ -790,6 +793,9 @@ class CUDABackend:
         out = self._empty((T, H, Dv), _F32)
         sinks = None if sinks is None else self._dev(sinks)
         tiles, runs = self._attention_parts(step, H, kc.shape[2], Dh, Dv)
+        one_launch = tiles is None and len(runs) == 1
+        quantized = into is not None and self._weight(into).ggml_type not in FLOAT_ACT
+        q8 = _q8_room(self._empty, T, H * Dv) if quantized and one_launch and Dv % QK8_1 == 0 else None
         if tiles is not None:
             flash.attention_flash(q, kc, vc, slots, positions, tiles, scale, window, sinks, out, stream=self.stream)
         for r0, r1, one_slot in runs:
@@ -797,8 +803,9 @@ class CUDABackend:
                 return a if whole else a[r0:r1]
 
             attn.attention(rows(q), kc, vc, rows(slots), rows(positions), scale, window, sinks, rows(out),
-                           self._work_for(r1 - r0, H, pool, Dv), max_cells, one_slot=one_slot, stream=self.stream)
-        return out
+                           self._work_for(r1 - r0, H, pool, Dv), max_cells, one_slot=one_slot, q8=q8,
+                           stream=self.stream)
+        return out if into is None else _with_q8_1(out.reshape(T, H * Dv), q8)
 
     def _attention_parts(self, step: Step, n_head: int, n_head_kv: int, dh: int, dv: int):
         """Which rows take the flash kernel (its tiles on the device, or None) and which runs of

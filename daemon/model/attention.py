@@ -75,8 +75,9 @@ class Attention:
         v = v.reshape(T, Hkv, Dv)
         head_norms = fam.qk_norm == "head"  # per-head norms, then RoPE, inside the attention op
         out = B.attention(il, q, k, v, step, 1.0 / np.sqrt(Dh), self.window, self.sinks, hp.rope,
-                          self.q_norm if head_norms else None, self.k_norm if head_norms else None, eps)  # [T, H, Dv]
-        out = out.reshape(T, H * Dv)
+                          self.q_norm if head_norms else None, self.k_norm if head_norms else None, eps,
+                          into=self.wo if gate is None else None)  # [T, H*Dv] (gated: [T, H, Dv])
         if gate is not None:
+            out = out.reshape(T, H * Dv)
             out = B.sigmoid_mul(out, gate.reshape(T, H * Dh))
         return B.linear(out, self.wo, step, self.bo)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from daemon.backend import Step
+from daemon.kernels import quants as Q
 
 from . import reference as R
 
@@ -96,3 +97,30 @@ def test_attention_with_rope_is_rope_qk_then_attention(backend, normed):
             outs.append(backend.to_host(out))
             cache.n_past += n
         assert np.array_equal(outs[1], outs[0]) and np.isfinite(outs[0]).all()
+
+
+@pytest.mark.parametrize("qt", [Q.F32, Q.Q8_0], ids=["F32", "Q8_0"])
+@pytest.mark.parametrize("counts", [(1, 1), (5,)], ids=["decode", "prefill"])
+def test_attention_into_a_linear_gives_the_plain_bits(backend, qt, counts):
+    """attention(..., into=w) is the plain output as [T, H*Dv] (on a GPU carrying the q8_1 blocks
+    its combine wrote), and the linear it goes to gives the bits of that linear on the plain
+    output, whose blocks the linear makes itself."""
+    H, Hkv, Dh, Dv = 4, 2, 32, 32  # value heads of 32: one q8_1 block a head
+    hp = R.small_hparams(n_layer=1, n_head=H, n_head_kv=Hkv, head_dim=Dh, head_dim_v=Dv)
+    rng = np.random.default_rng(30 + len(counts))
+    w = backend.upload(R.qweight(qt, 24, H * Dv, rng))
+    q, k, v = _rows(rng, sum(counts), H, Hkv, Dh, Dv)
+    outs = []
+    for into in (None, w):
+        caches = [backend.new_cache(hp, 8) for _ in counts]
+        for c, n in zip(caches, counts):
+            c.reserve(n)
+        step = Step.append([np.zeros(n, np.int64) for n in counts], caches, True)
+        out = backend.attention(0, q, k, v, step, 0.3, 0, None, into=into)
+        if into is None:
+            out = backend.to_host(out).reshape(step.T, H * Dv)  # a new array: no q8_1 blocks of its own
+        outs.append((backend.to_host(out), backend.to_host(backend.linear(out, w, step))))
+    (plain, plain_y), (flat, y) = outs
+    assert flat.shape == (sum(counts), H * Dv)
+    assert np.array_equal(flat.view(np.uint32), plain.view(np.uint32))
+    assert np.array_equal(y.view(np.uint32), plain_y.view(np.uint32))

@@ -55,6 +55,7 @@ from ...errors import UnsupportedError
 from .device import SIM, placeholder, upload, zero_fill
 from .ptx import f16_to_f32, ldg_u32, ldg_v4, warp_max, warp_sum
 from .launch import launch
+from .quantize import QK8_1, q8_1_quant, store_q8_1
 
 # cells per block, = threads per block: one thread per cell for the scores. The simulator runs each
 # thread in Python, so there the same code runs with chunks of 32 (the tests use CHUNK, so they
@@ -85,7 +86,7 @@ def _sees(p, lo, j0):
     return j0 <= p and j0 + CHUNK > lo
 
 
-def _make_partial(G: int, HB: int, RT: int, DH: int, FUSE: bool, DV: int):
+def _make_partial(G: int, HB: int, RT: int, DH: int, FUSE: bool, DV: int, Q8: bool = False):
     """The chunk kernel for G query heads per KV head, HB of them per block (HB divides G), tiles
     of RT query rows of one slot, key and value head sizes DH and DV, compiled with all as
     constants: the NP = HB*RT accumulators and a cell's DH keys stay in registers, and the loads
@@ -93,7 +94,12 @@ def _make_partial(G: int, HB: int, RT: int, DH: int, FUSE: bool, DV: int):
     RT (sums over d and over cells in ascending order), so a row's result is the same however the
     call groups it.
     FUSE: the last block of each (tile, head group) to finish combines its pairs' chunks (the
-    combine kernel's arithmetic, `_combine_one`), so a call is one launch."""
+    combine kernel's arithmetic, `_combine_one`), so a call is one launch.
+    Q8 (with FUSE, DV a multiple of 32): the combine also writes its rows' q8_1 blocks (the o
+    projection's input: no quantize launch). A warp's 32 values of a combine round are one block
+    (one pair, 32 aligned dims), and a block's bits do not depend on the order of its max and sum."""
+    if Q8 and (not FUSE or DV % QK8_1):
+        raise UnsupportedError(f"attention: q8_1 output needs the fused combine and Dv a multiple of 32, not {DV}")
     NP = HB * RT
     NP2 = 2 * NP  # value sums a thread holds: two dims of each pair
     KW = DH // 2  # uint32 words of one cell's keys (two halves each)
@@ -185,14 +191,15 @@ def _make_partial(G: int, HB: int, RT: int, DH: int, FUSE: bool, DV: int):
 
     @cuda.jit
     def partial(q, k_cache, v_cache, slots, positions, scale, window, part_m, part_l, part_o, sinks, has_sinks,
-                out, done):
+                out, done, qs, ds):
         """One chunk of a tile of rows against HB heads of one KV head. Grid (NCH, H/HB,
         ceil(R/RT)), CHUNK threads. q: f32 [R, H, DH]; caches as the module doc; slots, positions:
         int32 [R] (the rows of a tile share slots[first row]); part_m, part_l: f32 [R, H, NCH]
         (chunk max score, sum of exps); part_o: f32 [R, H, NCH, Dv]. Pair i of the tile is row
         i // HB, head h0 + i % HB, h0 = blockIdx.y * HB. With FUSE: sinks f32 [H] (read when
         has_sinks), out f32 [R, H, Dv], done int32 [>= grid y * z] ticket counters, zero between
-        launches (the last block of a (tile, group) sets its own back)."""
+        launches (the last block of a (tile, group) sets its own back). With Q8: qs int8
+        [R, H*Dv], ds f32 [R, H*Dv/32, 2], out's q8_1 blocks (quantize.py's layout)."""
         c = cuda.blockIdx.x
         h0 = cuda.blockIdx.y * HB
         kh = h0 // G
@@ -362,9 +369,15 @@ def _make_partial(G: int, HB: int, RT: int, DH: int, FUSE: bool, DV: int):
                 for e in range(tid, NP * DV, CHUNK):
                     i = e // DV
                     row = i // HB
-                    if r0 + row < R:
-                        _combine_one(part_m, part_l, part_o, r0 + row, h0 + i - row * HB, e - i * DV, pos[row],
-                                     window, sinks, has_sinks, out)
+                    if r0 + row < R:  # the same for a warp's 32 lanes (DV is a multiple of 32)
+                        h = h0 + i - row * HB
+                        d = e - i * DV
+                        v = _combine_one(part_m, part_l, part_o, r0 + row, h, d, pos[row], window, sinks,
+                                         has_sinks, out)
+                        if Q8:
+                            amax = warp_max(abs(v), 32)
+                            qv = q8_1_quant(v, amax, True)
+                            store_q8_1(qv, amax, warp_sum(qv, 32), True, qs, ds, _U(r0 + row), _U(h * DV + d))
                 if tid == 0:
                     done[at] = 0
 
@@ -374,8 +387,8 @@ def _make_partial(G: int, HB: int, RT: int, DH: int, FUSE: bool, DV: int):
 _PARTIAL = {}
 
 
-def _partial_kernel(G: int, HB: int, RT: int, DH: int, fuse: bool, DV: int):
-    key = (G, HB, RT, DH, fuse, DV)
+def _partial_kernel(G: int, HB: int, RT: int, DH: int, fuse: bool, DV: int, q8: bool = False):
+    key = (G, HB, RT, DH, fuse, DV, q8)
     kern = _PARTIAL.get(key)
     if kern is None:
         kern = _PARTIAL[key] = _make_partial(*key)
@@ -387,7 +400,7 @@ _COMBINE_LOADS = 8  # chunks whose partials a combining thread loads together
 
 @cuda.jit(device=True, inline=True)
 def _combine_one(part_m, part_l, part_o, r, h, d, p, window, sinks, has_sinks, out):
-    """out[r, h, d] from the chunks of row r (at position p) in ascending order. The partials of
+    """out[r, h, d] (also returned) from the chunks of row r (at position p) in ascending order. The partials of
     _COMBINE_LOADS chunks are loaded together (indices clamped to the last chunk): two round
     trips to memory for a row of up to that many chunks, not three a chunk one after another. The sums run over the chunks in the same order either way."""
     c0 = _U(_visible(p, window) // CHUNK)
@@ -423,7 +436,9 @@ def _combine_one(part_m, part_l, part_o, r, h, d, p, window, sinks, has_sinks, o
         c += _U(_COMBINE_LOADS)
     if has_sinks:
         total += math.exp(sinks[h] - m)
-    out[r, h, d] = acc * (np.float32(1.0) / total)
+    y = acc * (np.float32(1.0) / total)
+    out[r, h, d] = y
+    return y
 
 
 @cuda.jit
@@ -502,7 +517,7 @@ def kv_append(k_new, v_new, slots, positions, k_cache, v_cache, stream=0) -> Non
 
 def attention(q, k_cache, v_cache, slots, positions, scale: float, window: int, sinks, out, work: AttentionWork,
               max_cells: int, one_slot: bool = False, tile_rows: int | None = None, fused: bool = True,
-              stream=0) -> None:
+              q8=None, stream=0) -> None:
     """Causal attention of R query rows against their slots' cells (see the module doc).
 
     q: device f32 [R, H, Dh]; slots, positions: device int32 [R]; sinks: device f32 [H] or None;
@@ -516,7 +531,9 @@ def attention(q, k_cache, v_cache, slots, positions, scale: float, window: int, 
     on the tiling.
 
     fused: one launch (the last chunk block of a tile's heads combines them); False: the chunk
-    kernel, then a combine kernel (the same arithmetic, so the same bits: the tests' reference)."""
+    kernel, then a combine kernel (the same arithmetic, so the same bits: the tests' reference).
+    q8: (qs int8 [R, H*Dv], ds f32 [R, H*Dv/32, 2]) to fill with out's q8_1 blocks as well, as
+    quantize_q8_1 would (fused only; Dv a multiple of 32)."""
     R, H, Dh = q.shape
     Hkv = k_cache.shape[2]
     Dv = v_cache.shape[4]
@@ -545,9 +562,15 @@ def attention(q, k_cache, v_cache, slots, positions, scale: float, window: int, 
     while hb % 2 == 0 and nch * (H // hb) * tiles < _FEW_BLOCKS:
         hb //= 2
     sinks_arg = sinks if has_sinks else placeholder(np.float32)
-    launch(_partial_kernel(G, hb, rt, Dh, fused, Dv), (nch, H // hb, tiles), CHUNK, stream,
+    if q8 is None:
+        qs, ds = placeholder(np.int8, 2), placeholder(np.float32, 3)
+    else:
+        qs, ds = q8
+        if qs.shape != (R, H * Dv) or ds.shape != (R, H * Dv // QK8_1, 2):
+            raise ValueError(f"attention: q8_1 blocks {qs.shape} {ds.shape} for out {out.shape}")
+    launch(_partial_kernel(G, hb, rt, Dh, fused, Dv, q8 is not None), (nch, H // hb, tiles), CHUNK, stream,
         q, k_cache, v_cache, slots, positions, np.float32(scale), np.int32(window), work.part_m, work.part_l,
-        work.part_o, sinks_arg, has_sinks, out, work.done)
+        work.part_o, sinks_arg, has_sinks, out, work.done, qs, ds)
     if fused:
         return
     threads = 32

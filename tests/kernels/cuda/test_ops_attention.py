@@ -190,3 +190,33 @@ def test_fused_combine_gives_the_two_launch_bits(case):
     assert not np.isnan(outs[0]).any() and np.array_equal(outs[1], outs[0])
     np.testing.assert_allclose(outs[0], _ref(q.copy_to_host(), kc, vc, slots, positions, 0.4, case["window"],
                                              sinks.copy_to_host()), rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("case", FUSED, ids=["decode", "prefill-tiles"])
+def test_a_combine_writing_q8_1_gives_quantize_q8_1s_bits(case):
+    """The fused combine's q8_1 blocks (the o projection's input) are quantize_q8_1 of its output,
+    bit for bit, and the output is the plain launch's; value heads of 64 make two blocks a head."""
+    from daemon.kernels.cuda.quantize import quantize_q8_1
+
+    dv = 64
+    rng = np.random.default_rng(22)
+    slots, positions = case["slots"], case["positions"]
+    _, _, dk, dvc, ds, dp = filled_cache(rng, (C, S, HKV, DH, dv), slots, positions)
+    R = len(slots)
+    q = cuda.to_device(rng.standard_normal((R, H, DH)).astype(np.float32))
+    sinks = cuda.to_device(rng.standard_normal(H).astype(np.float32))
+    work = AttentionWork(R, H, C, dv)
+    outs = []
+    for q8 in (None, (cuda.device_array((R, H * dv), np.int8), cuda.device_array((R, H * dv // 32, 2), np.float32))):
+        out = cuda.to_device(np.full((R, H, dv), np.nan, np.float32))
+        attention(q, dk, dvc, ds, dp, 0.4, case["window"], sinks, out, work, max(positions) + 1,
+                  one_slot=case["one_slot"], tile_rows=2, q8=q8)
+        outs.append(out.copy_to_host())
+    assert not np.isnan(outs[0]).any() and np.array_equal(outs[1].view(np.uint32), outs[0].view(np.uint32))
+    qs, dsc = q8
+    ref_qs, ref_ds = quantize_q8_1(cuda.to_device(outs[0].reshape(R, H * dv)))
+    assert np.array_equal(qs.copy_to_host(), ref_qs.copy_to_host())
+    assert np.array_equal(dsc.copy_to_host().view(np.uint32), ref_ds.copy_to_host().view(np.uint32))
+    assert np.abs(qs.copy_to_host()).max() == 127  # not all zero: a block's largest value is 127
+    with pytest.raises(UnsupportedError):  # the two-launch form has no combine to write them
+        attention(q, dk, dvc, ds, dp, 0.4, 0, sinks, out, work, max(positions) + 1, fused=False, q8=q8)
