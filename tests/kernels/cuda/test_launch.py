@@ -61,3 +61,70 @@ def test_fast_launch_matches_the_dispatcher():
         np.testing.assert_array_equal(a, b)
     assert not np.isnan(results[1][0]).any()
     assert np.isnan(results[1][1][1::2]).all() and not np.isnan(results[1][1][::2]).any()
+
+
+if not SIMULATOR:
+    from daemon.kernels.cuda.ptx import grid_wait, launch_dependents
+
+    @launch_mod.overlapping
+    @cuda.jit
+    def _late_double(x, out):
+        """out = 2x, block 0 written last (its first thread sleeps first)."""
+        grid_wait()
+        launch_dependents()
+        i = cuda.grid(1)
+        if cuda.blockIdx.x == 0:
+            if cuda.threadIdx.x == 0:
+                for _ in range(20):
+                    cuda.nanosleep(50000)
+            cuda.syncthreads()
+        if i < x.size:
+            out[i] = x[i] * np.float32(2.0)
+
+    @launch_mod.overlapping
+    @cuda.jit
+    def _plus_one(y, out):
+        grid_wait()
+        launch_dependents()
+        i = cuda.grid(1)
+        if i < y.size:
+            out[i] = y[i] + np.float32(1.0)
+
+
+@gpu_only
+def test_overlapped_launches_keep_the_order_of_their_results():
+    """A kernel launched to overlap the one before it (launch.overlapping) reads that kernel's
+    output only after it is complete: eagerly and replayed from a captured graph, a consumer of
+    a producer whose first block finishes late (about 1 ms) sees every value, as with plain
+    launches."""
+    from daemon.backend.cuda_graphs import GraphCache, HostClock, nonblocking_stream
+
+    stream = nonblocking_stream()
+    n = 64 * 256
+    x = cuda.to_device(np.arange(n, dtype=np.float32), stream=stream)
+    mid = cuda.device_array(n, np.float32, stream=stream)
+    out = cuda.device_array(n, np.float32, stream=stream)
+
+    def chain():
+        launch_mod.launch(_late_double, n // 256, 256, stream, x, mid)
+        launch_mod.launch(_plus_one, n // 256, 256, stream, mid, out)
+        return out
+
+    want = 2 * np.arange(n, dtype=np.float32) + 1
+    for overlap in (False, True):
+        launch_mod.OVERLAP = overlap
+        try:
+            for _ in range(3):
+                mid.copy_to_device(np.full(n, np.nan, np.float32), stream=stream)
+                chain()
+                np.testing.assert_array_equal(out.copy_to_host(stream=stream), want)
+        finally:
+            launch_mod.OVERLAP = True
+    if cuda.get_current_device().compute_capability >= (9, 0):
+        assert launch_mod._CONFIGS, "no launch took the overlapped path"
+    graph = GraphCache().capture("chain", stream, chain)
+    for k in range(3):
+        x.copy_to_device(np.arange(n, dtype=np.float32) * (k + 1), stream=stream)
+        mid.copy_to_device(np.full(n, np.nan, np.float32), stream=stream)
+        graph.launch(stream, HostClock())
+        np.testing.assert_array_equal(out.copy_to_host(stream=stream), 2 * (k + 1) * np.arange(n, dtype=np.float32) + 1)
