@@ -13,7 +13,6 @@ step minus that is the host's (Python, launches).
 --launch fast,dispatcher: the same with kernels launched through daemon/kernels/cuda/launch.py's
 cached cuda.core path and through numba's dispatcher (eager steps differ; graph replays do not).
 The cProfile of one prefill is printed too (eager: host time per launch).
---overlap 0: kernels launched plainly (launch.py's overlapped launches off), to compare.
 --kernels N (needs PyTorch, whose profiler reads CUPTI): the GPU time of each kernel over N
 graph-replayed decode steps, by kernel, per step, against the step's wall time (the rest is gaps
 between kernels and the graph launch); then the same for N steps of --batch sequences and for one
@@ -61,8 +60,6 @@ def main() -> None:
     ap.add_argument("--launch", default="fast", help="fast: cached cuda.core launches, dispatcher: numba's, or both")
     ap.add_argument("--dp4a", action="store_true", help="prefill's tiled matmuls with dp4a, not the tensor cores")
     ap.add_argument("--mma-shapes", default="", help="WM,WN,TM,TN[;WM,WN,TM,TN]: the tensor-core tiles (wide; narrow)")
-    ap.add_argument("--overlap", type=int, default=1,
-                    help="0: every kernel launched plainly, none overlapping the one before (launch.OVERLAP)")
     ap.add_argument("--json")
     args = ap.parse_args()
     from numba import cuda
@@ -82,7 +79,6 @@ def main() -> None:
     print(f"load {load_s:.1f} s, VRAM {backend.vram_bytes() / 2**20:,.0f} MiB ({backend.memory_note()})", flush=True)
     from daemon.kernels.cuda import launch
 
-    launch.OVERLAP = bool(args.overlap)
     rows = []
     for mode in [v.strip() for v in args.launch.split(",")]:
         launch.FAST = mode == "fast"

@@ -12,7 +12,7 @@
 #       (/tmp/lcp/build/bin).
 #   device call 2, 3 (at once after the last, while the machine is warm):
 #                   eval "$(bash .device/bootstrap.sh)"; bash benchmarks/gpu_lease.sh ab /tmp/q8.gguf q8
-#       gpu_decode.py at this checkout ("new"; "plain": with --overlap 0) and at old.tgz ("old"), then llama-bench -fa 0,1 and
+#       gpu_decode.py at this checkout ("new") and at old.tgz ("old"), then llama-bench -fa 0,1 and
 #       llama-batched-bench B=1,16; logs and JSON to $OUT (6 files).
 # A machine goes back 30 s after a call: a later call starts a bare one (minutes of device time).
 set -uo pipefail
@@ -68,12 +68,9 @@ case ${1:-} in
     wait_for /tmp/$tag.done 540 || exit 1
     [ -d /tmp/old/daemon ] || { mkdir -p /tmp/old && tar xzf $dev/old.tgz -C /tmp/old; }
     for v in $versions; do
-      # plain: this checkout with every kernel launched plainly (none overlapping the one before)
-      extra=""
       if [ "$v" = old ]; then d=/tmp/old; else d=$PWD; fi
-      if [ "$v" = plain ]; then extra="--overlap 0"; fi
       (cd $d && PYTHONPATH=$d:${PYTHONPATH:-} timeout 240 python3 benchmarks/gpu_decode.py "$model" --prompt 512 \
-        --steps 64 --batch 16 --profile 0 --graphs 1 --kernels 4 $extra --json "$out/decode-$tag-$v.json" \
+        --steps 64 --batch 16 --profile 0 --graphs 1 --kernels 4 --json "$out/decode-$tag-$v.json" \
         > "$out/decode-$tag-$v.log" 2>&1)
       echo "== $v rc=$?"
       grep -E "GPU busy" "$out/decode-$tag-$v.log"

@@ -53,8 +53,8 @@ from numba import cuda
 
 from ...errors import UnsupportedError
 from .device import SIM, placeholder, upload, zero_fill
-from .ptx import f16_to_f32, grid_wait, launch_dependents, ldg_u32, ldg_v4, warp_max, warp_sum
-from .launch import launch, overlapping
+from .ptx import f16_to_f32, ldg_u32, ldg_v4, warp_max, warp_sum
+from .launch import launch
 from .quantize import QK8_1, q8_1_quant, store_q8_1
 
 # cells per block, = threads per block: one thread per cell for the scores. The simulator runs each
@@ -189,7 +189,6 @@ def _make_partial(G: int, HB: int, RT: int, DH: int, FUSE: bool, DV: int, Q8: bo
             o[2 * i] = lo_s
             o[2 * i + 1] = hi_s
 
-    @overlapping
     @cuda.jit
     def partial(q, k_cache, v_cache, slots, positions, scale, window, part_m, part_l, part_o, sinks, has_sinks,
                 out, done, qs, ds):
@@ -201,8 +200,6 @@ def _make_partial(G: int, HB: int, RT: int, DH: int, FUSE: bool, DV: int, Q8: bo
         has_sinks), out f32 [R, H, Dv], done int32 [>= grid y * z] ticket counters, zero between
         launches (the last block of a (tile, group) sets its own back). With Q8: qs int8
         [R, H*Dv], ds f32 [R, H*Dv/32, 2], out's q8_1 blocks (quantize.py's layout)."""
-        grid_wait()  # the kernels before this one are done (launch.overlapping)
-        launch_dependents()
         c = cuda.blockIdx.x
         h0 = cuda.blockIdx.y * HB
         kh = h0 // G

@@ -24,8 +24,7 @@ import numpy as np
 from numba import cuda
 
 from .device import placeholder, sigmoid
-from .launch import launch, overlapping
-from .ptx import grid_wait, launch_dependents
+from .launch import launch
 
 _THREADS = 128
 _U = np.uint32
@@ -35,12 +34,9 @@ def _grid(n: int) -> int:
     return (n + _THREADS - 1) // _THREADS
 
 
-@overlapping
 @cuda.jit
 def _glu(gate, up, oai, alpha, limit, gate_bias, up_bias, has_bias, ids, out):
     """gate, up, out: f32 [P, F]; gate_bias, up_bias: f32 [E, F] by ids[p] (read when has_bias)."""
-    grid_wait()  # the kernels before this one are done (launch.overlapping)
-    launch_dependents()
     idx = cuda.grid(1)
     P, F = out.shape
     if idx >= P * F:
@@ -67,13 +63,10 @@ def _mix_kernel(A: int):
     with A a run-time bound they were waited for one after another). Indices are unsigned (no
     negative-index fix-ups)."""
 
-    @overlapping
     @cuda.jit
     def _moe_mix(y, weights, rows, has_rows, down_bias, ids, has_bias, out):
         """y: f32 [P, D]; weights: f32 [T, A]; rows: int32 [T, A] rows of y (else t*A + a);
         down_bias: f32 [E, D] by ids [T, A] (read when has_bias); out: f32 [T, D]."""
-        grid_wait()  # the kernels before this one are done (launch.overlapping)
-        launch_dependents()
         idx = _U(cuda.grid(1))
         T = _U(out.shape[0])
         D = _U(out.shape[1])

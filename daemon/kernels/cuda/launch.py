@@ -24,13 +24,6 @@ how many overloads were compiled and how many loaded.
 
 Under the simulator (no GPU), with stream 0, and while `FAST` is off (benchmarks compare the two)
 this is the dispatcher launch itself, and nothing is cached.
-
-Overlapped launches (programmatic dependent launch, sm_90+): a kernel marked `overlapping` does
-nothing with memory that earlier kernels write, read or written, before its `ptx.grid_wait()`, and
-calls `ptx.launch_dependents()` after it. It is launched with programmatic stream serialization,
-so its blocks start while the kernel before it runs: the launch gap and its own set-up (a GEMV's
-L2 prefetch of its weights) overlap that kernel, and the wait keeps the order of every result. A
-stream capture keeps these edges in the graph. `OVERLAP` off (benchmarks) launches them plainly.
 """
 
 from __future__ import annotations
@@ -57,18 +50,6 @@ _LOCK = threading.Lock()  # a signature's one parameter buffer, packed and launc
 COUNTS = {"compiled": 0, "cached": 0}  # fast-path overloads compiled here vs loaded from the disk cache
 RESOLVED: collections.Counter = collections.Counter()  # kernel name -> overloads compiled or loaded
 RECORD: list[str] | None = None  # a list: each launch appends its kernel's name (launches a step, tests)
-OVERLAP = True  # overlapping kernels launched to overlap the kernel before them (module doc)
-_OVERLAPPING: set = set()  # the kernels marked `overlapping`
-_CONFIGS: dict = {}  # (dims, stream handle) -> the CUlaunchConfig of an overlapped launch
-_HOPPER: list = []  # [whether the current device is sm_90+], once per process
-
-
-def overlapping(kernel):
-    """Marks a kernel that waits for the grid before it (ptx.grid_wait) before it touches memory
-    other kernels write, then calls ptx.launch_dependents: it may be launched to overlap the
-    kernel before it (module doc). -> the kernel."""
-    _OVERLAPPING.add(kernel)
-    return kernel
 
 
 def launch(kernel, grid, block, stream, *args) -> None:
@@ -89,45 +70,11 @@ def launch(kernel, grid, block, stream, *args) -> None:
         else:
             flat.append(a)
     dims = _DIMS.get((grid, block)) or _dims(grid, block)
-    handle = int(stream.handle)
-    config = _config(dims, handle) if OVERLAP and kernel in _OVERLAPPING and _hopper() else None
     with _LOCK:
         sig.params.pack_into(sig.buf, 0, *flat)
-        if config is None:
-            err, = drv().cuLaunchKernel(sig.func, *dims, 0, handle, sig.pointers, 0)
-        else:
-            err, = drv().cuLaunchKernelEx(config, sig.func, sig.pointers, 0)
+        err, = drv().cuLaunchKernel(sig.func, *dims, 0, int(stream.handle), sig.pointers, 0)
     if err:
         check((err,))
-
-
-def _hopper() -> bool:
-    if not _HOPPER:
-        from numba import cuda
-
-        _HOPPER.append(cuda.get_current_device().compute_capability >= (9, 0))
-    return _HOPPER[0]
-
-
-def _config(dims: tuple, stream: int):
-    """The launch configuration of an overlapped launch: grid, block and stream, programmatic
-    stream serialization allowed."""
-    config = _CONFIGS.get((dims, stream))
-    if config is None:
-        d = drv()
-        if len(_CONFIGS) >= _MAX_DIMS:
-            _CONFIGS.clear()
-        attr = d.CUlaunchAttribute()
-        attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        attr.value.programmaticStreamSerializationAllowed = 1
-        config = d.CUlaunchConfig()
-        config.gridDimX, config.gridDimY, config.gridDimZ, config.blockDimX, config.blockDimY, config.blockDimZ = dims
-        config.sharedMemBytes = 0
-        config.hStream = d.CUstream(stream)
-        config.attrs = [attr]
-        config.numAttrs = 1
-        _CONFIGS[(dims, stream)] = config
-    return config
 
 
 class _Signature:

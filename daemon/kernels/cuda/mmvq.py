@@ -46,16 +46,12 @@ from ...errors import UnsupportedError
 from .. import quants as Q
 from ..quants import block_size, type_name
 from .layout import GPU_TYPES, repacked_stride
-from .ptx import SIMULATOR, device, grid_wait, launch_dependents, prefetch_l2, warp_sum
+from .ptx import SIMULATOR, device, warp_sum
 from .vecdot import FLOAT_ACT, VALUES, VECDOT
 from .device import upload
-from .launch import launch, overlapping
+from .launch import launch
 
 MAX_COLS = 16
-# a dense matrix up to this size is prefetched into L2 (50 MB on the H100 and H200) by its
-# launch while the kernel before it runs (launch.overlapping); the output head is far larger
-_PREFETCH_BYTES = 24 << 20
-_LINE = 128  # bytes an L2 prefetch fetches
 GLU_NONE, GLU_SWIGLU, GLU_SWIGLU_OAI = 0, 1, 2
 _GLU = {"swiglu": GLU_SWIGLU, "swiglu_oai": GLU_SWIGLU_OAI}
 _F1 = np.float32(1.0)
@@ -128,16 +124,6 @@ def _build(qtype: int, ncols: int, lpr: int, warps: int, ids_mode: bool, has_bia
         tid = cuda.threadIdx.x
         row = cuda.blockIdx.x * rows_per_block + tid // lpr
         lane = tid % lpr
-        if not ids_mode and not grouped and row < n and n * stride <= _PREFETCH_BYTES:
-            # a dense row's weights do not depend on the kernels before: into L2 while they run
-            off = lane * _LINE
-            while off < stride:
-                prefetch_l2(W, row * stride + off)
-                if two:
-                    prefetch_l2(W2, row * stride + off)
-                off += lpr * _LINE
-        grid_wait()  # the kernels before this one are done (launch.overlapping)
-        launch_dependents()
         a = 0
         e = 0
         slot = 0
@@ -265,10 +251,10 @@ def _build(qtype: int, ncols: int, lpr: int, warps: int, ids_mode: bool, has_bia
     kernel.__name__ = kernel.__qualname__ = (f"mmvq_{type_name(qtype)}_{mode}"
                                              f"{'_glu' if two else ''}{'_host' if host else ''}_c{ncols}_l{lpr}")
     if SIMULATOR or not min_blocks:  # _prepare passes 0 for one column
-        return overlapping(cuda.jit(kernel))
+        return cuda.jit(kernel)
     # at its default occupancy target ptxas sinks each column's loads to their dot products
     # (docs/benchmarks.md, Issue 30 tenth step); fewer blocks an SM let it hoist them
-    return overlapping(cuda.jit(kernel, launch_bounds=(warps * 32, min_blocks)))
+    return cuda.jit(kernel, launch_bounds=(warps * 32, min_blocks))
 
 
 _KERNELS: dict[tuple, object] = {}

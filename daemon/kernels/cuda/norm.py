@@ -31,8 +31,8 @@ import numpy as np
 from numba import cuda
 
 from .device import SIM, block_sum, placeholder
-from .launch import launch, overlapping
-from .ptx import grid_wait, launch_dependents, warp_max, warp_sum
+from .launch import launch
+from .ptx import warp_max, warp_sum
 from .quantize import QK8_1, q8_1_quant, store_q8_1
 
 _MAX_THREADS = 1024
@@ -49,8 +49,6 @@ def _make(add: bool, quant: bool, held: int):
     def row_norm(x, delta, bias, has_bias, w, eps, x_out, out, qs, ds):
         """x, delta, x_out, out: f32 [R, N] (x_out and out may be x); bias, w: f32 [N]; qs: int8
         [R, N] and ds: f32 [R, N/32, 2] (read only when quant). Grid R blocks."""
-        grid_wait()  # the kernels before this one are done (launch.overlapping)
-        launch_dependents()
         buf = cuda.shared.array(32, np.float32)
         r = _U(cuda.blockIdx.x)
         tid = _U(cuda.threadIdx.x)
@@ -102,9 +100,9 @@ def _make(add: bool, quant: bool, held: int):
                 store_q8_1(ws[u], amax[u], sums[u], i < N, qs, ds, r, i)
 
     if SIM:
-        return overlapping(cuda.jit(row_norm))
+        return cuda.jit(row_norm)
     # at most 64 registers a thread, so that 1,024 threads fit an SM
-    return overlapping(cuda.jit(row_norm, launch_bounds=(_MAX_THREADS,)))
+    return cuda.jit(row_norm, launch_bounds=(_MAX_THREADS,))
 
 
 def _shape(n: int) -> tuple[int, int]:

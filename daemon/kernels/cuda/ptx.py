@@ -46,12 +46,6 @@ twins check it, so a layout bug fails in CI rather than as a misaligned-address 
     warp_barrier()       the warp's lanes meet, and see each other's shared-memory writes: every
                          thread of the block must call it (the twin is a block barrier)
     f32_bits(x)          a float32's bits as uint32 (order_key, a float's sortable int64 key, uses it)
-    grid_wait()          waits until the kernels before this one in its stream have finished and
-                         their memory is visible (a no-op unless this launch overlapped them:
-                         launch.overlapping; nothing before sm_90)            griddepcontrol.wait
-    launch_dependents()  lets the next launch of the stream start (its blocks then run up to their
-                         own grid_wait)                           griddepcontrol.launch_dependents
-    prefetch_l2(arr, off)  the line holding byte off into L2, nothing returned  prefetch.global.L2
 """
 
 from __future__ import annotations
@@ -66,7 +60,7 @@ SIMULATOR = cuda.jit.__module__.startswith("numba.cuda.simulator")
 
 __all__ = ["SIMULATOR", "dp4a", "mma_k32", "mma_k16", "mma_f16", "pack_f16x2", "ldg_v4", "ldg_u32", "ldg_u16",
            "ldg_u8", "prmt", "f16_to_f32", "bits_to_f32", "f32_bits", "order_key", "round_f16", "device", "warp_sum",
-           "warp_max", "warp_match", "warp_barrier", "grid_wait", "launch_dependents", "prefetch_l2"]
+           "warp_max", "warp_match", "warp_barrier"]
 
 
 if not SIMULATOR:
@@ -278,41 +272,6 @@ if not SIMULATOR:
 
         return types.float32(x), codegen
 
-    def _hopper() -> bool:
-        """The kernel being compiled targets sm_90 or later (numba compiles for the current
-        device): griddepcontrol exists there only."""
-        return cuda.get_current_device().compute_capability >= (9, 0)
-
-    def _barrier_asm(text):
-        @intrinsic
-        def barrier(typingctx):
-            def codegen(context, builder, sig, args):
-                if _hopper():  # before sm_90 a launch never overlaps the one before: nothing to wait for
-                    asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), text, "~{memory}", side_effect=True)
-                    builder.call(asm, [])
-                return context.get_dummy_value()
-
-            return types.void(), codegen
-
-        return barrier
-
-    grid_wait = _barrier_asm("griddepcontrol.wait;")
-    launch_dependents = _barrier_asm("griddepcontrol.launch_dependents;")
-
-    @intrinsic
-    def prefetch_l2(typingctx, arr, off):
-        if not _check_load(arr, off):
-            return None
-
-        def codegen(context, builder, sig, args):
-            addr = _address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ir.IntType(64)]), "prefetch.global.L2 [$0];", "l",
-                               side_effect=True)
-            builder.call(asm, [addr])
-            return context.get_dummy_value()
-
-        return types.void(arr, off), codegen
-
     def device(fn):
         """A device function, inlined into its callers by NVVM."""
         return cuda.jit(device=True, forceinline=True)(fn)
@@ -516,17 +475,6 @@ else:
 
     def warp_barrier():
         threading.current_thread().syncthreads()
-
-    def grid_wait():
-        pass  # the simulator runs one launch at a time
-
-    def launch_dependents():
-        pass
-
-    def prefetch_l2(arr, off):
-        off = int(off)
-        if off < 0 or off >= _flat_bytes(arr).size:
-            raise IndexError(f"prefetch at byte {off} outside {_flat_bytes(arr).size} bytes")
 
 
 @device

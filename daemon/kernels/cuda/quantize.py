@@ -26,8 +26,8 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from .ptx import grid_wait, launch_dependents, round_f16, warp_max, warp_sum
-from .launch import launch, overlapping
+from .ptx import round_f16, warp_max, warp_sum
+from .launch import launch
 
 QK8_1 = 32
 _U = np.uint32  # kernels index with unsigned values (store_q8_1)
@@ -61,11 +61,8 @@ def store_q8_1(q, amax, total, valid, qs, ds, r, c):
             ds[r, b, _U(1)] = round_f16(d * total)
 
 
-@overlapping
 @cuda.jit
 def _quantize_q8_1(x, qs, ds, n):
-    grid_wait()  # the kernels before this one are done (launch.overlapping)
-    launch_dependents()
     # x: float32 [R, K] -> qs: int8 [R, K], ds: float32 [R, K/32, 2]; one thread per value,
     # one warp per q8_1 block. Every thread reaches the warp reductions (none returns early).
     i = _U(cuda.grid(1))

@@ -24,8 +24,7 @@ from numba import cuda
 
 from .attention import KV_BLOCK
 from .device import block_sum, placeholder
-from .launch import launch, overlapping
-from .ptx import grid_wait, launch_dependents
+from .launch import launch
 
 _THREADS = 128
 MAX_HEAD = 1024  # values of one head norm_rope_qk holds (a thread each)
@@ -94,7 +93,6 @@ def _apply_rope_qk(q, k, cache, neox):
         _rotate(k, t, h - H, i, P, neox, c, s)
 
 
-@overlapping
 @cuda.jit
 def _norm_rope_qk(q, k, wq, wk, has_norm, eps, cache, neox, v, slots, positions, k_cache, v_cache, append):
     """In place: each head of q [T, H, Dh] and k [T, Hkv, Dh] RMS-normed with wq / wk [Dh] (when
@@ -105,8 +103,6 @@ def _norm_rope_qk(q, k, wq, wk, has_norm, eps, cache, neox, v, slots, positions,
     block also stores its rotated keys, as f16, and the head's values v [T, Hkv, Dv] in cell
     positions[t] of slot slots[t] of k_cache / v_cache (attention.kv_append's layout and
     conversion, from the same float32 values). Indices are unsigned (no negative-index fix-ups)."""
-    grid_wait()  # the kernels before this one are done (launch.overlapping)
-    launch_dependents()
     h = _U(cuda.blockIdx.x)
     t = _U(cuda.blockIdx.y)
     i = _U(cuda.threadIdx.x)

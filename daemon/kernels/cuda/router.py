@@ -39,8 +39,8 @@ from ...errors import UnsupportedError
 from ..quants import block_size, type_name
 from .device import SIM, placeholder
 from .layout import repacked_stride
-from .ptx import grid_wait, launch_dependents, order_key, warp_max, warp_sum
-from .launch import launch, overlapping
+from .ptx import order_key, warp_max, warp_sum
+from .launch import launch
 from .vecdot import FLOAT_ACT, VALUES, VECDOT
 
 MAX_EXPERTS = 1024
@@ -203,7 +203,6 @@ def _make_fused(qtype: int, PER: int, WARPS: int, EB: int, ROUTE: bool, NC: int 
     SEL = WARPS * MAX_USED
     route_row = _make_route_row(PER)
 
-    @overlapping
     @cuda.jit
     def router_fused(W, x, stride, k, bias, has_bias, softmax_first, norm_topk, scale, given, logits, ids, weights,
                      done):
@@ -213,8 +212,6 @@ def _make_fused(qtype: int, PER: int, WARPS: int, EB: int, ROUTE: bool, NC: int 
         ROUTE (one y), the block that finishes last (a ticket from `done`, int32 [1], which it
         sets back to 0) routes the rows, a warp a row (route_row).
         W: uint8 [E, stride] (repacked float rows, layout.py); x: f32 [T, K]."""
-        grid_wait()  # the kernels before this one are done (launch.overlapping)
-        launch_dependents()
         E = logits.shape[1]
         e0 = cuda.blockIdx.x * EB
         neb = min(EB, E - e0)
