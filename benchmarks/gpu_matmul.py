@@ -359,8 +359,9 @@ def fmt(r: dict) -> str:
 
 # columns a block and launch bounds (min_blocks 0: none) for the grouped experts' GEMV
 GROUP_TUNINGS = [Tuning(group_cols=c, min_blocks=mb, unroll=u)
-                 for c, mb, u in ((2, 1, 2), (2, 4, 2), (2, 0, 2), (2, 4, 1), (4, 1, 2), (4, 4, 2),
-                                  (4, 0, 2), (4, 8, 2), (4, 4, 1))]
+                 for c, mb, u in ((2, 0, 1), (2, 0, 2), (2, 0, 4), (2, 1, 2), (2, 4, 2), (2, 4, 1), (4, 1, 2),
+                                  (4, 4, 2), (4, 0, 2), (4, 8, 2), (4, 4, 1))]
+PAIR_UNROLLS = (1, 2, 4)  # a block a pair: the chunks a lane has in flight
 
 
 # (model, expert type, D, F, E, A; dense type, q/k/v rows, o's K)
@@ -416,6 +417,7 @@ def main() -> int:
     ap.add_argument("--grouped", action="store_true",
                     help="only the experts' GEMV at 2-16 tokens, a block a pair against pairs grouped by "
                          "expert (group_cols 2-16), qwen3-30b-a3b's layer (Q8_0, Q4_K) and gpt-oss-20b's (MXFP4)")
+    ap.add_argument("--types", default="", help="--grouped: only these expert types (Q8_0,Q4_K,MXFP4)")
     ap.add_argument("--decode", action="store_true",
                     help="only a one-token decode step's GEMVs (qwen3-30b-a3b, gpt-oss-20b) under each "
                          "lanes-per-row and unroll")
@@ -472,12 +474,16 @@ def main() -> int:
     if args.grouped:
         shapes = [(Q.Q8_0, (d, f, e, a))] if args.smoke else [
             (Q.Q8_0, (2048, 768, 128, 8)), (Q.Q4_K, (2048, 768, 128, 8)), (Q.MXFP4, (2880, 2880, 32, 4))]
+        if args.types:
+            shapes = [(qt, shape) for qt, shape in shapes if Q.type_name(qt) in args.types.split(",")]
         for qt, (gd, gf, ge, ga) in shapes:
             layer = ExpertLayer(qt, gd, gf, ge, rng)
-            for t in [2] if args.smoke else [16]:
+            for t in [2] if args.smoke else [1, 16]:
                 for proj in ("glu", "down"):
                     run(bench_experts, layer, proj, t, ga, rng)
-                    for tun in [Tuning(group_cols=2)] if args.smoke else GROUP_TUNINGS:
+                    for u in () if args.smoke else PAIR_UNROLLS:
+                        run(bench_experts, layer, proj, t, ga, rng, Tuning(unroll=u))
+                    for tun in [Tuning(group_cols=2)] if args.smoke or t == 1 else GROUP_TUNINGS:
                         run(bench_experts, layer, proj, t, ga, rng, tun, True)
             del layer
         if not SIMULATED:  # registers a thread of each expert kernel built (the launch bounds' effect)

@@ -768,9 +768,9 @@ class CUDABackend:
     def attention(self, layer, q, k, v, step: Step, scale, window, sinks, rope=None, q_norm=None, k_norm=None,
                   eps=0.0, into=None):
         """With rope, one launch norms and rotates q and k and stores k and v (norm_rope_qk's append).
-        into (the linear's weight the output goes to, returned [T, H*Dv]): when one chunk launch
-        covers the call (a decode step) and the weight reads q8_1, its combine writes those blocks
-        too (no quantize launch)."""
+        into (the linear's weight the output goes to, returned [T, H*Dv]): for one row (a decode
+        step of one sequence) whose linear reads q8_1, the combine writes those blocks too (no
+        quantize launch)."""
         q, k, v = self._dev(q), self._dev(k), self._dev(v)
         cache = step.caches[0]
         pool: KVPool = cache.pool
@@ -793,9 +793,12 @@ class CUDABackend:
         out = self._empty((T, H, Dv), _F32)
         sinks = None if sinks is None else self._dev(sinks)
         tiles, runs = self._attention_parts(step, H, kc.shape[2], Dh, Dv)
-        one_launch = tiles is None and len(runs) == 1
+        # the combine's q8_1 pay at one row (H200, qwen3: attention 11.43 us against 10.97, the
+        # quantize launch 1.67); at 16 a block combines 8 heads, and they cost more (42.1 against
+        # 38.1, the launch 2.2)
+        one_row = tiles is None and len(runs) == 1 and T == 1
         quantized = into is not None and self._weight(into).ggml_type not in FLOAT_ACT
-        q8 = _q8_room(self._empty, T, H * Dv) if quantized and one_launch and Dv % QK8_1 == 0 else None
+        q8 = _q8_room(self._empty, T, H * Dv) if quantized and one_row and Dv % QK8_1 == 0 else None
         if tiles is not None:
             flash.attention_flash(q, kc, vc, slots, positions, tiles, scale, window, sinks, out, stream=self.stream)
         for r0, r1, one_slot in runs:

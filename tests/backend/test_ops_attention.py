@@ -100,11 +100,11 @@ def test_attention_with_rope_is_rope_qk_then_attention(backend, normed):
 
 
 @pytest.mark.parametrize("qt", [Q.F32, Q.Q8_0], ids=["F32", "Q8_0"])
-@pytest.mark.parametrize("counts", [(1, 1), (5,)], ids=["decode", "prefill"])
+@pytest.mark.parametrize("counts", [(1,), (1, 1), (5,)], ids=["one-row", "decode", "prefill"])
 def test_attention_into_a_linear_gives_the_plain_bits(backend, qt, counts):
-    """attention(..., into=w) is the plain output as [T, H*Dv] (on a GPU carrying the q8_1 blocks
-    its combine wrote), and the linear it goes to gives the bits of that linear on the plain
-    output, whose blocks the linear makes itself."""
+    """attention(..., into=w) is the plain output as [T, H*Dv] (on a GPU, for one row, carrying
+    the q8_1 blocks its combine wrote), and the linear it goes to gives the bits of that linear on
+    the plain output, whose blocks the linear makes itself."""
     H, Hkv, Dh, Dv = 4, 2, 32, 32  # value heads of 32: one q8_1 block a head
     hp = R.small_hparams(n_layer=1, n_head=H, n_head_kv=Hkv, head_dim=Dh, head_dim_v=Dv)
     rng = np.random.default_rng(30 + len(counts))
@@ -117,6 +117,8 @@ def test_attention_into_a_linear_gives_the_plain_bits(backend, qt, counts):
             c.reserve(n)
         step = Step.append([np.zeros(n, np.int64) for n in counts], caches, True)
         out = backend.attention(0, q, k, v, step, 0.3, 0, None, into=into)
+        if into is not None and backend.name.startswith("cuda"):  # the combine's blocks, or none
+            assert (getattr(out, "q8_1", None) is not None) == (counts == (1,) and qt == Q.Q8_0)
         if into is None:
             out = backend.to_host(out).reshape(step.T, H * Dv)  # a new array: no q8_1 blocks of its own
         outs.append((backend.to_host(out), backend.to_host(backend.linear(out, w, step))))

@@ -360,8 +360,10 @@ def launch_unroll(qtype: int, ncols: int, experts: bool) -> int:
 # block a pair at 16 tokens on the H200 (gpu_matmul.py --grouped; docs/benchmarks.md, issue 30,
 # twelfth step): MXFP4 gate+up 181.8 against 227.9 us and down 117.6 against 130.7 (gpt-oss-20b's
 # layer), Q8_0 gate+up 81.7 against 103.1 (qwen3-30b-a3b's); Q8_0's down, Q4_K and 4 columns
-# measured slower. A pair gives the same bits grouped or not, at any shape.
-_GROUPED = {(Q.MXFP4, True): (4, 2, 1), (Q.MXFP4, False): (4, 2, 1), (Q.Q8_0, True): (0, 2, 2)}  # min_blocks, cols, unroll
+# measured slower. With a pair's sums one chunk at a time (fifteenth step) Q8_0's gate+up took
+# 113.3 us at no launch bounds and unroll 2, 84.6 at 4 blocks an SM and unroll 1 (101.0 a block
+# a pair; sixteenth step). A pair gives the same bits grouped or not, at any shape.
+_GROUPED = {(Q.MXFP4, True): (4, 2, 1), (Q.MXFP4, False): (4, 2, 1), (Q.Q8_0, True): (4, 2, 1)}  # min_blocks, cols, unroll
 
 
 def expert_tuning(qtype: int, glu: bool, grouped: bool) -> Tuning | None:
