@@ -40,6 +40,7 @@ case ${1:-} in
     rm -rf "$tmp"
     ls -la $dev/old.tgz $dev/lcp.tgz ;;
   prepare)
+    touch /tmp/prepare.started  # ab: files are on their way
     # the files in the order asked (default oss q8); each TAG.done marks one, synth.done them all
     setsid bash -c 'for tag in '"${2:-oss q8}"'; do
         case $tag in
@@ -65,6 +66,10 @@ case ${1:-} in
     model=${2:?usage: $0 ab MODEL TAG [versions]}
     tag=${3:?usage: $0 ab MODEL TAG [versions]}
     versions=${4:-new old}
+    # a machine given back meanwhile comes bare: nothing to wait for (prepare makes the files)
+    if [ ! -e /tmp/$tag.done ] && [ ! -e /tmp/prepare.started ]; then
+      echo "no /tmp/$tag.gguf and no synth making it: a fresh machine? run '$0 prepare' first" >&2; exit 1
+    fi
     wait_for /tmp/$tag.done 540 || exit 1
     [ -d /tmp/old/daemon ] || { mkdir -p /tmp/old && tar xzf $dev/old.tgz -C /tmp/old; }
     for v in $versions; do
