@@ -26,7 +26,8 @@ SMALL = dict(n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_ff=64, n_ff_exp=64
 # blocks of the attention's and the experts' input, 12 for qwen3moe before attention's combine
 # wrote the o projection's (value heads of 32 or more; the gpt-oss fixture's attention weights
 # are F16: no q8_1 launches for them). The MoE mix stays apart: fused with the norm it was slower.
-CASES = [("qwen3moe", "Q8_0", dict(SMALL, head_dim=32), 11), ("gpt-oss", "MXFP4", dict(SMALL, head_dim=8, n_head=8), 11)]
+CASES = [("qwen3moe", "Q8_0", dict(SMALL, head_dim=32), 11),
+         ("gpt-oss", "MXFP4", dict(SMALL, head_dim=8, n_head=8), 11)]
 UNFUSED = {"_attn_combine", "_kv_append"}  # each now folded into a neighbour
 
 

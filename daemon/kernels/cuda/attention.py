@@ -400,9 +400,10 @@ _COMBINE_LOADS = 8  # chunks whose partials a combining thread loads together
 
 @cuda.jit(device=True, inline=True)
 def _combine_one(part_m, part_l, part_o, r, h, d, p, window, sinks, has_sinks, out):
-    """out[r, h, d] (also returned) from the chunks of row r (at position p) in ascending order. The partials of
-    _COMBINE_LOADS chunks are loaded together (indices clamped to the last chunk): two round
-    trips to memory for a row of up to that many chunks, not three a chunk one after another. The sums run over the chunks in the same order either way."""
+    """out[r, h, d] (also returned) from the chunks of row r (at position p) in ascending order.
+    The partials of _COMBINE_LOADS chunks are loaded together (indices clamped to the last chunk):
+    two round trips to memory for a row of up to that many chunks, not three a chunk one after
+    another. The sums run over the chunks in the same order either way."""
     c0 = _U(_visible(p, window) // CHUNK)
     c1 = _U(p // CHUNK)
     r = _U(r)  # unsigned indices (no negative-index fix-ups), hoisted out of the unrolled loads
