@@ -796,9 +796,8 @@ class CUDABackend:
         # the combine's q8_1 pay at one row (H200, qwen3: attention 11.43 us against 10.97, the
         # quantize launch 1.67); at 16 a block combines 8 heads, and they cost more (42.1 against
         # 38.1, the launch 2.2)
-        one_row = tiles is None and len(runs) == 1 and T == 1
         quantized = into is not None and self._weight(into).ggml_type not in FLOAT_ACT
-        q8 = _q8_room(self._empty, T, H * Dv) if quantized and one_row and Dv % QK8_1 == 0 else None
+        q8 = _q8_room(self._empty, T, H * Dv) if quantized and tiles is None and T == 1 and Dv % QK8_1 == 0 else None
         if tiles is not None:
             flash.attention_flash(q, kc, vc, slots, positions, tiles, scale, window, sinks, out, stream=self.stream)
         for r0, r1, one_slot in runs:
